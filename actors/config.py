@@ -1,0 +1,118 @@
+"""Configuration of an actor process (the ``[actors]`` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class EngineConfig:
+    """The vLLM engine of one actor."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """Weights and activations dtype inside vLLM (the learner may differ)."""
+    max_model_len: int = 2048
+    """Longest sequence the engine accepts; must be >= compaction.context_tokens."""
+    tensor_parallel: int = 1
+    """GPUs per engine. Must be 1 on CPU."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); small keeps 2-core machines usable."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation: fast start, the safe default on CPU."""
+    seed: int = 0
+    """Engine sampling seed (each actor adds its index)."""
+
+
+@dataclass
+class SamplingConfig:
+    """How assistant turns are sampled. Log-probabilities are those of this
+    processed distribution, because the learner's importance weights divide by them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turn_tokens: int = 128
+    """Cap on one assistant turn (further capped by the room left in the window)."""
+
+
+@dataclass
+class CompactionConfig:
+    """Context compaction (DESIGN §2.1)."""
+
+    enabled: bool = True
+    """Off: plain multi-turn episodes that end when the window is full."""
+    context_tokens: int = 1024
+    """C: the context limit an episode runs under."""
+    reserve_tokens: int = 256
+    """T_comp: compact after a step once fewer than this many tokens are free.
+    Must cover the summary instruction plus max_summary_tokens."""
+    keep_steps: int = 2
+    """k: most recent steps kept verbatim after the summary (lowered down to 0
+    until the rebuilt context leaves reserve_tokens free)."""
+    max_summary_tokens: int = 160
+    """Longest summary the policy may write."""
+    max_compactions: int = 3
+    """Episode ends at this many compactions (3 = a 4x budget)."""
+
+
+@dataclass
+class ActorConfig:
+    """One actor process: engine, sampling, compaction, and where to connect."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    compaction: CompactionConfig = field(default_factory=CompactionConfig)
+    count: int = 2
+    """Actor processes `compactionrl up` starts on this machine."""
+    concurrent_episodes: int = 8
+    """Episodes one actor runs at once on its engine."""
+    metrics_port: int = 9101
+    """First actor's Prometheus port; actor i serves on metrics_port + i (0 = off)."""
+
+    def validate(self, section: str = "actors") -> list[str]:
+        """Problems that make this section unusable, each naming field and fix."""
+        problems = []
+        c, e = self.compaction, self.engine
+        if c.context_tokens < 64:
+            problems.append(f"{section}.compaction.context_tokens = {c.context_tokens}: "
+                            "must be at least 64")
+        if c.reserve_tokens >= c.context_tokens:
+            problems.append(
+                f"{section}.compaction.reserve_tokens = {c.reserve_tokens} leaves no room in "
+                f"{section}.compaction.context_tokens = {c.context_tokens}: make the reserve "
+                "smaller than the context")
+        if c.enabled and c.reserve_tokens <= c.max_summary_tokens:
+            problems.append(
+                f"{section}.compaction.reserve_tokens = {c.reserve_tokens} cannot hold the "
+                f"summary instruction plus max_summary_tokens = {c.max_summary_tokens}: raise "
+                "the reserve or lower max_summary_tokens")
+        if c.keep_steps < 0:
+            problems.append(f"{section}.compaction.keep_steps = {c.keep_steps}: k must be >= 0")
+        if c.max_summary_tokens < 1:
+            problems.append(f"{section}.compaction.max_summary_tokens must be >= 1")
+        if c.max_compactions < 0:
+            problems.append(f"{section}.compaction.max_compactions must be >= 0")
+        if e.max_model_len < c.context_tokens:
+            problems.append(
+                f"{section}.engine.max_model_len = {e.max_model_len} is below "
+                f"{section}.compaction.context_tokens = {c.context_tokens}: raise max_model_len")
+        if e.tensor_parallel < 1:
+            problems.append(f"{section}.engine.tensor_parallel must be >= 1")
+        if not 0 < e.gpu_memory_utilization <= 1:
+            problems.append(f"{section}.engine.gpu_memory_utilization must be in (0, 1]")
+        if e.cpu_kv_cache_gib <= 0:
+            problems.append(f"{section}.engine.cpu_kv_cache_gib must be > 0")
+        s = self.sampling
+        if s.temperature <= 0:
+            problems.append(f"{section}.sampling.temperature must be > 0")
+        if not 0 < s.top_p <= 1:
+            problems.append(f"{section}.sampling.top_p must be in (0, 1]")
+        if s.max_turn_tokens < 1:
+            problems.append(f"{section}.sampling.max_turn_tokens must be >= 1")
+        if self.count < 0:
+            problems.append(f"{section}.count must be >= 0")
+        if self.concurrent_episodes < 1:
+            problems.append(f"{section}.concurrent_episodes must be >= 1")
+        return problems

@@ -1,0 +1,249 @@
+"""The run's configuration tree: TOML, dotted command-line overrides, checks.
+
+Each component owns the dataclass of its section; this module composes them
+into :class:`RunConfig`, reads TOML (the embedded default is
+``deploy/configs/local-cpu.toml``), applies overrides such as
+``--learner.lr 1e-5`` and rejects incoherent settings with messages that name
+the field and the fix.
+
+Usage::
+
+    config = load_config("my.toml", ["--learner.lr", "1e-5", "--actors.count", "4"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from actors.config import ActorConfig
+from learner.config import LearnerConfig
+from protocol.transport import TransportConfig
+from replay.config import ReplayConfig
+
+DEFAULT_CONFIG = "local-cpu.toml"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class RunSection:
+    """What the run is and where it writes."""
+
+    name: str = "local-cpu"
+    """Run name; the run folder is out_dir/name."""
+    out_dir: str = "runs"
+    """Parent folder of run folders (checkpoints, metrics history, report)."""
+    model: str = "runs/tiny-model"
+    """HF-format model folder the actors and the learner start from
+    (`compactionrl model init --out DIR` builds the tiny default)."""
+    seed: int = 0
+    """Seed of everything random in the run (environment seeds, init, sampling)."""
+
+
+@dataclass
+class RunConfig:
+    """The whole tree, one section per component."""
+
+    run: RunSection = field(default_factory=RunSection)
+    actors: ActorConfig = field(default_factory=ActorConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def validate(self) -> list[str]:
+        problems = (self.actors.validate("actors") + self.replay.validate("replay")
+                    + self.learner.validate("learner") + self.transport.validate("transport"))
+        addresses = [self.replay.actor_address, self.replay.learner_address,
+                     self.learner.control_address]
+        if len(set(addresses)) != len(addresses):
+            problems.append("replay.actor_address, replay.learner_address and "
+                            "learner.control_address must all differ")
+        return problems
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read ``path`` (the embedded default when None), apply ``--a.b value``
+    overrides, validate. Raises :class:`ConfigError` listing every problem."""
+    if path is None:
+        text = resources.files("deploy").joinpath("configs", DEFAULT_CONFIG).read_text()
+        source = f"<embedded {DEFAULT_CONFIG}>"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([f"cannot read config file {path}: {exc.strerror}"]) from None
+        source = str(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+    problems: list[str] = []
+    config = _build(RunConfig, data, "", problems)
+    for dotted, raw in _pair_overrides(overrides or [], problems):
+        _override(config, dotted, raw, problems)
+    if not problems:
+        problems = config.validate()
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _pair_overrides(args: list[str], problems: list[str]) -> list[tuple[str, str]]:
+    """``["--a.b", "1", "--c=2"]`` -> ``[("a.b", "1"), ("c", "2")]``."""
+    pairs = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            problems.append(f"override {arg!r}: expected --section.field VALUE")
+            i += 1
+            continue
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        else:
+            problems.append(f"override {arg}: missing value")
+            break
+        pairs.append((key, value))
+    return pairs
+
+
+def _override(config: Any, dotted: str, raw: str, problems: list[str]) -> None:
+    *parents, leaf = dotted.split(".")
+    target = config
+    for name in parents:
+        if not dataclasses.is_dataclass(target) or name not in _fields(type(target)):
+            problems.append(f"override --{dotted}: no section {name!r}")
+            return
+        target = getattr(target, name)
+    fields = _fields(type(target))
+    if leaf not in fields or dataclasses.is_dataclass(fields[leaf]):
+        problems.append(f"override --{dotted}: no field {leaf!r}; fields here: "
+                        f"{', '.join(n for n, t in fields.items() if not dataclasses.is_dataclass(t))}")
+        return
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string: --run.name my-run
+    converted = _convert(fields[leaf], value, dotted, problems)
+    if converted is not _INVALID:
+        setattr(target, leaf, converted)
+
+
+_INVALID = object()
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type, data: Any, where: str, problems: list[str]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(f"[{where}] must be a table, got {type(data).__name__}")
+        return cls()
+    fields = _fields(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{where}.{key}" if where else key
+        if key not in fields:
+            problems.append(f"unknown field {dotted!r}; valid here: {', '.join(fields)}")
+            continue
+        converted = _convert(fields[key], value, dotted, problems)
+        if converted is not _INVALID:
+            kwargs[key] = converted
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, dotted: str, problems: list[str]) -> Any:
+    """Check ``value`` against the field's type; ints are accepted for floats."""
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, dotted, problems)
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value in choices:
+            return value
+        problems.append(f"{dotted} = {value!r}: choose one of {', '.join(map(repr, choices))}")
+        return _INVALID
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            scratch: list[str] = []
+            converted = _convert(option, value, dotted, scratch)
+            if not scratch:
+                return converted
+        problems.append(f"{dotted} = {value!r}: expected {hint}")
+        return _INVALID
+    if origin in (list, tuple):
+        (item,) = typing.get_args(hint)[:1]
+        if not isinstance(value, list):
+            problems.append(f"{dotted} = {value!r}: expected a list")
+            return _INVALID
+        items = [_convert(item, v, f"{dotted}[{i}]", problems) for i, v in enumerate(value)]
+        return origin(items)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is type(None) and value is None:
+        return None
+    if isinstance(hint, type) and isinstance(value, hint) and not (
+        hint is int and isinstance(value, bool)
+    ):
+        return value
+    expected = getattr(hint, "__name__", str(hint))
+    problems.append(f"{dotted} = {value!r}: expected {expected}, got {type(value).__name__}")
+    return _INVALID
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def to_toml(config: Any) -> str:
+    """The configuration as TOML (what ``compactionrl config show`` prints);
+    ``load_config`` reads it back to an equal tree."""
+    lines: list[str] = []
+    _write_table(config, "", lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _write_table(obj: Any, name: str, lines: list[str]) -> None:
+    scalars, tables = [], []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        (tables if dataclasses.is_dataclass(value) else scalars).append((f.name, value))
+    if name and scalars:
+        lines.append(f"\n[{name}]")
+    for key, value in scalars:
+        lines.append(f"{key} = {_toml_value(value)}")
+    for key, value in tables:
+        _write_table(value, f"{name}.{key}" if name else key, lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")

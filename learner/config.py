@@ -1,0 +1,82 @@
+"""Configuration of the learner (the ``[learner]`` section): DESIGN §2.3-2.4."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class LearnerConfig:
+    """PPO with a critic, cross-trajectory GAE, token-level normalisation."""
+
+    nproc: int = 1
+    """Ranks torchrun starts on this machine (FSDP2 shards over all of them)."""
+    lr: float = 1e-4
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = 1e-4
+    """Critic learning rate (AdamW)."""
+    gamma: float = 1.0
+    """Discount of the GAE."""
+    lam: float = 0.999
+    """lambda of the GAE; (gamma*lam)^N_{>s} discounts early segments."""
+    advantage: Literal["cross", "independent", "grpo"] = "cross"
+    """cross: cross-trajectory GAE; independent: each segment alone; grpo:
+    group-relative outcome advantage (ablations)."""
+    loss_norm: Literal["token", "segment"] = "token"
+    """token: mean over all trainable tokens of the global batch; segment: mean
+    per segment, then over segments (ablation)."""
+    train_summary: bool = True
+    """False: summary tokens stay in the context but are masked out of the loss."""
+    clip_low: float = 0.2
+    """epsilon_low of the PPO ratio clip."""
+    clip_high: float = 0.2
+    """epsilon_high of the PPO ratio clip."""
+    is_cap: float = 2.0
+    """C_is: cap of the behaviour importance weight pi_prox / mu."""
+    is_mode: Literal["truncate", "mask", "off"] = "truncate"
+    """truncate: min(w, C_is); mask: drop tokens with w outside [1/C_is, C_is]; off: w = 1."""
+    value_clip: float = 0.2
+    """Clip range of the critic's value update."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    minibatches: int = 1
+    """Optimizer steps per epoch."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (0 = off)."""
+    whiten_advantages: bool = False
+    """Off by default: a batch mean would favour discounted early segments."""
+    max_steps: int = 50
+    """Learner steps (policy versions) of a run."""
+    checkpoint_every: int = 10
+    """Steps between checkpoints (and one at shutdown)."""
+    control_address: str = "tcp://127.0.0.1:5557"
+    """Rank 0's ROUTER for actor membership and weight announcements."""
+    weight_bucket_bytes: int = 0
+    """Broadcast bucket size (0 = one broadcast per tensor, the fast choice on gloo)."""
+    metrics_port: int = 9102
+    """Prometheus port of rank 0 (0 = off)."""
+
+    def validate(self, section: str = "learner") -> list[str]:
+        problems = []
+        if self.nproc < 1:
+            problems.append(f"{section}.nproc must be >= 1")
+        for name in ("lr", "critic_lr"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{section}.{name} must be > 0")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                problems.append(f"{section}.{name} = {getattr(self, name)} must be in [0, 1]")
+        for name in ("clip_low", "clip_high", "value_clip", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                problems.append(f"{section}.{name} must be >= 0")
+        if self.clip_low >= 1:
+            problems.append(f"{section}.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low)")
+        if self.is_cap < 1:
+            problems.append(f"{section}.is_cap = {self.is_cap} must be >= 1 (it caps pi_prox/mu)")
+        for name in ("ppo_epochs", "minibatches", "max_steps", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                problems.append(f"{section}.{name} must be >= 1")
+        if self.weight_bucket_bytes < 0:
+            problems.append(f"{section}.weight_bucket_bytes must be >= 0")
+        return problems

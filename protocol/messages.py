@@ -1,0 +1,306 @@
+"""Every message kind of the wire protocol (DESIGN §3.5), one typed struct each.
+
+All messages share the header fields of :class:`Message`; ``kind`` is the
+MessagePack map key that tells them apart. Each struct documents its direction.
+Encoding and decoding live in :mod:`protocol.codec`; decoding calls
+:meth:`Message.validate`, so a decoded message has already been checked.
+
+Usage::
+
+    stamp = Stamp(sender_id="actor-3", incarnation=1)
+    seg = Segment(**stamp.next(), rollout_id="r1", task_id="t1", index=0, ...)
+    frame = encode(seg)
+    assert decode(frame) == seg
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from protocol.arrays import Array
+from protocol.errors import ProtocolError, Reason
+
+#: The wire schema version; a peer speaking another one is rejected.
+PROTOCOL_VERSION = 1
+
+SegmentType = Literal["execution", "summary"]
+EpisodeOutcome = Literal[
+    "done",  # the environment ended the episode
+    "step_limit",
+    "compaction_limit",
+    "context_full",  # compaction disabled (or impossible) and the window is full
+    "error",  # the environment or the engine failed; reward is 0
+]
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    """The common header. ``seq`` increases by one per message a sender sends
+    in one incarnation; ``(sender_id, incarnation, seq)`` identifies a message."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    sender_id: str
+    incarnation: int
+    seq: int
+    sent_at: float
+    """Sender's wall clock, seconds since the epoch."""
+
+    def validate(self) -> None:
+        """Raise :class:`ProtocolError` if the message is semantically invalid.
+        Called by the decoder; kinds with invariants beyond types override it."""
+
+
+class Stamp:
+    """Produces header fields for one sender: ``Hello(**stamp.next(), ...)``."""
+
+    def __init__(self, sender_id: str, incarnation: int) -> None:
+        self.sender_id = sender_id
+        self.incarnation = incarnation
+        self._seq = itertools.count()
+
+    def next(self) -> dict[str, Any]:
+        return {
+            "sender_id": self.sender_id,
+            "incarnation": self.incarnation,
+            "seq": next(self._seq),
+            "sent_at": time.time(),
+        }
+
+
+# --------------------------------------------------------------------------- actor <-> replay
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """What an actor runs on; the replay and dashboards show it per actor."""
+
+    device: str
+    """``cpu``, or the accelerator's name (``NVIDIA H100 80GB HBM3``)."""
+    dtype: str
+    tensor_parallel: int
+    model: str
+
+
+class Hello(Message, tag="hello"):
+    """actor -> replay and learner: registration (first message of an incarnation)."""
+
+    engine: EngineInfo
+    capacity: int
+    """How many episodes the actor runs concurrently."""
+
+
+class Welcome(Message, tag="welcome"):
+    """replay / learner -> actor: the run configuration the actor needs."""
+
+    run_id: str
+    policy_version: int
+    heartbeat_interval_s: float
+    heartbeat_liveness: int
+    max_staleness: int
+
+
+class RolloutStats(msgspec.Struct, kw_only=True):
+    """Episode summary sent with the final segment of a rollout."""
+
+    outcome: EpisodeOutcome
+    success: bool
+    steps: int
+    compactions: int
+    generated_tokens: int
+    summary_tokens: int
+    duration_s: float
+
+
+class Segment(Message, tag="segment"):
+    """actor -> replay: one execution window or one summary (DESIGN §2.2).
+
+    All four arrays have one entry per token. Non-trainable tokens (prompt,
+    observations, kept steps) have ``loss_mask`` 0; their ``logprobs`` and
+    ``versions`` are ignored (by convention 0 and -1).
+    """
+
+    rollout_id: str
+    task_id: str
+    index: int
+    """Position of the segment in its rollout, from 0."""
+    segment_type: SegmentType
+    tokens: Array
+    """int32 [T] token ids."""
+    loss_mask: Array
+    """uint8 [T], 1 for trainable (policy-sampled) tokens."""
+    logprobs: Array
+    """float32 [T], behaviour log-probability of each sampled token."""
+    versions: Array
+    """int32 [T], policy version that sampled each token."""
+    final: bool
+    """The last segment of the rollout; carries ``reward`` and ``stats``."""
+    reward: float | None = None
+    stats: RolloutStats | None = None
+
+    def validate(self) -> None:
+        """Structure only (O(1), no pass over the data); the contents are
+        checked against the run by :func:`protocol.validation.check_segment_content`."""
+        expected = {"tokens": "int32", "loss_mask": "uint8", "logprobs": "float32",
+                    "versions": "int32"}
+        for name, dtype in expected.items():
+            array: Array = getattr(self, name)
+            array.check(name)
+            if array.dtype != dtype or len(array.shape) != 1:
+                raise ProtocolError(
+                    Reason.ARRAY, f"{name}: expected 1-D {dtype}, got {array.dtype}{list(array.shape)}"
+                )
+        lengths = {name: getattr(self, name).shape[0] for name in expected}
+        if len(set(lengths.values())) != 1:
+            raise ProtocolError(Reason.LENGTH_MISMATCH, f"per-token arrays differ: {lengths}")
+        if self.index < 0:
+            raise ProtocolError(Reason.INVALID, f"segment index {self.index} < 0")
+        if self.final != (self.reward is not None):
+            raise ProtocolError(Reason.INVALID, "reward must be present exactly on the final segment")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ProtocolError(Reason.INVALID, f"reward {self.reward} is not finite")
+
+    @property
+    def num_trainable(self) -> int:
+        return int(self.loss_mask.numpy().sum())
+
+
+class Ack(Message, tag="ack"):
+    """replay -> actor: the segments now stored (durably, when the log is on),
+    the credits granted with this reply, and the learner's version."""
+
+    stored_seqs: list[int]
+    credits: int
+    policy_version: int
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """actor -> replay and learner: liveness, with the actor's own counters."""
+
+    active_rollouts: int
+    stall_seconds: dict[str, float]
+    """Cumulative stall by reason (``weights``, ``credits``, ``summary``)."""
+
+
+# --------------------------------------------------------------------------- learner <-> replay
+
+
+class BatchRequest(Message, tag="batch_request"):
+    """learner -> replay: ask for ``size`` complete rollouts."""
+
+    size: int
+    policy_version: int
+
+
+class Rollout(msgspec.Struct, kw_only=True):
+    """A complete rollout: its segments in index order, the last one final."""
+
+    rollout_id: str
+    staleness: int
+    """Learner version minus the oldest version among its trainable tokens."""
+    segments: list[Segment]
+
+    def validate(self) -> None:
+        if not self.segments:
+            raise ProtocolError(Reason.INVALID, f"rollout {self.rollout_id} has no segment")
+        for expected_index, segment in enumerate(self.segments):
+            segment.validate()
+            if segment.rollout_id != self.rollout_id or segment.index != expected_index:
+                raise ProtocolError(
+                    Reason.INVALID, f"rollout {self.rollout_id}: segment {expected_index} out of place"
+                )
+            if segment.final != (expected_index == len(self.segments) - 1):
+                raise ProtocolError(
+                    Reason.INVALID, f"rollout {self.rollout_id}: final flag on a non-last segment"
+                )
+
+
+class StalenessStats(msgspec.Struct, kw_only=True):
+    """Staleness (in learner versions) over the rollouts of one batch."""
+
+    min: int
+    max: int
+    mean: float
+    p50: float
+    p95: float
+
+
+class Batch(Message, tag="batch"):
+    """replay -> learner: complete rollouts within the staleness bound."""
+
+    policy_version: int
+    rollouts: list[Rollout]
+    staleness: StalenessStats
+
+    def validate(self) -> None:
+        for rollout in self.rollouts:
+            rollout.validate()
+
+
+# --------------------------------------------------------------------------- learner <-> actors
+
+
+class TensorSpec(msgspec.Struct, array_like=True):
+    """One parameter of a weight publication, in broadcast order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class WeightManifest(msgspec.Struct, kw_only=True):
+    """What a broadcast carries and how it is cut. Sender and receivers both
+    use this, never a locally derived value."""
+
+    tensors: list[TensorSpec]
+    bucket_bytes: int
+    """Tensors are packed into flat buffers of at most this many bytes (0 =
+    one broadcast per tensor)."""
+
+
+class GroupInfo(msgspec.Struct, kw_only=True):
+    """How to join the weight-broadcast process group of one generation."""
+
+    generation: int
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int
+    backend: Literal["gloo", "nccl"]
+
+
+class WeightsAnnounce(Message, tag="weights_announce"):
+    """learner rank 0 -> actor: a new version is about to be broadcast."""
+
+    version: int
+    manifest: WeightManifest
+    group: GroupInfo
+
+
+class WeightsLoaded(Message, tag="weights_loaded"):
+    """actor -> learner: the engine now generates with ``version``."""
+
+    version: int
+    seconds: float
+
+
+# --------------------------------------------------------------------------- any
+
+
+class Error(Message, tag="error"):
+    """Any -> any: a message was rejected. ``code`` is a :class:`Reason` value
+    or a service-specific code; ``ref_seq`` is the rejected message's seq when
+    it could be read."""
+
+    code: str
+    text: str
+    ref_seq: int | None = None
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Hello, Welcome, Segment, Ack, Heartbeat, BatchRequest, Batch,
+    WeightsAnnounce, WeightsLoaded, Error,
+)

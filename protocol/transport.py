@@ -1,0 +1,213 @@
+"""ZeroMQ socket helpers: DEALER/ROUTER with the project's transport rules.
+
+Rules (DESIGN §3.2): DEALER/ROUTER only, explicit high-water marks,
+``ROUTER_MANDATORY`` (a reply to a vanished peer raises instead of vanishing),
+``MAXMSGSIZE`` (the library drops a peer that announces a larger frame before
+it is buffered), heartbeats with a liveness count, optional CURVE.
+
+Usage::
+
+    ctx = zmq.Context()
+    router = bind_router(ctx, "tcp://127.0.0.1:5555", TransportConfig())
+    dealer = connect_dealer(ctx, "tcp://127.0.0.1:5555", TransportConfig(), identity=b"actor-1")
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
+
+#: Messages queued per peer before a send blocks (DEALER) or fails (ROUTER).
+#: Segments are acknowledged by the application, so a bounded queue only
+#: delays, never loses; 1000 covers a burst of an actor's finished segments.
+DEFAULT_HWM = 1000
+#: A closing socket drops what it could not send after this long, so that a
+#: process never hangs at exit on a dead peer. Unacknowledged data is resent
+#: by the application after reconnecting.
+LINGER_MS = 500
+#: Reconnect back-off of DEALERs: quick first retry, capped so a restarted
+#: service is found within seconds.
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 2000
+
+
+@dataclass
+class CurveConfig:
+    """CURVE authentication and encryption (off by default: loopback only)."""
+
+    enabled: bool = False
+    """Encrypt every socket and accept only clients whose public key is in
+    ``authorized_keys_dir``."""
+    server_secret_key: str = ""
+    """Path to the service's secret key file (``compactionrl keys init``)."""
+    client_secret_key: str = ""
+    """Path to this client's secret key file."""
+    server_public_key: str = ""
+    """Path to the service's public key file, for clients."""
+    authorized_keys_dir: str = ""
+    """Folder of ``*.key`` public key files of clients allowed to connect."""
+
+    def validate(self, section: str) -> list[str]:
+        if not self.enabled:
+            return []
+        problems = []
+        for name in ("server_secret_key", "client_secret_key", "server_public_key",
+                     "authorized_keys_dir"):
+            if not getattr(self, name):
+                problems.append(f"{section}.curve.{name} is empty but curve.enabled = true: "
+                                f"generate keys with `compactionrl keys init DIR`")
+        if not zmq.has("curve"):
+            problems.append(f"{section}.curve.enabled = true but libzmq lacks CURVE support")
+        return problems
+
+
+@dataclass
+class TransportConfig:
+    """Socket settings shared by every process."""
+
+    send_hwm: int = DEFAULT_HWM
+    """Outgoing messages queued per peer."""
+    recv_hwm: int = DEFAULT_HWM
+    """Incoming messages queued per peer."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest frame accepted, enforced by the socket (MAXMSGSIZE) and the codec."""
+    heartbeat_interval_s: float = 1.0
+    """How often a client sends ``Heartbeat``."""
+    heartbeat_liveness: int = 5
+    """Missed heartbeats after which a peer is declared dead."""
+    curve: CurveConfig = field(default_factory=CurveConfig)
+
+    def validate(self, section: str) -> list[str]:
+        problems = []
+        if self.send_hwm < 1 or self.recv_hwm < 1:
+            problems.append(f"{section}.send_hwm / recv_hwm must be >= 1 (0 means unbounded)")
+        if self.max_message_bytes < 1024:
+            problems.append(f"{section}.max_message_bytes must be >= 1024")
+        if self.heartbeat_interval_s <= 0:
+            problems.append(f"{section}.heartbeat_interval_s must be > 0")
+        if self.heartbeat_liveness < 1:
+            problems.append(f"{section}.heartbeat_liveness must be >= 1")
+        return problems + self.curve.validate(section)
+
+
+def _common_options(socket: zmq.Socket, config: TransportConfig) -> None:
+    socket.setsockopt(zmq.SNDHWM, config.send_hwm)
+    socket.setsockopt(zmq.RCVHWM, config.recv_hwm)
+    socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    socket.setsockopt(zmq.LINGER, LINGER_MS)
+
+
+def bind_router(context: zmq.Context, address: str, config: TransportConfig) -> zmq.Socket:
+    """A ROUTER bound to ``address``; a CURVE server when ``config.curve`` is on
+    (start :class:`Authenticator` on the same context first)."""
+    socket = context.socket(zmq.ROUTER)
+    _common_options(socket, config)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if config.curve.enabled:
+        public, secret = zmq.auth.load_certificate(config.curve.server_secret_key)
+        socket.curve_publickey = public
+        socket.curve_secretkey = secret
+        socket.curve_server = True
+    socket.bind(address)
+    return socket
+
+
+def connect_dealer(
+    context: zmq.Context, address: str, config: TransportConfig, identity: bytes
+) -> zmq.Socket:
+    """A DEALER with a stable identity, connected to ``address``."""
+    socket = context.socket(zmq.DEALER)
+    _common_options(socket, config)
+    socket.setsockopt(zmq.IDENTITY, identity)
+    socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    if config.curve.enabled:
+        public, secret = zmq.auth.load_certificate(config.curve.client_secret_key)
+        server_public, _ = zmq.auth.load_certificate(config.curve.server_public_key)
+        socket.curve_publickey = public
+        socket.curve_secretkey = secret
+        socket.curve_serverkey = server_public
+    socket.connect(address)
+    return socket
+
+
+class Authenticator:
+    """ZAP handler that admits only CURVE clients whose public key file is in
+    ``authorized_keys_dir``. Without it a CURVE server accepts any key pair.
+    A no-op when CURVE is off. Use as a context manager around the sockets."""
+
+    def __init__(self, context: zmq.Context, curve: CurveConfig) -> None:
+        self._auth: ThreadAuthenticator | None = None
+        if curve.enabled:
+            self._auth = ThreadAuthenticator(context)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
+
+    def stop(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    def __enter__(self) -> Authenticator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def generate_keys(directory: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
+    """Write a CURVE key pair per name into ``directory`` (``NAME.key`` public,
+    ``NAME.key_secret`` secret, mode 0600) and copy every public key except
+    ``server``'s into ``directory/authorized``. Returns name -> (public, secret)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    authorized = directory / "authorized"
+    authorized.mkdir(exist_ok=True)
+    paths = {}
+    for name in names:
+        public, secret = (Path(p) for p in zmq.auth.create_certificates(directory, name))
+        secret.chmod(0o600)
+        if name != "server":
+            (authorized / public.name).write_bytes(public.read_bytes())
+        paths[name] = (public, secret)
+    return paths
+
+
+class Liveness:
+    """Which peers are alive: a peer is dead after ``liveness`` heartbeat
+    intervals without any message from it.
+
+    Usage::
+
+        live = Liveness(interval_s=1.0, liveness=5)
+        live.seen(b"actor-1")           # on every message from the peer
+        for peer in live.expire():      # periodically
+            ...declare peer dead...
+    """
+
+    def __init__(self, interval_s: float, liveness: int) -> None:
+        self.timeout_s = interval_s * liveness
+        self._last_seen: dict[bytes, float] = {}
+
+    def seen(self, peer: bytes, now: float | None = None) -> None:
+        self._last_seen[peer] = time.monotonic() if now is None else now
+
+    def forget(self, peer: bytes) -> None:
+        self._last_seen.pop(peer, None)
+
+    def alive(self) -> list[bytes]:
+        return list(self._last_seen)
+
+    def expire(self, now: float | None = None) -> list[bytes]:
+        """Remove and return the peers not seen within the timeout."""
+        now = time.monotonic() if now is None else now
+        dead = [p for p, t in self._last_seen.items() if now - t > self.timeout_s]
+        for peer in dead:
+            del self._last_seen[peer]
+        return dead

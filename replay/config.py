@@ -1,0 +1,55 @@
+"""Configuration of the replay service (the ``[replay]`` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class ReplayConfig:
+    """Segment ingest, rollout assembly, staleness bound and pacing (DESIGN §3.3).
+    The replay is the source of truth for the batch size and the staleness
+    bound: the learner and the actors learn both from its ``Welcome``."""
+
+    actor_address: str = "tcp://127.0.0.1:5555"
+    """ROUTER that actors connect to (loopback unless you open it on purpose)."""
+    learner_address: str = "tcp://127.0.0.1:5556"
+    """ROUTER that the learner connects to."""
+    rollouts_per_batch: int = 8
+    """B: complete rollouts in one learner batch (one learner step)."""
+    max_staleness: int = 2
+    """Rollouts whose oldest trainable token is more than this many learner
+    versions behind are never trained on. 0 = fully on-policy."""
+    max_buffer_bytes: int = 512 * 1024 * 1024
+    """Memory bound of stored segments; credits stop before it is reached."""
+    rollout_timeout_s: float = 600.0
+    """A rollout not completed this long after its first segment expires."""
+    serve_order: Literal["fifo", "freshest"] = "fifo"
+    """Order in which ready rollouts are served: oldest-finished first, or
+    newest policy version first."""
+    durable_log: bool = True
+    """Acknowledge a segment only after it is in the append-only log."""
+    fsync: Literal["batch", "interval"] = "batch"
+    """fsync the log after every batch of writes, or every fsync_interval_s."""
+    fsync_interval_s: float = 1.0
+    """Used with fsync = "interval"."""
+    metrics_port: int = 9100
+    """Prometheus port (0 = off)."""
+
+    def validate(self, section: str = "replay") -> list[str]:
+        problems = []
+        if self.max_staleness < 0:
+            problems.append(f"{section}.max_staleness = {self.max_staleness}: the staleness "
+                            "bound must be >= 0 (0 = on-policy)")
+        if self.rollouts_per_batch < 1:
+            problems.append(f"{section}.rollouts_per_batch must be >= 1")
+        if self.max_buffer_bytes < 1024 * 1024:
+            problems.append(f"{section}.max_buffer_bytes must be >= 1 MiB")
+        if self.rollout_timeout_s <= 0:
+            problems.append(f"{section}.rollout_timeout_s must be > 0")
+        if self.fsync == "interval" and self.fsync_interval_s <= 0:
+            problems.append(f"{section}.fsync_interval_s must be > 0 with fsync = \"interval\"")
+        if self.actor_address == self.learner_address:
+            problems.append(f"{section}.actor_address and {section}.learner_address must differ")
+        return problems
