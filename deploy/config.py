@@ -97,8 +97,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     config = _build(RunConfig, data, "", problems)
     for dotted, raw in _pair_overrides(overrides or [], problems):
         _override(config, dotted, raw, problems)
-    if not problems:
-        problems = config.validate()
+    # Fields that failed to convert kept their defaults, so the coherence
+    # checks still run and every problem is reported at once.
+    problems += config.validate()
     if problems:
         raise ConfigError(problems)
     return config

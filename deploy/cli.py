@@ -1,0 +1,115 @@
+"""The ``compactionrl`` command line.
+
+Subcommands exist only once they work; DESIGN §3.2 lists the ones to come
+(``replay``, ``learner``, ``actor``, ``up``, ``status``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from deploy.config import ConfigError, load_config, to_toml
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None,
+                        help="TOML file (default: the embedded deploy/configs/local-cpu.toml)")
+
+
+def _cmd_config_show(args: argparse.Namespace, overrides: list[str]) -> int:
+    print(to_toml(load_config(args.config, overrides)), end="")
+    return 0
+
+
+def _cmd_model_init(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.tiny_model import TinyModelConfig, build_tiny_model
+
+    start = time.perf_counter()
+    out = build_tiny_model(Path(args.out), TinyModelConfig(seed=args.seed))
+    print(f"tiny model written to {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _cmd_model_sample(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.sample import sample
+
+    config = load_config(args.config, overrides)
+    return sample(args.model or config.run.model, config.actors.engine, prompt=args.prompt,
+                  max_tokens=args.max_tokens, temperature=args.temperature,
+                  num_prompts=args.num_prompts, check=args.check, as_json=args.json)
+
+
+def _cmd_keys_init(args: argparse.Namespace, overrides: list[str]) -> int:
+    from protocol.transport import generate_keys
+
+    names = ["server"] + [f"client-{i}" for i in range(args.clients)]
+    paths = generate_keys(Path(args.dir), names)
+    for name, (public, secret) in paths.items():
+        print(f"{name}: public {public}, secret {secret}")
+    print(f"authorized client keys: {Path(args.dir) / 'authorized'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compactionrl",
+        description="RL for LLM agents with context compaction as a trained action.",
+        epilog="Configuration overrides go after the options: --section.field VALUE.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    config = commands.add_parser("config", help="inspect the configuration")
+    config_sub = config.add_subparsers(dest="action", required=True)
+    show = config_sub.add_parser("show", help="print the effective configuration as TOML")
+    _config_args(show)
+    show.set_defaults(handler=_cmd_config_show)
+
+    model = commands.add_parser("model", help="build and try models")
+    model_sub = model.add_subparsers(dest="action", required=True)
+    init = model_sub.add_parser("init", help="write the tiny model (no network, seconds)")
+    init.add_argument("--out", required=True, help="output folder")
+    init.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    init.set_defaults(handler=_cmd_model_init)
+
+    sample = model_sub.add_parser(
+        "sample", help="generate from a model with vLLM (the actors' engine settings)")
+    _config_args(sample)
+    sample.add_argument("--model", default=None, help="model folder (default: run.model)")
+    sample.add_argument("--prompt", default="open the door of room three and read the note",
+                        help="user message, rendered with the model's chat template")
+    sample.add_argument("--max-tokens", type=int, default=32)
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sample.add_argument("--num-prompts", type=int, default=16,
+                        help="copies of the prompt generated as one batch (throughput)")
+    sample.add_argument("--check", action="store_true",
+                        help="compare the engine's log-probabilities with transformers; "
+                             "exit 1 on disagreement")
+    sample.add_argument("--json", action="store_true", help="last line: one JSON object")
+    sample.set_defaults(handler=_cmd_model_sample)
+
+    keys = commands.add_parser("keys", help="CURVE keys for authenticated sockets")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    keys_init = keys_sub.add_parser("init", help="write a server key pair and client key pairs")
+    keys_init.add_argument("dir", help="output folder")
+    keys_init.add_argument("--clients", type=int, default=1, help="client key pairs to make")
+    keys_init.set_defaults(handler=_cmd_keys_init)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and not hasattr(args, "config"):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    try:
+        return args.handler(args, overrides)
+    except ConfigError as exc:
+        print(f"compactionrl: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

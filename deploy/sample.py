@@ -1,0 +1,74 @@
+"""``compactionrl model sample``: generate from a model with vLLM, optionally
+checking the engine's log-probabilities against transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from actors.config import EngineConfig
+from actors.engine import engine_kwargs
+from deploy.model_check import BF16_LOGPROB_TOLERANCE, compare
+
+#: float32 engines agree with the float32 reference to rounding noise.
+FLOAT32_LOGPROB_TOLERANCE = 1e-3
+
+
+def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
+           temperature: float, num_prompts: int, check: bool, as_json: bool) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(model, engine))
+    started_s = time.perf_counter() - start
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                            ignore_eos=True)
+    prompts = [{"prompt_token_ids": prompt_ids}] * num_prompts
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up: the first batch is slow
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    first = outputs[0].outputs[0]
+    completion = list(first.token_ids)
+    logprobs = [first.logprobs[i][t].logprob for i, t in enumerate(completion)]
+    report = {
+        "model": model, "dtype": engine.dtype, "engine_start_s": round(started_s, 2),
+        "prompt_tokens": len(prompt_ids), "completion": tokenizer.decode(completion),
+        "completion_tokens": completion[:16], "logprobs": [round(x, 4) for x in logprobs[:16]],
+        "generated_tokens_per_s": round(generated / generate_s, 1),
+    }
+    ok = True
+    if check:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        tolerance = FLOAT32_LOGPROB_TOLERANCE if engine.dtype == "float32" else BF16_LOGPROB_TOLERANCE
+        agreement = compare(reference, prompt_ids, completion, logprobs, tolerance, temperature)
+        ok = agreement.max_logprob_error <= tolerance and agreement.greedy_mismatches == 0
+        report["check"] = {"max_logprob_error": agreement.max_logprob_error,
+                           "tolerance": tolerance,
+                           "greedy_mismatches": agreement.greedy_mismatches, "ok": ok}
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print(f"engine started in {started_s:.1f} s ({engine.dtype}); "
+              f"prompt {len(prompt_ids)} tokens")
+        print(f"completion: {report['completion']!r}")
+        print(f"first tokens: {report['completion_tokens']}")
+        print(f"log-probs:    {report['logprobs']}")
+        print(f"{num_prompts} x {max_tokens} tokens at {report['generated_tokens_per_s']} tokens/s")
+        if check:
+            c = report["check"]
+            print(f"vs transformers: max |d log p| = {c['max_logprob_error']:.2e} "
+                  f"(tolerance {c['tolerance']}), greedy mismatches beyond ties: "
+                  f"{c['greedy_mismatches']} -> {'OK' if ok else 'DISAGREE'}")
+    return 0 if ok else 1

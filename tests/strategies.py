@@ -1,0 +1,108 @@
+"""Hypothesis strategies: a valid instance of every message kind."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from protocol import (
+    Ack, Array, Batch, BatchRequest, EngineInfo, Error, GroupInfo, Heartbeat, Hello, Rollout,
+    RolloutStats, Segment, StalenessStats, TensorSpec, WeightManifest, WeightsAnnounce,
+    WeightsLoaded, Welcome,
+)
+
+ids = st.text(min_size=1, max_size=24)
+counts = st.integers(min_value=0, max_value=2**31 - 1)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+header = st.fixed_dictionaries({
+    "sender_id": ids, "incarnation": counts, "seq": st.integers(0, 2**63 - 1),
+    "sent_at": st.floats(0, 4e9),
+})
+
+
+def _array(values: list, dtype: str) -> Array:
+    return Array.from_numpy(np.asarray(values, dtype=dtype))
+
+
+@st.composite
+def segments(draw, rollout_id: str | None = None, index: int | None = None,
+             final: bool | None = None) -> Segment:
+    n = draw(st.integers(0, 64))
+    mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    is_final = draw(st.booleans()) if final is None else final
+    return Segment(
+        **draw(header),
+        rollout_id=draw(ids) if rollout_id is None else rollout_id,
+        task_id=draw(ids),
+        index=draw(st.integers(0, 100)) if index is None else index,
+        segment_type=draw(st.sampled_from(["execution", "summary"])),
+        tokens=_array(draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)), "int32"),
+        loss_mask=_array(mask, "uint8"),
+        logprobs=_array(draw(st.lists(st.floats(-50, 0, width=32), min_size=n, max_size=n)),
+                        "float32"),
+        versions=_array([draw(st.integers(0, 1000)) if m else -1 for m in mask], "int32"),
+        final=is_final,
+        reward=draw(finite) if is_final else None,
+        stats=draw(st.none() | rollout_stats) if is_final else None,
+    )
+
+
+rollout_stats = st.builds(
+    RolloutStats, outcome=st.sampled_from(["done", "step_limit", "compaction_limit",
+                                           "context_full", "error"]),
+    success=st.booleans(), steps=counts, compactions=counts, generated_tokens=counts,
+    summary_tokens=counts, duration_s=st.floats(0, 1e6))
+
+
+@st.composite
+def rollouts(draw) -> Rollout:
+    rollout_id = draw(ids)
+    k = draw(st.integers(1, 4))
+    return Rollout(
+        rollout_id=rollout_id, staleness=draw(st.integers(0, 10)),
+        segments=[draw(segments(rollout_id, i, final=i == k - 1)) for i in range(k)])
+
+
+@st.composite
+def messages(draw):
+    """One valid message of a kind drawn uniformly."""
+    h = draw(header)
+    kind = draw(st.sampled_from(["hello", "welcome", "segment", "ack", "heartbeat",
+                                 "batch_request", "batch", "weights_announce",
+                                 "weights_loaded", "error"]))
+    if kind == "segment":
+        return draw(segments())
+    if kind == "hello":
+        engine = draw(st.builds(EngineInfo, device=ids, dtype=ids, tensor_parallel=counts,
+                                model=ids))
+        return Hello(**h, engine=engine, capacity=draw(counts))
+    if kind == "welcome":
+        return Welcome(**h, run_id=draw(ids), policy_version=draw(counts),
+                       heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts),
+                       max_staleness=draw(counts))
+    if kind == "ack":
+        return Ack(**h, stored_seqs=draw(st.lists(counts, max_size=20)), credits=draw(counts),
+                   policy_version=draw(counts))
+    if kind == "heartbeat":
+        return Heartbeat(**h, active_rollouts=draw(counts),
+                         stall_seconds=draw(st.dictionaries(ids, finite, max_size=3)))
+    if kind == "batch_request":
+        return BatchRequest(**h, size=draw(counts), policy_version=draw(counts))
+    if kind == "batch":
+        stats = StalenessStats(min=draw(counts), max=draw(counts), mean=draw(finite),
+                               p50=draw(finite), p95=draw(finite))
+        return Batch(**h, policy_version=draw(counts),
+                     rollouts=draw(st.lists(rollouts(), max_size=3)), staleness=stats)
+    if kind == "weights_announce":
+        spec = st.builds(TensorSpec, name=ids, dtype=ids,
+                         shape=st.lists(st.integers(0, 4096), max_size=4).map(tuple))
+        manifest = WeightManifest(tensors=draw(st.lists(spec, max_size=5)),
+                                  bucket_bytes=draw(counts))
+        group = draw(st.builds(GroupInfo, generation=counts, master_addr=ids,
+                               master_port=st.integers(1, 65535), world_size=counts,
+                               rank=counts, backend=st.sampled_from(["gloo", "nccl"])))
+        return WeightsAnnounce(**h, version=draw(counts), manifest=manifest, group=group)
+    if kind == "weights_loaded":
+        return WeightsLoaded(**h, version=draw(counts), seconds=draw(finite))
+    return Error(**h, code=draw(ids), text=draw(st.text(max_size=200)),
+                 ref_seq=draw(st.none() | counts))

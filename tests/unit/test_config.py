@@ -1,0 +1,99 @@
+"""The configuration tree: TOML, dotted overrides, and rejection of incoherent settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import main
+from deploy.config import ConfigError, RunConfig, load_config, to_toml
+
+CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
+
+
+def problems_of(overrides: list[str], path: str | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value.problems
+
+
+def test_embedded_default_loads_and_is_the_shipped_file() -> None:
+    assert load_config() == load_config(CONFIGS / "local-cpu.toml")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path: Path) -> None:
+    assert isinstance(load_config(path), RunConfig)
+
+
+def test_dotted_overrides_are_typed() -> None:
+    config = load_config(None, ["--learner.lr", "1e-5", "--actors.count=4",
+                                "--actors.compaction.enabled", "false", "--run.name", "my-run",
+                                "--learner.advantage", "independent"])
+    assert config.learner.lr == 1e-5
+    assert config.actors.count == 4
+    assert config.actors.compaction.enabled is False
+    assert config.run.name == "my-run"
+    assert config.learner.advantage == "independent"
+
+
+def test_integer_accepted_for_float_field() -> None:
+    assert load_config(None, ["--learner.gamma", "1"]).learner.gamma == 1.0
+
+
+def test_reserve_larger_than_context_names_field_and_fix() -> None:
+    [problem] = problems_of(["--actors.compaction.reserve_tokens", "5000"])
+    assert "actors.compaction.reserve_tokens" in problem and "smaller than the context" in problem
+
+
+def test_reserve_must_cover_the_summary() -> None:
+    [problem] = problems_of(["--actors.compaction.max_summary_tokens", "300"])
+    assert "max_summary_tokens" in problem and "raise the reserve" in problem
+
+
+def test_negative_k_and_staleness_are_rejected_together() -> None:
+    problems = problems_of(["--actors.compaction.keep_steps", "-1",
+                            "--replay.max_staleness", "-1"])
+    assert any("actors.compaction.keep_steps" in p for p in problems)
+    assert any("replay.max_staleness" in p and ">= 0" in p for p in problems)
+
+
+def test_literal_choices_are_listed() -> None:
+    [problem] = problems_of(["--learner.is_mode", "clamp"])
+    assert "'truncate', 'mask', 'off'" in problem
+
+
+def test_wrong_type_and_unknown_field_are_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[learner]\nlr = "fast"\nlearning_rate = 1.0\n[nosuch]\nx = 1\n')
+    problems = problems_of([], str(path))
+    assert any("learner.lr" in p and "expected float" in p for p in problems)
+    assert any("'learner.learning_rate'" in p and "valid here" in p for p in problems)
+    assert any("'nosuch'" in p for p in problems)
+
+
+def test_unknown_override_lists_the_fields() -> None:
+    [problem] = problems_of(["--learner.lrr", "1"])
+    assert "no field 'lrr'" in problem and "critic_lr" in problem
+
+
+def test_unreadable_and_invalid_toml_are_clear(tmp_path: Path) -> None:
+    assert "cannot read" in problems_of([], str(tmp_path / "missing.toml"))[0]
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[learner\n")
+    assert "not valid TOML" in problems_of([], str(broken))[0]
+
+
+def test_shown_toml_reads_back_to_the_same_tree(tmp_path: Path) -> None:
+    config = load_config(None, ["--learner.lr", "3e-06", "--run.name", 'we "quote"'])
+    path = tmp_path / "shown.toml"
+    path.write_text(to_toml(config))
+    assert load_config(path) == config
+
+
+def test_cli_config_show_and_its_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "--replay.max_staleness", "7"]) == 0
+    assert "max_staleness = 7" in capsys.readouterr().out
+    assert main(["config", "show", "--replay.max_staleness", "-7"]) == 2
+    assert "replay.max_staleness" in capsys.readouterr().err
