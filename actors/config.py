@@ -18,8 +18,9 @@ class EngineConfig:
     """GPUs per engine. Must be 1 on CPU."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory vLLM may take (GPU only)."""
-    cpu_kv_cache_gib: float = 1.0
-    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); small keeps 2-core machines usable."""
+    cpu_kv_cache_gib: int = 1
+    """KV cache size on CPU in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); small
+    keeps 2-core machines usable."""
     enforce_eager: bool = True
     """No CUDA graphs / compilation: fast start, the safe default on CPU."""
     seed: int = 0
@@ -102,8 +103,8 @@ class ActorConfig:
             problems.append(f"{section}.engine.tensor_parallel must be >= 1")
         if not 0 < e.gpu_memory_utilization <= 1:
             problems.append(f"{section}.engine.gpu_memory_utilization must be in (0, 1]")
-        if e.cpu_kv_cache_gib <= 0:
-            problems.append(f"{section}.engine.cpu_kv_cache_gib must be > 0")
+        if e.cpu_kv_cache_gib < 1:
+            problems.append(f"{section}.engine.cpu_kv_cache_gib must be >= 1 (whole GiB)")
         s = self.sampling
         if s.temperature <= 0:
             problems.append(f"{section}.sampling.temperature must be > 0")

@@ -17,9 +17,9 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
 
     On CPU the KV cache is sized by the environment variable
     ``VLLM_CPU_KVCACHE_SPACE`` (GiB), read when the engine starts: it is set
-    here, before any engine exists, unless the user already set it.
+    here from the configuration, which is the one place that decides it.
     """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{config.cpu_kv_cache_gib:g}")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
     return {
         "model": model,
         "dtype": config.dtype,

@@ -138,8 +138,8 @@ def _override(config: Any, dotted: str, raw: str, problems: list[str]) -> None:
         target = getattr(target, name)
     fields = _fields(type(target))
     if leaf not in fields or dataclasses.is_dataclass(fields[leaf]):
-        problems.append(f"override --{dotted}: no field {leaf!r}; fields here: "
-                        f"{', '.join(n for n, t in fields.items() if not dataclasses.is_dataclass(t))}")
+        names = [n for n, t in fields.items() if not dataclasses.is_dataclass(t)]
+        problems.append(f"override --{dotted}: no field {leaf!r}; fields here: {', '.join(names)}")
         return
     try:
         value = tomllib.loads(f"v = {raw}")["v"]

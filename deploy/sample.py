@@ -17,7 +17,10 @@ FLOAT32_LOGPROB_TOLERANCE = 1e-3
 
 def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
            temperature: float, num_prompts: int, check: bool, as_json: bool) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
+    # Read when vLLM is imported: its log lines go to stderr, so that stdout
+    # holds only this command's report (the last line with --json).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -39,6 +42,7 @@ def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
     first = outputs[0].outputs[0]
     completion = list(first.token_ids)
     logprobs = [first.logprobs[i][t].logprob for i, t in enumerate(completion)]
+    llm.llm_engine.engine_core.shutdown()
     report = {
         "model": model, "dtype": engine.dtype, "engine_start_s": round(started_s, 2),
         "prompt_tokens": len(prompt_ids), "completion": tokenizer.decode(completion),
@@ -51,7 +55,8 @@ def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        tolerance = FLOAT32_LOGPROB_TOLERANCE if engine.dtype == "float32" else BF16_LOGPROB_TOLERANCE
+        tolerance = (FLOAT32_LOGPROB_TOLERANCE if engine.dtype == "float32"
+                     else BF16_LOGPROB_TOLERANCE)
         agreement = compare(reference, prompt_ids, completion, logprobs, tolerance, temperature)
         ok = agreement.max_logprob_error <= tolerance and agreement.greedy_mismatches == 0
         report["check"] = {"max_logprob_error": agreement.max_logprob_error,

@@ -71,7 +71,8 @@ class LearnerConfig:
             if getattr(self, name) < 0:
                 problems.append(f"{section}.{name} must be >= 0")
         if self.clip_low >= 1:
-            problems.append(f"{section}.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low)")
+            problems.append(f"{section}.clip_low must be < 1 (the ratio's lower bound is "
+                            "1 - clip_low)")
         if self.is_cap < 1:
             problems.append(f"{section}.is_cap = {self.is_cap} must be >= 1 (it caps pi_prox/mu)")
         for name in ("ppo_epochs", "minibatches", "max_steps", "checkpoint_every"):

@@ -37,7 +37,8 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(frame: bytes | bytearray | memoryview, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+def decode(frame: bytes | bytearray | memoryview,
+           max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Decode and validate one frame. Arrays in the result are views into
     ``frame``, which must stay unmodified while they are used."""
     size = memoryview(frame).nbytes

@@ -21,7 +21,6 @@ import time
 from typing import Any, Literal
 
 import msgspec
-import numpy as np
 
 from protocol.arrays import Array
 from protocol.errors import ProtocolError, Reason
@@ -150,16 +149,16 @@ class Segment(Message, tag="segment"):
             array: Array = getattr(self, name)
             array.check(name)
             if array.dtype != dtype or len(array.shape) != 1:
-                raise ProtocolError(
-                    Reason.ARRAY, f"{name}: expected 1-D {dtype}, got {array.dtype}{list(array.shape)}"
-                )
+                raise ProtocolError(Reason.ARRAY, f"{name}: expected 1-D {dtype}, "
+                                    f"got {array.dtype}{list(array.shape)}")
         lengths = {name: getattr(self, name).shape[0] for name in expected}
         if len(set(lengths.values())) != 1:
             raise ProtocolError(Reason.LENGTH_MISMATCH, f"per-token arrays differ: {lengths}")
         if self.index < 0:
             raise ProtocolError(Reason.INVALID, f"segment index {self.index} < 0")
         if self.final != (self.reward is not None):
-            raise ProtocolError(Reason.INVALID, "reward must be present exactly on the final segment")
+            raise ProtocolError(Reason.INVALID,
+                                "reward must be present exactly on the final segment")
         if self.reward is not None and not math.isfinite(self.reward):
             raise ProtocolError(Reason.INVALID, f"reward {self.reward} is not finite")
 
@@ -209,9 +208,8 @@ class Rollout(msgspec.Struct, kw_only=True):
         for expected_index, segment in enumerate(self.segments):
             segment.validate()
             if segment.rollout_id != self.rollout_id or segment.index != expected_index:
-                raise ProtocolError(
-                    Reason.INVALID, f"rollout {self.rollout_id}: segment {expected_index} out of place"
-                )
+                raise ProtocolError(Reason.INVALID, f"rollout {self.rollout_id}: "
+                                    f"segment {expected_index} out of place")
             if segment.final != (expected_index == len(self.segments) - 1):
                 raise ProtocolError(
                     Reason.INVALID, f"rollout {self.rollout_id}: final flag on a non-last segment"

@@ -6,9 +6,24 @@ import numpy as np
 from hypothesis import strategies as st
 
 from protocol import (
-    Ack, Array, Batch, BatchRequest, EngineInfo, Error, GroupInfo, Heartbeat, Hello, Rollout,
-    RolloutStats, Segment, StalenessStats, TensorSpec, WeightManifest, WeightsAnnounce,
-    WeightsLoaded, Welcome,
+    Ack,
+    Array,
+    Batch,
+    BatchRequest,
+    EngineInfo,
+    Error,
+    GroupInfo,
+    Heartbeat,
+    Hello,
+    Rollout,
+    RolloutStats,
+    Segment,
+    StalenessStats,
+    TensorSpec,
+    WeightManifest,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Welcome,
 )
 
 ids = st.text(min_size=1, max_size=24)

@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import (
-    MESSAGE_TYPES, PROTOCOL_VERSION, Array, Message, ProtocolError, Reason, Segment, decode,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Array,
+    Message,
+    ProtocolError,
+    Reason,
+    Segment,
+    decode,
     encode,
 )
 from tests.strategies import messages

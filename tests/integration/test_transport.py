@@ -1,0 +1,124 @@
+"""Socket helpers on real ZeroMQ sockets over loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from protocol import EngineInfo, Hello, Welcome, decode, encode
+from protocol.messages import Stamp
+from protocol.transport import (
+    Authenticator,
+    CurveConfig,
+    TransportConfig,
+    bind_router,
+    connect_dealer,
+    generate_keys,
+)
+
+RECEIVE_TIMEOUT_MS = 3000
+#: How long to wait for a message that must not arrive.
+SILENCE_MS = 1500
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _hello(stamp: Stamp) -> Hello:
+    return Hello(**stamp.next(), capacity=2,
+                 engine=EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1, model="m"))
+
+
+def _receive(socket: zmq.Socket, timeout_ms: int) -> list[bytes] | None:
+    if socket.poll(timeout_ms, zmq.POLLIN):
+        return socket.recv_multipart()
+    return None
+
+
+def _endpoint(socket: zmq.Socket) -> str:
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def test_dealer_router_round_trip(context: zmq.Context) -> None:
+    config = TransportConfig()
+    router = bind_router(context, "tcp://127.0.0.1:*", config)
+    dealer = connect_dealer(context, _endpoint(router), config, identity=b"actor-1")
+    dealer.send(encode(_hello(Stamp("actor-1", 1))))
+    identity, frame = _receive(router, RECEIVE_TIMEOUT_MS)
+    assert identity == b"actor-1" and isinstance(decode(frame), Hello)
+    welcome = Welcome(**Stamp("replay", 0).next(), run_id="run", policy_version=3,
+                      heartbeat_interval_s=1.0, heartbeat_liveness=5, max_staleness=2)
+    router.send_multipart([identity, encode(welcome)])
+    [reply] = _receive(dealer, RECEIVE_TIMEOUT_MS)
+    assert decode(reply) == welcome
+
+
+def test_router_refuses_to_send_to_an_unknown_peer(context: zmq.Context) -> None:
+    router = bind_router(context, "tcp://127.0.0.1:*", TransportConfig())
+    with pytest.raises(zmq.ZMQError) as info:
+        router.send_multipart([b"nobody", b"x"])
+    assert info.value.errno == zmq.EHOSTUNREACH
+
+
+def test_frames_over_the_size_cap_never_arrive(context: zmq.Context) -> None:
+    config = TransportConfig(max_message_bytes=64 * 1024)
+    router = bind_router(context, "tcp://127.0.0.1:*", config)
+    big = connect_dealer(context, _endpoint(router), TransportConfig(), identity=b"big")
+    big.send(b"\0" * (128 * 1024))
+    assert _receive(router, SILENCE_MS) is None
+    small = connect_dealer(context, _endpoint(router), TransportConfig(), identity=b"small")
+    small.send(b"ok")
+    assert _receive(router, RECEIVE_TIMEOUT_MS) == [b"small", b"ok"]
+
+
+@pytest.fixture
+def curve(tmp_path: Path) -> tuple[CurveConfig, Path]:
+    """Server and one authorized client key pair, plus an intruder's pair that
+    is not in the authorized folder."""
+    generate_keys(tmp_path, ["server", "client-0"])
+    intruder = tmp_path / "intruder"
+    generate_keys(intruder, ["client-x"])
+    return CurveConfig(
+        enabled=True,
+        server_secret_key=str(tmp_path / "server.key_secret"),
+        server_public_key=str(tmp_path / "server.key"),
+        client_secret_key=str(tmp_path / "client-0.key_secret"),
+        authorized_keys_dir=str(tmp_path / "authorized"),
+    ), intruder / "client-x.key_secret"
+
+
+def test_curve_admits_only_authorized_keys(context: zmq.Context,
+                                           curve: tuple[CurveConfig, Path]) -> None:
+    curve_config, intruder_secret = curve
+    secure = TransportConfig(curve=curve_config)
+    with Authenticator(context, curve_config):
+        router = bind_router(context, "tcp://127.0.0.1:*", secure)
+        address = _endpoint(router)
+
+        plain = connect_dealer(context, address, TransportConfig(), identity=b"plain")
+        plain.send(b"no keys")
+        intruder_config = CurveConfig(**{**vars(curve_config),
+                                         "client_secret_key": str(intruder_secret)})
+        intruder = connect_dealer(context, address, TransportConfig(curve=intruder_config),
+                                  identity=b"intruder")
+        intruder.send(b"wrong key")
+        assert _receive(router, SILENCE_MS) is None
+
+        member = connect_dealer(context, address, secure, identity=b"member")
+        member.send(b"right key")
+        assert _receive(router, RECEIVE_TIMEOUT_MS) == [b"member", b"right key"]
+        assert _receive(router, SILENCE_MS) is None
+
+
+def test_generated_secret_keys_are_private(tmp_path: Path) -> None:
+    paths = generate_keys(tmp_path, ["server", "client-0"])
+    for _public, secret in paths.values():
+        assert secret.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in (tmp_path / "authorized").iterdir()) == ["client-0.key"]
