@@ -1,1 +1,3 @@
-"""learner package."""
+"""The learner: PPO with a critic, cross-trajectory GAE, token-level
+normalisation, FSDP2 under torchrun, weight publication. Depends on
+``protocol`` only."""

@@ -1,1 +1,2 @@
-"""ops package."""
+"""Operations: Prometheus metrics, dashboards as code, alert rules, reports.
+Depends on nothing else of the project."""

@@ -1,1 +1,2 @@
-"""replay package."""
+"""The replay service: segment ingest, rollout assembly, staleness bound,
+credits, durable log, batches for the learner. Depends on ``protocol`` only."""

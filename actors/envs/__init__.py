@@ -1,0 +1,1 @@
+"""Environments the actors run episodes against, and their shared vocabulary."""
