@@ -34,6 +34,7 @@ EpisodeOutcome = Literal[
     "step_limit",
     "compaction_limit",
     "context_full",  # compaction disabled (or impossible) and the window is full
+    "compaction_failed",  # the rebuilt context would not leave the reserve free
     "error",  # the environment or the engine failed; reward is 0
 ]
 
