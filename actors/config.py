@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+DEFAULT_SUMMARY_INSTRUCTION = (
+    "stop . write a summary of the history for your successor : the goal , every fact found "
+    "with its exact value , the actions done and their results , and the next step . keep it "
+    "short .")
+DEFAULT_RESUME_TEMPLATE = (
+    "{task}\n\nsummary of your earlier progress :\n{summary}\n\ncontinue the task from here .")
+
 
 @dataclass
 class EngineConfig:
@@ -56,6 +63,27 @@ class CompactionConfig:
     """Longest summary the policy may write."""
     max_compactions: int = 3
     """Episode ends at this many compactions (3 = a 4x budget)."""
+    summary_instruction: str = DEFAULT_SUMMARY_INSTRUCTION
+    """q_sum: the user turn that asks for the summary."""
+    resume_template: str = DEFAULT_RESUME_TEMPLATE
+    """The user turn that opens a rebuilt context; ``{task}`` and ``{summary}``
+    are replaced by the task and the summary (spliced in as the policy's tokens)."""
+
+
+@dataclass
+class EnvironmentConfig:
+    """Which environment the episodes run against."""
+
+    factory: str = "actors.envs.keyvault:KeyVault"
+    """``module:Name`` of a class or function returning an Environment."""
+    options: dict[str, int | float | str | bool] = field(default_factory=dict)
+    """Keyword arguments for the factory."""
+    max_steps: int = 64
+    """Episode step limit (outcome ``step_limit``, reward 0)."""
+    observation_max_tokens: int = 256
+    """Longer observations are cut to this many tokens, with a visible marker."""
+    truncation_marker: str = " [observation cut]"
+    """Text that replaces the cut-off end of an observation."""
 
 
 @dataclass
@@ -65,6 +93,7 @@ class ActorConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     count: int = 2
     """Actor processes `compactionrl up` starts on this machine."""
     concurrent_episodes: int = 8
@@ -112,6 +141,17 @@ class ActorConfig:
             problems.append(f"{section}.sampling.top_p must be in (0, 1]")
         if s.max_turn_tokens < 1:
             problems.append(f"{section}.sampling.max_turn_tokens must be >= 1")
+        if "{task}" not in c.resume_template or "{summary}" not in c.resume_template:
+            problems.append(f"{section}.compaction.resume_template must contain {{task}} and "
+                            "{summary}")
+        env = self.environment
+        if ":" not in env.factory:
+            problems.append(f"{section}.environment.factory = {env.factory!r}: expected "
+                            "'module:Name'")
+        if env.max_steps < 1:
+            problems.append(f"{section}.environment.max_steps must be >= 1")
+        if env.observation_max_tokens < 1:
+            problems.append(f"{section}.environment.observation_max_tokens must be >= 1")
         if self.count < 0:
             problems.append(f"{section}.count must be >= 0")
         if self.concurrent_episodes < 1:

