@@ -5,8 +5,9 @@ embeddings, and a byte-level BPE tokenizer in which every word of
 :data:`actors.envs.vocabulary.WORDS` is one token (with and without a leading
 space). Byte-level means any other text still tokenizes and decodes without
 loss (after NFC normalisation: transformers and vLLM load any Qwen2-architecture
-tokenizer as ``Qwen2Tokenizer``, which normalises to NFC, as for real Qwen). The chat template has the shape of Qwen's (ChatML), so the agent code
-treats the tiny model and real Qwen models the same way.
+tokenizer as ``Qwen2Tokenizer``, which normalises to NFC, as for real Qwen).
+The chat template has the shape of Qwen's (ChatML), so the agent code treats
+the tiny model and real Qwen models the same way.
 """
 
 from __future__ import annotations

@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from actors.config import CompactionConfig
 from actors.context import (
-    MIN_ACTION_TOKENS, CompactionContext, CompactionFailed, Generation, SegmentData, TurnTokens,
+    MIN_ACTION_TOKENS,
+    CompactionContext,
+    CompactionFailed,
+    Generation,
+    SegmentData,
+    TurnTokens,
 )
 
 HEADER, FOOTER, OPEN, CLOSE, MARKER, RESUME_OPEN, RESUME_CLOSE, END = 1, 2, 3, 4, 5, 6, 7, 8
