@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from pathlib import Path
 from typing import Any
 
 from actors.config import EngineConfig, SamplingConfig
@@ -60,6 +61,11 @@ class Engine:
     @classmethod
     async def start(cls, model: str, config: EngineConfig, sampling: SamplingConfig,
                     seed_offset: int = 0) -> Engine:
+        """Start the engine on a local HF-format model folder (actors never
+        download: a missing folder is an error here, not a hub lookup)."""
+        if not (Path(model) / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {model!r} has no config.json: point "
+                                    "run.model at a local HF-format model folder")
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop in a thread, so that one async engine can serve many
+    tests (an ``AsyncLLM`` is bound to the loop it first ran on)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float = 300) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +53,26 @@ def tiny_llm_float32(tiny_model_dir: Path):
     llm = LLM(**engine_kwargs(str(tiny_model_dir), EngineConfig(dtype="float32")))
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_loop() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def actor_engine(tiny_model_dir: Path, engine_loop: LoopThread):
+    """The actors' async engine (bfloat16, as configured by default) on the
+    tiny model, for the whole session; run coroutines with ``engine_loop.run``."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from actors.config import ActorConfig
+    from actors.engine import Engine
+
+    config = ActorConfig()
+    engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine, config.sampling))
+    yield engine
+    engine_loop.run(engine.shutdown())

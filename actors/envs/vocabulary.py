@@ -12,13 +12,13 @@ from __future__ import annotations
 #: Roles of the chat format and words of the agent's own instructions
 #: (summary request, resume template).
 AGENT_WORDS = """
-system user assistant tool task goal step steps summary summarise summarize history
+system user assistant agent tool task goal step steps summary summarise summarize history
 context keep kept write your you the a an of and or to in on at is are was were be
 with for from by as it this that these those what which when where who how not no
 yes all each every any some one next last first new old before after then now so
 done result results action actions fact facts found value values path error errors
 continue resume earlier previous progress remaining left below above here there
-must should will can need needs only exact exactly short list
+must should will can need needs only exact exactly short list find its like hold
 """.split()
 
 #: The keyvault environment: rooms, codes, digits, commands and answers.

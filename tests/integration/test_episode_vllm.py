@@ -1,0 +1,80 @@
+"""A keyvault episode on the real vLLM CPU engine with the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.chat import ChatFormat
+from actors.config import ActorConfig
+from actors.context import SegmentData
+from actors.envs.base import load_environment
+from actors.episode import EpisodeResult, run_episode
+from deploy.config import load_config
+from deploy.model_check import BF16_LOGPROB_TOLERANCE
+
+pytestmark = pytest.mark.slow
+
+#: A small window so that the random tiny model compacts several times.
+SMALL_WINDOW = ["--actors.compaction.context_tokens", "512", "--actors.compaction.reserve_tokens",
+                "200", "--actors.compaction.max_summary_tokens", "64",
+                "--actors.sampling.max_turn_tokens", "32", "--actors.environment.max_steps", "40"]
+
+
+def _config() -> ActorConfig:
+    return load_config(None, SMALL_WINDOW).actors
+
+
+def _episode(engine, loop, seed: int, greedy: bool = False
+             ) -> tuple[list[tuple[SegmentData, EpisodeResult | None]], EpisodeResult]:
+    config = _config()
+    chat = ChatFormat(engine.tokenizer, config.compaction, config.environment)
+    environment = load_environment(config.environment.factory, config.environment.options)
+    emitted: list[tuple[SegmentData, EpisodeResult | None]] = []
+
+    async def emit(segment: SegmentData, result: EpisodeResult | None) -> None:
+        emitted.append((segment, result))
+
+    result = loop.run(run_episode(engine, environment, chat, config, seed, emit, greedy=greedy))
+    return emitted, result
+
+
+@pytest.fixture(scope="module")
+def sampled_episode(actor_engine, engine_loop):
+    return _episode(actor_engine, engine_loop, seed=7)
+
+
+def test_episode_compacts_and_emits_segments_in_order(sampled_episode) -> None:
+    emitted, result = sampled_episode
+    assert result.compactions >= 2
+    kinds = [segment.segment_type for segment, _ in emitted]
+    assert kinds == ["execution", "summary"] * result.compactions + ["execution"]
+    assert [r is not None for _, r in emitted] == [False] * (len(emitted) - 1) + [True]
+    assert all(len(s.tokens) <= 512 for s, _ in emitted)
+    assert sum(s.num_trainable for s, _ in emitted) == result.generated_tokens
+
+
+def test_behaviour_logprobs_match_transformers(sampled_episode, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    emitted, _ = sampled_episode
+    worst = 0.0
+    for segment, _ in emitted:
+        tokens = torch.tensor([segment.tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(tokens).logits[0, :-1].float(), dim=-1)
+        chosen = logp.gather(1, tokens[0, 1:, None])[:, 0]
+        mask = torch.tensor(segment.loss_mask[1:], dtype=torch.bool)
+        behaviour = torch.tensor(segment.logprobs[1:])
+        worst = max(worst, (chosen[mask] - behaviour[mask]).abs().max().item())
+    assert worst <= BF16_LOGPROB_TOLERANCE
+
+
+def test_greedy_episode_is_reproducible_from_its_seed(actor_engine, engine_loop) -> None:
+    first, result = _episode(actor_engine, engine_loop, seed=11, greedy=True)
+    second, _ = _episode(actor_engine, engine_loop, seed=11, greedy=True)
+    assert [s.tokens for s, _ in first] == [s.tokens for s, _ in second]
+    assert result.steps > 0

@@ -1,0 +1,120 @@
+"""The keyvault environment: deterministic tasks, grading, and a size that needs compaction."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from actors.chat import ChatFormat
+from actors.config import ActorConfig
+from actors.context import Generation
+from actors.envs.base import Environment
+from actors.envs.keyvault import KeyVault
+from actors.envs.vocabulary import WORDS
+from actors.episode import run_episode
+
+
+def walk(env: KeyVault, seed: int) -> list[str]:
+    async def go() -> list[str]:
+        await env.reset(seed)
+        return [(await env.step("next")).observation for _ in range(env.rooms + 1)]
+    return asyncio.run(go())
+
+
+def answer(env: KeyVault, text: str):
+    return asyncio.run(env.step(text))
+
+
+def test_is_an_environment() -> None:
+    assert isinstance(KeyVault(), Environment)
+
+
+def test_same_seed_same_episode_other_seed_other_codes() -> None:
+    env = KeyVault()
+    assert walk(env, 3) == walk(env, 3)
+    first = dict(env._answer)
+    walk(env, 4)
+    assert env._answer != first
+
+
+def test_every_digit_is_revealed_exactly_once() -> None:
+    env = KeyVault(codes=3, digits=3, rooms=12)
+    notes = [o for o in walk(env, 1) if "note :" in o]
+    assert len(notes) == 9
+    assert "no more rooms" in walk(env, 1)[-1]
+
+
+def test_text_stays_inside_the_vocabulary() -> None:
+    env = KeyVault()
+    task = asyncio.run(env.reset(5))
+    known = set(WORDS) | {".", ",", ":"}
+    text = " ".join([task.system, *walk(env, 5)[:-1]])
+    unknown = {w for w in text.split() if w not in known and not w.isdigit()}
+    assert unknown == set()
+    assert set(task.instruction.split()) - known - {str(i) for i in range(100)} == set()
+
+
+def test_exact_answer_scores_one_and_partial_credit_is_optional() -> None:
+    env = KeyVault(codes=2, digits=4)
+    walk(env, 9)
+    codes = env._answer
+    right = "answer " + " ".join(f"{n} " + " ".join(map(str, d)) for n, d in codes.items())
+    result = answer(env, right)
+    assert result.done and result.success and result.reward == 1.0
+    words = right.replace(str(codes["alpha"][0]), "zero one two three four five six seven eight "
+                          "nine".split()[codes["alpha"][0]], 1)
+    assert answer(env, words).success  # digits as words count too
+    wrong = "answer alpha " + " ".join(str((d + 1) % 10) for d in codes["alpha"])
+    assert answer(env, wrong).reward == 0.0
+    partial = KeyVault(codes=2, digits=4, partial_credit=True)
+    walk(partial, 9)
+    only_alpha = "answer alpha " + " ".join(map(str, partial._answer["alpha"]))
+    result = answer(partial, only_alpha)
+    assert result.reward == 0.5 and not result.success
+
+
+@pytest.mark.parametrize("options", [{"codes": 0}, {"digits": 11}, {"rooms": 3},
+                                     {"distractor_words": -1}])
+def test_impossible_sizes_are_rejected(options: dict) -> None:
+    with pytest.raises(ValueError):
+        KeyVault(**options)
+
+
+class Oracle:
+    """Walks every room, then answers from the environment's own solution;
+    its summaries are one word (the kept steps carry nothing it needs)."""
+
+    def __init__(self, chat: ChatFormat, env: KeyVault) -> None:
+        self.chat, self.env = chat, env
+        self.summary_tail = chat.summary_request + chat.assistant_header
+
+    async def generate(self, prompt, max_tokens, seed=None, temperature=None) -> Generation:
+        if prompt[-len(self.summary_tail):] == self.summary_tail:
+            text = "summary"
+        elif self.env._room < self.env.rooms:
+            text = "next"
+        else:
+            text = "answer " + " ".join(f"{n} " + " ".join(map(str, d))
+                                        for n, d in self.env._answer.items())
+        ids, _ = self.chat.content(text, max_tokens)
+        return Generation(ids, [-0.1] * len(ids), 0)
+
+
+def test_a_perfect_episode_needs_one_to_three_compactions_by_default(tiny_model_dir: Path
+                                                                    ) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = ActorConfig()
+    env = KeyVault(**{"codes": 2, "digits": 4, "rooms": 24, "distractor_words": 30})
+    chat = ChatFormat(tokenizer, config.compaction, config.environment)
+    oracle = Oracle(chat, env)
+
+    async def ignore(segment, result) -> None:
+        return None
+
+    result = asyncio.run(run_episode(oracle, env, chat, config, seed=2, emit=ignore))
+    assert result.success
+    assert 1 <= result.compactions <= 3
