@@ -100,6 +100,15 @@ class ActorConfig:
     """Episodes one actor runs at once on its engine."""
     metrics_port: int = 9101
     """First actor's Prometheus port; actor i serves on metrics_port + i (0 = off)."""
+    ack_timeout_s: float = 5.0
+    """A segment not acknowledged this long is sent again (same actor, incarnation, seq)."""
+    hello_retry_s: float = 2.0
+    """Hello is repeated this often until the replay answers with Welcome."""
+    on_shutdown: Literal["abandon", "finish"] = "abandon"
+    """On SIGTERM: drop in-flight episodes (the replay expires their segments)
+    or finish them first. New episodes never start after SIGTERM."""
+    shutdown_deadline_s: float = 30.0
+    """Longest wait on SIGTERM for episodes (with "finish") and acks together."""
 
     def validate(self, section: str = "actors") -> list[str]:
         """Problems that make this section unusable, each naming field and fix."""
@@ -152,6 +161,9 @@ class ActorConfig:
             problems.append(f"{section}.environment.max_steps must be >= 1")
         if env.observation_max_tokens < 1:
             problems.append(f"{section}.environment.observation_max_tokens must be >= 1")
+        for name in ("ack_timeout_s", "hello_retry_s", "shutdown_deadline_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{section}.{name} must be > 0")
         if self.count < 0:
             problems.append(f"{section}.count must be >= 0")
         if self.concurrent_episodes < 1:

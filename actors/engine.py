@@ -23,6 +23,14 @@ from actors.config import EngineConfig, SamplingConfig
 from actors.context import Generation
 
 
+def quiet_vllm_logging() -> None:
+    """vLLM logs to stdout at INFO by default; send warnings and worse to
+    stderr, so that stdout is the command's own. Call before importing vLLM
+    (the settings are read then); explicit environment settings win."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
 def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``vllm.AsyncEngineArgs``.
 

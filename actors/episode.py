@@ -49,8 +49,9 @@ class EpisodeResult:
     observations_cut: int
 
 
-Emit = Callable[[SegmentData, "EpisodeResult | None"], Awaitable[None]]
-"""Called with each closed segment in order; the result only with the last."""
+Emit = Callable[[str, SegmentData, "EpisodeResult | None"], Awaitable[None]]
+"""Called with the task id and each closed segment, in order; the result
+only with the last segment."""
 
 
 async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat,
@@ -101,15 +102,15 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
             closed = context.compact(summary, chat.strip_end(summary.token_ids))
         except CompactionFailed as failed:
             execution, last = failed.args[0]
-            await emit(execution, None)
+            await emit(task.task_id, execution, None)
             outcome = "compaction_failed"
             break
         for segment in closed:
-            await emit(segment, None)
+            await emit(task.task_id, segment, None)
     episode = EpisodeResult(
         task_id=task.task_id, outcome=outcome, reward=reward, success=success, steps=steps,
         compactions=context.compactions, generated_tokens=generated,
         summary_tokens=context.summary_tokens, duration_s=time.monotonic() - start,
         summary_seconds=summary_seconds, observations_cut=observations_cut)
-    await emit(last if last is not None else context.finish(), episode)
+    await emit(task.task_id, last if last is not None else context.finish(), episode)
     return episode

@@ -42,6 +42,25 @@ def _cmd_model_sample(args: argparse.Namespace, overrides: list[str]) -> int:
                   num_prompts=args.num_prompts, check=args.check, as_json=args.json)
 
 
+def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
+    import asyncio
+    import logging
+    import socket
+
+    from actors.engine import quiet_vllm_logging
+    from actors.process import Actor, ActorSettings
+
+    config = load_config(args.config, overrides)
+    quiet_vllm_logging()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = ActorSettings(
+        actor_id=args.actor_id or f"{socket.gethostname()}-actor-{args.index}",
+        model=config.run.model, replay_address=args.replay or config.replay.actor_address,
+        actor=config.actors, transport=config.transport, run_seed=config.run.seed,
+        index=args.index)
+    return asyncio.run(Actor(settings).run())
+
+
 def _cmd_keys_init(args: argparse.Namespace, overrides: list[str]) -> int:
     from protocol.transport import generate_keys
 
@@ -89,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "exit 1 on disagreement")
     sample.add_argument("--json", action="store_true", help="last line: one JSON object")
     sample.set_defaults(handler=_cmd_model_sample)
+
+    actor = commands.add_parser(
+        "actor", help="run one actor: episodes on a vLLM engine, segments to the replay")
+    _config_args(actor)
+    actor.add_argument("--replay", default=None,
+                       help="replay address (default: replay.actor_address)")
+    actor.add_argument("--index", type=int, default=0,
+                       help="this actor's index on the machine (metrics port and seed offset)")
+    actor.add_argument("--actor-id", default=None,
+                       help="stable id across restarts (default: HOST-actor-INDEX)")
+    actor.set_defaults(handler=_cmd_actor)
 
     keys = commands.add_parser("keys", help="CURVE keys for authenticated sockets")
     keys_sub = keys.add_subparsers(dest="action", required=True)

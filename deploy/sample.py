@@ -4,11 +4,10 @@ checking the engine's log-probabilities against transformers."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from actors.config import EngineConfig
-from actors.engine import engine_kwargs
+from actors.engine import engine_kwargs, quiet_vllm_logging
 from deploy.model_check import BF16_LOGPROB_TOLERANCE, compare
 
 #: float32 engines agree with the float32 reference to rounding noise.
@@ -17,10 +16,7 @@ FLOAT32_LOGPROB_TOLERANCE = 1e-3
 
 def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
            temperature: float, num_prompts: int, check: bool, as_json: bool) -> int:
-    # Read when vLLM is imported: its log lines go to stderr, so that stdout
-    # holds only this command's report (the last line with --json).
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    quiet_vllm_logging()  # stdout holds only this command's report
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 

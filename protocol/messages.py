@@ -94,13 +94,16 @@ class Hello(Message, tag="hello"):
 
 
 class Welcome(Message, tag="welcome"):
-    """replay / learner -> actor: the run configuration the actor needs."""
+    """replay / learner -> actor: the run configuration the actor needs.
+    A new ``Welcome`` (after the replay restarted) resets the actor's credits."""
 
     run_id: str
     policy_version: int
     heartbeat_interval_s: float
     heartbeat_liveness: int
     max_staleness: int
+    credits: int
+    """Rollouts the actor may start now (more arrive with each ``Ack``)."""
 
 
 class RolloutStats(msgspec.Struct, kw_only=True):

@@ -70,7 +70,7 @@ class CurveConfig:
 
 @dataclass
 class TransportConfig:
-    """Socket settings shared by every process."""
+    """Network settings shared by every process."""
 
     send_hwm: int = DEFAULT_HWM
     """Outgoing messages queued per peer."""
@@ -82,6 +82,8 @@ class TransportConfig:
     """How often a client sends ``Heartbeat``."""
     heartbeat_liveness: int = 5
     """Missed heartbeats after which a peer is declared dead."""
+    metrics_address: str = "127.0.0.1"
+    """Interface every process serves ``/metrics`` on (0.0.0.0 for a remote Prometheus)."""
     curve: CurveConfig = field(default_factory=CurveConfig)
 
     def validate(self, section: str) -> list[str]:

@@ -42,13 +42,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llm_float32(tiny_model_dir: Path):
     """An offline vLLM engine (CPU build, float32) on the tiny model; shut
     down at the end of the session, engine processes included."""
-    import os
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import LLM
-
     from actors.config import EngineConfig
-    from actors.engine import engine_kwargs
+    from actors.engine import engine_kwargs, quiet_vllm_logging
+
+    quiet_vllm_logging()
+    from vllm import LLM
 
     llm = LLM(**engine_kwargs(str(tiny_model_dir), EngineConfig(dtype="float32")))
     yield llm
@@ -66,11 +64,10 @@ def engine_loop() -> Iterator[LoopThread]:
 def actor_engine(tiny_model_dir: Path, engine_loop: LoopThread):
     """The actors' async engine (bfloat16, as configured by default) on the
     tiny model, for the whole session; run coroutines with ``engine_loop.run``."""
-    import os
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from actors.config import ActorConfig
-    from actors.engine import Engine
+    from actors.engine import Engine, quiet_vllm_logging
+
+    quiet_vllm_logging()
 
     config = ActorConfig()
     engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine, config.sampling))

@@ -34,7 +34,8 @@ def _episode(engine, loop, seed: int, greedy: bool = False
     environment = load_environment(config.environment.factory, config.environment.options)
     emitted: list[tuple[SegmentData, EpisodeResult | None]] = []
 
-    async def emit(segment: SegmentData, result: EpisodeResult | None) -> None:
+    async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None
+                   ) -> None:
         emitted.append((segment, result))
 
     result = loop.run(run_episode(engine, environment, chat, config, seed, emit, greedy=greedy))

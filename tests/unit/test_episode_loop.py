@@ -60,7 +60,8 @@ def play(tokenizer, environment, text: str, config: ActorConfig | None = None
     chat = ChatFormat(tokenizer, config.compaction, config.environment)
     emitted: list[tuple[SegmentData, EpisodeResult | None]] = []
 
-    async def emit(segment: SegmentData, result: EpisodeResult | None) -> None:
+    async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None
+                   ) -> None:
         emitted.append((segment, result))
 
     result = asyncio.run(run_episode(ScriptedPolicy(tokenizer, text), environment, chat, config,

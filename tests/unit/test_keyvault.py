@@ -112,7 +112,7 @@ def test_a_perfect_episode_needs_one_to_three_compactions_by_default(tiny_model_
     chat = ChatFormat(tokenizer, config.compaction, config.environment)
     oracle = Oracle(chat, env)
 
-    async def ignore(segment, result) -> None:
+    async def ignore(task_id, segment, result) -> None:
         return None
 
     result = asyncio.run(run_episode(oracle, env, chat, config, seed=2, emit=ignore))

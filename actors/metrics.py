@@ -1,0 +1,82 @@
+"""The actor's Prometheus metrics (DESIGN §4, actor part)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from protocol import EngineInfo
+
+STALL_REASONS = ("weights", "credits", "summary")
+
+
+class ActorMetrics:
+    """One registry per actor, served on its metrics port."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.rollouts = Counter("crl_actor_rollouts", "Finished rollouts by outcome",
+                                ["outcome"], registry=r)
+        self.compactions = Counter("crl_actor_compactions", "Compactions performed", registry=r)
+        self.compaction_rate = Gauge("crl_actor_compaction_rate",
+                                     "Compactions per finished rollout", registry=r)
+        self.summary_tokens = Counter("crl_actor_summary_tokens",
+                                      "Tokens generated as summaries", registry=r)
+        self.generated_tokens = Counter("crl_actor_generated_tokens",
+                                        "Tokens generated (actions and summaries)", registry=r)
+        self.stall_seconds = Counter("crl_actor_stall_seconds",
+                                     "Time episodes waited, by reason", ["reason"], registry=r)
+        self.policy_version = Gauge("crl_actor_policy_version",
+                                    "Policy version the engine generates with", registry=r)
+        self.engine_info = Gauge("crl_actor_engine_info", "Engine of this actor (value 1)",
+                                 ["device", "dtype", "tp", "model"], registry=r)
+        self.reward = Counter("crl_actor_reward_sum", "Sum of final rewards", registry=r)
+        self.successes = Counter("crl_actor_successes", "Rollouts that solved the task",
+                                 ["compacted"], registry=r)
+        self.segments_sent = Counter("crl_actor_segments_sent", "Segments sent (first time)",
+                                     registry=r)
+        self.segments_resent = Counter("crl_actor_segments_resent",
+                                       "Segments sent again after no ack", registry=r)
+        self.unacked_segments = Gauge("crl_actor_unacked_segments",
+                                      "Segments sent and not yet acknowledged", registry=r)
+        self.active_rollouts = Gauge("crl_actor_active_rollouts", "Episodes in progress",
+                                     registry=r)
+        self.rejected_frames = Counter("crl_actor_rejected_frames",
+                                       "Frames from peers that failed to decode", ["reason"],
+                                       registry=r)
+        self.errors_received = Counter("crl_actor_errors_received",
+                                       "Error replies received, by code", ["code"], registry=r)
+        self.observations_cut = Counter("crl_actor_observations_cut",
+                                        "Observations cut to fit budget or window", registry=r)
+        self._finished = 0
+        self._compactions = 0
+        self._stall = dict.fromkeys(STALL_REASONS, 0.0)
+        for reason in STALL_REASONS:
+            self.stall_seconds.labels(reason)
+
+    def set_engine(self, engine: EngineInfo) -> None:
+        self.engine_info.labels(engine.device, engine.dtype, str(engine.tensor_parallel),
+                                engine.model).set(1)
+
+    def episode_finished(self, outcome: str, reward: float, success: bool, compactions: int,
+                         summary_tokens: int, generated_tokens: int, summary_seconds: float,
+                         observations_cut: int) -> None:
+        self._finished += 1
+        self._compactions += compactions
+        self.rollouts.labels(outcome).inc()
+        self.compactions.inc(compactions)
+        self.compaction_rate.set(self._compactions / self._finished)
+        self.summary_tokens.inc(summary_tokens)
+        self.generated_tokens.inc(generated_tokens)
+        self.stall("summary", summary_seconds)
+        self.reward.inc(reward)
+        if success:
+            self.successes.labels("true" if compactions else "false").inc()
+        self.observations_cut.inc(observations_cut)
+
+    def stall(self, reason: str, seconds: float) -> None:
+        self._stall[reason] += seconds
+        self.stall_seconds.labels(reason).inc(seconds)
+
+    def stall_totals(self) -> dict[str, float]:
+        """Cumulative stall by reason, as sent in heartbeats."""
+        return dict(self._stall)

@@ -1,0 +1,301 @@
+"""The actor process: concurrent episodes on one engine, segments to the replay.
+
+Protocol with the replay (DEALER -> ROUTER):
+
+- ``Hello`` until a ``Welcome`` arrives; the ``Welcome`` sets the credits.
+- An episode starts only by spending a credit; more credits come with ``Ack``s.
+  Waiting for one is stall time (``reason="credits"``).
+- Every closed segment is sent at once and kept until an ``Ack`` lists its
+  seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
+  same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates.
+- ``Heartbeat`` every ``heartbeat_interval_s``.
+- On SIGTERM: no new episode; in-flight ones are abandoned or finished
+  (``on_shutdown``); unacknowledged segments are flushed until
+  ``shutdown_deadline_s``. Exit code 0 only if every segment was acknowledged.
+
+Usage::
+
+    actor = Actor(settings)
+    exit_code = asyncio.run(actor.run())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from actors.chat import ChatFormat
+from actors.config import ActorConfig
+from actors.context import SegmentData
+from actors.engine import Engine
+from actors.envs.base import Environment, load_environment
+from actors.episode import EpisodeResult, run_episode
+from actors.metrics import ActorMetrics
+from ops.metrics import MetricsServer
+from protocol import (
+    Ack,
+    Array,
+    EngineInfo,
+    Error,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    RolloutStats,
+    Segment,
+    Stamp,
+    Welcome,
+    decode,
+    encode,
+)
+from protocol.transport import TransportConfig, connect_dealer
+
+log = logging.getLogger("compactionrl.actor")
+
+#: How often the resend loop looks for overdue segments, as a fraction of the
+#: ack timeout: fine enough that a resend is at most 25 % late.
+RESEND_CHECK_FRACTION = 0.25
+
+
+@dataclass
+class ActorSettings:
+    """Everything one actor process needs; ``deploy`` builds it from the run config."""
+
+    actor_id: str
+    model: str
+    replay_address: str
+    actor: ActorConfig
+    transport: TransportConfig
+    run_seed: int = 0
+    index: int = 0
+    """Position among the actors of a launcher (offsets the metrics port and engine seed)."""
+
+
+def training_seed(run_seed: int, actor_id: str, incarnation: int, n: int) -> int:
+    """Episode seed, in [0, 2^31): distinct across actors, incarnations and
+    episodes. Evaluation uses seeds from 2^31 up, so the two never overlap."""
+    digest = hashlib.blake2b(f"{run_seed}/{actor_id}/{incarnation}/{n}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
+
+
+@dataclass
+class _Pending:
+    frame: bytes
+    sent_at: float
+
+
+@dataclass
+class _State:
+    credits: int = 0
+    registered: asyncio.Event = field(default_factory=asyncio.Event)
+    credit_available: asyncio.Event = field(default_factory=asyncio.Event)
+    unacked: dict[int, _Pending] = field(default_factory=dict)
+    all_acked: asyncio.Event = field(default_factory=asyncio.Event)
+    active: int = 0
+
+
+class Actor:
+    def __init__(self, settings: ActorSettings) -> None:
+        self.settings = settings
+        self.config = settings.actor
+        self.incarnation = time.time_ns()
+        self.stamp = Stamp(settings.actor_id, self.incarnation)
+        self.metrics = ActorMetrics()
+        self.state = _State()
+        self.state.all_acked.set()
+        self._stopping = asyncio.Event()
+        self._episode_numbers = itertools.count()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        metrics = MetricsServer(self.metrics.registry,
+                                self.config.metrics_port + self.settings.index
+                                if self.config.metrics_port else 0,
+                                self.settings.transport.metrics_address)
+        context = zmq.asyncio.Context()
+        self.socket = connect_dealer(context, self.settings.replay_address,
+                                     self.settings.transport, self.settings.actor_id.encode())
+        self.engine = await Engine.start(self.settings.model, self.config.engine,
+                                         self.config.sampling, seed_offset=self.settings.index)
+        try:
+            return await self._serve()
+        finally:
+            await self.engine.shutdown()
+            self.socket.close(linger=0)
+            context.term()
+            metrics.close()
+
+    async def _serve(self) -> int:
+        engine_info = EngineInfo(device=self.engine.device(), dtype=self.config.engine.dtype,
+                                 tensor_parallel=self.config.engine.tensor_parallel,
+                                 model=self.settings.model)
+        self.metrics.set_engine(engine_info)
+        self.chat = ChatFormat(self.engine.tokenizer, self.config.compaction,
+                               self.config.environment)
+        background = [asyncio.create_task(coroutine) for coroutine in (
+            self._receive(), self._register(engine_info), self._heartbeat(), self._resend())]
+        slots = [asyncio.create_task(self._episode_slot(slot))
+                 for slot in range(self.config.concurrent_episodes)]
+        await self._stopping.wait()
+        log.info("stopping: %s in-flight episodes (%s)", self.state.active,
+                 self.config.on_shutdown)
+        deadline = time.monotonic() + self.config.shutdown_deadline_s
+        if self.config.on_shutdown == "abandon":
+            for task in slots:
+                task.cancel()
+        await asyncio.wait(slots, timeout=max(0.0, deadline - time.monotonic()))
+        for task in slots:
+            task.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.state.all_acked.wait(),
+                                   max(0.0, deadline - time.monotonic()))
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, *slots, return_exceptions=True)
+        if self.state.unacked:
+            log.error("%d segments never acknowledged", len(self.state.unacked))
+            return 1
+        return 0
+
+    # ------------------------------------------------------------------ episodes
+
+    async def _episode_slot(self, slot: int) -> None:
+        environment = load_environment(self.config.environment.factory,
+                                       self.config.environment.options)
+        try:
+            while await self._take_credit():
+                n = next(self._episode_numbers)
+                seed = training_seed(self.settings.run_seed, self.settings.actor_id,
+                                     self.incarnation, n)
+                rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
+                self.state.active += 1
+                self.metrics.active_rollouts.inc()
+                try:
+                    await self._play(environment, rollout_id, seed)
+                finally:
+                    self.state.active -= 1
+                    self.metrics.active_rollouts.dec()
+        finally:
+            await environment.close()
+
+    async def _take_credit(self) -> bool:
+        """Wait for a credit and spend it; False once the actor is stopping."""
+        began = time.monotonic()
+        while self.state.credits <= 0 and not self._stopping.is_set():
+            self.state.credit_available.clear()
+            credit = asyncio.create_task(self.state.credit_available.wait())
+            stop = asyncio.create_task(self._stopping.wait())
+            await asyncio.wait([credit, stop], return_when=asyncio.FIRST_COMPLETED)
+            credit.cancel()
+            stop.cancel()
+        self.metrics.stall("credits", time.monotonic() - began)
+        if self._stopping.is_set():
+            return False
+        self.state.credits -= 1
+        return True
+
+    async def _play(self, environment: Environment, rollout_id: str, seed: int) -> None:
+        index = itertools.count()
+
+        async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+            await self._send_segment(rollout_id, task_id, next(index), segment, result)
+
+        result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit)
+        self.metrics.episode_finished(
+            result.outcome, result.reward, result.success, result.compactions,
+            result.summary_tokens, result.generated_tokens, result.summary_seconds,
+            result.observations_cut)
+
+    async def _send_segment(self, rollout_id: str, task_id: str, index: int, segment: SegmentData,
+                      result: EpisodeResult | None) -> None:
+        stats = None if result is None else RolloutStats(
+            outcome=result.outcome, success=result.success, steps=result.steps,
+            compactions=result.compactions, generated_tokens=result.generated_tokens,
+            summary_tokens=result.summary_tokens, duration_s=result.duration_s)
+        header = self.stamp.next()
+        message = Segment(
+            **header, rollout_id=rollout_id, task_id=task_id, index=index,
+            segment_type=segment.segment_type,
+            tokens=Array.from_numpy(np.asarray(segment.tokens, dtype=np.int32)),
+            loss_mask=Array.from_numpy(np.asarray(segment.loss_mask, dtype=np.uint8)),
+            logprobs=Array.from_numpy(np.asarray(segment.logprobs, dtype=np.float32)),
+            versions=Array.from_numpy(np.asarray(segment.versions, dtype=np.int32)),
+            final=result is not None, reward=None if result is None else result.reward,
+            stats=stats)
+        frame = encode(message)
+        self.state.unacked[header["seq"]] = _Pending(frame, time.monotonic())
+        self.state.all_acked.clear()
+        self.metrics.unacked_segments.set(len(self.state.unacked))
+        self.metrics.segments_sent.inc()
+        await self.socket.send(frame, copy=False)
+
+    # ------------------------------------------------------------------ replay link
+
+    async def _register(self, engine: EngineInfo) -> None:
+        while not self.state.registered.is_set():
+            await self.socket.send(encode(Hello(**self.stamp.next(), engine=engine,
+                                                capacity=self.config.concurrent_episodes)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state.registered.wait(), self.config.hello_retry_s)
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self.socket.recv(copy=False)
+            try:
+                message = decode(frame.buffer, self.settings.transport.max_message_bytes)
+            except ProtocolError as exc:
+                self.metrics.rejected_frames.labels(exc.reason.value).inc()
+                log.warning("dropped a frame from the replay: %s", exc)
+                continue
+            if isinstance(message, Ack):
+                for seq in message.stored_seqs:
+                    self.state.unacked.pop(seq, None)
+                self.metrics.unacked_segments.set(len(self.state.unacked))
+                if not self.state.unacked:
+                    self.state.all_acked.set()
+                self._grant(message.credits)
+            elif isinstance(message, Welcome):
+                self.state.credits = 0
+                self._grant(message.credits)
+                self.state.registered.set()
+            elif isinstance(message, Error):
+                self.metrics.errors_received.labels(message.code).inc()
+                log.warning("replay rejected seq %s: %s %s", message.ref_seq, message.code,
+                            message.text)
+
+    def _grant(self, credits: int) -> None:
+        if credits > 0:
+            self.state.credits += credits
+            self.state.credit_available.set()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.transport.heartbeat_interval_s)
+            await self.socket.send(encode(Heartbeat(
+                **self.stamp.next(), active_rollouts=self.state.active,
+                stall_seconds=self.metrics.stall_totals())))
+
+    async def _resend(self) -> None:
+        timeout = self.config.ack_timeout_s
+        while True:
+            await asyncio.sleep(timeout * RESEND_CHECK_FRACTION)
+            now = time.monotonic()
+            for pending in list(self.state.unacked.values()):
+                if now - pending.sent_at >= timeout:
+                    pending.sent_at = now
+                    self.metrics.segments_resent.inc()
+                    await self.socket.send(pending.frame)

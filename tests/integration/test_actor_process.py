@@ -1,0 +1,144 @@
+"""The actor process against a real ZeroMQ peer speaking the protocol:
+credits, resends after a lost ack, heartbeats, and a flushing SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.processes import VENV_BIN
+from tests.replay_peer import ReplayPeer
+
+pytestmark = pytest.mark.slow
+
+SMALL_EPISODES = ["--actors.compaction.context_tokens", "512",
+                  "--actors.compaction.reserve_tokens", "200",
+                  "--actors.compaction.max_summary_tokens", "64",
+                  "--actors.sampling.max_turn_tokens", "32",
+                  "--actors.environment.max_steps", "12",
+                  "--actors.concurrent_episodes", "2",
+                  "--actors.ack_timeout_s", "1.0", "--actors.on_shutdown", "finish",
+                  "--actors.shutdown_deadline_s", "60", "--transport.heartbeat_interval_s", "0.5"]
+ENGINE_START_S = 120
+
+
+@dataclass
+class Run:
+    peer: ReplayPeer
+    exit_code: int
+    sigterm_at: float
+    first_rollouts: set[str]
+    stderr: str
+    metrics: str
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for(peer: ReplayPeer, condition, timeout: float, process: subprocess.Popen) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, "actor exited early"
+        assert time.monotonic() < end, "timed out waiting on the actor"
+        peer.pump(0.2)
+
+
+@pytest.fixture(scope="module")
+def actor_run(tiny_model_dir: Path) -> Run:
+    peer = ReplayPeer(credits_on_welcome=3)
+    port = _free_port()
+    process = subprocess.Popen(
+        [str(VENV_BIN / "compactionrl"), "actor", "--replay", peer.address, "--actor-id",
+         "actor-t", "--run.model", str(tiny_model_dir), *SMALL_EPISODES,
+         "--actors.metrics_port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # three credited rollouts, the first ack lost on the way
+        _wait_for(peer, lambda: peer.finished() == 3, ENGINE_START_S + 120, process)
+        first = set(peer.rollouts())
+        peer.pump(1.0)  # let the last acks land and the counters settle
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        # one more rollout whose acks are withheld; SIGTERM while it runs
+        peer.withhold_acks = True
+        peer.grant(1)
+        _wait_for(peer, lambda: len(peer.rollouts()) == 4, 60, process)
+        sigterm_at = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        peer.pump(3.0)  # the actor finishes the episode and resends while unacknowledged
+        peer.release_acks()
+        end = time.monotonic() + 90
+        while process.poll() is None and time.monotonic() < end:
+            peer.pump(0.2)
+        exit_code = process.wait(timeout=5)
+        return Run(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics.decode())
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # engine children, if any remain
+            except ProcessLookupError:
+                pass
+        process.wait()
+        peer.close()
+
+
+def test_actor_registers_and_sends_heartbeats(actor_run: Run) -> None:
+    assert actor_run.peer.hellos == 1
+    assert actor_run.peer.heartbeats >= 2
+
+
+def test_starts_no_more_rollouts_than_credits(actor_run: Run) -> None:
+    assert len(actor_run.peer.rollouts()) == 4  # 3 on Welcome + 1 granted
+
+
+def test_lost_ack_is_resent_with_the_same_identity_and_not_duplicated(actor_run: Run) -> None:
+    peer = actor_run.peer
+    assert peer.duplicates >= 1
+    first_frame = peer.frames[0][1]
+    assert sum(frame == first_frame for _, frame in peer.frames) >= 2
+    for rollout_id, segments in peer.rollouts().items():
+        assert [s.index for s in segments] == list(range(len(segments))), rollout_id
+        assert segments[-1].final and not any(s.final for s in segments[:-1])
+
+
+def test_sigterm_finishes_the_episode_and_flushes_every_segment(actor_run: Run) -> None:
+    assert actor_run.exit_code == 0, actor_run.stderr[-3000:]
+    [last] = set(actor_run.peer.rollouts()) - actor_run.first_rollouts
+    segments = actor_run.peer.rollouts()[last]
+    assert segments[-1].final
+    late = [t for t, _ in actor_run.peer.frames if t > actor_run.sigterm_at]
+    assert late, "segments were flushed after SIGTERM"
+
+
+def _sample(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_metrics_use_the_design_names(actor_run: Run) -> None:
+    metrics = actor_run.metrics
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("crl_actor_rollouts_total{")) == 3
+    assert _sample(metrics, "crl_actor_compactions_total") >= 0
+    assert _sample(metrics, "crl_actor_compaction_rate") == pytest.approx(
+        _sample(metrics, "crl_actor_compactions_total") / 3)
+    assert _sample(metrics, "crl_actor_generated_tokens_total") > 0
+    assert _sample(metrics, "crl_actor_policy_version") == 0
+    for reason in ("weights", "credits", "summary"):
+        assert f'crl_actor_stall_seconds_total{{reason="{reason}"}}' in metrics
+    assert 'crl_actor_engine_info{device="cpu",dtype="bfloat16"' in metrics
+    assert _sample(metrics, "crl_actor_segments_resent_total") >= 1

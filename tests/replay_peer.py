@@ -1,0 +1,100 @@
+"""A minimal replay for testing actors: speaks the protocol on a real ROUTER.
+
+It grants credits, records every segment frame it receives, acknowledges
+them (or withholds acknowledgements on request), and drops duplicates by
+``(sender_id, incarnation, seq)`` exactly as the real replay must.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import zmq
+
+from protocol import Ack, Heartbeat, Hello, Segment, Stamp, Welcome, decode, encode
+from protocol.transport import TransportConfig, bind_router
+
+
+@dataclass
+class ReplayPeer:
+    credits_on_welcome: int = 2
+    withhold_acks: bool = False
+    drop_first_ack: bool = True
+    socket: zmq.Socket = field(init=False)
+    frames: list[tuple[float, bytes]] = field(default_factory=list)
+    """Every segment frame received, with its arrival time (duplicates included)."""
+    unique: dict[tuple[str, int, int], Segment] = field(default_factory=dict)
+    duplicates: int = 0
+    heartbeats: int = 0
+    hellos: int = 0
+    _withheld: list[tuple[bytes, int]] = field(default_factory=list)
+    _dropped_one: bool = False
+
+    def __post_init__(self) -> None:
+        self._context = zmq.Context()
+        self.socket = bind_router(self._context, "tcp://127.0.0.1:*", TransportConfig())
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stamp = Stamp("test-replay", 0)
+        self._peer: bytes | None = None
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self._context.term()
+
+    def grant(self, credits: int) -> None:
+        assert self._peer is not None
+        self.socket.send_multipart([self._peer, encode(Ack(
+            **self._stamp.next(), stored_seqs=[], credits=credits, policy_version=0))])
+
+    def release_acks(self) -> None:
+        """Acknowledge everything withheld so far, and stop withholding."""
+        self.withhold_acks = False
+        for identity, seq in self._withheld:
+            self._ack(identity, seq)
+        self._withheld.clear()
+
+    def _ack(self, identity: bytes, seq: int) -> None:
+        self.socket.send_multipart([identity, encode(Ack(
+            **self._stamp.next(), stored_seqs=[seq], credits=0, policy_version=0))])
+
+    def pump(self, seconds: float) -> None:
+        """Serve for ``seconds``."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if not self.socket.poll(int(left * 1000) + 1, zmq.POLLIN):
+                continue
+            identity, frame = self.socket.recv_multipart()
+            message = decode(frame)
+            if isinstance(message, Hello):
+                self.hellos += 1
+                self._peer = identity
+                self.socket.send_multipart([identity, encode(Welcome(
+                    **self._stamp.next(), run_id="test", policy_version=0,
+                    heartbeat_interval_s=1.0, heartbeat_liveness=5, max_staleness=2,
+                    credits=self.credits_on_welcome))])
+            elif isinstance(message, Heartbeat):
+                self.heartbeats += 1
+            elif isinstance(message, Segment):
+                self.frames.append((time.monotonic(), frame))
+                key = (message.sender_id, message.incarnation, message.seq)
+                if key in self.unique:
+                    self.duplicates += 1
+                else:
+                    self.unique[key] = message
+                if self.drop_first_ack and not self._dropped_one:
+                    self._dropped_one = True
+                elif self.withhold_acks:
+                    self._withheld.append((identity, message.seq))
+                else:
+                    self._ack(identity, message.seq)
+
+    def rollouts(self) -> dict[str, list[Segment]]:
+        by_rollout: dict[str, list[Segment]] = defaultdict(list)
+        for segment in self.unique.values():
+            by_rollout[segment.rollout_id].append(segment)
+        return {k: sorted(v, key=lambda s: s.index) for k, v in by_rollout.items()}
+
+    def finished(self) -> int:
+        return sum(1 for s in self.unique.values() if s.final)
