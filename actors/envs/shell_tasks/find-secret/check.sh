@@ -1,0 +1,1 @@
+[ "$(tr -d ' \n' < answer.txt)" = "note-13.txt" ]

@@ -1,0 +1,1 @@
+printf '#!/bin/bash\necho $(( $1 - $2 ))\n' > add.sh
