@@ -84,6 +84,11 @@ class Engine:
     def tokenizer(self) -> Any:
         return self._llm.tokenizer
 
+    @property
+    def llm(self) -> Any:
+        """The underlying ``AsyncLLM`` (benchmarks compare against it raw)."""
+        return self._llm
+
     def device(self) -> str:
         from vllm.platforms import current_platform
 
