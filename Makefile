@@ -22,11 +22,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# The main job so far: build the tiny model, then generate from it with vLLM
-# (CPU build) and check the engine's log-probabilities against transformers.
+# The main job so far: build the tiny model, generate from it with vLLM (CPU
+# build) checking the engine's log-probabilities against transformers, then
+# play one keyvault episode with compaction and show its segments.
 demo: $(STAMP)
 	$(VENV)/bin/compactionrl model init --out runs/demo/model
 	$(VENV)/bin/compactionrl model sample --model runs/demo/model --check
+	$(VENV)/bin/compactionrl play --model runs/demo/model --seed 1 \
+		--actors.compaction.context_tokens 512 --actors.compaction.reserve_tokens 200 \
+		--actors.compaction.max_summary_tokens 64 --actors.sampling.max_turn_tokens 32
 
 test: $(STAMP)
 	$(PY) -m pytest tests

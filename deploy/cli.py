@@ -42,6 +42,14 @@ def _cmd_model_sample(args: argparse.Namespace, overrides: list[str]) -> int:
                   num_prompts=args.num_prompts, check=args.check, as_json=args.json)
 
 
+def _cmd_play(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.play import play
+
+    config = load_config(args.config, overrides)
+    return play(args.model or config.run.model, config.actors, seed=args.seed,
+                greedy=args.greedy, as_json=args.json)
+
+
 def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
     import asyncio
     import logging
@@ -108,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "exit 1 on disagreement")
     sample.add_argument("--json", action="store_true", help="last line: one JSON object")
     sample.set_defaults(handler=_cmd_model_sample)
+
+    play = commands.add_parser(
+        "play", help="run one episode with compaction on the actors' engine and show it")
+    _config_args(play)
+    play.add_argument("--model", default=None, help="model folder (default: run.model)")
+    play.add_argument("--seed", type=int, default=0, help="episode seed")
+    play.add_argument("--greedy", action="store_true", help="temperature 0")
+    play.add_argument("--json", action="store_true", help="last line: one JSON object")
+    play.set_defaults(handler=_cmd_play)
 
     actor = commands.add_parser(
         "actor", help="run one actor: episodes on a vLLM engine, segments to the replay")

@@ -1,0 +1,61 @@
+"""``compactionrl play``: one episode on the actors' engine, shown segment by segment."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from actors.chat import ChatFormat
+from actors.config import ActorConfig
+from actors.context import SegmentData
+from actors.engine import Engine, quiet_vllm_logging
+from actors.envs.base import load_environment
+from actors.episode import EpisodeResult, run_episode
+
+#: Characters of each segment's decoded tail shown in the transcript.
+TAIL_CHARS = 400
+
+
+async def _play(model: str, config: ActorConfig, seed: int, greedy: bool, as_json: bool
+                ) -> EpisodeResult:
+    engine = await Engine.start(model, config.engine, config.sampling)
+    try:
+        chat = ChatFormat(engine.tokenizer, config.compaction, config.environment)
+        environment = load_environment(config.environment.factory, config.environment.options)
+        shown: list[dict] = []
+
+        async def show(task_id: str, segment: SegmentData, result: EpisodeResult | None
+                       ) -> None:
+            entry = {"type": segment.segment_type, "tokens": len(segment.tokens),
+                     "trainable": segment.num_trainable}
+            shown.append(entry)
+            if not as_json:
+                tail = chat.tokenizer.decode(segment.tokens)[-TAIL_CHARS:]
+                print(f"--- segment {len(shown) - 1}: {segment.segment_type}, "
+                      f"{entry['tokens']} tokens, {entry['trainable']} trainable; ends with:")
+                print(tail)
+
+        try:
+            result = await run_episode(engine, environment, chat, config, seed, show,
+                                       greedy=greedy)
+        finally:
+            await environment.close()
+    finally:
+        await engine.shutdown()
+    summary = {"task_id": result.task_id, "outcome": result.outcome, "reward": result.reward,
+               "steps": result.steps, "compactions": result.compactions,
+               "generated_tokens": result.generated_tokens,
+               "summary_tokens": result.summary_tokens, "segments": shown}
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        print(f"=== {result.task_id}: {result.outcome}, reward {result.reward}, "
+              f"{result.steps} steps, {result.compactions} compactions, "
+              f"{result.generated_tokens} generated tokens ({result.summary_tokens} in summaries)")
+    return result
+
+
+def play(model: str, config: ActorConfig, seed: int, greedy: bool, as_json: bool) -> int:
+    quiet_vllm_logging()
+    asyncio.run(_play(model, config, seed, greedy, as_json))
+    return 0
