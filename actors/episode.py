@@ -18,6 +18,7 @@ from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import CompactionContext, CompactionFailed, Generation, SegmentData
 from actors.envs.base import Environment
+from protocol import RolloutStats
 
 #: Per-turn sampling seeds are episode_seed * SEED_STRIDE + turn: reproducible
 #: per episode, distinct across episodes.
@@ -33,17 +34,11 @@ class Policy(Protocol):
 
 @dataclass
 class EpisodeResult:
-    """How an episode ended; sent with its final segment."""
+    """How an episode ended; ``reward`` and ``stats`` travel with its final segment."""
 
     task_id: str
-    outcome: str
     reward: float
-    success: bool
-    steps: int
-    compactions: int
-    generated_tokens: int
-    summary_tokens: int
-    duration_s: float
+    stats: RolloutStats
     summary_seconds: float
     """Time spent generating summaries (stall for the episode)."""
     observations_cut: int
@@ -107,10 +102,11 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
             break
         for segment in closed:
             await emit(task.task_id, segment, None)
-    episode = EpisodeResult(
-        task_id=task.task_id, outcome=outcome, reward=reward, success=success, steps=steps,
-        compactions=context.compactions, generated_tokens=generated,
-        summary_tokens=context.summary_tokens, duration_s=time.monotonic() - start,
-        summary_seconds=summary_seconds, observations_cut=observations_cut)
+    stats = RolloutStats(outcome=outcome, success=success, steps=steps,
+                         compactions=context.compactions, generated_tokens=generated,
+                         summary_tokens=context.summary_tokens,
+                         duration_s=time.monotonic() - start)
+    episode = EpisodeResult(task_id=task.task_id, reward=reward, stats=stats,
+                            summary_seconds=summary_seconds, observations_cut=observations_cut)
     await emit(task.task_id, last if last is not None else context.finish(), episode)
     return episode

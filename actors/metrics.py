@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from protocol import EngineInfo
+from protocol import EngineInfo, RolloutStats
 
 STALL_REASONS = ("weights", "credits", "summary")
 
@@ -57,20 +57,19 @@ class ActorMetrics:
         self.engine_info.labels(engine.device, engine.dtype, str(engine.tensor_parallel),
                                 engine.model).set(1)
 
-    def episode_finished(self, outcome: str, reward: float, success: bool, compactions: int,
-                         summary_tokens: int, generated_tokens: int, summary_seconds: float,
+    def episode_finished(self, reward: float, stats: RolloutStats, summary_seconds: float,
                          observations_cut: int) -> None:
         self._finished += 1
-        self._compactions += compactions
-        self.rollouts.labels(outcome).inc()
-        self.compactions.inc(compactions)
+        self._compactions += stats.compactions
+        self.rollouts.labels(stats.outcome).inc()
+        self.compactions.inc(stats.compactions)
         self.compaction_rate.set(self._compactions / self._finished)
-        self.summary_tokens.inc(summary_tokens)
-        self.generated_tokens.inc(generated_tokens)
+        self.summary_tokens.inc(stats.summary_tokens)
+        self.generated_tokens.inc(stats.generated_tokens)
         self.stall("summary", summary_seconds)
         self.reward.inc(reward)
-        if success:
-            self.successes.labels("true" if compactions else "false").inc()
+        if stats.success:
+            self.successes.labels("true" if stats.compactions else "false").inc()
         self.observations_cut.inc(observations_cut)
 
     def stall(self, reason: str, seconds: float) -> None:

@@ -50,7 +50,6 @@ from protocol import (
     Heartbeat,
     Hello,
     ProtocolError,
-    RolloutStats,
     Segment,
     Stamp,
     Welcome,
@@ -215,17 +214,11 @@ class Actor:
             await self._send_segment(rollout_id, task_id, next(index), segment, result)
 
         result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit)
-        self.metrics.episode_finished(
-            result.outcome, result.reward, result.success, result.compactions,
-            result.summary_tokens, result.generated_tokens, result.summary_seconds,
-            result.observations_cut)
+        self.metrics.episode_finished(result.reward, result.stats, result.summary_seconds,
+                                      result.observations_cut)
 
     async def _send_segment(self, rollout_id: str, task_id: str, index: int, segment: SegmentData,
                       result: EpisodeResult | None) -> None:
-        stats = None if result is None else RolloutStats(
-            outcome=result.outcome, success=result.success, steps=result.steps,
-            compactions=result.compactions, generated_tokens=result.generated_tokens,
-            summary_tokens=result.summary_tokens, duration_s=result.duration_s)
         header = self.stamp.next()
         message = Segment(
             **header, rollout_id=rollout_id, task_id=task_id, index=index,
@@ -235,7 +228,7 @@ class Actor:
             logprobs=Array.from_numpy(np.asarray(segment.logprobs, dtype=np.float32)),
             versions=Array.from_numpy(np.asarray(segment.versions, dtype=np.int32)),
             final=result is not None, reward=None if result is None else result.reward,
-            stats=stats)
+            stats=None if result is None else result.stats)
         frame = encode(message)
         self.state.unacked[header["seq"]] = _Pending(frame, time.monotonic())
         self.state.all_acked.clear()

@@ -66,9 +66,9 @@ async def agent_loop(engine: Engine, episodes: int, concurrency: int
             recorder = Recorder(engine)
             recorders.append(recorder)
             result = await run_episode(recorder, environment, chat, config, seed, ignore)
-            totals["summary_tokens"] += result.summary_tokens
-            totals["generated_tokens"] += result.generated_tokens
-            totals["compactions"] += result.compactions
+            totals["summary_tokens"] += result.stats.summary_tokens
+            totals["generated_tokens"] += result.stats.generated_tokens
+            totals["compactions"] += result.stats.compactions
             totals["summary_s"] += result.summary_seconds
 
     start = time.perf_counter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
+
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import SegmentData
@@ -42,16 +44,14 @@ async def _play(model: str, config: ActorConfig, seed: int, greedy: bool, as_jso
             await environment.close()
     finally:
         await engine.shutdown()
-    summary = {"task_id": result.task_id, "outcome": result.outcome, "reward": result.reward,
-               "steps": result.steps, "compactions": result.compactions,
-               "generated_tokens": result.generated_tokens,
-               "summary_tokens": result.summary_tokens, "segments": shown}
+    stats = result.stats
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps({"task_id": result.task_id, "reward": result.reward,
+                          **msgspec.structs.asdict(stats), "segments": shown}))
     else:
-        print(f"=== {result.task_id}: {result.outcome}, reward {result.reward}, "
-              f"{result.steps} steps, {result.compactions} compactions, "
-              f"{result.generated_tokens} generated tokens ({result.summary_tokens} in summaries)")
+        print(f"=== {result.task_id}: {stats.outcome}, reward {result.reward}, {stats.steps} "
+              f"steps, {stats.compactions} compactions, {stats.generated_tokens} generated "
+              f"tokens ({stats.summary_tokens} in summaries)")
     return result
 
 

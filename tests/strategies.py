@@ -78,13 +78,15 @@ def rollouts(draw) -> Rollout:
         segments=[draw(segments(rollout_id, i, final=i == k - 1)) for i in range(k)])
 
 
+KINDS = ("hello", "welcome", "segment", "ack", "heartbeat", "batch_request", "batch",
+         "weights_announce", "weights_loaded", "error")
+
+
 @st.composite
-def messages(draw):
-    """One valid message of a kind drawn uniformly."""
+def messages(draw, kind: str | None = None):
+    """One valid message of ``kind``, or of a kind drawn uniformly."""
     h = draw(header)
-    kind = draw(st.sampled_from(["hello", "welcome", "segment", "ack", "heartbeat",
-                                 "batch_request", "batch", "weights_announce",
-                                 "weights_loaded", "error"]))
+    kind = kind or draw(st.sampled_from(KINDS))
     if kind == "segment":
         return draw(segments())
     if kind == "hello":

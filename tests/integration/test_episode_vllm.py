@@ -49,12 +49,12 @@ def sampled_episode(actor_engine, engine_loop):
 
 def test_episode_compacts_and_emits_segments_in_order(sampled_episode) -> None:
     emitted, result = sampled_episode
-    assert result.compactions >= 2
+    assert result.stats.compactions >= 2
     kinds = [segment.segment_type for segment, _ in emitted]
-    assert kinds == ["execution", "summary"] * result.compactions + ["execution"]
+    assert kinds == ["execution", "summary"] * result.stats.compactions + ["execution"]
     assert [r is not None for _, r in emitted] == [False] * (len(emitted) - 1) + [True]
     assert all(len(s.tokens) <= 512 for s, _ in emitted)
-    assert sum(s.num_trainable for s, _ in emitted) == result.generated_tokens
+    assert sum(s.num_trainable for s, _ in emitted) == result.stats.generated_tokens
 
 
 def test_behaviour_logprobs_match_transformers(sampled_episode, tiny_model_dir: Path) -> None:
@@ -78,4 +78,4 @@ def test_greedy_episode_is_reproducible_from_its_seed(actor_engine, engine_loop)
     first, result = _episode(actor_engine, engine_loop, seed=11, greedy=True)
     second, _ = _episode(actor_engine, engine_loop, seed=11, greedy=True)
     assert [s.tokens for s, _ in first] == [s.tokens for s, _ in second]
-    assert result.steps > 0
+    assert result.stats.steps > 0

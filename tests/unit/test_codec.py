@@ -22,7 +22,7 @@ from protocol import (
     decode,
     encode,
 )
-from tests.strategies import messages
+from tests.strategies import KINDS, messages
 
 
 def _segment(n: int = 8, **changes) -> Segment:
@@ -45,25 +45,18 @@ def _reencode(frame: bytes, **changes) -> bytes:
     return msgspec.msgpack.encode(raw)
 
 
-@settings(max_examples=300, deadline=None)
-@given(messages())
-def test_every_kind_round_trips(message: Message) -> None:
+def test_strategies_know_every_kind() -> None:
+    assert set(KINDS) == {msgspec.inspect.type_info(t).tag for t in MESSAGE_TYPES}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_every_kind_round_trips(kind: str, data: st.DataObject) -> None:
+    message = data.draw(messages(kind))
     decoded = decode(encode(message))
     assert type(decoded) is type(message)
     assert decoded == message
-
-
-def test_strategies_cover_every_kind() -> None:
-    kinds = {msgspec.inspect.type_info(t).tag for t in MESSAGE_TYPES}
-    seen: set[str] = set()
-
-    @settings(max_examples=200, deadline=None)
-    @given(messages())
-    def collect(message: Message) -> None:
-        seen.add(msgspec.inspect.type_info(type(message)).tag)
-
-    collect()
-    assert seen == kinds
 
 
 def test_decoded_arrays_are_views_of_the_frame() -> None:

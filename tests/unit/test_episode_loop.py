@@ -71,8 +71,8 @@ def play(tokenizer, environment, text: str, config: ActorConfig | None = None
 
 def test_walking_every_room_compacts_and_ends_at_the_answer_prompt(tokenizer) -> None:
     emitted, result = play(tokenizer, KeyVault(), "next")
-    assert result.compactions >= 1
-    assert result.outcome in ("step_limit", "compaction_limit")
+    assert result.stats.compactions >= 1
+    assert result.stats.outcome in ("step_limit", "compaction_limit")
     assert emitted[-1][1] is result
     versions = {v for s, _ in emitted for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
     assert versions == {3}
@@ -80,13 +80,13 @@ def test_walking_every_room_compacts_and_ends_at_the_answer_prompt(tokenizer) ->
 
 def test_an_unparseable_action_is_an_observation(tokenizer) -> None:
     emitted, result = play(tokenizer, KeyVault(), "dance wildly")
-    assert result.outcome != "error" and result.steps > 1
+    assert result.stats.outcome != "error" and result.stats.steps > 1
     assert "unknown command" in tokenizer.decode(emitted[0][0].tokens)
 
 
 def test_observation_larger_than_the_context_is_cut(tokenizer) -> None:
     emitted, result = play(tokenizer, HugeObservations(), "next")
-    assert result.observations_cut == result.steps
+    assert result.observations_cut == result.stats.steps
     assert all(len(s.tokens) <= ActorConfig().compaction.context_tokens for s, _ in emitted)
     assert "[observation cut]" in tokenizer.decode(emitted[0][0].tokens)
 
@@ -94,13 +94,13 @@ def test_observation_larger_than_the_context_is_cut(tokenizer) -> None:
 def test_without_compaction_the_episode_ends_when_the_window_is_full(tokenizer) -> None:
     config = ActorConfig(compaction=CompactionConfig(enabled=False))
     emitted, result = play(tokenizer, HugeObservations(), "next", config)
-    assert result.outcome == "context_full" and result.compactions == 0
+    assert result.stats.outcome == "context_full" and result.stats.compactions == 0
     assert len(emitted) == 1
 
 
 def test_an_environment_failure_ends_the_episode_not_the_actor(tokenizer) -> None:
     emitted, result = play(tokenizer, Broken(), "next")
-    assert result.outcome == "error" and result.reward == 0.0
+    assert result.stats.outcome == "error" and result.reward == 0.0
     assert emitted[-1][1] is result
 
 

@@ -116,5 +116,5 @@ def test_a_perfect_episode_needs_one_to_three_compactions_by_default(tiny_model_
         return None
 
     result = asyncio.run(run_episode(oracle, env, chat, config, seed=2, emit=ignore))
-    assert result.success
-    assert 1 <= result.compactions <= 3
+    assert result.stats.success
+    assert 1 <= result.stats.compactions <= 3
