@@ -266,9 +266,14 @@ class Actor:
                 self._grant(message.credits)
                 self.state.registered.set()
             elif isinstance(message, Error):
+                # a rejection is final: the same bytes would be rejected again
                 self.metrics.errors_received.labels(message.code).inc()
                 log.warning("replay rejected seq %s: %s %s", message.ref_seq, message.code,
                             message.text)
+                if self.state.unacked.pop(message.ref_seq, None) is not None:
+                    self.metrics.unacked_segments.set(len(self.state.unacked))
+                    if not self.state.unacked:
+                        self.state.all_acked.set()
 
     def _grant(self, credits: int) -> None:
         if credits > 0:

@@ -69,6 +69,32 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
     return asyncio.run(Actor(settings).run())
 
 
+def _cmd_replay(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+    import logging
+    import signal
+    import threading
+
+    from replay.service import ReplayService
+
+    config = load_config(args.config, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    vocab_size = config.replay.vocab_size
+    model_config = Path(config.run.model) / "config.json"
+    if not vocab_size and model_config.is_file():
+        vocab_size = json.loads(model_config.read_text())["vocab_size"]
+    service = ReplayService(config.replay, config.transport, run_id=config.run.name,
+                            vocab_size=vocab_size)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        service.serve(stop)
+    finally:
+        service.close()
+    return 0
+
+
 def _cmd_keys_init(args: argparse.Namespace, overrides: list[str]) -> int:
     from protocol.transport import generate_keys
 
@@ -136,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--actor-id", default=None,
                        help="stable id across restarts (default: HOST-actor-INDEX)")
     actor.set_defaults(handler=_cmd_actor)
+
+    replay = commands.add_parser(
+        "replay", help="run the replay service: segment ingest, rollout assembly, batches")
+    _config_args(replay)
+    replay.set_defaults(handler=_cmd_replay)
 
     keys = commands.add_parser("keys", help="CURVE keys for authenticated sockets")
     keys_sub = keys.add_subparsers(dest="action", required=True)

@@ -102,6 +102,8 @@ class Welcome(Message, tag="welcome"):
     heartbeat_interval_s: float
     heartbeat_liveness: int
     max_staleness: int
+    rollouts_per_batch: int
+    """B: the batch size the learner should request."""
     credits: int
     """Rollouts the actor may start now (more arrive with each ``Ack``)."""
 

@@ -34,6 +34,10 @@ class ReplayConfig:
     """fsync the log after every batch of writes, or every fsync_interval_s."""
     fsync_interval_s: float = 1.0
     """Used with fsync = "interval"."""
+    log_path: str = "runs/replay/segments.log"
+    """The durable log (with durable_log = true)."""
+    vocab_size: int = 0
+    """Token ids must be below this; 0 = read it from run.model's config.json."""
     metrics_port: int = 9100
     """Prometheus port (0 = off)."""
 

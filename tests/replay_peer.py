@@ -73,7 +73,7 @@ class ReplayPeer:
                 self.socket.send_multipart([identity, encode(Welcome(
                     **self._stamp.next(), run_id="test", policy_version=0,
                     heartbeat_interval_s=1.0, heartbeat_liveness=5, max_staleness=2,
-                    credits=self.credits_on_welcome))])
+                    rollouts_per_batch=4, credits=self.credits_on_welcome))])
             elif isinstance(message, Heartbeat):
                 self.heartbeats += 1
             elif isinstance(message, Segment):

@@ -96,7 +96,8 @@ def messages(draw, kind: str | None = None):
     if kind == "welcome":
         return Welcome(**h, run_id=draw(ids), policy_version=draw(counts),
                        heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts),
-                       max_staleness=draw(counts), credits=draw(counts))
+                       max_staleness=draw(counts), rollouts_per_batch=draw(counts),
+                       credits=draw(counts))
     if kind == "ack":
         return Ack(**h, stored_seqs=draw(st.lists(counts, max_size=20)), credits=draw(counts),
                    policy_version=draw(counts))

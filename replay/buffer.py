@@ -1,0 +1,169 @@
+"""Rollout assembly and staleness-aware serving, as a plain data structure.
+
+Segments arrive in any order, possibly twice. A rollout is *pending* until
+its final segment has arrived and no index below it is missing; then it is
+*ready*. Pending rollouts expire (their actor died, or they grew too old);
+ready rollouts beyond the staleness bound are dropped when the learner's
+version moves. Nothing is served twice: a rollout leaves the buffer when it
+is served or dropped, and late segments of it are recognised and ignored.
+
+Serving order (``serve_order``): ``fifo`` serves the rollouts that became
+ready first; ``freshest`` serves those with the newest oldest-token version
+first (least stale), ties by readiness.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from protocol import Rollout, Segment
+
+#: Remember this many served or dropped rollout ids, so late resends of
+#: their segments are recognised instead of starting a ghost rollout.
+RELEASED_MEMORY = 100_000
+
+
+@dataclass
+class StoredSegment:
+    segment: Segment
+    frame: bytes | memoryview
+    """The wire frame (kept for log compaction; the arrays are views into it)."""
+    min_version: int | None
+    """Oldest policy version among its trainable tokens (None: none trainable)."""
+
+    @classmethod
+    def of(cls, segment: Segment, frame: bytes | memoryview) -> StoredSegment:
+        mask = segment.loss_mask.numpy().view(np.bool_)
+        versions = segment.versions.numpy()[mask]
+        return cls(segment, frame, int(versions.min()) if versions.size else None)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.frame)
+
+
+@dataclass
+class RolloutEntry:
+    rollout_id: str
+    actor_id: str
+    incarnation: int
+    first_seen: float
+    segments: dict[int, StoredSegment] = field(default_factory=dict)
+    final_index: int | None = None
+    ready_at: float | None = None
+    nbytes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.final_index is not None and len(self.segments) == self.final_index + 1
+
+    @property
+    def min_version(self) -> int | None:
+        versions = [s.min_version for s in self.segments.values() if s.min_version is not None]
+        return min(versions) if versions else None
+
+    def staleness(self, learner_version: int) -> int:
+        oldest = self.min_version
+        return 0 if oldest is None else learner_version - oldest
+
+
+AddResult = Literal["stored", "late", "conflict"]
+
+
+class RolloutBuffer:
+    def __init__(self, max_staleness: int, serve_order: Literal["fifo", "freshest"],
+                 rollout_timeout_s: float) -> None:
+        self.max_staleness = max_staleness
+        self.serve_order = serve_order
+        self.rollout_timeout_s = rollout_timeout_s
+        self.pending: dict[str, RolloutEntry] = {}
+        self.ready: dict[str, RolloutEntry] = {}  # insertion order = readiness order
+        self.nbytes = 0
+        self._released: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, segment: Segment, frame: bytes | memoryview, now: float) -> AddResult:
+        """Store a segment. ``late``: its rollout was already served or dropped.
+        ``conflict``: another segment already holds this index, or a second
+        final segment arrived: the rollout is inconsistent (the caller drops it)."""
+        if segment.rollout_id in self._released or segment.rollout_id in self.ready:
+            return "late"
+        entry = self.pending.get(segment.rollout_id)
+        if entry is None:
+            entry = self.pending[segment.rollout_id] = RolloutEntry(
+                segment.rollout_id, segment.sender_id, segment.incarnation, now)
+        if segment.index in entry.segments or (
+                segment.final and entry.final_index is not None) or (
+                entry.final_index is not None and segment.index > entry.final_index) or (
+                segment.final and any(i > segment.index for i in entry.segments)):
+            return "conflict"
+        stored = StoredSegment.of(segment, frame)
+        entry.segments[segment.index] = stored
+        entry.nbytes += stored.nbytes
+        self.nbytes += stored.nbytes
+        if segment.final:
+            entry.final_index = segment.index
+        return "stored"
+
+    def promote(self, rollout_id: str, now: float) -> RolloutEntry | None:
+        """Move the rollout to ready if it is complete; returns it if so."""
+        entry = self.pending.get(rollout_id)
+        if entry is None or not entry.complete:
+            return None
+        del self.pending[rollout_id]
+        entry.ready_at = now
+        self.ready[rollout_id] = entry
+        return entry
+
+    def remove(self, rollout_id: str) -> RolloutEntry | None:
+        """Drop a rollout wherever it is, remembering its id."""
+        entry = self.pending.pop(rollout_id, None) or self.ready.pop(rollout_id, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+            self._remember(rollout_id)
+        return entry
+
+    def _remember(self, rollout_id: str) -> None:
+        self._released[rollout_id] = None
+        if len(self._released) > RELEASED_MEMORY:
+            self._released.popitem(last=False)
+
+    def expired(self, now: float, dead: set[tuple[str, int]]) -> list[RolloutEntry]:
+        """Pending rollouts whose actor incarnation is dead or that are older
+        than the timeout (not yet removed)."""
+        return [e for e in self.pending.values()
+                if (e.actor_id, e.incarnation) in dead
+                or now - e.first_seen > self.rollout_timeout_s]
+
+    def stale(self, learner_version: int) -> list[RolloutEntry]:
+        """Ready rollouts beyond the staleness bound (not yet removed)."""
+        return [e for e in self.ready.values()
+                if e.staleness(learner_version) > self.max_staleness]
+
+    def take(self, size: int, learner_version: int) -> list[RolloutEntry]:
+        """Remove and return ``size`` ready rollouts in serving order (the
+        caller has dropped stale ones first). Empty if fewer are ready."""
+        if len(self.ready) < size:
+            return []
+        if self.serve_order == "fifo":
+            chosen = list(self.ready)[:size]
+        else:
+            chosen = [e.rollout_id for e in heapq.nlargest(
+                size, self.ready.values(),
+                key=lambda e: (e.min_version if e.min_version is not None else learner_version,
+                               -e.ready_at))]
+        return [self.remove(rollout_id) for rollout_id in chosen]
+
+    def live_frames(self) -> list[bytes | memoryview]:
+        """Frames of every stored segment (what log compaction keeps)."""
+        return [s.frame for entries in (self.pending, self.ready) for e in entries.values()
+                for s in e.segments.values()]
+
+
+def to_rollout(entry: RolloutEntry, learner_version: int) -> Rollout:
+    return Rollout(rollout_id=entry.rollout_id, staleness=entry.staleness(learner_version),
+                   segments=[entry.segments[i].segment for i in range(len(entry.segments))])

@@ -1,0 +1,99 @@
+"""Credits: how many rollouts actors may start (DESIGN §3.3).
+
+Semantics (Reverb-style rate limiting, in rollouts):
+
+- ``B`` = rollouts per learner batch, ``S`` = max staleness, ``v`` = batches
+  the learner has consumed since this replay started (one per learner step,
+  so the learner version advances with it; counted as rollouts served / B).
+- *accepted* = rollouts that completed and were kept (served or waiting);
+  rollouts dropped as stale, expired or over the memory bound are not
+  counted. *running* = credits granted and not yet returned as a finished
+  (or expired) rollout: started or about to start.
+- Invariant: ``accepted + running <= (S + v + 1) * B``. Every rollout that
+  will be trained was started at most ``S + 1`` batches ahead of the learner.
+- Memory: no credit while ``buffer bytes + running * estimated rollout bytes``
+  would exceed ``max_buffer_bytes``, except the one that keeps the learner
+  fed (below). Ingest enforces the byte bound itself.
+- No deadlock: whenever the learner waits (fewer than B ready) and nothing is
+  running, at least one credit is available: ``(S + v + 1) * B - accepted >=
+  (S + 1) * B - ready >= S * B + 1 >= 1``, and the memory rule yields to it.
+
+Usage::
+
+    pacer = CreditPacer(rollouts_per_batch=8, max_staleness=2, max_buffer_bytes=1 << 30)
+    n = pacer.grant("actor-1", wanted=4, buffer_bytes=buffer.nbytes, ready=buffer.ready_count)
+    pacer.finished("actor-1", accepted=True, rollout_bytes=123_456)
+    pacer.consumed(8)
+"""
+
+from __future__ import annotations
+
+#: Until rollouts have been seen, assume this size for the memory rule.
+INITIAL_ROLLOUT_BYTES = 256 * 1024
+
+
+class CreditPacer:
+    def __init__(self, rollouts_per_batch: int, max_staleness: int, max_buffer_bytes: int
+                 ) -> None:
+        if rollouts_per_batch < 1 or max_staleness < 0 or max_buffer_bytes < 1:
+            raise ValueError("rollouts_per_batch >= 1, max_staleness >= 0, max_buffer_bytes >= 1")
+        self.batch = rollouts_per_batch
+        self.max_staleness = max_staleness
+        self.max_buffer_bytes = max_buffer_bytes
+        self.rollouts_consumed = 0
+        self.accepted = 0
+        self.outstanding: dict[str, int] = {}
+        self._bytes_seen = 0
+        self._rollouts_seen = 0
+
+    @property
+    def running(self) -> int:
+        return sum(self.outstanding.values())
+
+    @property
+    def estimated_rollout_bytes(self) -> int:
+        if not self._rollouts_seen:
+            return INITIAL_ROLLOUT_BYTES
+        return max(1, self._bytes_seen // self._rollouts_seen)
+
+    def available(self, buffer_bytes: int, ready: int) -> int:
+        """Credits that may be granted now, to anyone."""
+        by_staleness = ((self.max_staleness + 1) * self.batch + self.rollouts_consumed
+                        - self.accepted - self.running)
+        free = self.max_buffer_bytes - buffer_bytes
+        by_memory = free // self.estimated_rollout_bytes - self.running
+        if ready < self.batch and self.running == 0 and free > 0:
+            by_memory = max(by_memory, 1)  # never starve a waiting learner
+        return max(0, min(by_staleness, by_memory))
+
+    def grant(self, actor: str, wanted: int, buffer_bytes: int, ready: int) -> int:
+        """Grant up to ``wanted`` credits to ``actor``; returns how many."""
+        granted = max(0, min(wanted, self.available(buffer_bytes, ready)))
+        if granted:
+            self.outstanding[actor] = self.outstanding.get(actor, 0) + granted
+        return granted
+
+    def finished(self, actor: str, accepted: bool, rollout_bytes: int = 0) -> None:
+        """A rollout of ``actor`` completed (``accepted``) or was lost."""
+        if self.outstanding.get(actor, 0) > 0:
+            self.outstanding[actor] -= 1
+        if accepted:
+            self.accepted += 1
+            self._bytes_seen += rollout_bytes
+            self._rollouts_seen += 1
+
+    def dropped(self) -> None:
+        """An accepted rollout will never be trained (stale): its place frees up."""
+        self.accepted -= 1
+
+    def consumed(self, rollouts: int) -> None:
+        """The learner took ``rollouts`` (a batch)."""
+        self.rollouts_consumed += rollouts
+
+    @property
+    def batches_consumed(self) -> float:
+        return self.rollouts_consumed / self.batch
+
+    def forget(self, actor: str) -> int:
+        """The actor is gone: its unreturned credits are void. Returns how many."""
+        return self.outstanding.pop(actor, 0)

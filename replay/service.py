@@ -1,0 +1,427 @@
+"""The replay service: segment ingest, rollout assembly, pacing, batches.
+
+One thread, one poll loop over two ROUTER sockets (actors, learner). Each
+turn of the loop reads up to :data:`INGEST_BATCH` actor messages, writes the
+accepted segments to the durable log, makes them durable (fsync policy), and
+only then acknowledges them, with credits. Learner ``BatchRequest``s are
+parked until enough ready rollouts exist, then answered with a ``Batch``.
+
+Every message from a peer is checked: undecodable frames, a ``sender_id``
+that is not the socket identity, an old incarnation, segment contents outside
+the vocabulary or the version window: each gets an ``Error`` reply and a
+counter, never a crash.
+
+Usage::
+
+    service = ReplayService(config.replay, config.transport)
+    service.serve(stop_event)      # until stop_event is set
+    service.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from ops.metrics import MetricsServer
+from protocol import (
+    Ack,
+    Batch,
+    BatchRequest,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Reason,
+    Segment,
+    StalenessStats,
+    Stamp,
+    Welcome,
+    decode,
+    encode,
+)
+from protocol.transport import Authenticator, Liveness, TransportConfig, bind_router
+from protocol.validation import check_segment_content
+from replay.buffer import RolloutBuffer, RolloutEntry, to_rollout
+from replay.config import ReplayConfig
+from replay.log import RELEASED, SEGMENT, DurableLog
+from replay.metrics import ReplayMetrics
+from replay.pacing import CreditPacer
+
+log = logging.getLogger("compactionrl.replay")
+
+#: Actor messages handled per loop turn: one fsync covers them all.
+INGEST_BATCH = 256
+#: Poll timeout: how late periodic work (expiry, liveness, interval fsync) may run.
+POLL_MS = 100
+#: Seconds between periodic checks.
+TICK_S = 0.5
+#: Sequence numbers remembered per sender for duplicate detection, beyond the
+#: newest: resends come within seconds, so this window is generous.
+DEDUP_WINDOW = 1 << 20
+#: Compact the log once this many bytes in it are dead and they outweigh the live ones.
+COMPACT_MIN_BYTES = 64 * 1024 * 1024
+#: Credits an actor may hold when it did not say its capacity (no Hello seen).
+DEFAULT_CAPACITY = 1
+
+
+@dataclass
+class _Peer:
+    actor_id: str
+    incarnation: int
+    capacity: int = DEFAULT_CAPACITY
+
+
+class _SeenSeqs:
+    """Seqs seen per (sender, incarnation), bounded by a window behind the newest."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], set[int]] = defaultdict(set)
+        self._newest: dict[tuple[str, int], int] = {}
+
+    def __contains__(self, key: tuple[str, int, int]) -> bool:
+        sender, incarnation, seq = key
+        return seq in self._seen.get((sender, incarnation), ())
+
+    def add(self, key: tuple[str, int, int]) -> None:
+        sender, incarnation, seq = key
+        seen = self._seen[(sender, incarnation)]
+        seen.add(seq)
+        newest = max(self._newest.get((sender, incarnation), seq), seq)
+        self._newest[(sender, incarnation)] = newest
+        if len(seen) > 2 * DEDUP_WINDOW:
+            self._seen[(sender, incarnation)] = {s for s in seen if s > newest - DEDUP_WINDOW}
+
+
+class ReplayService:
+    def __init__(self, config: ReplayConfig, transport: TransportConfig, run_id: str = "run",
+                 vocab_size: int | None = None) -> None:
+        self.config = config
+        self.transport = transport
+        self.run_id = run_id
+        self.vocab_size = vocab_size or config.vocab_size or 2**31 - 1
+        self.metrics = ReplayMetrics()
+        self.buffer = RolloutBuffer(config.max_staleness, config.serve_order,
+                                    config.rollout_timeout_s)
+        self.pacer = CreditPacer(config.rollouts_per_batch, config.max_staleness,
+                                 config.max_buffer_bytes)
+        self.seen = _SeenSeqs()
+        self.peers: dict[bytes, _Peer] = {}
+        self.current_incarnation: dict[str, int] = {}
+        self.liveness = Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness)
+        self.learner_version = 0
+        self.learner_seen = False
+        self.compact_min_bytes = COMPACT_MIN_BYTES
+        self._stamp = Stamp("replay", time.time_ns())
+        self._parked: list[tuple[bytes, BatchRequest]] = []
+        self._context = zmq.Context()
+        self._auth = Authenticator(self._context, transport.curve)
+        self.actor_socket = bind_router(self._context, config.actor_address, transport)
+        self.learner_socket = bind_router(self._context, config.learner_address, transport)
+        self.log: DurableLog | None = None
+        if config.durable_log:
+            self.log = DurableLog(Path(config.log_path), config.fsync, config.fsync_interval_s)
+            self._recover()
+        self._metrics_server = MetricsServer(self.metrics.registry, config.metrics_port,
+                                             transport.metrics_address)
+        self._update_gauges()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _recover(self) -> None:
+        now = time.monotonic()
+        recovered = 0
+        for kind, payload in self.log.recover():
+            if kind == SEGMENT:
+                segment = decode(payload, self.transport.max_message_bytes)
+                self.seen.add((segment.sender_id, segment.incarnation, segment.seq))
+                if self.buffer.add(segment, payload, now) == "stored":
+                    recovered += 1
+                    if self.buffer.promote(segment.rollout_id, now) is not None:
+                        self.pacer.accepted += 1
+            elif kind == RELEASED:
+                entry = self.buffer.remove(payload.decode())
+                if entry is not None and entry.ready_at is not None:
+                    self.pacer.accepted -= 1
+        # recovered pending rollouts may still complete: their actors resend or go on
+        self.metrics.recovered_segments.inc(recovered)
+        log.info("recovered %d segments: %d rollouts ready, %d pending", recovered,
+                 len(self.buffer.ready), len(self.buffer.pending))
+
+    def serve(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self.actor_socket, zmq.POLLIN)
+        poller.register(self.learner_socket, zmq.POLLIN)
+        next_tick = time.monotonic() + TICK_S
+        while not stop.is_set():
+            events = dict(poller.poll(POLL_MS))
+            if self.actor_socket in events:
+                self._ingest()
+            if self.learner_socket in events:
+                self._serve_learner()
+            if time.monotonic() >= next_tick:
+                self._tick()
+                next_tick = time.monotonic() + TICK_S
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+        self.actor_socket.close(linger=0)
+        self.learner_socket.close(linger=0)
+        self._auth.stop()
+        self._context.term()
+        self._metrics_server.close()
+
+    # ------------------------------------------------------------------ actors
+
+    def _ingest(self) -> None:
+        acks: dict[bytes, list[int]] = defaultdict(list)
+        touched: set[bytes] = set()
+        now = time.monotonic()
+        for _ in range(INGEST_BATCH):
+            try:
+                identity, frame = self.actor_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            except ValueError:  # not exactly [identity, frame]
+                self.metrics.rejected.labels(Reason.MALFORMED.value).inc()
+                continue
+            identity = identity.bytes
+            message = self._decode_from(identity, frame.bytes)
+            if message is not None:
+                touched.add(identity)
+                self._handle_actor(identity, message, frame.bytes, acks, now)
+        if self.log is not None and acks:
+            self.log.sync()
+        for identity in touched:
+            peer = self.peers.get(identity)
+            seqs = acks.get(identity, [])
+            credits = self._top_up(identity) if peer is not None else 0
+            if seqs or credits:
+                self._send(self.actor_socket, identity, Ack(
+                    **self._stamp.next(), stored_seqs=seqs, credits=credits,
+                    policy_version=self.learner_version))
+        self._try_serve_parked()
+
+    def _decode_from(self, identity: bytes, frame: bytes) -> Message | None:
+        try:
+            message = decode(frame, self.transport.max_message_bytes)
+        except ProtocolError as exc:
+            self._reject(self.actor_socket, identity, exc.reason.value, str(exc), None)
+            return None
+        if message.sender_id.encode() != identity:
+            self._reject(self.actor_socket, identity, "identity",
+                         "sender_id differs from the connection's identity", message.seq)
+            return None
+        return message
+
+    def _handle_actor(self, identity: bytes, message: Message, frame: bytes,
+                      acks: dict[bytes, list[int]], now: float) -> None:
+        actor_id, incarnation = message.sender_id, message.incarnation
+        current = self.current_incarnation.get(actor_id)
+        if current is not None and incarnation < current:
+            self._reject(self.actor_socket, identity, "stale_incarnation",
+                         f"incarnation {incarnation} was replaced by {current}", message.seq)
+            return
+        if current is not None and incarnation > current:
+            self._actor_gone(identity, actor_id, current)  # restarted: the old one is dead
+        self.current_incarnation[actor_id] = incarnation
+        peer = self.peers.setdefault(identity, _Peer(actor_id, incarnation))
+        peer.incarnation = incarnation
+        self.liveness.seen(identity)
+        if isinstance(message, Hello):
+            peer.capacity = max(1, message.capacity)
+            self._send(self.actor_socket, identity, Welcome(
+                **self._stamp.next(), run_id=self.run_id, policy_version=self.learner_version,
+                heartbeat_interval_s=self.transport.heartbeat_interval_s,
+                heartbeat_liveness=self.transport.heartbeat_liveness,
+                max_staleness=self.config.max_staleness,
+                rollouts_per_batch=self.config.rollouts_per_batch,
+                credits=self._top_up(identity)))
+        elif isinstance(message, Segment):
+            self._ingest_segment(identity, message, frame, acks, now)
+        elif not isinstance(message, Heartbeat):
+            self._reject(self.actor_socket, identity, "unexpected",
+                         f"{type(message).__name__} is not for the actor socket", message.seq)
+
+    def _ingest_segment(self, identity: bytes, segment: Segment, frame: bytes,
+                        acks: dict[bytes, list[int]], now: float) -> None:
+        key = (segment.sender_id, segment.incarnation, segment.seq)
+        if key in self.seen:
+            self.metrics.segments.labels("duplicate").inc()
+            acks[identity].append(segment.seq)
+            return
+        try:
+            newest = self.learner_version if self.learner_seen else 2**31 - 1
+            check_segment_content(segment, vocab_size=self.vocab_size, oldest_version=0,
+                                  newest_version=newest)
+        except ProtocolError as exc:
+            self._reject(self.actor_socket, identity, exc.reason.value, str(exc), segment.seq)
+            self.metrics.segments.labels("rejected").inc()
+            return
+        if self.buffer.nbytes + len(frame) > self.config.max_buffer_bytes:
+            self._drop(segment.rollout_id, "full")
+            self._reject(self.actor_socket, identity, "full",
+                         "replay buffer at its memory bound: rollout dropped", segment.seq)
+            self.metrics.segments.labels("rejected").inc()
+            return
+        result = self.buffer.add(segment, frame, now)
+        if result == "conflict":
+            self._drop(segment.rollout_id, "invalid")
+            self._reject(self.actor_socket, identity, Reason.INVALID.value,
+                         "segment index conflicts with the rollout's segments", segment.seq)
+            self.metrics.segments.labels("rejected").inc()
+            return
+        self.seen.add(key)
+        acks[identity].append(segment.seq)
+        if result == "late":  # its rollout was served or dropped already
+            self.metrics.segments.labels("duplicate").inc()
+            return
+        self.metrics.segments.labels("accepted").inc()
+        if self.log is not None:
+            self.log.append_segment(frame)
+        entry = self.buffer.promote(segment.rollout_id, now)
+        if entry is not None:
+            self.pacer.finished(entry.actor_id, accepted=True, rollout_bytes=entry.nbytes)
+
+    def _top_up(self, identity: bytes) -> int:
+        peer = self.peers[identity]
+        wanted = peer.capacity - self.pacer.outstanding.get(peer.actor_id, 0)
+        granted = self.pacer.grant(peer.actor_id, wanted, self.buffer.nbytes,
+                                   len(self.buffer.ready))
+        self.metrics.credits_granted.inc(granted)
+        return granted
+
+    def _actor_gone(self, identity: bytes, actor_id: str, incarnation: int) -> None:
+        for entry in self.buffer.expired(time.monotonic(), {(actor_id, incarnation)}):
+            self._drop(entry.rollout_id, "expired")
+        self.pacer.forget(actor_id)
+        self.liveness.forget(identity)
+
+    # ------------------------------------------------------------------ learner
+
+    def _serve_learner(self) -> None:
+        while True:
+            try:
+                identity, frame = self.learner_socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except ValueError:
+                self.metrics.rejected.labels(Reason.MALFORMED.value).inc()
+                continue
+            try:
+                message = decode(frame, self.transport.max_message_bytes)
+            except ProtocolError as exc:
+                self._reject(self.learner_socket, identity, exc.reason.value, str(exc), None)
+                continue
+            if isinstance(message, Hello):
+                self._send(self.learner_socket, identity, Welcome(
+                    **self._stamp.next(), run_id=self.run_id,
+                    policy_version=self.learner_version,
+                    heartbeat_interval_s=self.transport.heartbeat_interval_s,
+                    heartbeat_liveness=self.transport.heartbeat_liveness,
+                    max_staleness=self.config.max_staleness,
+                    rollouts_per_batch=self.config.rollouts_per_batch, credits=0))
+            elif isinstance(message, BatchRequest) and message.size >= 1:
+                self._set_learner_version(message.policy_version)
+                self._parked = [(i, r) for i, r in self._parked if i != identity]
+                self._parked.append((identity, message))
+            elif not isinstance(message, Heartbeat):
+                self._reject(self.learner_socket, identity, "unexpected",
+                             f"{type(message).__name__} is not for the learner socket",
+                             message.seq)
+        self._try_serve_parked()
+
+    def _set_learner_version(self, version: int) -> None:
+        self.learner_seen = True
+        if version > self.learner_version:
+            self.learner_version = version
+            self.metrics.learner_version.set(version)
+        for entry in self.buffer.stale(self.learner_version):
+            self._drop(entry.rollout_id, "stale")
+
+    def _try_serve_parked(self) -> None:
+        while self._parked:
+            identity, request = self._parked[0]
+            entries = self.buffer.take(request.size, self.learner_version)
+            if not entries:
+                return
+            self._parked.pop(0)
+            for entry in entries:
+                self._release(entry)
+            self.pacer.consumed(len(entries))
+            staleness = np.array([e.staleness(self.learner_version) for e in entries])
+            for value in staleness:
+                self.metrics.staleness.observe(value)
+            self.metrics.batches.inc()
+            self._send(self.learner_socket, identity, Batch(
+                **self._stamp.next(), policy_version=self.learner_version,
+                rollouts=[to_rollout(e, self.learner_version) for e in entries],
+                staleness=StalenessStats(
+                    min=int(staleness.min()), max=int(staleness.max()),
+                    mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
+                    p95=float(np.percentile(staleness, 95)))))
+
+    # ------------------------------------------------------------------ shared
+
+    def _release(self, entry: RolloutEntry) -> None:
+        if self.log is not None:
+            self.log.append_released(entry.rollout_id, entry.nbytes)
+
+    def _drop(self, rollout_id: str, reason: str) -> None:
+        entry = self.buffer.remove(rollout_id)
+        if entry is None:
+            return
+        self.metrics.dropped.labels(reason).inc()
+        if entry.ready_at is not None:
+            self.pacer.dropped()
+        else:
+            self.pacer.finished(entry.actor_id, accepted=False)
+        self._release(entry)
+
+    def _reject(self, socket: zmq.Socket, identity: bytes, code: str, text: str,
+                ref_seq: int | None) -> None:
+        self.metrics.rejected.labels(code).inc()
+        self._send(socket, identity, Error(**self._stamp.next(), code=code, text=text[:500],
+                                           ref_seq=ref_seq))
+
+    def _send(self, socket: zmq.Socket, identity: bytes, message: Message) -> None:
+        try:
+            socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
+            log.debug("cannot reply to %r: %s", identity, exc)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for identity in self.liveness.expire(now):
+            peer = self.peers.pop(identity, None)
+            if peer is not None:
+                log.info("actor %s (incarnation %d) is silent: declared dead", peer.actor_id,
+                         peer.incarnation)
+                self._actor_gone(identity, peer.actor_id, peer.incarnation)
+        for entry in self.buffer.expired(now, set()):
+            self._drop(entry.rollout_id, "expired")
+        if self.log is not None:
+            self.log.sync()
+            live = self.buffer.nbytes
+            if self.log.released_bytes > max(self.compact_min_bytes, live):
+                self.log.compact(self.buffer.live_frames())
+        self._update_gauges()
+        self._try_serve_parked()
+
+    def _update_gauges(self) -> None:
+        self.metrics.rollouts.labels("pending").set(len(self.buffer.pending))
+        self.metrics.rollouts.labels("ready").set(len(self.buffer.ready))
+        self.metrics.buffer_bytes.set(self.buffer.nbytes)
+        self.metrics.credits_outstanding.set(self.pacer.running)
+        self.metrics.actors_alive.set(len(self.liveness.alive()))
+        if self.log is not None:
+            self.metrics.log_bytes.set(self.log.bytes_written)

@@ -1,0 +1,103 @@
+"""Credit pacing: the staleness bound and freedom from deadlock, over random
+interleavings of grants, finishes, drops and learner steps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from replay.pacing import CreditPacer
+
+ACTORS = ("a", "b", "c")
+
+
+class PacingModel(RuleBasedStateMachine):
+    """Actors start rollouts only with credits; the learner takes B when B are ready."""
+
+    @initialize(batch=st.integers(1, 6), staleness=st.integers(0, 3),
+                rollout_bytes=st.integers(1_000, 50_000), memory_rollouts=st.integers(0, 40))
+    def setup(self, batch: int, staleness: int, rollout_bytes: int, memory_rollouts: int) -> None:
+        self.batch, self.staleness, self.rollout_bytes = batch, staleness, rollout_bytes
+        # the config check guarantees room for (S + 1) * B rollouts
+        capacity = ((staleness + 1) * batch + memory_rollouts) * rollout_bytes
+        self.pacer = CreditPacer(batch, staleness, capacity)
+        self.credits = dict.fromkeys(ACTORS, 0)   # held by actors, not started
+        self.running = dict.fromkeys(ACTORS, 0)   # started, not finished
+        self.ready = 0
+        self.buffer_bytes = 0
+        self.started = 0
+
+    @rule(actor=st.sampled_from(ACTORS), wanted=st.integers(1, 8))
+    def ask(self, actor: str, wanted: int) -> None:
+        self.credits[actor] += self.pacer.grant(actor, wanted, self.buffer_bytes, self.ready)
+
+    @rule(actor=st.sampled_from(ACTORS))
+    def start(self, actor: str) -> None:
+        if self.credits[actor]:
+            self.credits[actor] -= 1
+            self.running[actor] += 1
+            self.started += 1
+
+    @rule(actor=st.sampled_from(ACTORS), kept=st.booleans())
+    def finish(self, actor: str, kept: bool) -> None:
+        if self.running[actor]:
+            self.running[actor] -= 1
+            self.pacer.finished(actor, accepted=kept, rollout_bytes=self.rollout_bytes)
+            if kept:
+                self.ready += 1
+                self.buffer_bytes += self.rollout_bytes
+
+    @rule()
+    def drop_stale(self) -> None:
+        if self.ready:
+            self.ready -= 1
+            self.buffer_bytes -= self.rollout_bytes
+            self.pacer.dropped()
+
+    @rule()
+    def learner_step(self) -> None:
+        if self.ready >= self.batch:
+            self.ready -= self.batch
+            self.buffer_bytes -= self.batch * self.rollout_bytes
+            self.pacer.consumed(self.batch)
+
+    @rule(actor=st.sampled_from(ACTORS))
+    def actor_dies(self, actor: str) -> None:
+        self.pacer.forget(actor)
+        self.credits[actor] = self.running[actor] = 0
+
+    @invariant()
+    def staleness_bound(self) -> None:
+        in_flight = sum(self.credits.values()) + sum(self.running.values())
+        assert self.pacer.accepted + in_flight <= (
+            (self.staleness + self.pacer.batches_consumed + 1) * self.batch)
+
+    @invariant()
+    def no_deadlock(self) -> None:
+        idle = not any(self.credits.values()) and not any(self.running.values())
+        if idle and self.ready < self.batch:
+            assert self.pacer.available(self.buffer_bytes, self.ready) >= 1
+
+    @invariant()
+    def memory_bound(self) -> None:
+        assert self.buffer_bytes <= self.pacer.max_buffer_bytes
+
+
+TestPacing = PacingModel.TestCase
+TestPacing.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+def test_incoherent_pacer_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        CreditPacer(rollouts_per_batch=0, max_staleness=1, max_buffer_bytes=10)
+    with pytest.raises(ValueError):
+        CreditPacer(rollouts_per_batch=1, max_staleness=-1, max_buffer_bytes=10)
+
+
+@given(st.integers(1, 8), st.integers(0, 4))
+def test_fresh_pacer_grants_exactly_the_window(batch: int, staleness: int) -> None:
+    pacer = CreditPacer(batch, staleness, 1 << 40)
+    assert pacer.grant("a", 10_000, 0, 0) == (staleness + 1) * batch
+    assert pacer.grant("b", 1, 0, 0) == 0

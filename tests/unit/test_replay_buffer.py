@@ -1,0 +1,98 @@
+"""Rollout assembly, expiry, staleness and serving order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocol import Array, Segment
+from replay.buffer import RolloutBuffer, to_rollout
+
+_seq = iter(range(10**9))
+
+
+def segment(rollout: str, index: int, final: bool = False, version: int = 5,
+            actor: str = "a", incarnation: int = 1, n: int = 4) -> Segment:
+    def array(values, dtype):
+        return Array.from_numpy(np.asarray(values, dtype=dtype))
+
+    return Segment(sender_id=actor, incarnation=incarnation, seq=next(_seq), sent_at=0.0,
+                   rollout_id=rollout, task_id="t", index=index, segment_type="execution",
+                   tokens=array(range(n), "int32"), loss_mask=array([0, 1] * (n // 2), "uint8"),
+                   logprobs=array([0.0, -1.0] * (n // 2), "float32"),
+                   versions=array([-1, version] * (n // 2), "int32"), final=final,
+                   reward=1.0 if final else None)
+
+
+def add(buffer: RolloutBuffer, seg: Segment, now: float = 0.0) -> str:
+    result = buffer.add(seg, b"x" * 100, now)
+    buffer.promote(seg.rollout_id, now)
+    return result
+
+
+def buffer(**changes) -> RolloutBuffer:
+    values = dict(max_staleness=2, serve_order="fifo", rollout_timeout_s=60.0)
+    values.update(changes)
+    return RolloutBuffer(**values)
+
+
+def test_rollout_is_ready_only_when_final_and_complete() -> None:
+    b = buffer()
+    add(b, segment("r", 2, final=True))
+    add(b, segment("r", 0))
+    assert "r" in b.pending and not b.ready
+    add(b, segment("r", 1))
+    assert "r" in b.ready and not b.pending
+    assert [s.index for s in to_rollout(b.ready["r"], 5).segments] == [0, 1, 2]
+    assert b.nbytes == 300
+
+
+@pytest.mark.parametrize("second", [
+    lambda: segment("r", 0),                  # the same index again (other seq)
+    lambda: segment("r", 3, final=True),      # a second final
+    lambda: segment("r", 5),                  # beyond the final
+])
+def test_conflicting_segments_are_reported(second) -> None:
+    b = buffer()
+    add(b, segment("r", 0))
+    add(b, segment("r", 3, final=True))
+    assert add(b, second()) == "conflict"
+
+
+def test_served_rollouts_are_not_revived_by_late_segments() -> None:
+    b = buffer()
+    add(b, segment("r", 0, final=True))
+    [entry] = b.take(1, learner_version=5)
+    assert entry.rollout_id == "r" and b.nbytes == 0
+    assert add(b, segment("r", 0, final=True)) == "late"
+    assert not b.pending and not b.ready
+
+
+def test_expiry_by_age_and_by_dead_actor() -> None:
+    b = buffer(rollout_timeout_s=10.0)
+    add(b, segment("old", 0), now=0.0)
+    add(b, segment("fresh", 0, actor="b", incarnation=7), now=8.0)
+    assert [e.rollout_id for e in b.expired(11.0, set())] == ["old"]
+    assert {e.rollout_id for e in b.expired(9.0, {("b", 7)})} == {"fresh"}
+    add(b, segment("done", 0, final=True), now=0.0)
+    assert "done" not in {e.rollout_id for e in b.expired(100.0, {("a", 1)})}
+
+
+def test_staleness_is_measured_from_the_oldest_trainable_token() -> None:
+    b = buffer(max_staleness=2)
+    add(b, segment("r1", 0, version=3))
+    add(b, segment("r1", 1, final=True, version=6))
+    add(b, segment("r2", 0, final=True, version=5))
+    assert b.ready["r1"].staleness(6) == 3
+    assert [e.rollout_id for e in b.stale(6)] == ["r1"]
+    assert b.stale(5) == []
+
+
+def test_fifo_and_freshest_orders() -> None:
+    for order, expected in (("fifo", ["a", "b"]), ("freshest", ["c", "b"])):
+        b = buffer(serve_order=order)
+        add(b, segment("a", 0, final=True, version=1), now=1.0)
+        add(b, segment("b", 0, final=True, version=3), now=2.0)
+        add(b, segment("c", 0, final=True, version=4), now=3.0)
+        assert [e.rollout_id for e in b.take(2, learner_version=4)] == expected
+        assert b.take(2, learner_version=4) == []  # only one left
