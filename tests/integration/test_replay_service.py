@@ -1,0 +1,214 @@
+"""The replay service on real sockets: ingest, dedup, staleness, expiry,
+credits and backpressure, and a flood of malformed input."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from protocol import PROTOCOL_VERSION, encode
+from protocol.transport import TransportConfig
+from replay.config import ReplayConfig
+from replay.service import ReplayService
+from tests.protocol_clients import ActorClient, LearnerClient, make_segment
+
+
+class Running:
+    def __init__(self, service: ReplayService) -> None:
+        self.service = service
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=service.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.context = zmq.Context()
+
+    def actor(self, **kwargs) -> ActorClient:
+        return ActorClient(self.context, self.service.config.actor_address, **kwargs)
+
+    def learner(self) -> LearnerClient:
+        return LearnerClient(self.context, self.service.config.learner_address)
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.service.metrics.registry.get_sample_value(name, labels or None)
+        return 0.0 if value is None else value
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        self.context.destroy(linger=0)
+        self.service.close()
+
+
+def _ports() -> tuple[str, str]:
+    context = zmq.Context()
+    sockets = [context.socket(zmq.ROUTER) for _ in range(2)]
+    ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in sockets]
+    for s in sockets:
+        s.close(linger=0)
+    context.term()
+    return tuple(f"tcp://127.0.0.1:{p}" for p in ports)
+
+
+@pytest.fixture
+def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Running]:
+    actor_address, learner_address = _ports()
+    options = dict(actor_address=actor_address, learner_address=learner_address,
+                   rollouts_per_batch=2, max_staleness=1, log_path=str(tmp_path / "log"),
+                   metrics_port=0, rollout_timeout_s=600.0)
+    options.update(getattr(request, "param", {}))
+    transport = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=3)
+    running = Running(ReplayService(ReplayConfig(**options), transport, vocab_size=100))
+    yield running
+    running.close()
+
+
+def test_hello_gets_credits_and_segments_are_acknowledged(replay: Running) -> None:
+    actor = replay.actor(capacity=3)
+    actor.hello()
+    actor.pump(0.5)
+    assert actor.credits == 3
+    actor.push_rollout(segments=3)
+    actor.pump(0.5)
+    assert actor.unacked == {} and len(actor.acked) == 3
+    assert replay.metric("crl_replay_segments_total", result="accepted") == 3
+
+
+def test_resent_segments_are_acknowledged_once_stored_once(replay: Running) -> None:
+    actor = replay.actor()
+    actor.hello()
+    actor.push_rollout(segments=2)
+    actor.pump(0.5)
+    for frame in [encode(s) for s in actor.acked.values()]:
+        actor.socket.send(frame)  # as if the acks were lost
+    actor.pump(0.5)
+    assert replay.metric("crl_replay_segments_total", result="duplicate") == 2
+    learner = replay.learner()
+    learner.request(1, version=0)
+    batch = learner.receive(2.0)
+    assert batch is not None and [len(r.segments) for r in batch.rollouts] == [2]
+
+
+def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: Running) -> None:
+    actor = replay.actor()
+    actor.hello()
+    learner = replay.learner()
+    learner.request(2, version=1)
+    actor.push_rollout(version=0)
+    actor.pump(0.5)
+    assert learner.receive(0.5) is None  # one ready, two asked
+    actor.push_rollout(version=1)
+    actor.pump(0.3)
+    batch = learner.receive(2.0)
+    assert batch is not None and len(batch.rollouts) == 2
+    assert sorted(r.staleness for r in batch.rollouts) == [0, 1]
+    assert (batch.staleness.min, batch.staleness.max) == (0, 1)
+
+
+def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
+    actor = replay.actor()
+    actor.hello()
+    actor.push_rollout(version=0)
+    actor.push_rollout(version=2)
+    actor.pump(0.5)
+    learner = replay.learner()
+    learner.request(2, version=2)  # max_staleness 1: the version-0 rollout is stale
+    assert learner.receive(1.0) is None
+    assert replay.metric("crl_replay_dropped_total", reason="stale") == 1
+    actor.push_rollout(version=2)
+    actor.pump(0.3)
+    batch = learner.receive(2.0)
+    assert batch is not None and all(r.staleness == 0 for r in batch.rollouts)
+
+
+def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running) -> None:
+    actor = replay.actor()
+    actor.hello()
+    actor.push_rollout(segments=1)  # complete
+    stamp_rollout = make_segment(actor.stamp, "unfinished", 0, final=False)
+    actor.send(stamp_rollout)
+    actor.pump(0.3)
+    actor.pump(1.5)  # no heartbeats: declared dead after 3 x 0.2 s
+    assert replay.metric("crl_replay_dropped_total", reason="expired") == 1
+    learner = replay.learner()
+    learner.request(2, version=0)
+    assert learner.receive(1.0) is None  # the complete one is ready, the other never comes
+
+
+def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -> None:
+    old = replay.actor(actor_id="actor-r", incarnation=1)
+    old.hello()
+    old.pump(0.3)
+    old.close()
+    new = replay.actor(actor_id="actor-r", incarnation=2)
+    new.hello()
+    new.pump(0.3)
+    new.close()
+    late = replay.actor(actor_id="actor-r", incarnation=1)
+    late.push_rollout(segments=1)
+    late.pump(0.5)
+    assert [e.code for e in late.errors] == ["stale_incarnation"]
+    assert replay.metric("crl_replay_segments_total", result="accepted") == 0
+
+
+@pytest.mark.parametrize("replay", [{"max_buffer_bytes": 2 * 1024 * 1024}], indirect=True)
+def test_backpressure_when_the_learner_stops(replay: Running) -> None:
+    actor = replay.actor(capacity=64)
+    actor.hello()
+    actor.pump(0.3)
+    started = 0
+    for _ in range(40):  # the actor starts rollouts only with credits
+        while actor.credits > 0:
+            actor.credits -= 1
+            actor.push_rollout(segments=2, tokens=4096)
+            started += 1
+        actor.heartbeat()
+        actor.pump(0.1)
+    # (S + 1) * B = 4 rollouts may be accepted without a learner step
+    assert started == 4
+    assert replay.service.buffer.nbytes <= 2 * 1024 * 1024
+    learner = replay.learner()
+    learner.request(2, version=0)
+    assert learner.receive(2.0) is not None
+    actor.heartbeat()
+    actor.pump(0.5)
+    assert actor.credits == 2  # the learner's step released two places
+
+
+def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: Running
+                                                                        ) -> None:
+    rng = random.Random(7)
+    hostile = replay.context.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.IDENTITY, b"hostile")
+    hostile.connect(replay.service.config.actor_address)
+    valid = encode(make_segment(ActorClient(replay.context, "inproc://unused").stamp, "r", 0,
+                                True))
+    plain = msgspec.msgpack.decode(valid)
+    frames = [rng.randbytes(rng.randint(0, 300)) for _ in range(300)]
+    frames += [valid[: rng.randint(1, len(valid) - 1)] for _ in range(100)]
+    frames += [msgspec.msgpack.encode({**plain, "protocol_version": PROTOCOL_VERSION + 9})] * 50
+    frames += [msgspec.msgpack.encode({**plain, "logprobs": ["float32", [3], b"\0" * 12]})] * 50
+    frames += [b"\xc6\x40\x00\x00\x00" + b"\0" * 16] * 50  # bin claiming 1 GiB
+    frames += [msgspec.msgpack.encode({**plain, "sender_id": "hostile",
+                                       "tokens": ["int32", [64], b"\xff" * 256]})] * 50
+    for frame in frames:
+        hostile.send(frame)
+    actor = replay.actor()
+    actor.hello()
+    actor.push_rollout()
+    actor.pump(1.0)
+    assert actor.unacked == {} and not actor.errors
+    replies = 0
+    while hostile.poll(200, zmq.POLLIN):
+        hostile.recv()
+        replies += 1
+    rejected = sum(replay.metric("crl_replay_rejected_messages_total", reason=r) for r in (
+        "malformed", "protocol_version", "array", "length_mismatch", "invalid", "identity",
+        "unknown_kind", "oversized"))
+    assert rejected == len(frames) == replies
+    assert replay.metric("crl_replay_segments_total", result="accepted") == 3
+    hostile.close(linger=0)

@@ -1,0 +1,125 @@
+"""Scripted protocol clients for testing the replay: an actor and a learner
+on real DEALER sockets, speaking only through the wire protocol."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import zmq
+
+from protocol import (
+    Ack,
+    Array,
+    Batch,
+    BatchRequest,
+    EngineInfo,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    Segment,
+    Stamp,
+    Welcome,
+    decode,
+    encode,
+)
+from protocol.transport import TransportConfig, connect_dealer
+
+
+def make_segment(stamp: Stamp, rollout_id: str, index: int, final: bool, version: int = 0,
+                 tokens: int = 64) -> Segment:
+    mask = (np.arange(tokens) % 2).astype(np.uint8)
+    return Segment(
+        **stamp.next(), rollout_id=rollout_id, task_id="task", index=index,
+        segment_type="execution" if index % 2 == 0 else "summary",
+        tokens=Array.from_numpy(np.arange(tokens, dtype=np.int32) % 100),
+        loss_mask=Array.from_numpy(mask),
+        logprobs=Array.from_numpy(np.where(mask, -1.0, 0.0).astype(np.float32)),
+        versions=Array.from_numpy(np.where(mask, version, -1).astype(np.int32)),
+        final=final, reward=1.0 if final else None)
+
+
+class ActorClient:
+    """Sends segments, keeps them until acknowledged, resends on request."""
+
+    def __init__(self, context: zmq.Context, address: str, actor_id: str = "actor-x",
+                 incarnation: int = 1, capacity: int = 4) -> None:
+        self.socket = connect_dealer(context, address, TransportConfig(), actor_id.encode())
+        self.stamp = Stamp(actor_id, incarnation)
+        self.capacity = capacity
+        self.credits = 0
+        self.unacked: dict[int, bytes] = {}
+        self.acked: dict[int, Segment] = {}
+        self.sent: dict[int, Segment] = {}
+        self.errors: list[Error] = []
+        self.policy_version = 0
+        self._rollouts = itertools.count()
+
+    def hello(self) -> None:
+        self.send(Hello(**self.stamp.next(), capacity=self.capacity,
+                        engine=EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1,
+                                          model="m")))
+
+    def heartbeat(self) -> None:
+        self.send(Heartbeat(**self.stamp.next(), active_rollouts=0, stall_seconds={}))
+
+    def send(self, message: Message) -> None:
+        self.socket.send(encode(message))
+
+    def push_rollout(self, segments: int = 3, version: int = 0, tokens: int = 64) -> str:
+        rollout_id = f"{self.stamp.sender_id}-{self.stamp.incarnation}-{next(self._rollouts)}"
+        for index in range(segments):
+            segment = make_segment(self.stamp, rollout_id, index, index == segments - 1,
+                                   version, tokens)
+            frame = encode(segment)
+            self.unacked[segment.seq] = frame
+            self.sent[segment.seq] = segment
+            self.socket.send(frame)
+        return rollout_id
+
+    def resend_unacked(self) -> None:
+        for frame in self.unacked.values():
+            self.socket.send(frame)
+
+    def pump(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if not self.socket.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                continue
+            message = decode(self.socket.recv())
+            if isinstance(message, Welcome):
+                self.credits = message.credits
+            elif isinstance(message, Ack):
+                self.credits += message.credits
+                self.policy_version = message.policy_version
+                for seq in message.stored_seqs:
+                    if self.unacked.pop(seq, None) is not None:
+                        self.acked[seq] = self.sent[seq]
+            elif isinstance(message, Error):
+                self.errors.append(message)
+                self.unacked.pop(message.ref_seq, None)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class LearnerClient:
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self.socket = connect_dealer(context, address, TransportConfig(), b"learner")
+        self.stamp = Stamp("learner", 1)
+
+    def request(self, size: int, version: int) -> None:
+        self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
+                                             policy_version=version)))
+
+    def receive(self, timeout_s: float) -> Batch | None:
+        if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        message = decode(self.socket.recv())
+        assert isinstance(message, Batch), message
+        return message
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
