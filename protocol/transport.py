@@ -112,6 +112,9 @@ def bind_router(context: zmq.Context, address: str, config: TransportConfig) -> 
     socket = context.socket(zmq.ROUTER)
     _common_options(socket, config)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # A restarted actor reconnects with the same identity before its old TCP
+    # connection is noticed dead: the new connection must take the identity over.
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if config.curve.enabled:
         public, secret = zmq.auth.load_certificate(config.curve.server_secret_key)
         socket.curve_publickey = public

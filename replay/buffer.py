@@ -19,8 +19,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
 from protocol import Rollout, Segment
 
 #: Remember this many served or dropped rollout ids, so late resends of
@@ -35,12 +33,6 @@ class StoredSegment:
     """The wire frame (kept for log compaction; the arrays are views into it)."""
     min_version: int | None
     """Oldest policy version among its trainable tokens (None: none trainable)."""
-
-    @classmethod
-    def of(cls, segment: Segment, frame: bytes | memoryview) -> StoredSegment:
-        mask = segment.loss_mask.numpy().view(np.bool_)
-        versions = segment.versions.numpy()[mask]
-        return cls(segment, frame, int(versions.min()) if versions.size else None)
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +78,10 @@ class RolloutBuffer:
         self.nbytes = 0
         self._released: OrderedDict[str, None] = OrderedDict()
 
-    def add(self, segment: Segment, frame: bytes | memoryview, now: float) -> AddResult:
-        """Store a segment. ``late``: its rollout was already served or dropped.
+    def add(self, segment: Segment, frame: bytes | memoryview, now: float,
+            min_version: int | None) -> AddResult:
+        """Store a segment whose oldest trainable version is ``min_version``
+        (from the content check). ``late``: its rollout was already served or dropped.
         ``conflict``: another segment already holds this index, or a second
         final segment arrived: the rollout is inconsistent (the caller drops it)."""
         if segment.rollout_id in self._released or segment.rollout_id in self.ready:
@@ -101,7 +95,7 @@ class RolloutBuffer:
                 entry.final_index is not None and segment.index > entry.final_index) or (
                 segment.final and any(i > segment.index for i in entry.segments)):
             return "conflict"
-        stored = StoredSegment.of(segment, frame)
+        stored = StoredSegment(segment, frame, min_version)
         entry.segments[segment.index] = stored
         entry.nbytes += stored.nbytes
         self.nbytes += stored.nbytes

@@ -143,7 +143,9 @@ class ReplayService:
             if kind == SEGMENT:
                 segment = decode(payload, self.transport.max_message_bytes)
                 self.seen.add((segment.sender_id, segment.incarnation, segment.seq))
-                if self.buffer.add(segment, payload, now) == "stored":
+                oldest = check_segment_content(segment, vocab_size=self.vocab_size,
+                                               oldest_version=0, newest_version=2**31 - 1)
+                if self.buffer.add(segment, payload, now, oldest) == "stored":
                     recovered += 1
                     if self.buffer.promote(segment.rollout_id, now) is not None:
                         self.pacer.accepted += 1
@@ -195,10 +197,11 @@ class ReplayService:
                 self.metrics.rejected.labels(Reason.MALFORMED.value).inc()
                 continue
             identity = identity.bytes
-            message = self._decode_from(identity, frame.bytes)
+            data = frame.buffer  # zero-copy: the stored segment keeps the frame alive
+            message = self._decode_from(identity, data)
             if message is not None:
                 touched.add(identity)
-                self._handle_actor(identity, message, frame.bytes, acks, now)
+                self._handle_actor(identity, message, data, acks, now)
         if self.log is not None and acks:
             self.log.sync()
         for identity in touched:
@@ -211,7 +214,7 @@ class ReplayService:
                     policy_version=self.learner_version))
         self._try_serve_parked()
 
-    def _decode_from(self, identity: bytes, frame: bytes) -> Message | None:
+    def _decode_from(self, identity: bytes, frame: memoryview) -> Message | None:
         try:
             message = decode(frame, self.transport.max_message_bytes)
         except ProtocolError as exc:
@@ -223,7 +226,7 @@ class ReplayService:
             return None
         return message
 
-    def _handle_actor(self, identity: bytes, message: Message, frame: bytes,
+    def _handle_actor(self, identity: bytes, message: Message, frame: memoryview,
                       acks: dict[bytes, list[int]], now: float) -> None:
         actor_id, incarnation = message.sender_id, message.incarnation
         current = self.current_incarnation.get(actor_id)
@@ -252,7 +255,7 @@ class ReplayService:
             self._reject(self.actor_socket, identity, "unexpected",
                          f"{type(message).__name__} is not for the actor socket", message.seq)
 
-    def _ingest_segment(self, identity: bytes, segment: Segment, frame: bytes,
+    def _ingest_segment(self, identity: bytes, segment: Segment, frame: memoryview,
                         acks: dict[bytes, list[int]], now: float) -> None:
         key = (segment.sender_id, segment.incarnation, segment.seq)
         if key in self.seen:
@@ -261,8 +264,8 @@ class ReplayService:
             return
         try:
             newest = self.learner_version if self.learner_seen else 2**31 - 1
-            check_segment_content(segment, vocab_size=self.vocab_size, oldest_version=0,
-                                  newest_version=newest)
+            oldest = check_segment_content(segment, vocab_size=self.vocab_size,
+                                           oldest_version=0, newest_version=newest)
         except ProtocolError as exc:
             self._reject(self.actor_socket, identity, exc.reason.value, str(exc), segment.seq)
             self.metrics.segments.labels("rejected").inc()
@@ -273,7 +276,7 @@ class ReplayService:
                          "replay buffer at its memory bound: rollout dropped", segment.seq)
             self.metrics.segments.labels("rejected").inc()
             return
-        result = self.buffer.add(segment, frame, now)
+        result = self.buffer.add(segment, frame, now, oldest)
         if result == "conflict":
             self._drop(segment.rollout_id, "invalid")
             self._reject(self.actor_socket, identity, Reason.INVALID.value,

@@ -6,12 +6,10 @@ from __future__ import annotations
 import itertools
 import time
 
-import numpy as np
 import zmq
 
 from protocol import (
     Ack,
-    Array,
     Batch,
     BatchRequest,
     EngineInfo,
@@ -25,20 +23,8 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
-
-
-def make_segment(stamp: Stamp, rollout_id: str, index: int, final: bool, version: int = 0,
-                 tokens: int = 64) -> Segment:
-    mask = (np.arange(tokens) % 2).astype(np.uint8)
-    return Segment(
-        **stamp.next(), rollout_id=rollout_id, task_id="task", index=index,
-        segment_type="execution" if index % 2 == 0 else "summary",
-        tokens=Array.from_numpy(np.arange(tokens, dtype=np.int32) % 100),
-        loss_mask=Array.from_numpy(mask),
-        logprobs=Array.from_numpy(np.where(mask, -1.0, 0.0).astype(np.float32)),
-        versions=Array.from_numpy(np.where(mask, version, -1).astype(np.int32)),
-        final=final, reward=1.0 if final else None)
 
 
 class ActorClient:
@@ -71,7 +57,7 @@ class ActorClient:
     def push_rollout(self, segments: int = 3, version: int = 0, tokens: int = 64) -> str:
         rollout_id = f"{self.stamp.sender_id}-{self.stamp.incarnation}-{next(self._rollouts)}"
         for index in range(segments):
-            segment = make_segment(self.stamp, rollout_id, index, index == segments - 1,
+            segment = synthetic_segment(self.stamp, rollout_id, index, index == segments - 1,
                                    version, tokens)
             frame = encode(segment)
             self.unacked[segment.seq] = frame

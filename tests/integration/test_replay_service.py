@@ -13,10 +13,11 @@ import pytest
 import zmq
 
 from protocol import PROTOCOL_VERSION, encode
+from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import ReplayService
-from tests.protocol_clients import ActorClient, LearnerClient, make_segment
+from tests.protocol_clients import ActorClient, LearnerClient
 
 
 class Running:
@@ -65,6 +66,34 @@ def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Running]:
     running = Running(ReplayService(ReplayConfig(**options), transport, vocab_size=100))
     yield running
     running.close()
+
+
+def test_metrics_are_served_with_the_design_names(replay: Running) -> None:
+    import urllib.request
+
+    from ops.metrics import MetricsServer
+
+    server = MetricsServer(replay.service.metrics.registry, _free_tcp_port())
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics",
+                                      timeout=10).read().decode()
+    finally:
+        server.close()
+    for name in ('crl_replay_segments_total{result="accepted"}',
+                 'crl_replay_rollouts{state="pending"}', 'crl_replay_rollouts{state="ready"}',
+                 'crl_replay_dropped_total{reason="stale"}',
+                 'crl_replay_dropped_total{reason="expired"}',
+                 'crl_replay_dropped_total{reason="full"}', "crl_replay_staleness_bucket",
+                 "crl_replay_credits_outstanding"):
+        assert name in text, name
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def test_hello_gets_credits_and_segments_are_acknowledged(replay: Running) -> None:
@@ -129,7 +158,7 @@ def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running)
     actor = replay.actor()
     actor.hello()
     actor.push_rollout(segments=1)  # complete
-    stamp_rollout = make_segment(actor.stamp, "unfinished", 0, final=False)
+    stamp_rollout = synthetic_segment(actor.stamp, "unfinished", 0, final=False)
     actor.send(stamp_rollout)
     actor.pump(0.3)
     actor.pump(1.5)  # no heartbeats: declared dead after 3 x 0.2 s
@@ -185,7 +214,7 @@ def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay:
     hostile = replay.context.socket(zmq.DEALER)
     hostile.setsockopt(zmq.IDENTITY, b"hostile")
     hostile.connect(replay.service.config.actor_address)
-    valid = encode(make_segment(ActorClient(replay.context, "inproc://unused").stamp, "r", 0,
+    valid = encode(synthetic_segment(ActorClient(replay.context, "inproc://unused").stamp, "r", 0,
                                 True))
     plain = msgspec.msgpack.decode(valid)
     frames = [rng.randbytes(rng.randint(0, 300)) for _ in range(300)]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from protocol import Array, Segment
+from protocol.validation import check_segment_content
 from replay.buffer import RolloutBuffer, to_rollout
 
 _seq = iter(range(10**9))
@@ -25,7 +26,8 @@ def segment(rollout: str, index: int, final: bool = False, version: int = 5,
 
 
 def add(buffer: RolloutBuffer, seg: Segment, now: float = 0.0) -> str:
-    result = buffer.add(seg, b"x" * 100, now)
+    oldest = check_segment_content(seg, vocab_size=100, oldest_version=0, newest_version=99)
+    result = buffer.add(seg, b"x" * 100, now, oldest)
     buffer.promote(seg.rollout_id, now)
     return result
 

@@ -25,9 +25,11 @@ def check(segment: Segment) -> None:
     check_segment_content(segment, vocab_size=10, oldest_version=2, newest_version=5)
 
 
-def test_a_valid_segment_passes() -> None:
-    check(_segment())
-    check(_segment((), (), (), ()))
+def test_a_valid_segment_passes_and_reports_its_oldest_version() -> None:
+    assert check_segment_content(_segment(), vocab_size=10, oldest_version=2,
+                                 newest_version=5) == 3
+    assert check_segment_content(_segment((), (), (), ()), vocab_size=10, oldest_version=2,
+                                 newest_version=5) is None
 
 
 @pytest.mark.parametrize("changes", [
