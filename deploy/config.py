@@ -67,12 +67,37 @@ class RunConfig:
     def validate(self) -> list[str]:
         problems = (self.actors.validate("actors") + self.replay.validate("replay")
                     + self.learner.validate("learner") + self.transport.validate("transport"))
+        # Pacing deadlocks if the buffer cannot hold the rollouts the learner
+        # waits for: (S + 1) * B of the largest possible size.
+        largest = max_rollout_bytes(self.actors)
+        needed = (self.replay.max_staleness + 1) * self.replay.rollouts_per_batch * largest
+        if self.replay.max_buffer_bytes < needed:
+            problems.append(
+                f"replay.max_buffer_bytes = {self.replay.max_buffer_bytes} cannot hold "
+                f"(max_staleness + 1) x rollouts_per_batch = "
+                f"{(self.replay.max_staleness + 1) * self.replay.rollouts_per_batch} rollouts "
+                f"of up to {largest} bytes (actors.compaction): the learner could wait forever; "
+                f"raise it to at least {needed}")
         addresses = [self.replay.actor_address, self.replay.learner_address,
                      self.learner.control_address]
         if len(set(addresses)) != len(addresses):
             problems.append("replay.actor_address, replay.learner_address and "
                             "learner.control_address must all differ")
         return problems
+
+
+#: Bytes per token on the wire (int32 id, uint8 mask, float32 log-prob, int32
+#: version) and per segment (header, framing).
+WIRE_BYTES_PER_TOKEN = 13
+WIRE_BYTES_PER_SEGMENT = 1024
+
+
+def max_rollout_bytes(actors: ActorConfig) -> int:
+    """The largest rollout the actors can produce: every compaction adds an
+    execution window and a summary segment, each at most one context long."""
+    c = actors.compaction
+    segments = 2 * c.max_compactions + 1 if c.enabled else 1
+    return segments * (c.context_tokens * WIRE_BYTES_PER_TOKEN + WIRE_BYTES_PER_SEGMENT)
 
 
 # --------------------------------------------------------------------------- loading

@@ -59,6 +59,12 @@ def test_negative_k_and_staleness_are_rejected_together() -> None:
     assert any("replay.max_staleness" in p and ">= 0" in p for p in problems)
 
 
+def test_a_buffer_too_small_for_the_learners_batches_could_deadlock() -> None:
+    [problem] = problems_of(["--replay.max_buffer_bytes", str(2 * 1024 * 1024),
+                             "--replay.rollouts_per_batch", "64"])
+    assert "replay.max_buffer_bytes" in problem and "wait forever" in problem
+
+
 def test_literal_choices_are_listed() -> None:
     [problem] = problems_of(["--learner.is_mode", "clamp"])
     assert "'truncate', 'mask', 'off'" in problem
