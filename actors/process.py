@@ -118,8 +118,14 @@ class Actor:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> int:
+        # fail fast, before the engine's slow start, if the environment cannot load
+        await load_environment(self.config.environment.factory,
+                               self.config.environment.options).close()
+        self.engine = await Engine.start(self.settings.model, self.config.engine,
+                                         self.config.sampling, seed_offset=self.settings.index)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
             loop.add_signal_handler(sig, self._stopping.set)
         metrics = MetricsServer(self.metrics.registry,
                                 self.config.metrics_port + self.settings.index
@@ -128,11 +134,11 @@ class Actor:
         context = zmq.asyncio.Context()
         self.socket = connect_dealer(context, self.settings.replay_address,
                                      self.settings.transport, self.settings.actor_id.encode())
-        self.engine = await Engine.start(self.settings.model, self.config.engine,
-                                         self.config.sampling, seed_offset=self.settings.index)
         try:
             return await self._serve()
         finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
             await self.engine.shutdown()
             self.socket.close(linger=0)
             context.term()

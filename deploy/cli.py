@@ -182,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     if overrides and not hasattr(args, "config"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    from actors.envs.base import EnvironmentLoadError
+
     try:
         return args.handler(args, overrides)
-    except ConfigError as exc:
+    except (ConfigError, EnvironmentLoadError, FileNotFoundError) as exc:
         print(f"compactionrl: {exc}", file=sys.stderr)
         return 2
 

@@ -184,6 +184,27 @@ def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -
     assert replay.metric("crl_replay_segments_total", result="accepted") == 0
 
 
+def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> None:
+    replay.service.compact_min_bytes = 0
+    actor = replay.actor()
+    actor.hello()
+    for _ in range(6):
+        actor.push_rollout(tokens=2048)
+    actor.pump(0.5)
+    log_path = Path(replay.service.config.log_path)
+    before = log_path.stat().st_size
+    learner = replay.learner()
+    for _ in range(2):
+        learner.request(2, version=0)
+        assert learner.receive(2.0) is not None
+    actor.push_rollout(tokens=64)  # keeps the loop turning past a tick
+    actor.pump(1.5)
+    assert log_path.stat().st_size < before / 2
+    learner.request(2, version=0)
+    batch = learner.receive(2.0)
+    assert batch is not None and len(batch.rollouts) == 2
+
+
 @pytest.mark.parametrize("replay", [{"max_buffer_bytes": 2 * 1024 * 1024}], indirect=True)
 def test_backpressure_when_the_learner_stops(replay: Running) -> None:
     actor = replay.actor(capacity=64)
@@ -240,4 +261,7 @@ def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay:
         "unknown_kind", "oversized"))
     assert rejected == len(frames) == replies
     assert replay.metric("crl_replay_segments_total", result="accepted") == 3
+    # nothing of the flood is held: the buffer holds the good rollout only
+    good = sum(len(encode(s)) for s in actor.acked.values())
+    assert replay.service.buffer.nbytes == good
     hostile.close(linger=0)

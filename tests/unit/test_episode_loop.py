@@ -119,3 +119,16 @@ def test_missing_model_folder_is_a_clear_error(tmp_path: Path) -> None:
     config = ActorConfig()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         asyncio.run(Engine.start(str(tmp_path / "nothing"), config.engine, config.sampling))
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--run.model", "/nonexistent/model"], "no config.json"),
+    (["--actors.environment.factory", "no.such:Env"], "cannot import"),
+])
+def test_actor_command_fails_with_one_clear_line(override: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from deploy.cli import main
+
+    assert main(["actor", "--actors.metrics_port", "0", *override]) == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error
