@@ -1,0 +1,101 @@
+"""Advantages for compacted rollouts: cross-trajectory GAE (DESIGN §2.3).
+
+Within each segment, over its trainable tokens in order, with critic values V:
+
+    delta_i = r_i + gamma * V_{i+1} - V_i     (V after the segment's last token is 0)
+    A_loc_i = sum_l (gamma * lam)^l * delta_{i+l}          (within the segment)
+
+where the segment's last trainable token gets r = R (the rollout's final
+reward) and every token may add a per-token reward (e.g. a KL penalty). Then
+each segment is discounted by the trainable tokens after it in its rollout:
+
+    A_i = (gamma * lam) ** N_{>s} * A_loc_i,   N_{>s} = sum of n_j over later segments j
+
+``mode="independent"`` skips that discount (the ablation). Value targets are
+the local returns A_loc + V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _segment_ids(segment_lengths: torch.Tensor) -> torch.Tensor:
+    """[T] index of the segment each token belongs to."""
+    return torch.repeat_interleave(
+        torch.arange(len(segment_lengths), device=segment_lengths.device), segment_lengths)
+
+
+def discounted_suffix_sum(x: torch.Tensor, segment_ids: torch.Tensor, discount: float
+                          ) -> torch.Tensor:
+    """y_i = sum_{l>=0} discount^l x_{i+l}, summing only within i's segment.
+
+    A log-depth doubling scan: after the step of span k, y_i covers
+    x_i .. x_{i+2k-1} (clipped at the segment's end), so ceil(log2(longest
+    segment)) vectorised steps suffice. Only powers of ``discount`` <= 1
+    appear: no overflow however long the segments are."""
+    y = x.clone()
+    span = 1
+    longest = int(torch.bincount(segment_ids).max()) if len(segment_ids) else 0
+    factor = discount
+    while span < longest:
+        same = segment_ids[span:] == segment_ids[:-span]
+        y[:-span] = y[:-span] + torch.where(same, factor * y[span:], torch.zeros_like(y[span:]))
+        span *= 2
+        factor *= factor
+    return y
+
+
+def cross_trajectory_gae(
+    values: torch.Tensor,
+    segment_lengths: torch.Tensor,
+    segment_rollout: torch.Tensor,
+    rewards: torch.Tensor,
+    gamma: float,
+    lam: float,
+    mode: str = "cross",
+    token_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [T], returns [T]) for trainable tokens concatenated rollout
+    by rollout, segment by segment. ``segment_lengths`` [S] counts trainable
+    tokens per segment (0 allowed), ``segment_rollout`` [S] is non-decreasing
+    in 0..R-1, ``rewards`` [R] the final rewards. Computed in float64 and
+    returned in ``values``' dtype."""
+    if mode not in ("cross", "independent"):
+        raise ValueError(f"mode must be 'cross' or 'independent', not {mode!r}")
+    if int(segment_lengths.sum()) != len(values):
+        raise ValueError("segment_lengths must sum to the number of values")
+    if len(segment_rollout) != len(segment_lengths):
+        raise ValueError("one rollout index per segment")
+    if len(segment_rollout) and bool((segment_rollout[1:] < segment_rollout[:-1]).any()):
+        raise ValueError("segment_rollout must be non-decreasing")
+    lengths = segment_lengths.long()
+    v = values.detach().double()
+    segment_ids = _segment_ids(lengths)
+    ends = torch.cumsum(lengths, 0)  # exclusive end offset of each segment
+
+    r = torch.zeros_like(v) if token_rewards is None else token_rewards.detach().double().clone()
+    nonempty = lengths > 0
+    last = ends[nonempty] - 1
+    r[last] += rewards.detach().double()[segment_rollout[nonempty].long()]
+
+    next_v = torch.zeros_like(v)
+    if len(v) > 1:
+        same = segment_ids[1:] == segment_ids[:-1]
+        next_v[:-1] = torch.where(same, v[1:], torch.zeros_like(v[1:]))
+    delta = r + gamma * next_v - v
+    local = discounted_suffix_sum(delta, segment_ids, gamma * lam)
+    returns = local + v
+
+    if mode == "cross" and len(lengths):
+        # N_{>s}: trainable tokens of later segments in the same rollout
+        rollout = segment_rollout.long()
+        rollout_end = torch.zeros(int(rollout.max()) + 1, dtype=torch.long,
+                                  device=lengths.device)
+        rollout_end.scatter_reduce_(0, rollout, ends, reduce="amax")
+        later = rollout_end[rollout] - ends
+        discount = torch.pow(torch.tensor(gamma * lam, dtype=torch.float64), later.double())
+        advantages = local * torch.repeat_interleave(discount, lengths)
+    else:
+        advantages = local
+    return advantages.to(values.dtype), returns.to(values.dtype)
