@@ -20,7 +20,8 @@ def loop_reference(values, lengths, rollout_of, rewards, gamma, lam, mode, token
         start += n
     for s, n in enumerate(lengths):
         start = offsets[s]
-        later = sum(lengths[j] for j in range(s + 1, len(lengths)) if rollout_of[j] == rollout_of[s])
+        later = sum(lengths[j] for j in range(s + 1, len(lengths))
+                    if rollout_of[j] == rollout_of[s])
         running = 0.0
         for i in reversed(range(n)):
             t = start + i

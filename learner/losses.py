@@ -1,0 +1,102 @@
+"""PPO losses for asynchronous, compacted rollouts (DESIGN §2.4).
+
+For trainable tokens M of the whole global batch (every rank), with the
+learner's weights at the step's start as the proximal policy pi_prox and the
+actors' sampling distribution mu:
+
+    rho = pi_theta / pi_prox
+    w   = min(pi_prox / mu, C_is)          (is_mode "truncate"; no gradient)
+    l   = -w * min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
+    L   = sum_M l / |M|
+
+``is_mode="mask"`` gives weight 0 to tokens whose pi_prox/mu leaves
+[1/C_is, C_is] (kept tokens keep w); ``"off"`` sets w = 1. Dividing by the
+global count |M| (not per sequence, not per rank) is what makes a rollout that
+compacted more often weigh no more per token, and 1 rank equal 8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def importance_weights(logp_prox: torch.Tensor, logp_behav: torch.Tensor, is_cap: float,
+                       is_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, affected): the behaviour correction pi_prox/mu, and which tokens the
+    cap truncated or masked."""
+    raw = torch.exp(logp_prox.detach() - logp_behav.detach())
+    if is_mode == "truncate":
+        affected = raw > is_cap
+        return torch.clamp(raw, max=is_cap), affected
+    if is_mode == "mask":
+        affected = (raw > is_cap) | (raw < 1.0 / is_cap)
+        return torch.where(affected, torch.zeros_like(raw), raw), affected
+    if is_mode == "off":
+        return torch.ones_like(raw), torch.zeros_like(raw, dtype=torch.bool)
+    raise ValueError(f"is_mode must be 'truncate', 'mask' or 'off', not {is_mode!r}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_prox: torch.Tensor,
+    logp_behav: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: int | float,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    is_cap: float = 2.0,
+    is_mode: str = "truncate",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(sum over masked tokens of l / num_tokens, stats). Stats are local
+    means over this call's masked tokens: ``clipfrac``, ``approx_kl``
+    (pi_prox to pi_theta, the k3 estimator), ``is_weight_mean``,
+    ``is_affected_frac`` (truncated or masked)."""
+    mask = mask.bool()
+    advantages = advantages.detach()
+    log_ratio = logp - logp_prox.detach()
+    ratio = torch.exp(log_ratio)
+    weight, affected = importance_weights(logp_prox, logp_behav, is_cap, is_mode)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = -weight * torch.minimum(unclipped, clipped)
+    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / num_tokens
+    with torch.no_grad():
+        count = mask.sum().clamp(min=1)
+        stats = {
+            "clipfrac": ((clipped < unclipped) & mask).sum() / count,
+            "approx_kl": torch.where(mask, (ratio - 1) - log_ratio, 0.0).sum() / count,
+            "is_weight_mean": torch.where(mask, weight, 0.0).sum() / count,
+            "is_affected_frac": (affected & mask).sum() / count,
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: int | float,
+    value_clip: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss, 0.5 * max((V - G)^2, (V_clip - G)^2), summed over
+    masked tokens / num_tokens, like the policy loss. Stats: ``clipfrac``,
+    ``explained_variance`` of the old values against the returns."""
+    mask = mask.bool()
+    returns, old_values = returns.detach(), old_values.detach()
+    clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    plain_error = (values - returns) ** 2
+    clipped_error = (clipped - returns) ** 2
+    per_token = 0.5 * torch.maximum(plain_error, clipped_error)
+    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / num_tokens
+    with torch.no_grad():
+        count = mask.sum().clamp(min=1)
+        target, predicted = returns[mask], old_values[mask]
+        variance = target.var(unbiased=False) if target.numel() > 1 else target.new_tensor(0.0)
+        residual = (target - predicted).var(unbiased=False) if target.numel() > 1 else variance
+        stats = {
+            "clipfrac": ((clipped_error > plain_error) & mask).sum() / count,
+            "explained_variance": 1 - residual / variance if variance > 0 else variance,
+        }
+    return loss, stats
