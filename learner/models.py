@@ -1,0 +1,75 @@
+"""Policy and critic models, sharding, and per-token log-probabilities and values."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Critic(nn.Module):
+    """The policy's transformer body with a scalar head: V(prefix) at every position."""
+
+    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+def load_policy(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def load_critic(path: str, dtype: torch.dtype = torch.float32) -> Critic:
+    """A critic initialised from the policy's weights (its own copy)."""
+    policy = load_policy(path, dtype)
+    return Critic(policy.model, policy.config.hidden_size).to(dtype)
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2: each transformer layer its own unit, then the rest. Gradients
+    are summed over ranks, not averaged: the losses are already divided by
+    the global token count."""
+    from torch.distributed.fsdp import fully_shard
+
+    body = model.body if isinstance(model, Critic) else model.model
+    for layer in body.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.set_gradient_divide_factor(1.0)
+    return model
+
+
+def pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [B, L] ids and attention mask; a [1, 2] dummy when empty
+    (every rank runs the same number of passes: FSDP collectives must match)."""
+    if not sequences:
+        return torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
+    length = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    mask = torch.zeros(len(sequences), length, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = sequence
+        mask[row, : len(sequence)] = 1
+    return ids, mask
+
+
+def token_logprobs(policy: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] log-probability of each token given the ones before it (0 at position 0)."""
+    logits = policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros_like(chosen[:, :1]), chosen], dim=1)
+
+
+def token_values(critic: Critic, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] value of the state each token is sampled from (the critic's
+    output at the position before it; 0 at position 0)."""
+    values = critic(ids, mask).float()
+    return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)

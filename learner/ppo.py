@@ -1,0 +1,220 @@
+"""One learner step: importance-corrected PPO with a critic over one batch.
+
+1. Cut the batch into minibatches of whole rollouts (the same cut for any
+   number of ranks) and give each rank whole rollouts of each minibatch.
+2. With the weights at the step's start: log pi_prox of every token and the
+   critic's values (no gradient).
+3. Advantages (cross-trajectory GAE, independent GAE, or group-relative) and
+   value targets, per rollout.
+4. ``ppo_epochs`` passes over the minibatches: policy loss normalised by the
+   minibatch's trainable tokens over all ranks (or per segment, for the
+   ablation), clipped value loss, one optimizer step each.
+
+Every rank runs one forward and one backward per model and minibatch (with
+a dummy sequence if it has none), so FSDP's collectives always match.
+
+Usage::
+
+    trainer = PPOTrainer(policy, critic, config.learner)
+    metrics = trainer.step(to_train_batch(batch, config.learner.train_summary))
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from learner.advantages import cross_trajectory_gae
+from learner.batch import Sequence, TrainBatch
+from learner.config import LearnerConfig
+from learner.losses import policy_loss, value_loss
+from learner.models import Critic, pad, token_logprobs, token_values
+
+#: Group-relative advantages divide by the group's reward std plus this.
+GRPO_EPSILON = 1e-6
+
+
+@dataclass
+class _Prepared:
+    """One rank's share of one minibatch, with what the step start fixed."""
+
+    sequences: list[Sequence]
+    logp_prox: list[torch.Tensor]
+    old_values: list[torch.Tensor]
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_sum(values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if _world()[1] > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+class PPOTrainer:
+    def __init__(self, policy: nn.Module, critic: Critic, config: LearnerConfig) -> None:
+        self.policy = policy
+        self.critic = critic
+        self.config = config
+        self.policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
+        self.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr)
+        self.rank, self.world_size = _world()
+
+    # ------------------------------------------------------------------ preparation
+
+    @torch.no_grad()
+    def _prepare(self, batch: TrainBatch, rollouts: list[int]) -> _Prepared:
+        sequences = [s for s in batch.sequences if s.rollout in set(rollouts)]
+        ids, mask = pad([s.tokens for s in sequences])
+        logp = token_logprobs(self.policy, ids, mask)
+        values = token_values(self.critic, ids, mask)
+        prox = [logp[row, : len(s.tokens)] for row, s in enumerate(sequences)]
+        old = [values[row, : len(s.tokens)] for row, s in enumerate(sequences)]
+        advantages, returns = self._advantages(batch, sequences, old)
+        return _Prepared(sequences, prox, old, advantages, returns)
+
+    def _advantages(self, batch: TrainBatch, sequences: list[Sequence],
+                    values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence, [L] advantages and returns (zero off the trainable tokens)."""
+        if not sequences:
+            return [], []
+        local_rollout = {r: i for i, r in enumerate(dict.fromkeys(s.rollout for s in sequences))}
+        flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
+        lengths = torch.tensor([int(s.trainable.sum()) for s in sequences])
+        rollout_of = torch.tensor([local_rollout[s.rollout] for s in sequences])
+        rewards = batch.rewards[list(local_rollout)]
+        mode = "independent" if self.config.advantage == "independent" else "cross"
+        flat_adv, flat_ret = cross_trajectory_gae(flat_values.double(), lengths, rollout_of,
+                                                  rewards, self.config.gamma, self.config.lam,
+                                                  mode)
+        if self.config.advantage == "grpo":
+            group = _group_relative(batch)
+            flat_adv = torch.repeat_interleave(group[[s.rollout for s in sequences]], lengths)
+        advantages, returns, offset = [], [], 0
+        for sequence, n in zip(sequences, lengths.tolist(), strict=True):
+            adv = torch.zeros(len(sequence.tokens), dtype=torch.float64)
+            ret = torch.zeros(len(sequence.tokens), dtype=torch.float64)
+            adv[sequence.trainable] = flat_adv[offset: offset + n]
+            ret[sequence.trainable] = flat_ret[offset: offset + n]
+            advantages.append(adv.float())
+            returns.append(ret.float())
+            offset += n
+        if self.config.whiten_advantages:
+            advantages = self._whiten(sequences, advantages)
+        return advantages, returns
+
+    def _whiten(self, sequences: list[Sequence], advantages: list[torch.Tensor]
+                ) -> list[torch.Tensor]:
+        picked = [a[s.trainable].double() for s, a in zip(sequences, advantages, strict=True)]
+        flat = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
+        count, total, squares = _all_sum([len(flat), flat.sum().item(), (flat ** 2).sum().item()])
+        mean = total / max(count, 1)
+        std = max((squares / max(count, 1) - mean ** 2), 0.0) ** 0.5 + 1e-8
+        return [torch.where(s.trainable, (a - mean) / std, a)
+                for s, a in zip(sequences, advantages, strict=True)]
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        shares = [batch.assign(m, self.world_size)[self.rank]
+                  for m in batch.minibatches(self.config.minibatches)]
+        prepared = [self._prepare(batch, share) for share in shares]
+        sums: dict[str, float] = defaultdict(float)
+        for _ in range(self.config.ppo_epochs):
+            for part in prepared:
+                self._update(part, sums)
+        names = sorted(sums)
+        totals = dict(zip(names, _all_sum([sums[n] for n in names]), strict=True))
+        updates = max(totals.pop("updates", 1.0) / self.world_size, 1.0)
+        tokens = totals.pop("tokens", 0.0)
+        metrics = {name: value / max(tokens, 1.0) for name, value in totals.items()
+                   if name.startswith("token_")}
+        metrics = {name.removeprefix("token_"): value for name, value in metrics.items()}
+        metrics.update({name: value / updates for name, value in totals.items()
+                        if name.startswith("losses/")})
+        metrics["tokens"] = tokens / self.config.ppo_epochs
+        return metrics
+
+    def _weighted(self, part: _Prepared, tokens: float, segments: float) -> list[torch.Tensor]:
+        """Advantages times each token's loss weight: 1/|M| (token
+        normalisation) or 1/(n_s * number of segments) (segment normalisation)."""
+        if self.config.loss_norm == "token":
+            return [a / tokens for a in part.advantages]
+        return [a / (max(int(s.trainable.sum()), 1) * segments)
+                for s, a in zip(part.sequences, part.advantages, strict=True)]
+
+    def _update(self, part: _Prepared, sums: dict[str, float]) -> None:
+        config = self.config
+        local_tokens = sum(int(s.trainable.sum()) for s in part.sequences)
+        local_segments = sum(1 for s in part.sequences if s.trainable.any())
+        global_tokens, global_segments = _all_sum([local_tokens, local_segments])
+        if global_tokens == 0:
+            return
+        ids, mask = pad([s.tokens for s in part.sequences])
+        trainable, prox, behaviour, advantages, old_values, returns = (
+            _stack(rows, ids.shape) for rows in (
+                [s.trainable for s in part.sequences], part.logp_prox,
+                [s.behaviour_logprobs for s in part.sequences],
+                self._weighted(part, global_tokens, global_segments), part.old_values,
+                part.returns))
+        trainable = trainable.bool()
+
+        logp = token_logprobs(self.policy, ids, mask)
+        # The normalisation is folded into the advantages (l is linear in A for
+        # A scaled by a positive weight), so the loss is a plain sum.
+        p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
+                                      config.clip_low, config.clip_high, config.is_cap,
+                                      config.is_mode)
+        p_loss.backward()
+        values = token_values(self.critic, ids, mask)
+        v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
+                                     config.value_clip)
+        v_loss.backward()
+        if config.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            sums["losses/policy_grad_norm"] += float(norm)
+            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), config.max_grad_norm)
+        for optimizer in (self.policy_optimizer, self.critic_optimizer):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        n = float(trainable.sum())
+        sums["tokens"] += n
+        sums["updates"] += 1
+        sums["losses/policy_loss"] += p_loss.item()
+        sums["losses/value_loss"] += v_loss.item()
+        for name, value in {**p_stats, **{f"value_{k}": v for k, v in v_stats.items()}}.items():
+            sums[f"token_losses/{name}"] += float(value) * n
+
+
+def _stack(rows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """Right-pad per-sequence [L] tensors to ``shape`` (zeros for the dummy)."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for row, values in enumerate(rows):
+        out[row, : len(values)] = values.float()
+    return out
+
+
+def _group_relative(batch: TrainBatch) -> torch.Tensor:
+    """[R] (reward - mean of its task's rewards) / (std + eps), one value per rollout."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for index, task in enumerate(batch.task_ids):
+        groups[task].append(index)
+    advantages = torch.zeros(batch.num_rollouts, dtype=torch.float64)
+    for members in groups.values():
+        rewards = batch.rewards[members]
+        std = rewards.std(unbiased=False) if len(members) > 1 else torch.tensor(0.0)
+        advantages[members] = (rewards - rewards.mean()) / (std + GRPO_EPSILON)
+    return advantages

@@ -1,0 +1,79 @@
+"""The PPO step on the tiny model in one process, and batch checks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.batch import BatchError, to_train_batch
+from learner.config import LearnerConfig
+from learner.models import load_critic, load_policy
+from learner.ppo import PPOTrainer
+from protocol import Batch, Rollout
+from tests.learner_batches import synthetic_batch
+
+
+def trainer(model_dir: Path, **changes) -> PPOTrainer:
+    torch.manual_seed(0)
+    return PPOTrainer(load_policy(str(model_dir)), load_critic(str(model_dir)),
+                      LearnerConfig(**changes))
+
+
+def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"advantage": "independent"}, {"advantage": "grpo"}, {"loss_norm": "segment"},
+    {"is_mode": "mask", "ppo_epochs": 2, "minibatches": 2}, {"whiten_advantages": True},
+])
+def test_a_step_updates_policy_and_critic(tiny_model_dir: Path, changes: dict) -> None:
+    ppo = trainer(tiny_model_dir, **changes)
+    before = snapshot(ppo.policy), snapshot(ppo.critic)
+    metrics = ppo.step(to_train_batch(synthetic_batch(), train_summary=True))
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["tokens"] > 0 and "losses/clipfrac" in metrics
+    for old, module in zip(before, (ppo.policy, ppo.critic), strict=True):
+        assert any(not torch.equal(a, b) for a, b in zip(old, module.parameters(), strict=True))
+
+
+def test_without_summary_training_summary_tokens_leave_the_loss(tiny_model_dir: Path) -> None:
+    batch = to_train_batch(synthetic_batch(), train_summary=False)
+    summaries = [s for s in batch.sequences if s.segment_type == "summary"]
+    assert summaries and not any(s.trainable.any() for s in summaries)
+    # a batch whose only trainable tokens were summaries: no gradient, no update
+    ppo = trainer(tiny_model_dir)
+    before = snapshot(ppo.policy)
+    batch.sequences = summaries
+    metrics = ppo.step(batch)
+    assert metrics["tokens"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, ppo.policy.parameters(), strict=True))
+
+
+def _without_final(batch: Batch) -> Batch:
+    rollout = batch.rollouts[0]
+    batch.rollouts[0] = Rollout(rollout_id=rollout.rollout_id, staleness=0,
+                                segments=rollout.segments[:-1] or [])
+    return batch
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_without_final, "no final segment"),
+    (lambda b: [setattr(b.rollouts[1].segments[-1], "reward", float("nan")), b][1],
+     "no finite reward"),
+])
+def test_bad_batches_are_refused_before_any_update(damage, message: str) -> None:
+    with pytest.raises(BatchError, match=message):
+        to_train_batch(damage(synthetic_batch()), train_summary=True)
+
+
+def test_minibatches_and_rank_shares_are_the_same_cut_for_any_world_size() -> None:
+    batch = to_train_batch(synthetic_batch(rollouts=7), train_summary=True)
+    minibatches = batch.minibatches(3)
+    assert sorted(r for m in minibatches for r in m) == list(range(7))
+    for world in (1, 2, 3):
+        shares = batch.assign(minibatches[0], world)
+        assert sorted(r for share in shares for r in share) == minibatches[0]
