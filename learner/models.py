@@ -34,16 +34,16 @@ def load_critic(path: str, dtype: torch.dtype = torch.float32) -> Critic:
 
 
 def shard(model: nn.Module) -> nn.Module:
-    """FSDP2: each transformer layer its own unit, then the rest. Gradients
-    are summed over ranks, not averaged: the losses are already divided by
-    the global token count."""
+    """FSDP2: each transformer layer its own unit, then the rest. FSDP
+    averages gradients over ranks; the trainer multiplies its losses by the
+    world size to turn that into the sum it needs (gloo has no pre-multiplied
+    reduce for ``set_gradient_divide_factor``)."""
     from torch.distributed.fsdp import fully_shard
 
     body = model.body if isinstance(model, Critic) else model.model
     for layer in body.layers:
         fully_shard(layer)
     fully_shard(model)
-    model.set_gradient_divide_factor(1.0)
     return model
 
 

@@ -176,11 +176,12 @@ class PPOTrainer:
         p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
                                       config.clip_low, config.clip_high, config.is_cap,
                                       config.is_mode)
-        p_loss.backward()
+        # losses are already divided by the global count; FSDP averages over ranks
+        (p_loss * self.world_size).backward()
         values = token_values(self.critic, ids, mask)
         v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
                                      config.value_clip)
-        v_loss.backward()
+        (v_loss * self.world_size).backward()
         if config.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm

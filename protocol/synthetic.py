@@ -1,7 +1,9 @@
-"""Synthetic segments of a given size, for tests and benchmarks.
+"""Synthetic segments and batches, for tests and benchmarks.
 
-Every other token is trainable, token ids cycle below 100, log-probabilities
-are -1 on trainable tokens: valid against any vocabulary of 100 or more.
+``synthetic_segment``: every other token trainable, token ids below 100,
+log-probabilities -1 on trainable tokens: valid for any vocabulary of 100 or
+more. ``synthetic_batch``: a learner batch of random rollouts, deterministic
+in its seed.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.arrays import Array
-from protocol.messages import Segment, Stamp
+from protocol.messages import Batch, Rollout, RolloutStats, Segment, StalenessStats, Stamp
 
 
 def synthetic_segment(stamp: Stamp, rollout_id: str, index: int, final: bool,
@@ -23,3 +25,36 @@ def synthetic_segment(stamp: Stamp, rollout_id: str, index: int, final: bool,
         logprobs=Array.from_numpy(np.where(mask, -1.0, 0.0).astype(np.float32)),
         versions=Array.from_numpy(np.where(mask, version, -1).astype(np.int32)),
         final=final, reward=1.0 if final else None)
+
+
+def synthetic_batch(rollouts: int = 6, seed: int = 0, vocab: int = 1000,
+                    summary_trainable: bool = True) -> Batch:
+    """Rollouts of execution / summary / execution segments with random
+    tokens; trainable runs after a prompt; behaviour log-probabilities near
+    what a random model gives."""
+    rng = np.random.default_rng(seed)
+    items = []
+    for r in range(rollouts):
+        segments = []
+        kinds = ["execution", "summary", "execution"][: 1 + 2 * int(rng.integers(0, 2))]
+        for index, kind in enumerate(kinds):
+            n = int(rng.integers(12, 40))
+            tokens = rng.integers(3, vocab, n).astype(np.int32)
+            mask = np.zeros(n, np.uint8)
+            start = int(rng.integers(2, n // 2))
+            mask[start:] = 1 if (kind == "execution" or summary_trainable) else 0
+            logprobs = np.where(mask, -rng.uniform(5.0, 8.0, n), 0.0).astype(np.float32)
+            final = index == len(kinds) - 1
+            segments.append(Segment(
+                sender_id="a", incarnation=0, seq=r * 10 + index, sent_at=0.0,
+                rollout_id=f"r{r}", task_id=f"task-{r % 3}", index=index, segment_type=kind,
+                tokens=Array.from_numpy(tokens), loss_mask=Array.from_numpy(mask),
+                logprobs=Array.from_numpy(logprobs),
+                versions=Array.from_numpy(np.where(mask, 0, -1).astype(np.int32)),
+                final=final, reward=float(rng.integers(0, 2)) if final else None,
+                stats=RolloutStats(outcome="done", success=True, steps=1,
+                                   compactions=len(kinds) // 2, generated_tokens=n,
+                                   summary_tokens=0, duration_s=1.0) if final else None))
+        items.append(Rollout(rollout_id=f"r{r}", staleness=0, segments=segments))
+    return Batch(sender_id="replay", incarnation=0, seq=0, sent_at=0.0, policy_version=0,
+                 rollouts=items, staleness=StalenessStats(min=0, max=0, mean=0, p50=0, p95=0))

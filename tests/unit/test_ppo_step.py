@@ -13,7 +13,7 @@ from learner.config import LearnerConfig
 from learner.models import load_critic, load_policy
 from learner.ppo import PPOTrainer
 from protocol import Batch, Rollout
-from tests.learner_batches import synthetic_batch
+from protocol.synthetic import synthetic_batch
 
 
 def trainer(model_dir: Path, **changes) -> PPOTrainer:

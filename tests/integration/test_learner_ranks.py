@@ -1,0 +1,43 @@
+"""The same batches give the same update on 1 rank and on 2 ranks (FSDP2, gloo,
+torchrun): the loss is normalised by the global token count."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.processes import VENV_BIN, run_command
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("ppo_ranks_script.py")
+ROOT = Path(__file__).parents[2]
+
+
+def train(model: Path, out: Path, ranks: int) -> dict[str, torch.Tensor]:
+    result = run_command(
+        [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc_per_node={ranks}",
+         str(SCRIPT), str(model), str(out), "2"],
+        timeout=300, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                          "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return load_file(out)
+
+
+def test_one_rank_and_two_ranks_give_the_same_parameters(tiny_model_dir: Path,
+                                                         tmp_path: Path) -> None:
+    one = train(tiny_model_dir, tmp_path / "one.safetensors", 1)
+    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2)
+    assert one.keys() == two.keys()
+    start = load_file(tiny_model_dir / "model.safetensors")
+    moved = 0
+    for name, tensor in one.items():
+        torch.testing.assert_close(two[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        key = name.removeprefix("policy.")
+        if key in start and not torch.equal(start[key], tensor):
+            moved += 1
+    assert moved > 0, "training changed nothing"
