@@ -1,0 +1,157 @@
+"""Learner speed: (a) cross-trajectory GAE against a plain loop, (b) one PPO
+step against the same forward and backward passes done bare.
+
+(a) 1M trainable tokens in 10k segments of 1k rollouts: the vectorised
+    ``cross_trajectory_gae`` against the token-by-token loop reference over
+    tensors (``gae_vs_loop``), and against the same loop over Python floats
+    (``gae_vs_python_float_loop``, the hardest baseline in CPython).
+(b) The tiny model, one process: a full PPO step (log pi_prox and values,
+    advantages, minibatches, losses, optimizer steps) against the same
+    padded forward and backward passes of the same models over the same
+    tokens with a trivial loss, plus the same optimizer steps. The ratio is
+    what the RL machinery costs.
+
+    python bench/learner.py [--json] [--quick]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This file is named after the package it measures: keep bench/ off the import path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from learner.advantages import cross_trajectory_gae
+from learner.batch import TrainBatch, to_train_batch
+from learner.config import LearnerConfig
+from learner.models import load_critic, load_policy, pad, token_logprobs, token_values
+from learner.ppo import PPOTrainer
+from protocol.synthetic import synthetic_batch
+
+
+def gae_loop(values, lengths, rollout_of, rewards, gamma: float, lam: float) -> list[float]:
+    """The reference: DESIGN §2.3 token by token, as RL codebases usually
+    write GAE (over tensors, or over Python floats when given lists)."""
+    later = [0] * len(lengths)
+    running_after = 0
+    for s in reversed(range(len(lengths))):
+        if s + 1 < len(lengths) and rollout_of[s + 1] != rollout_of[s]:
+            running_after = 0
+        later[s] = running_after
+        running_after += lengths[s]
+    out = [0.0] * len(values)
+    start = 0
+    for s, n in enumerate(lengths):
+        factor = (gamma * lam) ** later[s]
+        acc = 0.0
+        for i in reversed(range(n)):
+            t = start + i
+            reward = rewards[rollout_of[s]] if i == n - 1 else 0.0
+            next_value = values[t + 1] if i < n - 1 else 0.0
+            acc = reward + gamma * next_value - values[t] + gamma * lam * acc
+            out[t] = factor * acc
+        start += n
+    return out
+
+
+def bench_gae(tokens: int, segments: int, rollouts: int) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(tokens - 1, generator=generator)[: segments - 1] + 1).values
+    edges = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])])
+    lengths = edges[1:] - edges[:-1]
+    rollout_of = torch.sort(torch.randint(0, rollouts, (segments,), generator=generator)).values
+    values = torch.randn(tokens, generator=generator, dtype=torch.float64)
+    rewards = torch.rand(rollouts, generator=generator, dtype=torch.float64)
+    cross_trajectory_gae(values, lengths, rollout_of, rewards, 1.0, 0.999)  # warm-up
+    began = time.perf_counter()
+    fast, _ = cross_trajectory_gae(values, lengths, rollout_of, rewards, 1.0, 0.999)
+    fast_s = time.perf_counter() - began
+    began = time.perf_counter()
+    slow = gae_loop(values, lengths.tolist(), rollout_of.tolist(), rewards, 1.0, 0.999)
+    loop_s = time.perf_counter() - began
+    began = time.perf_counter()
+    floats = gae_loop(values.tolist(), lengths.tolist(), rollout_of.tolist(), rewards.tolist(),
+                      1.0, 0.999)
+    float_loop_s = time.perf_counter() - began
+    torch.testing.assert_close(fast, torch.tensor([float(x) for x in slow], dtype=torch.float64))
+    torch.testing.assert_close(fast, torch.tensor(floats, dtype=torch.float64))
+    return {"gae_seconds": round(fast_s, 4), "gae_loop_seconds": round(loop_s, 3),
+            "gae_vs_loop": round(loop_s / fast_s, 1),
+            "gae_python_float_loop_seconds": round(float_loop_s, 3),
+            "gae_vs_python_float_loop": round(float_loop_s / fast_s, 1)}
+
+
+def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConfig) -> None:
+    """The same passes as a PPO step, with a trivial loss and no RL code."""
+    parts = [[s.tokens for s in batch.sequences if s.rollout in set(m)]
+             for m in batch.minibatches(config.minibatches)]
+    padded = [pad(part) for part in parts]
+    with torch.no_grad():
+        for ids, mask in padded:
+            token_logprobs(policy, ids, mask)
+            token_values(critic, ids, mask)
+    for _ in range(config.ppo_epochs):
+        for ids, mask in padded:
+            token_logprobs(policy, ids, mask).sum().backward()
+            token_values(critic, ids, mask).sum().backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+
+def bench_ppo(repeats: int) -> dict[str, float]:
+    from deploy.tiny_model import build_tiny_model
+
+    config = LearnerConfig(minibatches=2, ppo_epochs=2)
+    with tempfile.TemporaryDirectory() as folder:
+        model = str(build_tiny_model(Path(folder) / "tiny"))
+        torch.manual_seed(0)
+        trainer = PPOTrainer(load_policy(model), load_critic(model), config)
+        policy, critic = load_policy(model), load_critic(model)
+    optimizers = [torch.optim.AdamW(policy.parameters(), lr=config.lr),
+                  torch.optim.AdamW(critic.parameters(), lr=config.critic_lr)]
+    batches = [to_train_batch(synthetic_batch(rollouts=32, seed=s), True)
+               for s in range(repeats + 1)]
+    tokens = sum(len(s.tokens) for b in batches[1:] for s in b.sequences)
+    trainer.step(batches[0])  # warm-up
+    bare_step(policy, critic, optimizers, batches[0], config)
+    ppo_s = bare_s = 0.0
+    for batch in batches[1:]:  # interleaved, so both see the same machine state
+        began = time.perf_counter()
+        trainer.step(batch)
+        ppo_s += time.perf_counter() - began
+        began = time.perf_counter()
+        bare_step(policy, critic, optimizers, batch, config)
+        bare_s += time.perf_counter() - began
+    return {"ppo_tokens_per_s": round(tokens / ppo_s, 1),
+            "bare_tokens_per_s": round(tokens / bare_s, 1),
+            "ppo_vs_bare": round(bare_s / ppo_s, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    gae = bench_gae(*((20_000, 200, 20) if args.quick else (1_000_000, 10_000, 1_000)))
+    ppo = bench_ppo(repeats=1 if args.quick else 5)
+    result = {**gae, **ppo}
+    print(f"GAE: {gae['gae_seconds']} s vectorised vs {gae['gae_loop_seconds']} s tensor loop "
+          f"({gae['gae_vs_loop']}x), {gae['gae_python_float_loop_seconds']} s Python-float loop "
+          f"({gae['gae_vs_python_float_loop']}x); PPO step {ppo['ppo_tokens_per_s']} tokens/s vs bare "
+          f"{ppo['bare_tokens_per_s']} tokens/s (ratio {ppo['ppo_vs_bare']})")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
