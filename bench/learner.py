@@ -147,8 +147,8 @@ def main() -> None:
     result = {**gae, **ppo}
     print(f"GAE: {gae['gae_seconds']} s vectorised vs {gae['gae_loop_seconds']} s tensor loop "
           f"({gae['gae_vs_loop']}x), {gae['gae_python_float_loop_seconds']} s Python-float loop "
-          f"({gae['gae_vs_python_float_loop']}x); PPO step {ppo['ppo_tokens_per_s']} tokens/s vs bare "
-          f"{ppo['bare_tokens_per_s']} tokens/s (ratio {ppo['ppo_vs_bare']})")
+          f"({gae['gae_vs_python_float_loop']}x); PPO step {ppo['ppo_tokens_per_s']} tokens/s "
+          f"vs bare {ppo['bare_tokens_per_s']} tokens/s (ratio {ppo['ppo_vs_bare']})")
     if args.json:
         print(json.dumps(result))
 
