@@ -95,6 +95,28 @@ def _cmd_replay(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
+    import os
+
+    import msgspec
+
+    from learner.process import LearnerSettings
+
+    config = load_config(args.config, overrides)
+    run_dir = Path(config.run.out_dir) / config.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = LearnerSettings(model=config.run.model,
+                               replay_address=config.replay.learner_address,
+                               run_dir=str(run_dir), learner=config.learner,
+                               transport=config.transport, resume=args.resume)
+    path = run_dir / "learner-settings.json"
+    path.write_bytes(msgspec.json.encode(settings))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={config.learner.nproc}", "-m", "learner",
+               "--settings", str(path)]
+    os.execv(sys.executable, command)  # torchrun takes over this process (and its signals)
+
+
 def _cmd_keys_init(args: argparse.Namespace, overrides: list[str]) -> int:
     from protocol.transport import generate_keys
 
@@ -167,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "replay", help="run the replay service: segment ingest, rollout assembly, batches")
     _config_args(replay)
     replay.set_defaults(handler=_cmd_replay)
+
+    learner = commands.add_parser(
+        "learner", help="run the learner under torchrun (learner.nproc ranks, FSDP2)")
+    _config_args(learner)
+    learner.add_argument("--resume", action="store_true",
+                         help="continue from the newest checkpoint in the run folder")
+    learner.set_defaults(handler=_cmd_learner)
 
     keys = commands.add_parser("keys", help="CURVE keys for authenticated sockets")
     keys_sub = keys.add_subparsers(dest="action", required=True)

@@ -18,7 +18,8 @@ class Critic(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden).squeeze(-1)
+        # a fresh tensor, not a view: FSDP2 hooks the module's output for backward
+        return self.head(hidden).squeeze(-1).clone()
 
 
 def load_policy(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -1,0 +1,58 @@
+"""The learner's Prometheus metrics (DESIGN §4, learner part), served by rank 0."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: PPO statistics exported as gauges: metric name -> key in the step's metrics.
+STEP_GAUGES = {
+    "crl_learner_policy_loss": "losses/policy_loss",
+    "crl_learner_value_loss": "losses/value_loss",
+    "crl_learner_clip_fraction": "losses/clipfrac",
+    "crl_learner_approx_kl": "losses/approx_kl",
+    "crl_learner_is_weight_mean": "losses/is_weight_mean",
+    "crl_learner_is_truncated_fraction": "losses/is_affected_frac",
+    "crl_learner_explained_variance": "losses/value_explained_variance",
+    "crl_learner_grad_norm": "losses/policy_grad_norm",
+}
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.step_seconds = Histogram("crl_learner_step_seconds", "Time of one learner step",
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+                                      registry=r)
+        self.tokens = Counter("crl_learner_tokens", "Trainable tokens trained on", registry=r)
+        self.policy_version = Gauge("crl_learner_policy_version", "Policy version", registry=r)
+        self.reward = Gauge("crl_learner_reward", "Mean final reward of the last batch",
+                            registry=r)
+        self.success_rate = Gauge("crl_learner_success_rate",
+                                  "Success rate of the last batch, by compaction",
+                                  ["compacted"], registry=r)
+        self.compactions = Gauge("crl_learner_compactions_per_rollout",
+                                 "Mean compactions per rollout of the last batch", registry=r)
+        self.idle_seconds = Counter("crl_learner_idle_seconds",
+                                    "Time waiting for batches from the replay", registry=r)
+        self.rejected_batches = Counter("crl_learner_rejected_batches",
+                                        "Batches refused before any update", registry=r)
+        self.gauges = {name: Gauge(name, f"PPO statistic {key}", registry=r)
+                       for name, key in STEP_GAUGES.items()}
+
+    def record(self, metrics: dict[str, float], rewards: list[float], successes: list[bool],
+               compactions: list[int], seconds: float, version: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.tokens.inc(metrics.get("tokens", 0.0))
+        self.policy_version.set(version)
+        for name, key in STEP_GAUGES.items():
+            if key in metrics:
+                self.gauges[name].set(metrics[key])
+        if rewards:
+            self.reward.set(sum(rewards) / len(rewards))
+            self.compactions.set(sum(compactions) / len(compactions))
+        for label, chosen in (("true", [s for s, c in zip(successes, compactions, strict=True)
+                                        if c > 0]),
+                              ("false", [s for s, c in zip(successes, compactions, strict=True)
+                                         if c == 0])):
+            if chosen:
+                self.success_rate.labels(label).set(sum(chosen) / len(chosen))

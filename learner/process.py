@@ -1,0 +1,201 @@
+"""The learner process, one per torchrun rank.
+
+Rank 0 talks to the replay: ``Hello`` (the ``Welcome`` says the batch size),
+then for each step a ``BatchRequest`` and the ``Batch`` it waits for. The
+batch's frame is broadcast to the other ranks as raw bytes (no pickle) and
+every rank decodes it, so all train on the same data. A batch the learner
+refuses (no final reward, arrays that disagree) is counted and skipped before
+any update. The version increments once per step; checkpoints every
+``checkpoint_every`` steps and at the end (or on SIGTERM), then the HF export.
+
+Started as ``torchrun ... -m learner --settings FILE`` (``compactionrl
+learner`` writes FILE: this package cannot read the run's TOML itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from learner.batch import BatchError, to_train_batch
+from learner.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.config import LearnerConfig
+from learner.metrics import LearnerMetrics
+from learner.models import load_critic, load_policy, shard
+from learner.ppo import PPOTrainer
+from ops.metrics import MetricsServer
+from protocol import (
+    Batch,
+    BatchRequest,
+    EngineInfo,
+    Hello,
+    ProtocolError,
+    Stamp,
+    Welcome,
+    decode,
+    encode,
+)
+from protocol.transport import TransportConfig, connect_dealer
+
+log = logging.getLogger("compactionrl.learner")
+
+#: Rank 0 polls the replay this often while waiting, to notice SIGTERM.
+WAIT_SLICE_MS = 500
+
+
+@dataclass
+class LearnerSettings:
+    """What ``compactionrl learner`` hands every rank (as JSON)."""
+
+    model: str
+    replay_address: str
+    run_dir: str
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    resume: bool = False
+
+
+def read_settings(path: Path) -> LearnerSettings:
+    return msgspec.convert(msgspec.json.decode(path.read_bytes()), LearnerSettings)
+
+
+class Learner:
+    def __init__(self, settings: LearnerSettings) -> None:
+        self.settings = settings
+        self.config = settings.learner
+        self.rank = dist.get_rank()
+        self.run_dir = Path(settings.run_dir)
+        self.stopping = False
+        self.version = 0
+        self.step = 0
+        self.metrics = LearnerMetrics()
+
+    def _on_signal(self, *_: object) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        torch.manual_seed(0)
+        policy = shard(load_policy(self.settings.model))
+        critic = shard(load_critic(self.settings.model))
+        self.trainer = PPOTrainer(policy, critic, self.config)
+        checkpoints = self.run_dir / "checkpoints"
+        if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
+            self.version, self.step = load_checkpoint(latest, self.trainer)
+            log.info("resumed from %s at version %d", latest, self.version)
+        link = _ReplayLink(self.settings) if self.rank == 0 else None
+        server = MetricsServer(self.metrics.registry,
+                               self.config.metrics_port if self.rank == 0 else 0,
+                               self.settings.transport.metrics_address)
+        try:
+            batch_size = self._broadcast_int(link.hello() if link else 0)
+            while self.step < self.config.max_steps and not self._agree_stopping():
+                frame = link.next_batch(batch_size, self.version, self) if link else b""
+                frame = self._broadcast_bytes(frame)
+                if not frame:
+                    continue  # stopping while waiting
+                self._train(frame)
+            save_checkpoint(checkpoints, self.trainer, self.version, self.step)
+            export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export")
+            dist.barrier()  # rank 0 writes the export; nobody leaves the group before it ends
+        finally:
+            if link:
+                link.close()
+            server.close()
+        return 0
+
+    def _train(self, frame: bytes) -> None:
+        began = time.perf_counter()
+        try:
+            message = decode(frame, self.settings.transport.max_message_bytes)
+            if not isinstance(message, Batch):
+                raise BatchError(f"expected a Batch, got {type(message).__name__}")
+            batch = to_train_batch(message, self.config.train_summary)
+        except (ProtocolError, BatchError) as exc:
+            self.metrics.rejected_batches.inc()
+            if self.rank == 0:
+                log.warning("refused a batch: %s", exc)
+            return
+        metrics = self.trainer.step(batch)
+        self.version += 1
+        self.step += 1
+        self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,
+                            batch.compactions, time.perf_counter() - began, self.version)
+        if self.rank == 0:
+            log.info("step %d: version %d, reward %.3f, %d tokens, policy loss %.4f",
+                     self.step, self.version, float(batch.rewards.mean()), metrics["tokens"],
+                     metrics.get("losses/policy_loss", 0.0))
+        if self.step % self.config.checkpoint_every == 0 and self.step < self.config.max_steps:
+            save_checkpoint(self.run_dir / "checkpoints", self.trainer, self.version, self.step)
+
+    # ------------------------------------------------------------------ collectives
+
+    def _agree_stopping(self) -> bool:
+        flag = torch.tensor([1 if self.stopping else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _broadcast_int(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.long)
+        dist.broadcast(tensor, 0)
+        return int(tensor.item())
+
+    def _broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's bytes on every rank, as a uint8 tensor: never pickled."""
+        size = self._broadcast_int(len(data))
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+                  else torch.empty(size, dtype=torch.uint8))
+        if size:
+            dist.broadcast(buffer, 0)
+        return buffer.numpy().tobytes()
+
+
+class _ReplayLink:
+    """Rank 0's DEALER to the replay's learner socket."""
+
+    def __init__(self, settings: LearnerSettings) -> None:
+        self.context = zmq.Context()
+        self.socket = connect_dealer(self.context, settings.replay_address, settings.transport,
+                                     b"learner")
+        self.stamp = Stamp("learner", time.time_ns())
+        self.max_bytes = settings.transport.max_message_bytes
+
+    def hello(self) -> int:
+        """Register; returns the batch size B from the replay's Welcome."""
+        self.socket.send(encode(Hello(**self.stamp.next(), capacity=0, engine=EngineInfo(
+            device="learner", dtype="", tensor_parallel=0, model=""))))
+        while True:
+            message = decode(self.socket.recv(), self.max_bytes)
+            if isinstance(message, Welcome):
+                return message.rollouts_per_batch
+
+    def next_batch(self, size: int, version: int, learner: Learner) -> bytes:
+        """The next Batch frame, or b"" if the learner is stopping."""
+        self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
+                                             policy_version=version)))
+        began = time.perf_counter()
+        try:
+            while not learner.stopping:
+                if self.socket.poll(WAIT_SLICE_MS, zmq.POLLIN):
+                    frame = self.socket.recv()
+                    try:
+                        if isinstance(decode(frame, self.max_bytes), Batch):
+                            return frame
+                    except ProtocolError as exc:
+                        log.warning("dropped a frame from the replay: %s", exc)
+            return b""
+        finally:
+            learner.metrics.idle_seconds.inc(time.perf_counter() - began)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
