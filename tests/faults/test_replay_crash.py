@@ -14,6 +14,7 @@ from pathlib import Path
 
 import zmq
 
+from tests.ports import free_ports
 from tests.processes import VENV_BIN
 from tests.protocol_clients import ActorClient, LearnerClient
 
@@ -21,16 +22,6 @@ ROLLOUTS = 60
 SEGMENTS = 3
 KILLS = 3
 STARTUP_S = 30
-
-
-def _free_ports(n: int) -> list[int]:
-    context = zmq.Context()
-    sockets = [context.socket(zmq.ROUTER) for _ in range(n)]
-    ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in sockets]
-    for s in sockets:
-        s.close(linger=0)
-    context.term()
-    return ports
 
 
 def start_replay(ports: list[int], log_path: Path) -> subprocess.Popen:
@@ -52,7 +43,7 @@ def stop(process: subprocess.Popen, sig: int) -> None:
 
 def test_every_acknowledged_segment_survives_sigkill(tmp_path: Path) -> None:
     rng = random.Random(1129)
-    ports = _free_ports(2)
+    ports = free_ports(2)
     log_path = tmp_path / "replay" / "segments.log"
     context = zmq.Context()
     actor = ActorClient(context, f"tcp://127.0.0.1:{ports[0]}")

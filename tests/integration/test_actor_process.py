@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_ports
 from tests.processes import VENV_BIN
 from tests.replay_peer import ReplayPeer
 
@@ -40,12 +40,6 @@ class Run:
     metrics: str
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _wait_for(peer: ReplayPeer, condition, timeout: float, process: subprocess.Popen) -> None:
     end = time.monotonic() + timeout
     while not condition():
@@ -57,7 +51,7 @@ def _wait_for(peer: ReplayPeer, condition, timeout: float, process: subprocess.P
 @pytest.fixture(scope="module")
 def actor_run(tiny_model_dir: Path) -> Run:
     peer = ReplayPeer(credits_on_welcome=3)
-    port = _free_port()
+    [port] = free_ports(1)
     process = subprocess.Popen(
         [str(VENV_BIN / "compactionrl"), "actor", "--replay", peer.address, "--actor-id",
          "actor-t", "--run.model", str(tiny_model_dir), *SMALL_EPISODES,

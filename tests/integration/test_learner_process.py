@@ -13,25 +13,16 @@ import zmq
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import ReplayService
+from tests.ports import loopback_addresses
 from tests.processes import compactionrl
 from tests.protocol_clients import ActorClient
 
 pytestmark = pytest.mark.slow
 
 
-def _addresses() -> list[str]:
-    context = zmq.Context()
-    sockets = [context.socket(zmq.ROUTER) for _ in range(2)]
-    ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in sockets]
-    for s in sockets:
-        s.close(linger=0)
-    context.term()
-    return [f"tcp://127.0.0.1:{p}" for p in ports]
-
-
 def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
-    actor_address, learner_address = _addresses()
+    actor_address, learner_address = loopback_addresses(2)
     service = ReplayService(ReplayConfig(
         actor_address=actor_address, learner_address=learner_address, rollouts_per_batch=2,
         max_staleness=8, durable_log=False, metrics_port=0), TransportConfig(), vocab_size=1054)

@@ -17,6 +17,7 @@ from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import ReplayService
+from tests.ports import free_ports, loopback_addresses
 from tests.protocol_clients import ActorClient, LearnerClient
 
 
@@ -45,19 +46,9 @@ class Running:
         self.service.close()
 
 
-def _ports() -> tuple[str, str]:
-    context = zmq.Context()
-    sockets = [context.socket(zmq.ROUTER) for _ in range(2)]
-    ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in sockets]
-    for s in sockets:
-        s.close(linger=0)
-    context.term()
-    return tuple(f"tcp://127.0.0.1:{p}" for p in ports)
-
-
 @pytest.fixture
 def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Running]:
-    actor_address, learner_address = _ports()
+    actor_address, learner_address = loopback_addresses(2)
     options = dict(actor_address=actor_address, learner_address=learner_address,
                    rollouts_per_batch=2, max_staleness=1, log_path=str(tmp_path / "log"),
                    metrics_port=0, rollout_timeout_s=600.0)
@@ -73,7 +64,7 @@ def test_metrics_are_served_with_the_design_names(replay: Running) -> None:
 
     from ops.metrics import MetricsServer
 
-    server = MetricsServer(replay.service.metrics.registry, _free_tcp_port())
+    server = MetricsServer(replay.service.metrics.registry, free_ports(1)[0])
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics",
                                       timeout=10).read().decode()
@@ -86,14 +77,6 @@ def test_metrics_are_served_with_the_design_names(replay: Running) -> None:
                  'crl_replay_dropped_total{reason="full"}', "crl_replay_staleness_bucket",
                  "crl_replay_credits_outstanding"):
         assert name in text, name
-
-
-def _free_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_hello_gets_credits_and_segments_are_acknowledged(replay: Running) -> None:
