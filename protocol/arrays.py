@@ -55,6 +55,3 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
     def numpy(self) -> np.ndarray:
         """A read-only view (no copy) of the data."""
         return np.frombuffer(self.data, dtype=ALLOWED_DTYPES[self.dtype]).reshape(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0] if self.shape else 1
