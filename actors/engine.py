@@ -68,16 +68,21 @@ class Engine:
 
     @classmethod
     async def start(cls, model: str, config: EngineConfig, sampling: SamplingConfig,
-                    seed_offset: int = 0) -> Engine:
+                    seed_offset: int = 0, weight_transfer: bool = False) -> Engine:
         """Start the engine on a local HF-format model folder (actors never
-        download: a missing folder is an error here, not a hub lookup)."""
+        download: a missing folder is an error here, not a hub lookup). With
+        ``weight_transfer`` the engine accepts live weight updates over the
+        project's gloo transfer engine (:mod:`actors.weight_transfer`)."""
         if not (Path(model) / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model!r} has no config.json: point "
                                     "run.model at a local HF-format model folder")
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset))
+        from actors.weight_transfer import BACKEND
+
+        extra = {"weight_transfer_config": {"backend": BACKEND}} if weight_transfer else {}
+        args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset), **extra)
         return cls(AsyncLLM.from_engine_args(args), sampling, model, config)
 
     @property
