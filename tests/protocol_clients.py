@@ -87,6 +87,17 @@ class ActorClient:
                 self.errors.append(message)
                 self.unacked.pop(message.ref_seq, None)
 
+    def pump_until(self, condition, timeout_s: float = 15.0) -> bool:
+        """Pump until ``condition()`` holds (True) or the timeout passes (False):
+        tests wait on events, not on fixed sleeps, so a loaded machine is slower
+        but not wrong."""
+        end = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > end:
+                return False
+            self.pump(0.05)
+        return True
+
     def close(self) -> None:
         self.socket.close(linger=0)
 

@@ -39,8 +39,7 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
         actor.hello()
         for _ in range(8):
             actor.push_rollout(segments=3, tokens=48)
-        actor.pump(0.5)
-        assert not actor.unacked
+        assert actor.pump_until(lambda: not actor.unacked)
 
         first = compactionrl("learner", *common, "--learner.max_steps", "2", timeout=300)
         assert first.returncode == 0, first.stderr[-4000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,11 +83,10 @@ def test_metrics_are_served_with_the_design_names(replay: Running) -> None:
 def test_hello_gets_credits_and_segments_are_acknowledged(replay: Running) -> None:
     actor = replay.actor(capacity=3)
     actor.hello()
-    actor.pump(0.5)
-    assert actor.credits == 3
+    assert actor.pump_until(lambda: actor.credits == 3)
     actor.push_rollout(segments=3)
-    actor.pump(0.5)
-    assert actor.unacked == {} and len(actor.acked) == 3
+    assert actor.pump_until(lambda: not actor.unacked)
+    assert len(actor.acked) == 3
     assert replay.metric("crl_replay_segments_total", result="accepted") == 3
 
 
@@ -94,11 +94,11 @@ def test_resent_segments_are_acknowledged_once_stored_once(replay: Running) -> N
     actor = replay.actor()
     actor.hello()
     actor.push_rollout(segments=2)
-    actor.pump(0.5)
+    assert actor.pump_until(lambda: not actor.unacked)
     for frame in [encode(s) for s in actor.acked.values()]:
         actor.socket.send(frame)  # as if the acks were lost
-    actor.pump(0.5)
-    assert replay.metric("crl_replay_segments_total", result="duplicate") == 2
+    assert actor.pump_until(
+        lambda: replay.metric("crl_replay_segments_total", result="duplicate") == 2)
     learner = replay.learner()
     learner.request(1, version=0)
     batch = learner.receive(2.0)
@@ -111,11 +111,11 @@ def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: Runn
     learner = replay.learner()
     learner.request(2, version=1)
     actor.push_rollout(version=0)
-    actor.pump(0.5)
+    assert actor.pump_until(lambda: not actor.unacked)
     assert learner.receive(0.5) is None  # one ready, two asked
     actor.push_rollout(version=1)
-    actor.pump(0.3)
-    batch = learner.receive(2.0)
+    assert actor.pump_until(lambda: not actor.unacked)
+    batch = learner.receive(10.0)
     assert batch is not None and len(batch.rollouts) == 2
     assert sorted(r.staleness for r in batch.rollouts) == [0, 1]
     assert (batch.staleness.min, batch.staleness.max) == (0, 1)
@@ -126,14 +126,14 @@ def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
     actor.hello()
     actor.push_rollout(version=0)
     actor.push_rollout(version=2)
-    actor.pump(0.5)
+    assert actor.pump_until(lambda: not actor.unacked)
     learner = replay.learner()
     learner.request(2, version=2)  # max_staleness 1: the version-0 rollout is stale
     assert learner.receive(1.0) is None
     assert replay.metric("crl_replay_dropped_total", reason="stale") == 1
     actor.push_rollout(version=2)
-    actor.pump(0.3)
-    batch = learner.receive(2.0)
+    assert actor.pump_until(lambda: not actor.unacked)
+    batch = learner.receive(10.0)
     assert batch is not None and all(r.staleness == 0 for r in batch.rollouts)
 
 
@@ -143,9 +143,9 @@ def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running)
     actor.push_rollout(segments=1)  # complete
     stamp_rollout = synthetic_segment(actor.stamp, "unfinished", 0, final=False)
     actor.send(stamp_rollout)
-    actor.pump(0.3)
-    actor.pump(1.5)  # no heartbeats: declared dead after 3 x 0.2 s
-    assert replay.metric("crl_replay_dropped_total", reason="expired") == 1
+    # no heartbeats: declared dead after 3 x 0.2 s, its unfinished rollout expires
+    assert actor.pump_until(
+        lambda: replay.metric("crl_replay_dropped_total", reason="expired") == 1)
     learner = replay.learner()
     learner.request(2, version=0)
     assert learner.receive(1.0) is None  # the complete one is ready, the other never comes
@@ -154,15 +154,15 @@ def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running)
 def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -> None:
     old = replay.actor(actor_id="actor-r", incarnation=1)
     old.hello()
-    old.pump(0.3)
+    assert old.pump_until(lambda: old.credits > 0)
     old.close()
     new = replay.actor(actor_id="actor-r", incarnation=2)
     new.hello()
-    new.pump(0.3)
+    assert new.pump_until(lambda: new.credits > 0)
     new.close()
     late = replay.actor(actor_id="actor-r", incarnation=1)
     late.push_rollout(segments=1)
-    late.pump(0.5)
+    assert late.pump_until(lambda: late.errors)
     assert [e.code for e in late.errors] == ["stale_incarnation"]
     assert replay.metric("crl_replay_segments_total", result="accepted") == 0
 
@@ -173,16 +173,15 @@ def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> 
     actor.hello()
     for _ in range(6):
         actor.push_rollout(tokens=2048)
-    actor.pump(0.5)
+    assert actor.pump_until(lambda: not actor.unacked)
     log_path = Path(replay.service.config.log_path)
     before = log_path.stat().st_size
     learner = replay.learner()
     for _ in range(2):
         learner.request(2, version=0)
         assert learner.receive(2.0) is not None
-    actor.push_rollout(tokens=64)  # keeps the loop turning past a tick
-    actor.pump(1.5)
-    assert log_path.stat().st_size < before / 2
+    actor.push_rollout(tokens=64)
+    assert actor.pump_until(lambda: log_path.stat().st_size < before / 2)
     learner.request(2, version=0)
     batch = learner.receive(2.0)
     assert batch is not None and len(batch.rollouts) == 2
@@ -192,24 +191,29 @@ def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> 
 def test_backpressure_when_the_learner_stops(replay: Running) -> None:
     actor = replay.actor(capacity=64)
     actor.hello()
-    actor.pump(0.3)
     started = 0
-    for _ in range(40):  # the actor starts rollouts only with credits
-        while actor.credits > 0:
+
+    def start_what_credits_allow() -> int:
+        nonlocal started
+        while actor.credits > 0:  # the actor starts rollouts only with credits
             actor.credits -= 1
             actor.push_rollout(segments=2, tokens=4096)
             started += 1
         actor.heartbeat()
+        return started
+
+    # (S + 1) * B = 4 rollouts may be accepted without a learner step ...
+    assert actor.pump_until(lambda: start_what_credits_allow() >= 4 and not actor.unacked)
+    for _ in range(10):  # ... and no more, however long the actor asks
+        start_what_credits_allow()
         actor.pump(0.1)
-    # (S + 1) * B = 4 rollouts may be accepted without a learner step
     assert started == 4
     assert replay.service.buffer.nbytes <= 2 * 1024 * 1024
     learner = replay.learner()
     learner.request(2, version=0)
-    assert learner.receive(2.0) is not None
+    assert learner.receive(10.0) is not None
     actor.heartbeat()
-    actor.pump(0.5)
-    assert actor.credits == 2  # the learner's step released two places
+    assert actor.pump_until(lambda: actor.credits == 2)  # the step released two places
 
 
 def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: Running
@@ -233,12 +237,14 @@ def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay:
     actor = replay.actor()
     actor.hello()
     actor.push_rollout()
-    actor.pump(1.0)
-    assert actor.unacked == {} and not actor.errors
+    assert actor.pump_until(lambda: not actor.unacked)
+    assert not actor.errors
     replies = 0
-    while hostile.poll(200, zmq.POLLIN):
-        hostile.recv()
-        replies += 1
+    deadline = time.monotonic() + 15
+    while replies < len(frames) and time.monotonic() < deadline:
+        if hostile.poll(100, zmq.POLLIN):
+            hostile.recv()
+            replies += 1
     rejected = sum(replay.metric("crl_replay_rejected_messages_total", reason=r) for r in (
         "malformed", "protocol_version", "array", "length_mismatch", "invalid", "identity",
         "unknown_kind", "oversized"))
