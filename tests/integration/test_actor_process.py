@@ -40,6 +40,15 @@ class Run:
     metrics: str
 
 
+def _scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def _rollouts_counted(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("crl_actor_rollouts_total{"))
+
+
 def _wait_for(peer: ReplayPeer, condition, timeout: float, process: subprocess.Popen) -> None:
     end = time.monotonic() + timeout
     while not condition():
@@ -61,8 +70,15 @@ def actor_run(tiny_model_dir: Path) -> Run:
         # three credited rollouts, the first ack lost on the way
         _wait_for(peer, lambda: peer.finished() == 3, ENGINE_START_S + 120, process)
         first = set(peer.rollouts())
-        peer.pump(1.0)  # let the last acks land and the counters settle
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        # the actor counts a rollout just after sending its last segment
+        scraped: list[str] = []
+
+        def all_counted() -> bool:
+            scraped.append(_scrape(port))
+            return _rollouts_counted(scraped[-1]) == 3
+
+        _wait_for(peer, all_counted, 30, process)
+        metrics = scraped[-1]
         # one more rollout whose acks are withheld; SIGTERM while it runs
         peer.withhold_acks = True
         peer.grant(1)
@@ -75,7 +91,7 @@ def actor_run(tiny_model_dir: Path) -> Run:
         while process.poll() is None and time.monotonic() < end:
             peer.pump(0.2)
         exit_code = process.wait(timeout=5)
-        return Run(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics.decode())
+        return Run(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -125,8 +141,7 @@ def _sample(metrics: str, name: str) -> float:
 
 def test_metrics_use_the_design_names(actor_run: Run) -> None:
     metrics = actor_run.metrics
-    assert sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("crl_actor_rollouts_total{")) == 3
+    assert _rollouts_counted(metrics) == 3
     assert _sample(metrics, "crl_actor_compactions_total") >= 0
     assert _sample(metrics, "crl_actor_compaction_rate") == pytest.approx(
         _sample(metrics, "crl_actor_compactions_total") / 3)
