@@ -91,8 +91,8 @@ def bench_gae(tokens: int, segments: int, rollouts: int) -> dict[str, float]:
 
 def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConfig) -> None:
     """The same passes as a PPO step, with a trivial loss and no RL code."""
-    parts = [[s.tokens for s in batch.sequences if s.rollout in set(m)]
-             for m in batch.minibatches(config.minibatches)]
+    parts = [[s.tokens for s in batch.sequences if s.rollout in chosen]
+             for chosen in map(set, batch.minibatches(config.minibatches))]
     padded = [pad(part) for part in parts]
     with torch.no_grad():
         for ids, mask in padded:
@@ -141,7 +141,6 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     gae = bench_gae(*((20_000, 200, 20) if args.quick else (1_000_000, 10_000, 1_000)))
     ppo = bench_ppo(repeats=1 if args.quick else 5)
     result = {**gae, **ppo}

@@ -75,7 +75,8 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _prepare(self, batch: TrainBatch, rollouts: list[int]) -> _Prepared:
-        sequences = [s for s in batch.sequences if s.rollout in set(rollouts)]
+        chosen = set(rollouts)
+        sequences = [s for s in batch.sequences if s.rollout in chosen]
         ids, mask = pad([s.tokens for s in sequences])
         logp = token_logprobs(self.policy, ids, mask)
         values = token_values(self.critic, ids, mask)

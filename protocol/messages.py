@@ -168,10 +168,6 @@ class Segment(Message, tag="segment"):
         if self.reward is not None and not math.isfinite(self.reward):
             raise ProtocolError(Reason.INVALID, f"reward {self.reward} is not finite")
 
-    @property
-    def num_trainable(self) -> int:
-        return int(self.loss_mask.numpy().sum())
-
 
 class Ack(Message, tag="ack"):
     """replay -> actor: the segments now stored (durably, when the log is on),

@@ -14,17 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from protocol.messages import TensorSpec, WeightManifest
-
 #: Joining waits this long for the other members before giving up.
 JOIN_TIMEOUT_S = 120.0
-
-
-def manifest_of(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int = 0) -> WeightManifest:
-    return WeightManifest(
-        tensors=[TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                 for name, t in tensors],
-        bucket_bytes=bucket_bytes)
 
 
 class WeightGroup:

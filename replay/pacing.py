@@ -94,6 +94,6 @@ class CreditPacer:
     def batches_consumed(self) -> float:
         return self.rollouts_consumed / self.batch
 
-    def forget(self, actor: str) -> int:
-        """The actor is gone: its unreturned credits are void. Returns how many."""
-        return self.outstanding.pop(actor, 0)
+    def forget(self, actor: str) -> None:
+        """The actor is gone: its unreturned credits are void."""
+        self.outstanding.pop(actor, None)

@@ -13,7 +13,7 @@ from actors.context import SegmentData
 from actors.envs.base import load_environment
 from actors.episode import EpisodeResult, run_episode
 from deploy.config import load_config
-from deploy.model_check import BF16_LOGPROB_TOLERANCE
+from deploy.model_check import BF16_LOGPROB_TOLERANCE, reference_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +64,9 @@ def test_behaviour_logprobs_match_transformers(sampled_episode, tiny_model_dir: 
     emitted, _ = sampled_episode
     worst = 0.0
     for segment, _ in emitted:
-        tokens = torch.tensor([segment.tokens])
-        with torch.no_grad():
-            logp = torch.log_softmax(reference(tokens).logits[0, :-1].float(), dim=-1)
-        chosen = logp.gather(1, tokens[0, 1:, None])[:, 0]
+        # teacher-forced over the whole segment: each token given all before it
+        chosen, _ = reference_logprobs(reference, segment.tokens[:1], segment.tokens[1:],
+                                       temperature=1.0)
         mask = torch.tensor(segment.loss_mask[1:], dtype=torch.bool)
         behaviour = torch.tensor(segment.logprobs[1:])
         worst = max(worst, (chosen[mask] - behaviour[mask]).abs().max().item())

@@ -38,7 +38,7 @@ def test_segment_arrays_are_dtype_shape_bytes_triples() -> None:
     assert isinstance(segment, Segment)
     np.testing.assert_array_equal(segment.tokens.numpy(), tokens)
     np.testing.assert_array_equal(segment.versions.numpy(), [-1, -1, 4, 4, 5])
-    assert segment.num_trainable == 3 and segment.reward is None
+    assert segment.loss_mask.numpy().sum() == 3 and segment.reward is None
 
     plain = msgpack.unpackb(encode(segment), raw=False)
     assert plain["tokens"] == ["int32", [5], tokens.astype("<i4").tobytes()]
