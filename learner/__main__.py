@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from learner.models import placement
 from learner.process import Learner, read_settings
 
 
@@ -18,11 +19,11 @@ def main() -> int:
                         help="JSON written by `compactionrl learner`")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # gloo: the learner keeps its models on the CPU for now (GPU placement,
-    # NCCL and bf16 mixed precision are not wired yet).
-    dist.init_process_group("gloo")
+    settings = read_settings(args.settings)
+    backend, device = placement(settings.learner.device)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     try:
-        return Learner(read_settings(args.settings)).run()
+        return Learner(settings, device).run()
     finally:
         dist.destroy_process_group()
 

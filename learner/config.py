@@ -12,6 +12,12 @@ class LearnerConfig:
 
     nproc: int = 1
     """Ranks torchrun starts on this machine (FSDP2 shards over all of them)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: one GPU per rank (LOCAL_RANK) with NCCL when CUDA is there, else
+    the CPU with gloo."""
+    mixed_precision: Literal["bf16", "off"] = "bf16"
+    """On GPU, FSDP2 computes in bf16 and reduces gradients in fp32 (master
+    weights stay fp32). Ignored on CPU, which trains in fp32."""
     lr: float = 1e-4
     """Policy learning rate (AdamW)."""
     critic_lr: float = 1e-4

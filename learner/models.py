@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -34,18 +36,34 @@ def load_critic(path: str, dtype: torch.dtype = torch.float32) -> Critic:
     return Critic(policy.model, policy.config.hidden_size).to(dtype)
 
 
-def shard(model: nn.Module) -> nn.Module:
-    """FSDP2: each transformer layer its own unit, then the rest. FSDP
-    averages gradients over ranks; the trainer multiplies its losses by the
-    world size to turn that into the sum it needs (gloo has no pre-multiplied
-    reduce for ``set_gradient_divide_factor``)."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model: nn.Module, device: torch.device | None = None, bf16: bool = False
+          ) -> nn.Module:
+    """FSDP2 on ``device``: each transformer layer its own unit, then the rest;
+    with ``bf16``, parameters are cast to bf16 for compute and gradients
+    reduced in fp32. FSDP averages gradients over ranks; the trainer
+    multiplies its losses by the world size to turn that into the sum it needs
+    (gloo has no pre-multiplied reduce for ``set_gradient_divide_factor``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if device is not None:
+        model.to(device)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else MixedPrecisionPolicy())
     body = model.body if isinstance(model, Critic) else model.model
     for layer in body.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
+
+
+def placement(device: str) -> tuple[str, torch.device]:
+    """The process-group backend and this rank's device for ``learner.device``:
+    NCCL and ``cuda:LOCAL_RANK`` on GPU, gloo and the CPU otherwise."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
 
 
 def pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

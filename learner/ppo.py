@@ -55,8 +55,15 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def _collective_device() -> torch.device:
+    """NCCL reduces only tensors on the GPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _all_sum(values: list[float]) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     if _world()[1] > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
@@ -70,6 +77,8 @@ class PPOTrainer:
         self.policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
         self.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr)
         self.rank, self.world_size = _world()
+        self.device = next(policy.parameters()).device
+        """Where the models compute; batches are built on the CPU and moved here."""
 
     # ------------------------------------------------------------------ preparation
 
@@ -77,9 +86,10 @@ class PPOTrainer:
     def _prepare(self, batch: TrainBatch, rollouts: list[int]) -> _Prepared:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
-        ids, mask = pad([s.tokens for s in sequences])
-        logp = token_logprobs(self.policy, ids, mask)
-        values = token_values(self.critic, ids, mask)
+        ids, mask = (t.to(self.device) for t in pad([s.tokens for s in sequences]))
+        # advantages are computed on the CPU (small, sequential per rollout)
+        logp = token_logprobs(self.policy, ids, mask).cpu()
+        values = token_values(self.critic, ids, mask).cpu()
         prox = [logp[row, : len(s.tokens)] for row, s in enumerate(sequences)]
         old = [values[row, : len(s.tokens)] for row, s in enumerate(sequences)]
         advantages, returns = self._advantages(batch, sequences, old)
@@ -162,9 +172,9 @@ class PPOTrainer:
         global_tokens, global_segments = _all_sum([local_tokens, local_segments])
         if global_tokens == 0:
             return
-        ids, mask = pad([s.tokens for s in part.sequences])
+        ids, mask = (t.to(self.device) for t in pad([s.tokens for s in part.sequences]))
         trainable, prox, behaviour, advantages, old_values, returns = (
-            _stack(rows, ids.shape) for rows in (
+            _stack(rows, ids.shape).to(self.device) for rows in (
                 [s.trainable for s in part.sequences], part.logp_prox,
                 [s.behaviour_logprobs for s in part.sequences],
                 self._weighted(part, global_tokens, global_segments), part.old_values,

@@ -68,8 +68,9 @@ def read_settings(path: Path) -> LearnerSettings:
 
 
 class Learner:
-    def __init__(self, settings: LearnerSettings) -> None:
+    def __init__(self, settings: LearnerSettings, device: torch.device | None = None) -> None:
         self.settings = settings
+        self.device = device or torch.device("cpu")
         self.config = settings.learner
         self.rank = dist.get_rank()
         self.run_dir = Path(settings.run_dir)
@@ -85,8 +86,9 @@ class Learner:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         torch.manual_seed(0)
-        policy = shard(load_policy(self.settings.model))
-        critic = shard(load_critic(self.settings.model))
+        bf16 = self.device.type == "cuda" and self.config.mixed_precision == "bf16"
+        policy = shard(load_policy(self.settings.model), self.device, bf16)
+        critic = shard(load_critic(self.settings.model), self.device, bf16)
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
@@ -140,12 +142,12 @@ class Learner:
     # ------------------------------------------------------------------ collectives
 
     def _agree_stopping(self) -> bool:
-        flag = torch.tensor([1 if self.stopping else 0])
+        flag = torch.tensor([1 if self.stopping else 0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _broadcast_int(self, value: int) -> int:
-        tensor = torch.tensor([value], dtype=torch.long)
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.broadcast(tensor, 0)
         return int(tensor.item())
 
@@ -153,10 +155,10 @@ class Learner:
         """Rank 0's bytes on every rank, as a uint8 tensor: never pickled."""
         size = self._broadcast_int(len(data))
         buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
-                  else torch.empty(size, dtype=torch.uint8))
+                  else torch.empty(size, dtype=torch.uint8)).to(self.device)
         if size:
             dist.broadcast(buffer, 0)
-        return buffer.numpy().tobytes()
+        return buffer.cpu().numpy().tobytes()
 
 
 class _ReplayLink:
