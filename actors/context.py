@@ -18,7 +18,7 @@ max_summary_tokens; 0 with compaction off):
 
 Usage::
 
-    context = CompactionContext(turns, config, policy_version=lambda: 0)
+    context = CompactionContext(turns, config)
     while not done:
         action = await engine.generate(context.action_prompt(), context.action_budget())
         context.add_step(action, observation_ids)
@@ -44,15 +44,16 @@ MIN_ACTION_TOKENS = 4
 @dataclass
 class Generation:
     """What the policy sampled: token ids, the log-probability of each under
-    the sampling distribution, and the policy version that produced them."""
+    the sampling distribution, and the policy version each was sampled under
+    (a turn that spans a weight update carries two)."""
 
     token_ids: list[int]
     logprobs: list[float]
-    version: int
+    versions: list[int]
 
     def __post_init__(self) -> None:
-        if len(self.token_ids) != len(self.logprobs):
-            raise ValueError("one log-probability per sampled token")
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError("one log-probability and one version per sampled token")
 
 
 @dataclass
@@ -103,7 +104,7 @@ class SegmentData:
         self.tokens += generation.token_ids
         self.loss_mask += [1] * len(generation.token_ids)
         self.logprobs += generation.logprobs
-        self.versions += [generation.version] * len(generation.token_ids)
+        self.versions += generation.versions
 
     @property
     def num_trainable(self) -> int:

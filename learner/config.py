@@ -58,8 +58,21 @@ class LearnerConfig:
     """Steps between checkpoints (and one at shutdown)."""
     control_address: str = "tcp://127.0.0.1:5557"
     """Rank 0's ROUTER for actor membership and weight announcements."""
+    weight_store_address: str = "127.0.0.1:5558"
+    """host:port of the weight broadcast's rendezvous store: rank 0 listens on
+    the port, actors connect to the host."""
     weight_bucket_bytes: int = 0
     """Broadcast bucket size (0 = one broadcast per tensor, the fast choice on gloo)."""
+    weight_timeout_s: float = 30.0
+    """Bound on forming a broadcast group and on each broadcast: a dead actor
+    fails that publication after this long, never hangs the learner."""
+    publish_every: int = 1
+    """Optimiser steps between weight publications (at most the replay's
+    max_staleness + 1, or actors generate stale tokens before each one)."""
+    late_joiner: Literal["immediate", "next_publication"] = "immediate"
+    """immediate: an actor that joins gets the current weights at the next
+    step boundary; next_publication: it waits for the regular one (either
+    way it never generates with weights older than max_staleness)."""
     metrics_port: int = 9102
     """Prometheus port of rank 0 (0 = off)."""
 
@@ -86,4 +99,12 @@ class LearnerConfig:
                 problems.append(f"{section}.{name} must be >= 1")
         if self.weight_bucket_bytes < 0:
             problems.append(f"{section}.weight_bucket_bytes must be >= 0")
+        if self.weight_timeout_s <= 0:
+            problems.append(f"{section}.weight_timeout_s must be > 0")
+        if self.publish_every < 1:
+            problems.append(f"{section}.publish_every must be >= 1")
+        host, _, port = self.weight_store_address.rpartition(":")
+        if not host or not port.isdigit():
+            problems.append(f"{section}.weight_store_address = {self.weight_store_address!r} "
+                            "must be host:port")
         return problems

@@ -36,6 +36,20 @@ class LearnerMetrics:
                                     "Time waiting for batches from the replay", registry=r)
         self.rejected_batches = Counter("crl_learner_rejected_batches",
                                         "Batches refused before any update", registry=r)
+        self.weight_sync_seconds = Histogram(
+            "crl_learner_weight_sync_seconds",
+            "Weight publication by phase: gather (from FSDP shards), broadcast "
+            "(rank 0 to actors), load (reported by each actor)", ["phase"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120), registry=r)
+        self.publications = Counter("crl_learner_weight_publications",
+                                    "Weight publications by result", ["result"], registry=r)
+        self.published_version = Gauge("crl_learner_published_version",
+                                       "Version of the last successful publication", registry=r)
+        self.members = Gauge("crl_learner_weight_members",
+                             "Actors registered for weight broadcasts", registry=r)
+        self.rejected_frames = Counter("crl_learner_rejected_frames",
+                                       "Frames refused on the control socket, by reason",
+                                       ["reason"], registry=r)
         self.gauges = {name: Gauge(name, f"PPO statistic {key}", registry=r)
                        for name, key in STEP_GAUGES.items()}
 

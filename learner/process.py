@@ -1,7 +1,11 @@
 """The learner process, one per torchrun rank.
 
 Rank 0 talks to the replay: ``Hello`` (the ``Welcome`` says the batch size),
-then for each step a ``BatchRequest`` and the ``Batch`` it waits for. The
+then for each step a ``BatchRequest`` and the ``Batch`` it waits for. It
+also runs the control plane actors register with (:mod:`learner.control`);
+every ``publish_every`` steps, and whenever an actor needs weights at once
+(a late joiner, or one beyond the staleness bound), all ranks publish the
+policy to the actors (:mod:`learner.publisher`) at a step boundary. The
 batch's frame is broadcast to the other ranks as raw bytes (no pickle) and
 every rank decodes it, so all train on the same data. A batch the learner
 refuses (no final reward, arrays that disagree) is counted and skipped before
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,13 +29,16 @@ import msgspec
 import torch
 import torch.distributed as dist
 import zmq
+from prometheus_client import Counter
 
 from learner.batch import BatchError, to_train_batch
 from learner.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import LearnerConfig
+from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from learner.models import load_critic, load_policy, shard
 from learner.ppo import PPOTrainer
+from learner.publisher import WeightPublisher
 from ops.metrics import MetricsServer
 from protocol import (
     Batch,
@@ -61,6 +69,9 @@ class LearnerSettings:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     resume: bool = False
+    run_id: str = "run"
+    max_staleness: int = 2
+    """The replay's bound, told to actors so that they wait for fresh weights."""
 
 
 def read_settings(path: Path) -> LearnerSettings:
@@ -95,27 +106,46 @@ class Learner:
             self.version, self.step = load_checkpoint(latest, self.trainer)
             log.info("resumed from %s at version %d", latest, self.version)
         link = _ReplayLink(self.settings) if self.rank == 0 else None
+        control = ControlPlane(self.config.control_address, self.settings.transport,
+                               self.settings.run_id, self.settings.max_staleness,
+                               self.config.late_joiner, self.metrics) if self.rank == 0 else None
+        publisher = WeightPublisher(self.trainer.policy, self.config, self.rank, control,
+                                    self.metrics, self._broadcast_int)
         server = MetricsServer(self.metrics.registry,
                                self.config.metrics_port if self.rank == 0 else 0,
                                self.settings.transport.metrics_address)
         try:
             batch_size = self._broadcast_int(link.hello() if link else 0)
-            while self.step < self.config.max_steps and not self._agree_stopping():
-                frame = link.next_batch(batch_size, self.version, self) if link else b""
+            while self.step < self.config.max_steps:
+                if control:
+                    control.version = self.version
+                wanted = bool(control and control.publication_wanted(self.version))
+                stopping, publish_now = self._agree(self.stopping, wanted)
+                if stopping:
+                    break
+                if publish_now:
+                    publisher.publish(self.version)
+                frame = link.next_batch(batch_size, self.version, lambda: self.stopping or (
+                    control is not None and control.publication_wanted(self.version)),
+                    self.metrics.idle_seconds) if link else b""
                 frame = self._broadcast_bytes(frame)
                 if not frame:
-                    continue  # stopping while waiting
-                self._train(frame)
+                    continue  # stopping, or weights are wanted first
+                if self._train(frame) and self.step % self.config.publish_every == 0:
+                    publisher.publish(self.version)
             save_checkpoint(checkpoints, self.trainer, self.version, self.step)
             export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export")
             dist.barrier()  # rank 0 writes the export; nobody leaves the group before it ends
         finally:
             if link:
                 link.close()
+            if control:
+                control.close()
             server.close()
         return 0
 
-    def _train(self, frame: bytes) -> None:
+    def _train(self, frame: bytes) -> bool:
+        """One step on the batch in ``frame``; False if it was refused."""
         began = time.perf_counter()
         try:
             message = decode(frame, self.settings.transport.max_message_bytes)
@@ -126,7 +156,7 @@ class Learner:
             self.metrics.rejected_batches.inc()
             if self.rank == 0:
                 log.warning("refused a batch: %s", exc)
-            return
+            return False
         metrics = self.trainer.step(batch)
         self.version += 1
         self.step += 1
@@ -138,13 +168,15 @@ class Learner:
                      metrics.get("losses/policy_loss", 0.0))
         if self.step % self.config.checkpoint_every == 0 and self.step < self.config.max_steps:
             save_checkpoint(self.run_dir / "checkpoints", self.trainer, self.version, self.step)
+        return True
 
     # ------------------------------------------------------------------ collectives
 
-    def _agree_stopping(self) -> bool:
-        flag = torch.tensor([1 if self.stopping else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Each flag, true if it is true on any rank."""
+        tensor = torch.tensor([int(f) for f in flags], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in tensor.tolist()]
 
     def _broadcast_int(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
@@ -170,6 +202,8 @@ class _ReplayLink:
                                      b"learner")
         self.stamp = Stamp("learner", time.time_ns())
         self.max_bytes = settings.transport.max_message_bytes
+        self.requested = False
+        """A BatchRequest is outstanding (its Batch not yet received)."""
 
     def hello(self) -> int:
         """Register; returns the batch size B from the replay's Welcome."""
@@ -180,23 +214,28 @@ class _ReplayLink:
             if isinstance(message, Welcome):
                 return message.rollouts_per_batch
 
-    def next_batch(self, size: int, version: int, learner: Learner) -> bytes:
-        """The next Batch frame, or b"" if the learner is stopping."""
-        self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
-                                             policy_version=version)))
+    def next_batch(self, size: int, version: int, interrupted: Callable[[], bool],
+                   idle: Counter) -> bytes:
+        """The next Batch frame, or b"" once ``interrupted()`` (the request
+        stays outstanding: its Batch is the next one taken)."""
+        if not self.requested:
+            self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
+                                                 policy_version=version)))
+            self.requested = True
         began = time.perf_counter()
         try:
-            while not learner.stopping:
+            while not interrupted():
                 if self.socket.poll(WAIT_SLICE_MS, zmq.POLLIN):
                     frame = self.socket.recv()
                     try:
                         if isinstance(decode(frame, self.max_bytes), Batch):
+                            self.requested = False
                             return frame
                     except ProtocolError as exc:
                         log.warning("dropped a frame from the replay: %s", exc)
             return b""
         finally:
-            learner.metrics.idle_seconds.inc(time.perf_counter() - began)
+            idle.inc(time.perf_counter() - began)
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -91,6 +91,8 @@ class Hello(Message, tag="hello"):
     engine: EngineInfo
     capacity: int
     """How many episodes the actor runs concurrently."""
+    policy_version: int = 0
+    """Version of the weights the actor's engine holds (0 = the starting model)."""
 
 
 class Welcome(Message, tag="welcome"):
@@ -270,6 +272,9 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     world_size: int
     rank: int
     backend: Literal["gloo", "nccl"]
+    timeout_s: float = 30.0
+    """Bound on joining and on each broadcast: a dead member fails the
+    publication after this long instead of hanging it."""
 
 
 class WeightsAnnounce(Message, tag="weights_announce"):

@@ -48,7 +48,7 @@ class Sampler:
         if next(self._calls) % self._end_every == 0:
             ids[-1] = END
         self.sampled += ids
-        return Generation(ids, [-0.5] * n, version)
+        return Generation(ids, [-0.5] * n, [version] * n)
 
 
 def run_episode(data: st.DataObject, context: CompactionContext, max_turn: int,

@@ -26,7 +26,7 @@ class ScriptedPolicy:
     async def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None,
                        temperature: float | None = None) -> Generation:
         ids = self.ids[:max_tokens]
-        return Generation(ids, [-0.1] * len(ids), version=3)
+        return Generation(ids, [-0.1] * len(ids), [3] * len(ids))
 
 
 class HugeObservations:

@@ -99,7 +99,7 @@ class Oracle:
             text = "answer " + " ".join(f"{n} " + " ".join(map(str, d))
                                         for n, d in self.env._answer.items())
         ids, _ = self.chat.content(text, max_tokens)
-        return Generation(ids, [-0.1] * len(ids), 0)
+        return Generation(ids, [-0.1] * len(ids), [0] * len(ids))
 
 
 def test_a_perfect_episode_needs_one_to_three_compactions_by_default(tiny_model_dir: Path

@@ -1,0 +1,230 @@
+"""Learner rank 0's control socket: actor membership and weight announcements.
+
+Actors register here (``Hello`` -> ``Welcome`` with the learner's version and
+the staleness bound), heartbeat, and report ``WeightsLoaded``. An actor that
+misses ``heartbeat_liveness`` heartbeats, or comes back as a new incarnation,
+leaves the member set; the publisher forms a new group generation whenever
+the set it announces to differs from the last one.
+
+A background thread owns the ROUTER (ZeroMQ sockets are not thread-safe);
+the training thread reads the member table under a lock and hands
+announcements to the thread over an inproc PAIR, which also wakes it.
+
+Usage::
+
+    control = ControlPlane(address, transport, run_id="r", max_staleness=4,
+                           late_joiner="immediate", metrics=metrics)
+    members = control.members()
+    control.announce(members, version, manifest, group_for_rank)
+    if control.publication_wanted(version): ...
+    control.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import zmq
+
+from learner.metrics import LearnerMetrics
+from protocol import (
+    EngineInfo,
+    Error,
+    GroupInfo,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Stamp,
+    WeightManifest,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Welcome,
+    decode,
+    encode,
+)
+from protocol.transport import Authenticator, Liveness, TransportConfig, bind_router
+
+log = logging.getLogger("compactionrl.learner.control")
+
+#: The thread wakes at least this often to expire silent actors.
+POLL_MS = 100
+_instances = itertools.count()
+
+
+@dataclass
+class Member:
+    """One registered actor incarnation."""
+
+    actor_id: str
+    incarnation: int
+    identity: bytes
+    engine: EngineInfo
+    version: int
+    """Version of the weights it reported holding (Hello, then WeightsLoaded)."""
+    fresh: bool = True
+    """Joined after the last publication that included it."""
+
+
+class ControlPlane:
+    def __init__(self, address: str, transport: TransportConfig, run_id: str,
+                 max_staleness: int, late_joiner: Literal["immediate", "next_publication"],
+                 metrics: LearnerMetrics) -> None:
+        self.run_id = run_id
+        self.max_staleness = max_staleness
+        self.late_joiner = late_joiner
+        self.metrics = metrics
+        self.transport = transport
+        self.version = 0
+        """The learner's policy version, set by the training thread."""
+        self._members: dict[str, Member] = {}
+        self._lock = threading.Lock()
+        self._stamp = Stamp("learner", time.time_ns())
+        self._context = zmq.Context()
+        self._auth = Authenticator(self._context, transport.curve)
+        self._socket = bind_router(self._context, address, transport)
+        inproc = f"inproc://learner-control-{next(_instances)}"
+        self._inbox = self._context.socket(zmq.PAIR)
+        self._inbox.bind(inproc)
+        self._outbox = self._context.socket(zmq.PAIR)
+        self._outbox.connect(inproc)
+        self._liveness = Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="learner-control", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ training thread
+
+    def members(self) -> list[Member]:
+        """The live members, in a stable order (their broadcast ranks follow it)."""
+        with self._lock:
+            return sorted(self._members.values(), key=lambda m: m.actor_id)
+
+    def publication_wanted(self, version: int) -> bool:
+        """Whether a member needs weights now: one is older than the staleness
+        bound (it cannot contribute), or a late joiner asks for them at once."""
+        with self._lock:
+            for member in self._members.values():
+                behind = version - member.version
+                if behind > self.max_staleness:
+                    return True
+                if behind > 0 and member.fresh and self.late_joiner == "immediate":
+                    return True
+        return False
+
+    def announce(self, members: list[Member], version: int, manifest: WeightManifest,
+                 group_for_rank: Callable[[int], GroupInfo]) -> None:
+        """Send ``WeightsAnnounce`` to each member (rank i+1 of the group)."""
+        with self._lock:
+            for member in members:
+                member.fresh = False
+        for rank, member in enumerate(members, start=1):
+            frame = encode(WeightsAnnounce(**self._stamp.next(), version=version,
+                                           manifest=manifest, group=group_for_rank(rank)))
+            self._outbox.send_multipart([member.identity, frame])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._outbox.send_multipart([b"", b""])  # wake the thread
+        self._thread.join(timeout=5)
+        self._outbox.close(linger=0)
+        self._auth.stop()
+        self._context.term()
+
+    # ------------------------------------------------------------------ control thread
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._inbox, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(POLL_MS))
+                if self._inbox in ready:
+                    identity, frame = self._inbox.recv_multipart()
+                    if identity:
+                        self._send_frame(identity, frame)
+                if self._socket in ready:
+                    self._receive()
+                for identity in self._liveness.expire():
+                    self._drop(identity, "missed its heartbeats")
+        finally:
+            self._socket.close(linger=0)
+            self._inbox.close(linger=0)
+
+    def _receive(self) -> None:
+        try:
+            identity, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+        except (zmq.Again, ValueError):
+            self.metrics.rejected_frames.labels("malformed").inc()
+            return
+        try:
+            message = decode(frame, self.transport.max_message_bytes)
+        except ProtocolError as exc:
+            self._reject(identity, exc.reason.value, str(exc), None)
+            return
+        if message.sender_id.encode() != identity:
+            self._reject(identity, "identity", "sender_id differs from the connection's "
+                         "identity", message.seq)
+            return
+        self._handle(identity, message)
+
+    def _handle(self, identity: bytes, message: Message) -> None:
+        with self._lock:
+            member = self._members.get(message.sender_id)
+            if isinstance(message, Hello):
+                if member is None or message.incarnation >= member.incarnation:
+                    self._members[message.sender_id] = Member(
+                        message.sender_id, message.incarnation, identity, message.engine,
+                        message.policy_version)
+                    self.metrics.members.set(len(self._members))
+                    log.info("actor %s joined (incarnation %d, version %d)",
+                             message.sender_id, message.incarnation, message.policy_version)
+            elif member is None or member.incarnation != message.incarnation:
+                member = None
+            elif isinstance(message, WeightsLoaded):
+                member.version = message.version
+                self.metrics.weight_sync_seconds.labels("load").observe(message.seconds)
+        if isinstance(message, Hello):
+            self._liveness.seen(identity)
+            self._send(identity, Welcome(
+                **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
+                heartbeat_interval_s=self.transport.heartbeat_interval_s,
+                heartbeat_liveness=self.transport.heartbeat_liveness,
+                max_staleness=self.max_staleness, rollouts_per_batch=0, credits=0))
+        elif member is None:
+            # unknown, or a replaced incarnation: it must say Hello (again)
+            self._reject(identity, "unregistered", "send Hello first", message.seq)
+        elif isinstance(message, (Heartbeat, WeightsLoaded)):
+            self._liveness.seen(identity)
+        else:
+            self._reject(identity, "unexpected",
+                         f"{type(message).__name__} is not for the learner", message.seq)
+
+    def _drop(self, identity: bytes, why: str) -> None:
+        with self._lock:
+            for actor_id, member in list(self._members.items()):
+                if member.identity == identity:
+                    del self._members[actor_id]
+                    log.info("actor %s left: %s", actor_id, why)
+            self.metrics.members.set(len(self._members))
+
+    def _reject(self, identity: bytes, code: str, text: str, ref_seq: int | None) -> None:
+        self.metrics.rejected_frames.labels(code).inc()
+        self._send(identity, Error(**self._stamp.next(), code=code, text=text[:500],
+                                   ref_seq=ref_seq))
+
+    def _send(self, identity: bytes, message: Message) -> None:
+        self._send_frame(identity, encode(message))
+
+    def _send_frame(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self._socket.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
+            log.debug("cannot reach %r: %s", identity, exc)
