@@ -67,7 +67,8 @@ class Member:
     identity: bytes
     engine: EngineInfo
     version: int
-    """Version of the weights it reported holding (Hello, then WeightsLoaded)."""
+    """Version of the weights it reported holding (Hello, then WeightsLoaded),
+    or that a successful broadcast delivered to it (its report may lag)."""
     fresh: bool = True
     """Joined after the last publication that included it."""
 
@@ -117,6 +118,12 @@ class ControlPlane:
                 if behind > 0 and member.fresh and self.late_joiner == "immediate":
                     return True
         return False
+
+    def delivered(self, members: list[Member], version: int) -> None:
+        """A broadcast of ``version`` reached ``members``."""
+        with self._lock:
+            for member in members:
+                member.version = max(member.version, version)
 
     def announce(self, members: list[Member], version: int, manifest: WeightManifest,
                  group_for_rank: Callable[[int], GroupInfo]) -> None:
@@ -189,7 +196,7 @@ class ControlPlane:
             elif member is None or member.incarnation != message.incarnation:
                 member = None
             elif isinstance(message, WeightsLoaded):
-                member.version = message.version
+                member.version = max(member.version, message.version)
                 self.metrics.weight_sync_seconds.labels("load").observe(message.seconds)
         if isinstance(message, Hello):
             self._liveness.seen(identity)

@@ -131,7 +131,13 @@ class Learner:
                 frame = self._broadcast_bytes(frame)
                 if not frame:
                     continue  # stopping, or weights are wanted first
-                if self._train(frame) and self.step % self.config.publish_every == 0:
+                if not self._train(frame):
+                    continue
+                if link and self.step < self.config.max_steps:
+                    # ask now: the replay learns the new version before any
+                    # actor can sample with it, and assembles while we publish
+                    link.request(batch_size, self.version)
+                if self.step % self.config.publish_every == 0:
                     publisher.publish(self.version)
             save_checkpoint(checkpoints, self.trainer, self.version, self.step)
             export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export")
@@ -186,7 +192,7 @@ class Learner:
     def _broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's bytes on every rank, as a uint8 tensor: never pickled."""
         size = self._broadcast_int(len(data))
-        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and size
                   else torch.empty(size, dtype=torch.uint8)).to(self.device)
         if size:
             dist.broadcast(buffer, 0)
@@ -214,14 +220,18 @@ class _ReplayLink:
             if isinstance(message, Welcome):
                 return message.rollouts_per_batch
 
-    def next_batch(self, size: int, version: int, interrupted: Callable[[], bool],
-                   idle: Counter) -> bytes:
-        """The next Batch frame, or b"" once ``interrupted()`` (the request
-        stays outstanding: its Batch is the next one taken)."""
+    def request(self, size: int, version: int) -> None:
+        """Send a BatchRequest unless one is outstanding."""
         if not self.requested:
             self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
                                                  policy_version=version)))
             self.requested = True
+
+    def next_batch(self, size: int, version: int, interrupted: Callable[[], bool],
+                   idle: Counter) -> bytes:
+        """The next Batch frame, or b"" once ``interrupted()`` (the request
+        stays outstanding: its Batch is the next one taken)."""
+        self.request(size, version)
         began = time.perf_counter()
         try:
             while not interrupted():

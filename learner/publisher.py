@@ -91,6 +91,7 @@ class WeightPublisher:
             self.group, self.group_members = None, ()
             self.metrics.publications.labels("failed").inc()
             return False
+        self.control.delivered(members, version)
         seconds = self.metrics.weight_sync_seconds
         seconds.labels("gather").observe(self._gather_seconds)
         seconds.labels("broadcast").observe(time.perf_counter() - began - self._gather_seconds)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
@@ -33,3 +34,63 @@ def run_command(args: list[str], timeout: float, env: dict[str, str] | None = No
 
 def compactionrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return run_command([str(VENV_BIN / "compactionrl"), *args], timeout)
+
+
+class Background:
+    """A project command running in its own process group, its stderr in a
+    file that tests can wait on; the whole group is killed on ``stop()``.
+
+    Usage::
+
+        with Background([...compactionrl args...], log_path) as learner:
+            learner.wait_for("published version 1", timeout=120)
+    """
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.process = subprocess.Popen([str(VENV_BIN / "compactionrl"), *args],
+                                        stdout=subprocess.DEVNULL, stderr=self._log,
+                                        start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float, count: int = 1) -> None:
+        """Until ``text`` appears ``count`` times in the log (fails if the process exits)."""
+        end = time.monotonic() + timeout
+        while self.log().count(text) < count:
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.args[0]} exited with {self.process.returncode} "
+                                     f"before logging {text!r}:\n{self.log()[-4000:]}")
+            if time.monotonic() > end:
+                raise AssertionError(f"no {text!r} within {timeout} s:\n{self.log()[-4000:]}")
+            time.sleep(0.2)
+
+    def send(self, sig: int) -> None:
+        os.killpg(self.process.pid, sig)
+
+    def stop(self, sig: int = signal.SIGKILL, timeout: float = 60) -> int | None:
+        """Signal the group, wait for the process, then kill whatever is left."""
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            code: int | None = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self._log.close()
+        return code
+
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -62,8 +62,8 @@ def actor_run(tiny_model_dir: Path) -> Run:
     peer = ReplayPeer(credits_on_welcome=3)
     [port] = free_ports(1)
     process = subprocess.Popen(
-        [str(VENV_BIN / "compactionrl"), "actor", "--replay", peer.address, "--actor-id",
-         "actor-t", "--run.model", str(tiny_model_dir), *SMALL_EPISODES,
+        [str(VENV_BIN / "compactionrl"), "actor", "--no-learner", "--replay", peer.address,
+         "--actor-id", "actor-t", "--run.model", str(tiny_model_dir), *SMALL_EPISODES,
          "--actors.metrics_port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -1,0 +1,107 @@
+"""Elastic membership of the weight broadcast, with real processes: a replay,
+the learner under torchrun (2 ranks: gathering full tensors from FSDP2 shards
+is a collective) and `compactionrl actor` processes with vLLM engines.
+
+An actor that joins after the first publication gets the weights at once and
+both end on the same version; an actor that freezes mid-run makes one
+publication fail after the group timeout, the learner carries on, and the
+next publication reaches the survivor."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocol.transport import TransportConfig
+from replay.config import ReplayConfig
+from replay.service import ReplayService
+from tests.ports import free_ports, loopback_addresses
+from tests.processes import Background
+
+pytestmark = pytest.mark.slow
+
+#: Short episodes, frequent heartbeats, a short group timeout: a test-sized run.
+SMALL_RUN = ["--actors.compaction.context_tokens", "512",
+             "--actors.compaction.reserve_tokens", "200",
+             "--actors.compaction.max_summary_tokens", "64",
+             "--actors.sampling.max_turn_tokens", "32",
+             "--actors.environment.max_steps", "8",
+             "--actors.concurrent_episodes", "1",
+             "--actors.metrics_port", "0",
+             "--transport.heartbeat_interval_s", "0.5",
+             "--transport.heartbeat_liveness", "16",
+             "--learner.weight_timeout_s", "5",
+             "--learner.metrics_port", "0",
+             "--learner.max_steps", "1000"]
+
+
+def _versions(log: str, pattern: str) -> list[int]:
+    return [int(v) for v in re.findall(pattern, log)]
+
+
+@pytest.fixture
+def run(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict]:
+    actor_address, learner_address, control_address = loopback_addresses(3)
+    [store_port] = free_ports(1)
+    service = ReplayService(ReplayConfig(
+        actor_address=actor_address, learner_address=learner_address, rollouts_per_batch=2,
+        max_staleness=4, durable_log=False, metrics_port=0), TransportConfig(
+            heartbeat_interval_s=0.5, heartbeat_liveness=16),
+        vocab_size=json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"])
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    thread.start()
+    common = ["--run.model", str(tiny_model_dir), "--run.out_dir", str(tmp_path),
+              "--replay.actor_address", actor_address, "--replay.learner_address",
+              learner_address, "--learner.control_address", control_address,
+              "--learner.weight_store_address", f"127.0.0.1:{store_port}", *SMALL_RUN]
+    started: list[Background] = []
+
+    def start(name: str, *args: str) -> Background:
+        process = Background([*args, *common], tmp_path / f"{name}.log")
+        started.append(process)
+        return process
+
+    try:
+        yield {"start": start}
+    finally:
+        for process in started:
+            process.stop()
+        stop.set()
+        thread.join(timeout=10)
+        service.close()
+
+
+def test_late_joiner_and_frozen_member(run: dict) -> None:
+    """One run (engine starts are the cost): a late joiner gets the current
+    weights at once and ends on the same version as the first actor; then it
+    freezes, one publication fails after the group timeout, the learner
+    carries on, and the next publication reaches the survivor alone."""
+    learner = run["start"]("learner", "learner", "--learner.nproc", "1")
+    survivor = run["start"]("a", "actor", "--actor-id", "actor-a", "--index", "0")
+    learner.wait_for("published version 1 to 1 actors", timeout=300)
+    survivor.wait_for("loaded version 1", timeout=30)
+
+    late = run["start"]("b", "actor", "--actor-id", "actor-b", "--index", "1")
+    late.wait_for("loaded version", timeout=300)  # at once, not at its first episode
+    joined_at = _versions(late.log(), r"loaded version (\d+)")[0]
+    assert joined_at > 1
+    target = joined_at + 1  # a publication to both
+    survivor.wait_for(f"loaded version {target}", timeout=120)
+    late.wait_for(f"loaded version {target}", timeout=30)
+    assert f"published version {target} to 2 actors" in learner.log()
+
+    late.send(signal.SIGSTOP)  # still a member until its heartbeats are missed
+    learner.wait_for("failed", timeout=120)  # the group did not form, or a broadcast timed out
+    late.stop()
+    # the learner carries on; the next publication reaches the survivor alone
+    learner.wait_for("to 1 actors", timeout=120, count=2)
+    last = _versions(learner.log(), r"published version (\d+) to 1 actors")[-1]
+    survivor.wait_for(f"loaded version {last}", timeout=30)
+    assert learner.process.poll() is None
