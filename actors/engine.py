@@ -163,22 +163,26 @@ class Engine:
         """
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        paused_at = time.perf_counter()
+        marks = [("start", time.perf_counter())]
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         await asyncio.sleep(0)  # let readers take the deltas delivered before the pause
-        began = time.perf_counter()
+        marks.append(("pause", time.perf_counter()))
         await self._llm.start_weight_update()
+        marks.append(("prepare", time.perf_counter()))
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info={
             "names": [t.name for t in manifest.tensors],
             "dtypes": [t.dtype for t in manifest.tensors],
             "shapes": [list(t.shape) for t in manifest.tensors],
             "bucket_bytes": manifest.bucket_bytes}))
+        marks.append(("receive", time.perf_counter()))
         await self._llm.finish_weight_update()
-        loaded = time.perf_counter()
+        marks.append(("finish", time.perf_counter()))
         self.version = version
         await self._llm.resume_generation()
-        return LoadTimes(load_seconds=loaded - began,
-                         stall_seconds=time.perf_counter() - paused_at)
+        marks.append(("resume", time.perf_counter()))
+        phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
+        return LoadTimes(load_seconds=marks[-2][1] - marks[1][1],
+                         stall_seconds=marks[-1][1] - marks[0][1], phases=phases)
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
@@ -190,3 +194,7 @@ class LoadTimes:
     """Receiving and loading the weights (start to finish of the update)."""
     stall_seconds: float
     """Generation paused: the load plus pausing and resuming."""
+    phases: dict[str, float]
+    """Seconds of each step: pause, prepare (layerwise reload set-up),
+    receive (broadcast and per-layer loading), finish (post-load processing
+    of the rest, lm_head repack), resume."""

@@ -19,6 +19,8 @@ BENCH = Path(__file__).parents[2] / "bench"
     ("replay.py", ["--senders", "2", "--segments", "40"],
      ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
     ("learner.py", ["--quick"], ("gae_vs_loop", "ppo_vs_bare")),
+    pytest.param("weights.py", ["--big-params", "2e6", "--engines", "1", "--pushes", "1"],
+                 ("push_vs_raw_100m", "stall_vs_load"), marks=pytest.mark.slow),
 ])
 def test_benchmark_reports_its_ratios_as_json(script: str, arguments: list[str],
                                               keys: tuple[str, ...]) -> None:
