@@ -98,7 +98,7 @@ class ActorConfig:
     """Actor processes `compactionrl up` starts on this machine."""
     concurrent_episodes: int = 8
     """Episodes one actor runs at once on its engine."""
-    metrics_port: int = 9101
+    metrics_port: int = 9110
     """First actor's Prometheus port; actor i serves on metrics_port + i (0 = off)."""
     ack_timeout_s: float = 5.0
     """A segment not acknowledged this long is sent again (same actor, incarnation, seq)."""

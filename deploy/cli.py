@@ -121,6 +121,23 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     os.execv(sys.executable, command)  # torchrun takes over this process (and its signals)
 
 
+def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.up import Up, prepare_model
+
+    config = load_config(args.config, overrides)
+    prepare_model(config)
+    return Up(config, Path(config.run.out_dir) / config.run.name, resume=args.resume).run()
+
+
+def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.up import status
+
+    if args.run:
+        return status(Path(args.run))
+    config = load_config(args.config, overrides)
+    return status(Path(config.run.out_dir) / config.run.name)
+
+
 def _cmd_keys_init(args: argparse.Namespace, overrides: list[str]) -> int:
     from protocol.transport import generate_keys
 
@@ -177,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     play.add_argument("--greedy", action="store_true", help="temperature 0")
     play.add_argument("--json", action="store_true", help="last line: one JSON object")
     play.set_defaults(handler=_cmd_play)
+
+    up = commands.add_parser(
+        "up", help="the whole run on this machine: replay, learner, actors, live view, report")
+    _config_args(up)
+    up.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in the run folder")
+    up.set_defaults(handler=_cmd_up)
+
+    status = commands.add_parser("status", help="summary of a running or finished run")
+    _config_args(status)
+    status.add_argument("--run", default=None,
+                        help="run folder (default: run.out_dir/run.name of the config)")
+    status.set_defaults(handler=_cmd_status)
 
     actor = commands.add_parser(
         "actor", help="run one actor: episodes on a vLLM engine, segments to the replay")

@@ -52,6 +52,9 @@ class RunSection:
     (`compactionrl model init --out DIR` builds the tiny default)."""
     seed: int = 0
     """Seed of everything random in the run (environment seeds, init, sampling)."""
+    max_minutes: float = 0.0
+    """`compactionrl up` stops the run after this much wall time (0 = only
+    at learner.max_steps)."""
 
 
 @dataclass
@@ -86,6 +89,14 @@ class RunConfig:
                 f"learner.publish_every = {self.learner.publish_every} exceeds "
                 f"replay.max_staleness + 1 = {self.replay.max_staleness + 1}: actors would "
                 "generate stale tokens before each publication; lower it or raise the bound")
+        if self.actors.metrics_port:
+            actor_ports = range(self.actors.metrics_port,
+                                self.actors.metrics_port + self.actors.count)
+            for name in ("replay", "learner"):
+                if getattr(self, name).metrics_port in actor_ports:
+                    problems.append(f"{name}.metrics_port = {getattr(self, name).metrics_port} "
+                                    f"collides with actor i's actors.metrics_port + i "
+                                    f"({actor_ports.start}..{actor_ports.stop - 1})")
         addresses = [self.replay.actor_address, self.replay.learner_address,
                      self.learner.control_address]
         if len(set(addresses)) != len(addresses):

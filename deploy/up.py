@@ -1,0 +1,320 @@
+"""``compactionrl up``: the whole run on this machine, supervised.
+
+Starts the replay, the learner (under torchrun) and ``actors.count`` actors
+as separate process groups, each logging to ``RUN/logs/NAME.log``, with the
+effective configuration written once to ``RUN/config.toml`` and read by all.
+
+Supervision:
+
+- an actor that exits is restarted with backoff (``ACTOR_BACKOFF_S``; reset
+  after it ran ``BACKOFF_RESET_S``) and rejoins as a new incarnation (the
+  replay expires its lost in-flight rollouts, the learner sends it weights);
+- the learner or the replay exiting with an error stops the run, says which
+  and where its log is, and prints the command that resumes it;
+- the learner finishing (``learner.max_steps``), ``run.max_minutes``, Ctrl-C
+  or SIGTERM shut everything down in order: the learner first (it writes a
+  checkpoint and the HF export), then the actors (they flush their
+  segments), then the replay. Nothing is left running.
+
+Exit codes: 0 finished (steps or wall time), 1 a component failed,
+130 interrupted.
+
+Every ``SCRAPE_INTERVAL_S`` the processes' ``/metrics`` are summarised into
+a snapshot (:mod:`ops.summary`), appended to ``RUN/metrics.jsonl`` and shown
+(a live table on a terminal, a line every ``PLAIN_EVERY_S`` otherwise). At the
+end ``RUN/report.html`` (:mod:`ops.report`) and ``RUN/summary.txt`` are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.config import RunConfig, RunSection, to_toml
+from ops.report import write_report
+from ops.summary import scrape_run, summarise
+
+#: Seconds before restarting an actor after its n-th consecutive crash.
+ACTOR_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+#: An actor that ran this long before exiting starts its backoff afresh.
+BACKOFF_RESET_S = 60.0
+SCRAPE_INTERVAL_S = 2.0
+#: Without a terminal (CI, pipes), one summary line this often.
+PLAIN_EVERY_S = 15.0
+#: The learner's checkpoint and export at shutdown can take this long.
+LEARNER_STOP_S = 120.0
+#: The replay's final log sync.
+REPLAY_STOP_S = 20.0
+EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    log: Path
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    crashes: int = 0
+    restarts: int = 0
+    restart_at: float | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as log:
+            # own process group: stopping it stops the engine's and torchrun's children
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "deploy.cli", *self.args], stdout=log, stderr=log,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> int | None:
+        """Signal the group, wait up to ``grace_s``, then kill what is left."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, sig)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)  # stragglers of the group
+        return self.process.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Up:
+    config: RunConfig
+    run_dir: Path
+    resume: bool = False
+    interactive: bool = field(default_factory=lambda: sys.stdout.isatty())
+    history: list[dict] = field(default_factory=list)
+    _stop_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.config_path = self.run_dir / "config.toml"
+        self.history_path = self.run_dir / "metrics.jsonl"
+        logs = self.run_dir / "logs"
+        common = ["--config", str(self.config_path)]
+        self.replay = Child("replay", ["replay", *common], logs / "replay.log")
+        self.learner = Child("learner", ["learner", *common,
+                                         *(["--resume"] if self.resume else [])],
+                             logs / "learner.log")
+        self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
+                                            f"{self.config.run.name}-actor-{i}"],
+                             logs / f"actor-{i}.log") for i in range(self.config.actors.count)]
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(to_toml(self.config))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        began = time.monotonic()
+        for child in (self.replay, self.learner, *self.actors):
+            child.start()
+        self._write_state(began)
+        outcome = EXIT_FAILED
+        try:
+            outcome, message = self._supervise(began)
+        finally:
+            self._shutdown()
+            summary = self._summary()
+            (self.run_dir / "summary.txt").write_text(
+                "\n".join(f"{k}: {v}" for k, v in summary.items()) + "\n")
+            write_report(self.history_path, self.run_dir / "report.html",
+                         self.config.run.name, summary)
+            self._write_state(began, finished=True)
+        print(message)
+        if outcome == EXIT_FAILED or outcome == EXIT_INTERRUPTED:
+            print(f"resume with: compactionrl up --config {self.config_path} --resume")
+        print(f"run folder: {self.run_dir} (report.html, metrics.jsonl, logs/)")
+        return outcome
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._stop_reason = signal.Signals(signum).name
+
+    def _supervise(self, began: float) -> tuple[int, str]:
+        view = _View(self.interactive)
+        last_scrape = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if self._stop_reason:
+                    return EXIT_INTERRUPTED, f"interrupted ({self._stop_reason}): stopped cleanly"
+                minutes = self.config.run.max_minutes
+                if minutes and now - began > minutes * 60:
+                    return EXIT_FINISHED, f"wall time of {minutes} min reached"
+                code = self.learner.exit_code()
+                if code == 0:
+                    return EXIT_FINISHED, (f"finished: {self.config.learner.max_steps} "
+                                           "learner steps")
+                if code is not None:
+                    return EXIT_FAILED, (f"the learner exited with code {code}; see "
+                                         f"{self.learner.log}")
+                code = self.replay.exit_code()
+                if code is not None:
+                    return EXIT_FAILED, (f"the replay exited with code {code}; see "
+                                         f"{self.replay.log}")
+                self._tend_actors(now)
+                if now - last_scrape >= SCRAPE_INTERVAL_S:
+                    last_scrape = now
+                    self._snapshot()
+                    view.show(self._summary())
+                time.sleep(0.2)
+        finally:
+            view.close()
+
+    def _tend_actors(self, now: float) -> None:
+        for actor in self.actors:
+            code = actor.exit_code()
+            if code is not None and actor.restart_at is None:
+                if now - actor.started_at > BACKOFF_RESET_S:
+                    actor.crashes = 0
+                delay = ACTOR_BACKOFF_S[min(actor.crashes, len(ACTOR_BACKOFF_S) - 1)]
+                actor.crashes += 1
+                actor.restart_at = now + delay
+                print(f"{actor.name} exited with code {code}; restarting in {delay:.0f} s "
+                      f"(see {actor.log})", flush=True)
+            elif actor.restart_at is not None and now >= actor.restart_at:
+                actor.restarts += 1
+                actor.start()
+
+    def _shutdown(self) -> None:
+        """Learner first (checkpoint, export), then actors (flush), then replay."""
+        self.learner.stop(LEARNER_STOP_S)
+        deadline = self.config.actors.shutdown_deadline_s + 10
+        for actor in self.actors:
+            if actor.process is not None and actor.process.poll() is None:
+                _signal_group(actor.process.pid, signal.SIGTERM)
+        for actor in self.actors:
+            actor.stop(deadline)
+        self.replay.stop(REPLAY_STOP_S)
+
+    # ------------------------------------------------------------------ metrics
+
+    def _urls(self) -> dict[str, str]:
+        host = self.config.transport.metrics_address
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        urls = {"replay": f"http://{host}:{self.config.replay.metrics_port}/metrics",
+                "learner": f"http://{host}:{self.config.learner.metrics_port}/metrics"}
+        for index in range(self.config.actors.count):
+            urls[f"actor-{index}"] = (f"http://{host}:{self.config.actors.metrics_port + index}"
+                                      "/metrics")
+        return urls
+
+    def _snapshot(self) -> None:
+        snapshot = scrape_run(self._urls())
+        snapshot["actor_restarts"] = float(sum(a.restarts for a in self.actors))
+        self.history.append(snapshot)
+        with self.history_path.open("a") as history:
+            history.write(json.dumps(snapshot) + "\n")
+
+    def _summary(self) -> dict[str, str]:
+        if not self.history:
+            return {"run": "no metrics yet"}
+        before = self.history[-2] if len(self.history) > 1 else None
+        lines = summarise(self.history[-1], before, self.history[0],
+                          self.config.learner.max_steps)
+        lines["restarts"] = f"actor restarts {sum(a.restarts for a in self.actors)}"
+        return lines
+
+    def _write_state(self, began: float, finished: bool = False) -> None:
+        """``RUN/up.json``: what ``compactionrl status`` reads."""
+        (self.run_dir / "up.json").write_text(json.dumps({
+            "pid": os.getpid(), "finished": finished, "max_steps": self.config.learner.max_steps,
+            "children": {c.name: c.process.pid for c in (self.replay, self.learner, *self.actors)
+                         if c.process is not None},
+            "started": time.time() - (time.monotonic() - began)}))
+
+
+class _View:
+    """A live table on a terminal; otherwise a summary line now and then."""
+
+    def __init__(self, interactive: bool) -> None:
+        self.interactive = interactive
+        self._live = None
+        self._last_plain = 0.0
+        if interactive:
+            from rich.live import Live
+
+            self._live = Live(refresh_per_second=2, transient=False)
+            self._live.start()
+
+    def show(self, summary: dict[str, str]) -> None:
+        if self._live is not None:
+            from rich.table import Table
+
+            table = Table(title="CompactionRL", show_header=False)
+            for key, value in summary.items():
+                table.add_row(key, value)
+            self._live.update(table)
+        elif time.monotonic() - self._last_plain >= PLAIN_EVERY_S:
+            self._last_plain = time.monotonic()
+            print(" | ".join(f"{k}: {v}" for k, v in summary.items()), flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+def prepare_model(config: RunConfig) -> None:
+    """The embedded default's tiny model is built on first use; any other
+    missing model folder is an error (actors and learner never download)."""
+    model = Path(config.run.model)
+    if (model / "config.json").is_file():
+        return
+    if config.run.model != RunSection().model:
+        raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "
+                         "local HF-format model folder")
+    from deploy.tiny_model import build_tiny_model
+
+    print(f"building the tiny model in {model} (first run)", flush=True)
+    build_tiny_model(model)
+
+
+def status(run_dir: Path) -> int:
+    """Print the summary of a running or finished run; 0 if it is running."""
+    state_path = run_dir / "up.json"
+    if not state_path.is_file():
+        print(f"{run_dir} is not a run folder (no up.json)")
+        return 2
+    state = json.loads(state_path.read_text())
+    running = not state["finished"] and _alive(state["pid"])
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
+    print(f"run {run_dir}: {'running' if running else 'not running'}")
+    if history:
+        before = history[-2] if len(history) > 1 else None
+        for key, value in summarise(history[-1], before, history[0],
+                                    state["max_steps"]).items():
+            print(f"  {key}: {value}")
+    return 0 if running else 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
