@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.config import RunConfig, RunSection, to_toml
+from learner.checkpoint import latest_checkpoint
 from ops.report import write_report
 from ops.summary import scrape_run, summarise
 
@@ -135,6 +136,7 @@ class Up:
         outcome = EXIT_FAILED
         try:
             outcome, message = self._supervise(began)
+            self._snapshot(final=True)
         finally:
             self._shutdown()
             summary = self._summary()
@@ -221,9 +223,17 @@ class Up:
                                       "/metrics")
         return urls
 
-    def _snapshot(self) -> None:
-        snapshot = scrape_run(self._urls())
+    def _snapshot(self, final: bool = False) -> None:
+        """Scrape into the history. The final one also takes the learner's
+        version and step from its last checkpoint (a finished learner no
+        longer serves metrics)."""
+        snapshot = scrape_run(self._urls(), self.history[-1] if self.history else None)
         snapshot["actor_restarts"] = float(sum(a.restarts for a in self.actors))
+        checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if final else None
+        if checkpoint is not None:
+            meta = json.loads((checkpoint / "meta.json").read_text())
+            snapshot["learner_version"] = float(meta["version"])
+            snapshot["learner_step_count"] = float(meta["step"])
         self.history.append(snapshot)
         with self.history_path.open("a") as history:
             history.write(json.dumps(snapshot) + "\n")

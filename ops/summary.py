@@ -18,8 +18,9 @@ from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
-#: A scrape that takes longer than this is treated as a process not answering.
-SCRAPE_TIMEOUT_S = 1.0
+#: A scrape slower than this counts as a process not answering (a busy
+#: learner answers late: its HTTP thread waits for the GIL).
+SCRAPE_TIMEOUT_S = 2.5
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -56,7 +57,7 @@ def _quantile(samples: Samples | None, name: str, q: float) -> float | None:
     return next(bound for bound, count in buckets if count >= q * total)
 
 
-def scrape_run(urls: dict[str, str]) -> dict[str, float | None]:
+def scrape_run(urls: dict[str, str], previous: dict | None = None) -> dict[str, float | None]:
     """One snapshot: learner, replay and the sum over the actors that answer."""
     scraped = {name: scrape(url) for name, url in urls.items()}
     learner, replay = scraped.get("learner"), scraped.get("replay")
@@ -95,6 +96,19 @@ def scrape_run(urls: dict[str, str]) -> dict[str, float | None]:
     for labels, count in (replay or {}).get("crl_replay_staleness_bucket", []):
         if labels["le"] != "+Inf":
             snapshot[f"staleness_le_{float(labels['le']):g}"] = count
+    if previous:
+        learner_keys = ("learner_step", "learner_version", "learner_tokens", "reward",
+                        "success_", "compactions_per_rollout", "policy_loss",
+                        "published_version")
+        silent = {"learner": learner is None, "replay": replay is None, "actors": not actors}
+        prefixes = {"learner": learner_keys,
+                    "replay": ("staleness_", "expired_", "stale_", "batches"),
+                    "actors": ("actor_", "stall_")}
+        for source, quiet in silent.items():
+            if quiet:
+                for key, value in previous.items():
+                    if key.startswith(prefixes[source]):
+                        snapshot[key] = value
     return snapshot
 
 

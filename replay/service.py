@@ -78,6 +78,8 @@ class _Peer:
     actor_id: str
     incarnation: int
     capacity: int = DEFAULT_CAPACITY
+    active_rollouts: int = 0
+    """In flight at its last heartbeat, including rollouts not yet seen here."""
 
 
 class _SeenSeqs:
@@ -235,10 +237,12 @@ class ReplayService:
                          f"incarnation {incarnation} was replaced by {current}", message.seq)
             return
         if current is not None and incarnation > current:
-            self._actor_gone(identity, actor_id, current)  # restarted: the old one is dead
+            old = self.peers.get(identity)  # restarted: the old one is dead
+            self._actor_gone(identity, actor_id, current, old.active_rollouts if old else 0)
         self.current_incarnation[actor_id] = incarnation
         peer = self.peers.setdefault(identity, _Peer(actor_id, incarnation))
-        peer.incarnation = incarnation
+        if peer.incarnation != incarnation:
+            peer.incarnation, peer.active_rollouts = incarnation, 0
         self.liveness.seen(identity)
         if isinstance(message, Hello):
             peer.capacity = max(1, message.capacity)
@@ -251,7 +255,9 @@ class ReplayService:
                 credits=self._top_up(identity)))
         elif isinstance(message, Segment):
             self._ingest_segment(identity, message, frame, acks, now)
-        elif not isinstance(message, Heartbeat):
+        elif isinstance(message, Heartbeat):
+            peer.active_rollouts = message.active_rollouts
+        else:
             self._reject(self.actor_socket, identity, "unexpected",
                          f"{type(message).__name__} is not for the actor socket", message.seq)
 
@@ -303,9 +309,13 @@ class ReplayService:
         self.metrics.credits_granted.inc(granted)
         return granted
 
-    def _actor_gone(self, identity: bytes, actor_id: str, incarnation: int) -> None:
-        for entry in self.buffer.expired(time.monotonic(), {(actor_id, incarnation)}):
+    def _actor_gone(self, identity: bytes, actor_id: str, incarnation: int,
+                    active_rollouts: int) -> None:
+        expired = self.buffer.expired(time.monotonic(), {(actor_id, incarnation)})
+        for entry in expired:
             self._drop(entry.rollout_id, "expired")
+        # the rollouts it had started but sent nothing of are lost too
+        self.metrics.dropped.labels("expired").inc(max(0, active_rollouts - len(expired)))
         self.pacer.forget(actor_id)
         self.liveness.forget(identity)
 
@@ -409,7 +419,8 @@ class ReplayService:
             if peer is not None:
                 log.info("actor %s (incarnation %d) is silent: declared dead", peer.actor_id,
                          peer.incarnation)
-                self._actor_gone(identity, peer.actor_id, peer.incarnation)
+                self._actor_gone(identity, peer.actor_id, peer.incarnation,
+                                 peer.active_rollouts)
         for entry in self.buffer.expired(now, set()):
             self._drop(entry.rollout_id, "expired")
         if self.log is not None:

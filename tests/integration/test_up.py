@@ -1,0 +1,107 @@
+"""`compactionrl up` end to end on CPU with the tiny model: replay, learner
+under torchrun, two actors with vLLM engines. One actor is SIGKILLed mid-run:
+it is restarted, rejoins and gets weights, its lost rollouts expire, and the
+run finishes its steps, writes its folder and report, and leaves no process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ports import free_ports, loopback_addresses
+from tests.processes import VENV_BIN
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie of a child this test does not own counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.is_file() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def _wait(condition, timeout: float, what: str, process: subprocess.Popen) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"up exited with {process.returncode} before {what}"
+        assert time.monotonic() < end, f"no {what} within {timeout} s"
+        time.sleep(0.5)
+
+
+def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    actor_address, learner_address, control_address = loopback_addresses(3)
+    store, replay_metrics, learner_metrics, actor_metrics = free_ports(4)
+    run = tmp_path / "runs" / "up-test"
+    args = [str(VENV_BIN / "compactionrl"), "up", "--run.name", "up-test",
+            "--run.out_dir", str(tmp_path / "runs"), "--run.model", str(tiny_model_dir),
+            "--learner.max_steps", str(STEPS), "--learner.nproc", "1",
+            "--learner.control_address", control_address,
+            "--learner.weight_store_address", f"127.0.0.1:{store}",
+            "--learner.metrics_port", str(learner_metrics),
+            "--replay.actor_address", actor_address, "--replay.learner_address", learner_address,
+            "--replay.metrics_port", str(replay_metrics), "--replay.rollouts_per_batch", "4",
+            "--replay.log_path", str(tmp_path / "replay" / "segments.log"),
+            "--actors.metrics_port", str(actor_metrics), "--actors.count", "2",
+            "--actors.concurrent_episodes", "2",
+            "--actors.compaction.context_tokens", "512",
+            "--actors.compaction.reserve_tokens", "200",
+            "--actors.compaction.max_summary_tokens", "64",
+            "--actors.sampling.max_turn_tokens", "32",
+            "--actors.environment.max_steps", "12",
+            "--transport.heartbeat_interval_s", "0.5"]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        actor_log = run / "logs" / "actor-0.log"
+        _wait(lambda: actor_log.is_file() and "loaded version" in actor_log.read_text(), 300,
+              "a weight publication at actor-0", process)
+        children = json.loads((run / "up.json").read_text())["children"]
+        os.killpg(children["actor-0"], signal.SIGKILL)
+        output, _ = process.communicate(timeout=400)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, output[-4000:]
+    assert f"finished: {STEPS} learner steps" in output
+    assert "actor-0 exited with code -9; restarting" in output
+
+    # the restarted actor rejoined the learner and got weights again
+    learner_log = (run / "logs" / "learner.log").read_text()
+    assert learner_log.count("actor up-test-actor-0 joined") >= 2
+    for index in (0, 1):
+        assert "loaded version" in (run / "logs" / f"actor-{index}.log").read_text()
+
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = history[-1]
+    assert last["learner_version"] == STEPS
+    assert last["published_version"] >= 1
+    assert last["actor_compactions"] > 0
+    assert max(s["compactions_per_rollout"] for s in history) > 0  # trained on compactions
+    assert last["expired_rollouts"] >= 1  # the killed actor's in-flight rollouts
+    assert last["actor_restarts"] == 1
+
+    assert (run / "checkpoints" / f"step-{STEPS}" / "meta.json").is_file()
+    assert (run / "export" / "config.json").is_file()
+    report = (run / "report.html").read_text()
+    assert report.count("<svg") >= 4
+    state = json.loads((run / "up.json").read_text())
+    assert state["finished"]
+    # nothing left: the processes up started, nor their process groups
+    for pid in state["children"].values():
+        assert not _alive(pid)
+    leftovers = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", leftovers.stdout
