@@ -22,15 +22,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# The main job so far: build the tiny model, generate from it with vLLM (CPU
-# build) checking the engine's log-probabilities against transformers, then
-# play one keyvault episode with compaction and show its segments.
+# The main job: a full local training run on the embedded CPU default
+# (deploy/configs/local-cpu.toml): the tiny model is built on first use, then
+# replay, learner (torchrun, 2 ranks) and 2 vLLM actors train with live weight
+# updates; the run folder runs/local-cpu gets the checkpoint, the HF export,
+# metrics.jsonl and report.html.
 demo: $(STAMP)
-	$(VENV)/bin/compactionrl model init --out runs/demo/model
-	$(VENV)/bin/compactionrl model sample --model runs/demo/model --check
-	$(VENV)/bin/compactionrl play --model runs/demo/model --seed 1 \
-		--actors.compaction.context_tokens 512 --actors.compaction.reserve_tokens 200 \
-		--actors.compaction.max_summary_tokens 64 --actors.sampling.max_turn_tokens 32
+	$(VENV)/bin/compactionrl up
 
 test: $(STAMP)
 	$(PY) -m pytest tests

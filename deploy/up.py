@@ -80,10 +80,17 @@ class Child:
         return None if self.process is None else self.process.poll()
 
     def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> int | None:
-        """Signal the group, wait up to ``grace_s``, then kill what is left."""
+        """Signal the group, wait up to ``grace_s``, then kill what is left.
+
+        The direct children are signalled first: torchrun's ranks run in
+        sessions of their own and torchrun gives them only a few seconds
+        after forwarding a signal, too little for the final checkpoint and
+        export; signalled directly, they finish and torchrun exits with them."""
         if self.process is None:
             return None
         if self.process.poll() is None:
+            for child in _children(self.process.pid):
+                _signal(child, sig)
             _signal_group(self.process.pid, sig)
             try:
                 self.process.wait(timeout=grace_s)
@@ -98,6 +105,26 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 @dataclass
