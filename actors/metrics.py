@@ -38,6 +38,9 @@ class ActorMetrics:
                                        "Segments sent again after no ack", registry=r)
         self.unacked_segments = Gauge("crl_actor_unacked_segments",
                                       "Segments sent and not yet acknowledged", registry=r)
+        self.episode_slots = Gauge("crl_actor_episode_slots",
+                                   "Episodes this actor runs at once (stall share = stall "
+                                   "seconds per second / slots)", registry=r)
         self.active_rollouts = Gauge("crl_actor_active_rollouts", "Episodes in progress",
                                      registry=r)
         self.rejected_frames = Counter("crl_actor_rejected_frames",

@@ -177,6 +177,7 @@ class Actor:
                                  tensor_parallel=self.config.engine.tensor_parallel,
                                  model=self.settings.model)
         self.metrics.set_engine(engine_info)
+        self.metrics.episode_slots.set(self.config.concurrent_episodes)
         self.engine_info = engine_info
         self.chat = ChatFormat(self.engine.tokenizer, self.config.compaction,
                                self.config.environment)

@@ -138,6 +138,37 @@ def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     return status(Path(config.run.out_dir) / config.run.name)
 
 
+def _cmd_dashboards_export(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from ops.observability import dashboards, write_files
+
+    out = Path(args.dir)
+    if args.all:
+        for path in write_files(out):
+            print(path)
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for stem, model in dashboards().items():
+        (out / f"{stem}.json").write_text(json.dumps(model, indent=2) + "\n")
+        print(out / f"{stem}.json")
+    return 0
+
+
+def _cmd_dashboards_push(args: argparse.Namespace, overrides: list[str]) -> int:
+    from grafana_client import GrafanaApi
+
+    from ops.observability import dashboards
+
+    api = GrafanaApi.from_url(args.url, credential=args.token)
+    folder = api.folder.create_folder("CompactionRL") if args.create_folder else None
+    for stem, model in dashboards().items():
+        api.dashboard.update_dashboard({"dashboard": model, "overwrite": True,
+                                        **({"folderUid": folder["uid"]} if folder else {})})
+        print(f"pushed {stem} to {args.url}")
+    return 0
+
+
 def _cmd_keys_init(args: argparse.Namespace, overrides: list[str]) -> int:
     from protocol.transport import generate_keys
 
@@ -207,6 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--run", default=None,
                         help="run folder (default: run.out_dir/run.name of the config)")
     status.set_defaults(handler=_cmd_status)
+
+    boards = commands.add_parser("dashboards", help="Grafana dashboards generated from ops/")
+    boards_sub = boards.add_subparsers(dest="action", required=True)
+    export = boards_sub.add_parser("export", help="write the dashboards' JSON into DIR")
+    export.add_argument("dir")
+    export.add_argument("--all", action="store_true",
+                        help="also the Prometheus config, alert rules and Grafana provisioning "
+                             "(what deploy/observability holds)")
+    export.set_defaults(handler=_cmd_dashboards_export)
+    push = boards_sub.add_parser("push", help="upload the dashboards through Grafana's HTTP API")
+    push.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
+    push.add_argument("--token", required=True, help="a service-account token")
+    push.add_argument("--create-folder", action="store_true",
+                      help="create a CompactionRL folder and put them there")
+    push.set_defaults(handler=_cmd_dashboards_push)
 
     actor = commands.add_parser(
         "actor", help="run one actor: episodes on a vLLM engine, segments to the replay")

@@ -1,7 +1,11 @@
 """`compactionrl up` end to end on CPU with the tiny model: replay, learner
 under torchrun, two actors with vLLM engines. One actor is SIGKILLed mid-run:
 it is restarted, rejoins and gets weights, its lost rollouts expire, and the
-run finishes its steps, writes its folder and report, and leaves no process."""
+run finishes its steps, writes its folder and report, and leaves no process.
+
+A real Prometheus (Debian's package) scrapes the run with the project's
+generated configuration; afterwards every PromQL expression of every
+dashboard panel and alert returns data over the run's time range."""
 
 from __future__ import annotations
 
@@ -14,8 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from ops.observability import promql_expressions, scrape_config
 from tests.ports import free_ports, loopback_addresses
 from tests.processes import VENV_BIN
+from tests.prometheus import PrometheusServer
+
+ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +70,10 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
             "--actors.sampling.max_turn_tokens", "32",
             "--actors.environment.max_steps", "12",
             "--transport.heartbeat_interval_s", "0.5"]
+    prometheus = PrometheusServer(tmp_path / "prometheus", scrape_config(
+        replay_metrics, learner_metrics, [actor_metrics, actor_metrics + 1], interval_s=1),
+        rules=ALERTS)
+    began = time.time()
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:
@@ -71,10 +83,16 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
         children = json.loads((run / "up.json").read_text())["children"]
         os.killpg(children["actor-0"], signal.SIGKILL)
         output, _ = process.communicate(timeout=400)
+        ended = time.time()
+        time.sleep(2)  # the last scrape and rule evaluation land
+        empty = [where for where, expr in promql_expressions().items()
+                 if not prometheus.query_range(expr, began, ended)]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        prometheus.stop()
+    assert not empty, f"PromQL without data over the run: {empty}"
     assert process.returncode == 0, output[-4000:]
     assert f"finished: {STEPS} learner steps" in output
     assert "actor-0 exited with code -9; restarting" in output

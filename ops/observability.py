@@ -1,0 +1,214 @@
+"""Prometheus and Grafana as code: the dashboard panels, the alerting rules and
+the scrape configuration, generated from the definitions here.
+
+Every panel and alert is written against DESIGN §4's metric names. An alert
+keeps its *signal* (the PromQL whose value it judges) apart from its
+threshold, so tests can check that every signal returns data from a real run
+while the alert itself stays quiet.
+
+Usage::
+
+    dashboards()                 # Grafana dashboard JSON models (dicts)
+    alert_rules()                # the Prometheus rule file (dict, YAML-ready)
+    scrape_config(config)        # prometheus.yml for a local run (dict)
+    promql_expressions()         # every expression used anywhere: what the tests query
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+#: Grafana datasource uid the provisioning file creates and panels refer to.
+DATASOURCE_UID = "compactionrl-prometheus"
+JOBS = ("replay", "learner", "actors")
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    exprs: tuple[tuple[str, str], ...]
+    """(legend, PromQL) per series."""
+    unit: str = "short"
+    kind: Literal["timeseries", "table"] = "timeseries"
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    signal: str
+    """The PromQL the alert judges; its value is what a dashboard would show."""
+    condition: str
+    """Appended to the signal, e.g. ``> 0.5``."""
+    for_: str
+    summary: str
+    severity: Literal["warning", "critical"] = "warning"
+
+    @property
+    def expr(self) -> str:
+        return f"({self.signal}) {self.condition}"
+
+
+RATE = "[1m]"
+
+DASHBOARDS: dict[str, tuple[Panel, ...]] = {
+    "CompactionRL: training": (
+        Panel("Reward (batch mean)", (("reward", "crl_learner_reward"),)),
+        Panel("Success rate by compaction", (
+            ("compacted", 'crl_learner_success_rate{compacted="true"}'),
+            ("uncompacted", 'crl_learner_success_rate{compacted="false"}')), "percentunit"),
+        Panel("Compaction rate", (
+            ("per rollout (actors)", "sum(crl_actor_compaction_rate)"
+                                     " / count(crl_actor_compaction_rate)"),
+            ("per rollout (trained batch)", "crl_learner_compactions_per_rollout"))),
+        Panel("Losses", (("policy", "crl_learner_policy_loss"),
+                         ("value", "crl_learner_value_loss"))),
+        Panel("PPO statistics", (("clip fraction", "crl_learner_clip_fraction"),
+                                 ("approx KL", "crl_learner_approx_kl"),
+                                 ("IS weight mean", "crl_learner_is_weight_mean"),
+                                 ("IS truncated", "crl_learner_is_truncated_fraction"),
+                                 ("explained variance", "crl_learner_explained_variance"))),
+        Panel("Policy version", (("learner", "crl_learner_policy_version"),
+                                 ("published", "crl_learner_published_version"),
+                                 ("actors (min)", "min(crl_actor_policy_version)"))),
+    ),
+    "CompactionRL: system": (
+        Panel("Stall time by reason (share of episode-slot time)", (
+            ("{{reason}}", f"sum by (reason) (rate(crl_actor_stall_seconds_total{RATE}))"
+                           " / scalar(sum(crl_actor_episode_slots))"),), "percentunit"),
+        Panel("Staleness of trained rollouts", (
+            ("p50", "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(crl_replay_staleness_bucket{RATE})))"),
+            ("p95", "histogram_quantile(0.95, sum by (le) "
+                    f"(rate(crl_replay_staleness_bucket{RATE})))"))),
+        Panel("Throughput (tokens/s)", (
+            ("actors", f"sum(rate(crl_actor_generated_tokens_total{RATE}))"),
+            ("summary tokens", f"sum(rate(crl_actor_summary_tokens_total{RATE}))"),
+            ("learner", f"rate(crl_learner_tokens_total{RATE})")), "short"),
+        Panel("Replay: segments and drops (per s)", (
+            ("{{result}}", f"sum by (result) (rate(crl_replay_segments_total{RATE}))"),
+            ("dropped {{reason}}", f"sum by (reason) (rate(crl_replay_dropped_total{RATE}))"))),
+        Panel("Replay: rollouts held", (("{{state}}", "crl_replay_rollouts"),
+                                        ("credits outstanding",
+                                         "crl_replay_credits_outstanding"))),
+        Panel("Weight sync seconds by phase (mean)", (
+            ("{{phase}}", f"sum by (phase) (rate(crl_learner_weight_sync_seconds_sum{RATE}))"
+                          f" / sum by (phase) (rate(crl_learner_weight_sync_seconds_count{RATE}))"),
+        ), "s"),
+        Panel("Engines (mixed fleets)", (
+            ("{{instance}} {{device}} {{dtype}} tp={{tp}}", "crl_actor_engine_info"),),
+              kind="table"),
+        Panel("Processes up", (("{{job}}", "sum by (job) (up)"),)),
+    ),
+}
+
+ALERTS: tuple[Alert, ...] = (
+    Alert("CompactionRLActorDown", 'up{job="actors"}', "== 0", "1m",
+          "An actor's /metrics has not answered for a minute", "warning"),
+    Alert("CompactionRLStallShareHigh",
+          f"sum(rate(crl_actor_stall_seconds_total{RATE})) / sum(crl_actor_episode_slots)",
+          "> 0.5", "10m", "Actors spend over half their time stalled"),
+    Alert("CompactionRLStalenessAtBound",
+          f"histogram_quantile(0.95, sum by (le) (rate(crl_replay_staleness_bucket{RATE})))",
+          ">= 2", "10m", "p95 staleness of trained rollouts is at the bound (default 2): "
+          "actors fall behind the learner"),
+    Alert("CompactionRLLearnerStuck", "changes(crl_learner_policy_version[10m])", "== 0",
+          "5m", "No learner step for 10 minutes", "critical"),
+)
+
+
+def _panel_json(panel: Panel, index: int) -> dict[str, Any]:
+    return {
+        "id": index + 1,
+        "type": panel.kind,
+        "title": panel.title,
+        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+        "gridPos": {"x": (index % 2) * 12, "y": (index // 2) * 8, "w": 12, "h": 8},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
+                     "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+                     **({"format": "table", "instant": True} if panel.kind == "table" else {})}
+                    for i, (legend, expr) in enumerate(panel.exprs)],
+    }
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    """File stem -> Grafana dashboard JSON model."""
+    out = {}
+    for title, panels in DASHBOARDS.items():
+        stem = title.split(": ")[1].replace(" ", "-")
+        out[f"compactionrl-{stem}"] = {
+            "uid": f"compactionrl-{stem}", "title": title, "tags": ["compactionrl"],
+            "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "10s",
+            "time": {"from": "now-1h", "to": "now"},
+            "panels": [_panel_json(p, i) for i, p in enumerate(panels)],
+        }
+    return out
+
+
+def alert_rules() -> dict[str, Any]:
+    return {"groups": [{"name": "compactionrl", "rules": [
+        {"alert": a.name, "expr": a.expr, "for": a.for_, "labels": {"severity": a.severity},
+         "annotations": {"summary": a.summary}} for a in ALERTS]}]}
+
+
+def scrape_config(replay_port: int, learner_port: int, actor_ports: list[int],
+                  host: str = "127.0.0.1", interval_s: float = 5.0,
+                  rule_files: tuple[str, ...] = ("alerts.yml",)) -> dict[str, Any]:
+    """prometheus.yml scraping one local run (the job names the panels use)."""
+    targets = {"replay": [replay_port], "learner": [learner_port], "actors": actor_ports}
+    return {
+        "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval":
+                   f"{interval_s:g}s"},
+        "rule_files": list(rule_files),
+        "scrape_configs": [{"job_name": job, "static_configs": [
+            {"targets": [f"{host}:{port}" for port in targets[job]]}]} for job in JOBS],
+    }
+
+
+def promql_expressions() -> dict[str, str]:
+    """Every expression a dashboard panel or an alert uses, by where it is used."""
+    found = {f"{title} / {panel.title} / {legend}": expr
+             for title, panels in DASHBOARDS.items() for panel in panels
+             for legend, expr in panel.exprs}
+    found.update({f"alert {a.name}": a.signal for a in ALERTS})
+    return found
+
+
+def write_files(out: Path, replay_port: int = 9100, learner_port: int = 9102,
+                actor_ports: tuple[int, ...] = (9110, 9111)) -> list[Path]:
+    """Everything under ``deploy/observability``: Prometheus config and rules,
+    Grafana provisioning and dashboards (the compose file is hand-written)."""
+    import yaml
+
+    files = {
+        "prometheus.yml": yaml.safe_dump(scrape_config(replay_port, learner_port,
+                                                       list(actor_ports)), sort_keys=False),
+        "alerts.yml": yaml.safe_dump(alert_rules(), sort_keys=False),
+        "grafana/provisioning/datasources/prometheus.yml": yaml.safe_dump({
+            "apiVersion": 1, "datasources": [{
+                "name": "Prometheus", "type": "prometheus", "uid": DATASOURCE_UID,
+                "access": "proxy", "url": "http://localhost:9090", "isDefault": True}]},
+            sort_keys=False),
+        "grafana/provisioning/dashboards/compactionrl.yml": yaml.safe_dump({
+            "apiVersion": 1, "providers": [{
+                "name": "compactionrl", "folder": "CompactionRL", "type": "file",
+                "options": {"path": "/var/lib/grafana/dashboards/compactionrl"}}]},
+            sort_keys=False),
+    }
+    for stem, model in dashboards().items():
+        files[f"grafana/dashboards/{stem}.json"] = json.dumps(model, indent=2) + "\n"
+    written = []
+    for name, text in files.items():
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(GENERATED_NOTE.get(path.suffix, "") + text)
+        written.append(path)
+    return written
+
+
+#: Header of generated YAML files (JSON has no comments).
+GENERATED_NOTE = {".yml": "# Generated by ops/observability.py (compactionrl dashboards export "
+                          "--all); edit the code, not this file.\n"}
