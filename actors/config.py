@@ -25,6 +25,11 @@ class EngineConfig:
     """GPUs per engine. Must be 1 on CPU."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory vLLM may take (GPU only)."""
+    cpu_threads_bind: str = "auto"
+    """CPU build only: cores the engine's OpenMP threads run on ("auto": all
+    of them; "nobind"; or a list such as "0-3"). Several engines on one
+    machine each binding every core thrash; `compactionrl up` gives each
+    local CPU actor its own core when this is "auto"."""
     cpu_kv_cache_gib: int = 1
     """KV cache size on CPU in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); small
     keeps 2-core machines usable."""

@@ -45,11 +45,13 @@ def quiet_vllm_logging() -> None:
 def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``vllm.AsyncEngineArgs``.
 
-    On CPU the KV cache is sized by the environment variable
-    ``VLLM_CPU_KVCACHE_SPACE`` (GiB), read when the engine starts: it is set
-    here from the configuration, which is the one place that decides it.
+    On CPU the KV cache size (GiB) and the cores of the engine's threads are
+    environment variables (``VLLM_CPU_KVCACHE_SPACE``,
+    ``VLLM_CPU_OMP_THREADS_BIND``) read when the engine starts: they are set
+    here from the configuration, which is the one place that decides them.
     """
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     return {
         "model": model,
         "dtype": config.dtype,

@@ -190,6 +190,8 @@ def _override(config: Any, dotted: str, raw: str, problems: list[str]) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is a string: --run.name my-run
+    if fields[leaf] is str and not isinstance(value, str):
+        value = raw  # a string field takes the text as given: --actors.engine.cpu_threads_bind 0
     converted = _convert(fields[leaf], value, dotted, problems)
     if converted is not _INVALID:
         setattr(target, leaf, converted)

@@ -146,8 +146,19 @@ class Up:
                                          *(["--resume"] if self.resume else [])],
                              logs / "learner.log")
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
-                                            f"{self.config.run.name}-actor-{i}"],
+                                            f"{self.config.run.name}-actor-{i}",
+                                            *self._core_of(i)],
                              logs / f"actor-{i}.log") for i in range(self.config.actors.count)]
+
+    def _core_of(self, index: int) -> list[str]:
+        """On a CPU-only machine, one core per local actor engine (round robin):
+        engines that each spin OpenMP threads on every core starve each other
+        and the learner."""
+        import torch
+
+        if torch.cuda.is_available() or self.config.actors.engine.cpu_threads_bind != "auto":
+            return []
+        return ["--actors.engine.cpu_threads_bind", str(index % (os.cpu_count() or 1))]
 
     # ------------------------------------------------------------------ the run
 

@@ -38,6 +38,12 @@ def test_dotted_overrides_are_typed() -> None:
     assert config.learner.advantage == "independent"
 
 
+def test_a_string_field_takes_a_number_like_override_as_text() -> None:
+    config = load_config(None, ["--actors.engine.cpu_threads_bind", "0", "--run.name", "42"])
+    assert config.actors.engine.cpu_threads_bind == "0"
+    assert config.run.name == "42"
+
+
 def test_integer_accepted_for_float_field() -> None:
     assert load_config(None, ["--learner.gamma", "1"]).learner.gamma == 1.0
 
