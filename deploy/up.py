@@ -65,6 +65,7 @@ class Child:
     crashes: int = 0
     restarts: int = 0
     restart_at: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +73,8 @@ class Child:
             # own process group: stopping it stops the engine's and torchrun's children
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "deploy.cli", *self.args], stdout=log, stderr=log,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+                stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, **self.env})
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -148,17 +150,27 @@ class Up:
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
                                             f"{self.config.run.name}-actor-{i}",
                                             *self._core_of(i)],
-                             logs / f"actor-{i}.log") for i in range(self.config.actors.count)]
+                             logs / f"actor-{i}.log", env=self._actor_env())
+                       for i in range(self.config.actors.count)]
 
     def _core_of(self, index: int) -> list[str]:
         """On a CPU-only machine, one core per local actor engine (round robin):
         engines that each spin OpenMP threads on every core starve each other
         and the learner."""
-        import torch
-
-        if torch.cuda.is_available() or self.config.actors.engine.cpu_threads_bind != "auto":
+        if self._on_gpu() or self.config.actors.engine.cpu_threads_bind != "auto":
             return []
         return ["--actors.engine.cpu_threads_bind", str(index % (os.cpu_count() or 1))]
+
+    def _actor_env(self) -> dict[str, str]:
+        """On CPU, OpenMP threads that finished a forward pass sleep instead of
+        spinning: an engine idle on credits then leaves the cores to the learner."""
+        return {} if self._on_gpu() else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+    @staticmethod
+    def _on_gpu() -> bool:
+        import torch
+
+        return torch.cuda.is_available()
 
     # ------------------------------------------------------------------ the run
 
