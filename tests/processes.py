@@ -11,6 +11,15 @@ from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
 
+#: Overrides for test-sized episodes: a 512-token window the untrained tiny
+#: model fills in a few turns (so it compacts), short turns, few steps.
+SMALL_EPISODES = ["--actors.compaction.context_tokens", "512",
+                  "--actors.compaction.reserve_tokens", "200",
+                  "--actors.compaction.max_summary_tokens", "64",
+                  "--actors.sampling.max_turn_tokens", "32",
+                  "--actors.environment.max_steps", "12",
+                  "--actors.concurrent_episodes", "2"]
+
 
 def run_command(args: list[str], timeout: float, env: dict[str, str] | None = None
                 ) -> subprocess.CompletedProcess[str]:

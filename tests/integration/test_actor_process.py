@@ -14,19 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.ports import free_ports
-from tests.processes import VENV_BIN
+from tests.processes import SMALL_EPISODES, VENV_BIN
 from tests.replay_peer import ReplayPeer
 
 pytestmark = pytest.mark.slow
 
-SMALL_EPISODES = ["--actors.compaction.context_tokens", "512",
-                  "--actors.compaction.reserve_tokens", "200",
-                  "--actors.compaction.max_summary_tokens", "64",
-                  "--actors.sampling.max_turn_tokens", "32",
-                  "--actors.environment.max_steps", "12",
-                  "--actors.concurrent_episodes", "2",
-                  "--actors.ack_timeout_s", "1.0", "--actors.on_shutdown", "finish",
-                  "--actors.shutdown_deadline_s", "60", "--transport.heartbeat_interval_s", "0.5"]
+ACTOR_RUN = [*SMALL_EPISODES, "--actors.ack_timeout_s", "1.0", "--actors.on_shutdown", "finish",
+             "--actors.shutdown_deadline_s", "60", "--transport.heartbeat_interval_s", "0.5"]
 ENGINE_START_S = 120
 
 
@@ -63,7 +57,7 @@ def actor_run(tiny_model_dir: Path) -> Run:
     [port] = free_ports(1)
     process = subprocess.Popen(
         [str(VENV_BIN / "compactionrl"), "actor", "--no-learner", "--replay", peer.address,
-         "--actor-id", "actor-t", "--run.model", str(tiny_model_dir), *SMALL_EPISODES,
+         "--actor-id", "actor-t", "--run.model", str(tiny_model_dir), *ACTOR_RUN,
          "--actors.metrics_port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

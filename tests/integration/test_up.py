@@ -20,7 +20,7 @@ import pytest
 
 from ops.observability import promql_expressions, scrape_config
 from tests.ports import free_ports, loopback_addresses
-from tests.processes import VENV_BIN
+from tests.processes import SMALL_EPISODES, VENV_BIN
 from tests.prometheus import PrometheusServer
 
 ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
@@ -63,13 +63,7 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
             "--replay.metrics_port", str(replay_metrics), "--replay.rollouts_per_batch", "4",
             "--replay.log_path", str(tmp_path / "replay" / "segments.log"),
             "--actors.metrics_port", str(actor_metrics), "--actors.count", "2",
-            "--actors.concurrent_episodes", "2",
-            "--actors.compaction.context_tokens", "512",
-            "--actors.compaction.reserve_tokens", "200",
-            "--actors.compaction.max_summary_tokens", "64",
-            "--actors.sampling.max_turn_tokens", "32",
-            "--actors.environment.max_steps", "12",
-            "--transport.heartbeat_interval_s", "0.5"]
+            *SMALL_EPISODES, "--transport.heartbeat_interval_s", "0.5"]
     prometheus = PrometheusServer(tmp_path / "prometheus", scrape_config(
         replay_metrics, learner_metrics, [actor_metrics, actor_metrics + 1], interval_s=1),
         rules=ALERTS)

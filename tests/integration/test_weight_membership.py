@@ -22,15 +22,12 @@ from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import ReplayService
 from tests.ports import free_ports, loopback_addresses
-from tests.processes import Background
+from tests.processes import SMALL_EPISODES, Background
 
 pytestmark = pytest.mark.slow
 
 #: Short episodes, frequent heartbeats, a short group timeout: a test-sized run.
-SMALL_RUN = ["--actors.compaction.context_tokens", "512",
-             "--actors.compaction.reserve_tokens", "200",
-             "--actors.compaction.max_summary_tokens", "64",
-             "--actors.sampling.max_turn_tokens", "32",
+SMALL_RUN = [*SMALL_EPISODES,
              "--actors.environment.max_steps", "8",
              "--actors.concurrent_episodes", "1",
              "--actors.metrics_port", "0",
