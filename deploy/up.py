@@ -38,6 +38,7 @@ from pathlib import Path
 
 from deploy.config import RunConfig, RunSection, to_toml
 from learner.checkpoint import latest_checkpoint
+from ops.files import atomic_write_text
 from ops.report import write_report
 from ops.summary import scrape_run, summarise
 
@@ -299,7 +300,7 @@ class Up:
 
     def _write_state(self, began: float, finished: bool = False) -> None:
         """``RUN/up.json``: what ``compactionrl status`` reads."""
-        (self.run_dir / "up.json").write_text(json.dumps({
+        atomic_write_text(self.run_dir / "up.json", json.dumps({
             "pid": os.getpid(), "finished": finished, "max_steps": self.config.learner.max_steps,
             "children": {c.name: c.process.pid for c in (self.replay, self.learner, *self.actors)
                          if c.process is not None},

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from learner.ppo import PPOTrainer
+from ops.files import atomic_write_text
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json", "vocab.json",
@@ -54,7 +55,8 @@ def save_checkpoint(folder: Path, trainer: PPOTrainer, version: int, step: int) 
     dcp.save(_state(trainer), checkpoint_id=str(target))
     _barrier()
     if _is_rank0():
-        (target / "meta.json").write_text(json.dumps({"version": version, "step": step}))
+        # written last and atomically: a checkpoint counts only once it is complete
+        atomic_write_text(target / "meta.json", json.dumps({"version": version, "step": step}))
     _barrier()
     return target
 
