@@ -362,11 +362,14 @@ def status(run_dir: Path) -> int:
     running = not state["finished"] and _alive(state["pid"])
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
-    print(f"run {run_dir}: {'running' if running else 'not running'}")
+    print(f"run {run_dir}: {'running' if running else 'not running'}"
+          f"{' (finished)' if state['finished'] else ''}")
     if history:
         before = history[-2] if len(history) > 1 else None
-        for key, value in summarise(history[-1], before, history[0],
-                                    state["max_steps"]).items():
+        lines = summarise(history[-1], before, history[0], state["max_steps"])
+        if not running:  # the last snapshot's liveness and rates are history now
+            del lines["processes"], lines["throughput"]
+        for key, value in lines.items():
             print(f"  {key}: {value}")
     return 0 if running else 1
 

@@ -13,11 +13,13 @@ import json
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from ops.summary import scrape
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import ReplayService
@@ -36,6 +38,20 @@ SMALL_RUN = [*SMALL_EPISODES,
              "--learner.weight_timeout_s", "5",
              "--learner.metrics_port", "0",
              "--learner.max_steps", "1000"]
+
+
+def _acknowledged_segments(port: int) -> float:
+    samples = scrape(f"http://127.0.0.1:{port}/metrics") or {}
+    sent = sum(v for _, v in samples.get("crl_actor_segments_sent_total", []))
+    unacked = sum(v for _, v in samples.get("crl_actor_unacked_segments", []))
+    return sent - unacked
+
+
+def _wait_until(condition, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"no {what} within {timeout} s"
+        time.sleep(0.5)
 
 
 def _versions(log: str, pattern: str) -> list[int]:
@@ -61,7 +77,8 @@ def run(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict]:
     started: list[Background] = []
 
     def start(name: str, *args: str) -> Background:
-        process = Background([*args, *common], tmp_path / f"{name}.log")
+        # the command, the shared settings, then this process's own (they win)
+        process = Background([args[0], *common, *args[1:]], tmp_path / f"{name}.log")
         started.append(process)
         return process
 
@@ -77,7 +94,8 @@ def run(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict]:
 
 def test_late_joiner_and_frozen_member(run: dict) -> None:
     """One run (engine starts are the cost): a late joiner gets the current
-    weights at once and ends on the same version as the first actor; then it
+    weights at once, ends on the same version as the first actor and
+    contributes segments; then it
     freezes, one publication fails after the group timeout, the learner
     carries on, and the next publication reaches the survivor alone."""
     learner = run["start"]("learner", "learner", "--learner.nproc", "1")
@@ -85,7 +103,9 @@ def test_late_joiner_and_frozen_member(run: dict) -> None:
     learner.wait_for("published version 1 to 1 actors", timeout=300)
     survivor.wait_for("loaded version 1", timeout=30)
 
-    late = run["start"]("b", "actor", "--actor-id", "actor-b", "--index", "1")
+    [late_metrics] = free_ports(1)
+    late = run["start"]("b", "actor", "--actor-id", "actor-b", "--index", "1",
+                        "--actors.metrics_port", str(late_metrics))
     late.wait_for("loaded version", timeout=300)  # at once, not at its first episode
     joined_at = _versions(late.log(), r"loaded version (\d+)")[0]
     assert joined_at > 1
@@ -93,6 +113,8 @@ def test_late_joiner_and_frozen_member(run: dict) -> None:
     survivor.wait_for(f"loaded version {target}", timeout=120)
     late.wait_for(f"loaded version {target}", timeout=30)
     assert f"published version {target} to 2 actors" in learner.log()
+    # and it contributes: the replay acknowledged segments it generated
+    _wait_until(lambda: _acknowledged_segments(late_metrics) > 0, 120, "segments from actor-b")
 
     late.send(signal.SIGSTOP)  # still a member until its heartbeats are missed
     learner.wait_for("failed", timeout=120)  # the group did not form, or a broadcast timed out
