@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ops.observability import promql_expressions, scrape_config
+from ops.summary import scrape
 from tests.ports import free_ports, loopback_addresses
 from tests.processes import SMALL_EPISODES, VENV_BIN
 from tests.prometheus import PrometheusServer
@@ -38,6 +39,11 @@ def _alive(pid: int) -> bool:
     # a zombie of a child this test does not own counts as gone
     stat = Path(f"/proc/{pid}/stat")
     return stat.is_file() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def _active_rollouts(port: int) -> float:
+    samples = scrape(f"http://127.0.0.1:{port}/metrics") or {}
+    return sum(value for _, value in samples.get("crl_actor_active_rollouts", []))
 
 
 def _wait(condition, timeout: float, what: str, process: subprocess.Popen) -> None:
@@ -74,6 +80,9 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
         actor_log = run / "logs" / "actor-0.log"
         _wait(lambda: actor_log.is_file() and "loaded version" in actor_log.read_text(), 300,
               "a weight publication at actor-0", process)
+        # kill it with episodes in flight (it may be idle, waiting for credits)
+        _wait(lambda: _active_rollouts(actor_metrics) > 0, 120,
+              "episodes in flight at actor-0", process)
         children = json.loads((run / "up.json").read_text())["children"]
         os.killpg(children["actor-0"], signal.SIGKILL)
         output, _ = process.communicate(timeout=400)
