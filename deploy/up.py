@@ -187,8 +187,9 @@ class Up:
         outcome = EXIT_FAILED
         try:
             outcome, message = self._supervise(began)
-            self._snapshot(final=True)
         finally:
+            self.learner.stop(LEARNER_STOP_S)  # first: it writes the final checkpoint
+            self._snapshot(final=True)
             self._shutdown()
             summary = self._summary()
             (self.run_dir / "summary.txt").write_text(
@@ -252,8 +253,7 @@ class Up:
                 actor.start()
 
     def _shutdown(self) -> None:
-        """Learner first (checkpoint, export), then actors (flush), then replay."""
-        self.learner.stop(LEARNER_STOP_S)
+        """After the learner: the actors (they flush), then the replay."""
         deadline = self.config.actors.shutdown_deadline_s + 10
         for actor in self.actors:
             if actor.process is not None and actor.process.poll() is None:

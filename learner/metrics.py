@@ -68,5 +68,6 @@ class LearnerMetrics:
                                         if c > 0]),
                               ("false", [s for s, c in zip(successes, compactions, strict=True)
                                          if c == 0])):
-            if chosen:
-                self.success_rate.labels(label).set(sum(chosen) / len(chosen))
+            # NaN, not a stale value, when the batch had no rollout of this kind
+            self.success_rate.labels(label).set(sum(chosen) / len(chosen) if chosen
+                                                else float("nan"))

@@ -1,7 +1,9 @@
 """`compactionrl up` end to end on CPU with the tiny model: replay, learner
-under torchrun, two actors with vLLM engines. One actor is SIGKILLed mid-run:
-it is restarted, rejoins and gets weights, its lost rollouts expire, and the
-run finishes its steps, writes its folder and report, and leaves no process.
+under torchrun, two actors with vLLM engines. One actor is SIGKILLed with
+episodes in flight: it is restarted, rejoins and gets the current weights, and
+its lost rollouts expire. The learner keeps stepping and publishing; Ctrl-C
+(SIGINT) then stops everything cleanly: checkpoint, export, metrics history,
+report, the resume command, and no process left.
 
 A real Prometheus (Debian's package) scrapes the run with the project's
 generated configuration; afterwards every PromQL expression of every
@@ -28,7 +30,8 @@ ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4
+#: Learner steps the run must reach (after the restart) before it is stopped.
+STEPS = 3
 
 
 def _alive(pid: int) -> bool:
@@ -61,7 +64,7 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
     run = tmp_path / "runs" / "up-test"
     args = [str(VENV_BIN / "compactionrl"), "up", "--run.name", "up-test",
             "--run.out_dir", str(tmp_path / "runs"), "--run.model", str(tiny_model_dir),
-            "--learner.max_steps", str(STEPS), "--learner.nproc", "1",
+            "--learner.max_steps", "1000", "--learner.nproc", "1",
             "--learner.control_address", control_address,
             "--learner.weight_store_address", f"127.0.0.1:{store}",
             "--learner.metrics_port", str(learner_metrics),
@@ -78,14 +81,23 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
                                text=True, start_new_session=True)
     try:
         actor_log = run / "logs" / "actor-0.log"
-        _wait(lambda: actor_log.is_file() and "loaded version" in actor_log.read_text(), 300,
-              "a weight publication at actor-0", process)
-        # kill it with episodes in flight (it may be idle, waiting for credits)
-        _wait(lambda: _active_rollouts(actor_metrics) > 0, 120,
+        learner_log = run / "logs" / "learner.log"
+        # kill actor-0 with episodes in flight (it may be idle, waiting for credits)
+        _wait(lambda: _active_rollouts(actor_metrics) > 0, 300,
               "episodes in flight at actor-0", process)
+        time.sleep(1.5)  # a heartbeat (0.5 s) has told the replay about them
+        _wait(lambda: _active_rollouts(actor_metrics) > 0, 60,
+              "episodes still in flight at actor-0", process)
         children = json.loads((run / "up.json").read_text())["children"]
         os.killpg(children["actor-0"], signal.SIGKILL)
-        output, _ = process.communicate(timeout=400)
+        killed_at = len(actor_log.read_text())
+        # restarted, it rejoins and loads the learner's current weights
+        _wait(lambda: "loaded version" in actor_log.read_text()[killed_at:], 300,
+              "weights at the restarted actor-0", process)
+        _wait(lambda: f"step {STEPS}:" in learner_log.read_text(), 300,
+              f"learner step {STEPS}", process)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=300)
         ended = time.time()
         time.sleep(2)  # the last scrape and rule evaluation land
         empty = [where for where, expr in promql_expressions().items()
@@ -96,26 +108,24 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
             process.wait()
         prometheus.stop()
     assert not empty, f"PromQL without data over the run: {empty}"
-    assert process.returncode == 0, output[-4000:]
-    assert f"finished: {STEPS} learner steps" in output
+    assert process.returncode == 130, output[-4000:]
+    assert "interrupted (SIGINT): stopped cleanly" in output
+    assert "resume with: compactionrl up --config" in output
     assert "actor-0 exited with code -9; restarting" in output
-
-    # the restarted actor rejoined the learner and got weights again
-    learner_log = (run / "logs" / "learner.log").read_text()
-    assert learner_log.count("actor up-test-actor-0 joined") >= 2
-    for index in (0, 1):
-        assert "loaded version" in (run / "logs" / f"actor-{index}.log").read_text()
+    assert learner_log.read_text().count("actor up-test-actor-0 joined") >= 2
+    assert "loaded version" in (run / "logs" / "actor-1.log").read_text()
 
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = history[-1]
-    assert last["learner_version"] == STEPS
+    checkpoint = json.loads(max((run / "checkpoints").glob("step-*/meta.json"),
+                                key=lambda p: int(p.parent.name[5:])).read_text())
+    assert last["learner_version"] == checkpoint["version"] >= STEPS  # the final checkpoint
     assert last["published_version"] >= 1
     assert last["actor_compactions"] > 0
     assert max(s["compactions_per_rollout"] for s in history) > 0  # trained on compactions
     assert last["expired_rollouts"] >= 1  # the killed actor's in-flight rollouts
     assert last["actor_restarts"] == 1
 
-    assert (run / "checkpoints" / f"step-{STEPS}" / "meta.json").is_file()
     assert (run / "export" / "config.json").is_file()
     report = (run / "report.html").read_text()
     assert report.count("<svg") >= 4
