@@ -119,7 +119,9 @@ def summarise(now: dict, before: dict | None, first: dict | None, max_steps: int
     def rate(key: str) -> float:
         if not before or now["time"] <= before["time"]:
             return 0.0
-        return (now[key] - before[key]) / (now["time"] - before["time"])
+        # a counter that went down is a process that restarted or did not
+        # answer this time: no rate, rather than a negative one
+        return max(0.0, (now[key] - before[key]) / (now["time"] - before["time"]))
 
     steps = now["learner_step_count"]
     generated = now["actor_generated_tokens"]
