@@ -104,7 +104,8 @@ def test_late_joiner_and_frozen_member(run: dict) -> None:
     survivor.wait_for("loaded version 1", timeout=30)
 
     [late_metrics] = free_ports(1)
-    late = run["start"]("b", "actor", "--actor-id", "actor-b", "--index", "1",
+    # index 0: its metrics port is exactly actors.metrics_port (actor i adds i)
+    late = run["start"]("b", "actor", "--actor-id", "actor-b", "--index", "0",
                         "--actors.metrics_port", str(late_metrics))
     late.wait_for("loaded version", timeout=300)  # at once, not at its first episode
     joined_at = _versions(late.log(), r"loaded version (\d+)")[0]
