@@ -1,0 +1,131 @@
+"""The learner's control socket on real ZeroMQ sockets: registration,
+announcements to the live members, and hostile input rejected with an Error
+and a counter while registered actors are still served."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from learner.control import ControlPlane
+from learner.metrics import LearnerMetrics
+from protocol import (
+    EngineInfo,
+    Error,
+    GroupInfo,
+    Heartbeat,
+    Hello,
+    Stamp,
+    TensorSpec,
+    WeightManifest,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Welcome,
+    decode,
+    encode,
+)
+from protocol.transport import TransportConfig, connect_dealer
+from tests.ports import loopback_addresses
+
+ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
+MANIFEST = WeightManifest(tensors=[TensorSpec("w", "float32", (2, 2))], bucket_bytes=0)
+
+
+@pytest.fixture
+def control() -> Iterator[tuple[ControlPlane, LearnerMetrics, str]]:
+    [address] = loopback_addresses(1)
+    metrics = LearnerMetrics()
+    plane = ControlPlane(address, TransportConfig(heartbeat_interval_s=0.2,
+                                                  heartbeat_liveness=3),
+                         run_id="r", max_staleness=2, late_joiner="immediate", metrics=metrics)
+    yield plane, metrics, address
+    plane.close()
+
+
+class _Actor:
+    def __init__(self, context: zmq.Context, address: str, actor_id: str) -> None:
+        self.socket = connect_dealer(context, address, TransportConfig(), actor_id.encode())
+        self.stamp = Stamp(actor_id, time.time_ns())
+
+    def send(self, message_type: type, **fields: object) -> None:
+        self.socket.send(encode(message_type(**self.stamp.next(), **fields)))
+
+    def receive(self, timeout_ms: int = 5000) -> object:
+        assert self.socket.poll(timeout_ms), "no reply from the control socket"
+        return decode(self.socket.recv(), 1 << 20)
+
+
+def _rejected(metrics: LearnerMetrics, reason: str) -> float:
+    return metrics.registry.get_sample_value("crl_learner_rejected_frames_total",
+                                             {"reason": reason}) or 0.0
+
+
+def test_members_register_get_announcements_and_report_loads(control) -> None:
+    plane, metrics, address = control
+    context = zmq.Context()
+    try:
+        actor = _Actor(context, address, "actor-1")
+        plane.version = 5
+        actor.send(Hello, engine=ENGINE, capacity=2, policy_version=0)
+        welcome = actor.receive()
+        assert isinstance(welcome, Welcome) and welcome.policy_version == 5
+        assert welcome.max_staleness == 2
+        [member] = plane.members()
+        assert plane.publication_wanted(5)  # 5 versions behind: it cannot contribute
+        plane.announce([member], 5, MANIFEST, lambda rank: GroupInfo(
+            generation=1, master_addr="h", master_port=1, world_size=2, rank=rank,
+            backend="gloo"))
+        announce = actor.receive()
+        assert isinstance(announce, WeightsAnnounce) and announce.group.rank == 1
+        actor.send(WeightsLoaded, version=5, seconds=0.25)
+        deadline = time.monotonic() + 5
+        while plane.members()[0].version != 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not plane.publication_wanted(5)
+        # silent for longer than the liveness: no longer a member
+        deadline = time.monotonic() + 5
+        while plane.members():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert metrics.registry.get_sample_value("crl_learner_weight_members") == 0
+    finally:
+        context.destroy(linger=0)
+
+
+def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
+    plane, metrics, address = control
+    context = zmq.Context()
+    try:
+        hostile = _Actor(context, address, "hostile")
+        hostile.socket.send(b"\xff\x00 not msgpack")
+        assert isinstance(hostile.receive(), Error)
+        assert _rejected(metrics, "malformed") == 1
+        header = hostile.stamp.next()
+        wrong_version = msgspec.msgpack.encode({
+            "kind": "heartbeat", "protocol_version": 999, **header,
+            "active_rollouts": 0, "stall_seconds": {}})
+        hostile.socket.send(wrong_version)
+        assert isinstance(hostile.receive(), Error)
+        assert _rejected(metrics, "protocol_version") == 1
+        # a valid message from an actor that never said Hello
+        hostile.send(Heartbeat, active_rollouts=0, stall_seconds={})
+        reply = hostile.receive()
+        assert isinstance(reply, Error) and reply.code == "unregistered"
+        # someone else's identity in the header
+        impostor = _Actor(context, address, "impostor")
+        impostor.stamp = Stamp("actor-1", 1)
+        impostor.send(Hello, engine=ENGINE, capacity=1)
+        assert isinstance(impostor.receive(), Error)
+        assert _rejected(metrics, "identity") == 1
+        assert plane.members() == []
+        # and a well-behaved actor is still served
+        actor = _Actor(context, address, "actor-1")
+        actor.send(Hello, engine=ENGINE, capacity=1)
+        assert isinstance(actor.receive(), Welcome)
+    finally:
+        context.destroy(linger=0)
