@@ -139,19 +139,10 @@ def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_dashboards_export(args: argparse.Namespace, overrides: list[str]) -> int:
-    import json
+    from ops.observability import write_dashboards, write_files
 
-    from ops.observability import dashboards, write_files
-
-    out = Path(args.dir)
-    if args.all:
-        for path in write_files(out):
-            print(path)
-        return 0
-    out.mkdir(parents=True, exist_ok=True)
-    for stem, model in dashboards().items():
-        (out / f"{stem}.json").write_text(json.dumps(model, indent=2) + "\n")
-        print(out / f"{stem}.json")
+    for path in (write_files if args.all else write_dashboards)(Path(args.dir)):
+        print(path)
     return 0
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from learner.config import LearnerConfig
@@ -56,7 +57,8 @@ class WeightPublisher:
         self.control = control
         self.metrics = metrics
         self.agree = agree
-        self.backend = "nccl" if torch.cuda.is_available() and config.device != "cpu" else "gloo"
+        # actors join with the learner's own backend (placement chose it)
+        self.backend = dist.get_backend()
         self.host, self.port = split_address(config.weight_store_address)
         self.store = host_store(self.port, config.weight_timeout_s) if rank == 0 else None
         self.generation = 0

@@ -198,13 +198,22 @@ def write_files(out: Path, replay_port: int = 9100, learner_port: int = 9102,
                 "options": {"path": "/var/lib/grafana/dashboards/compactionrl"}}]},
             sort_keys=False),
     }
-    for stem, model in dashboards().items():
-        files[f"grafana/dashboards/{stem}.json"] = json.dumps(model, indent=2) + "\n"
-    written = []
+    written = write_dashboards(out / "grafana" / "dashboards")
     for name, text in files.items():
         path = out / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(GENERATED_NOTE.get(path.suffix, "") + text)
+        written.append(path)
+    return written
+
+
+def write_dashboards(out: Path) -> list[Path]:
+    """The dashboards' JSON models, one file each."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, model in dashboards().items():
+        path = out / f"{stem}.json"
+        path.write_text(json.dumps(model, indent=2) + "\n")
         written.append(path)
     return written
 

@@ -84,13 +84,14 @@ class _Learner:
         engine_loop.run(engine.join_weight_group(self.group_info()))
         thread.join(timeout=60)
 
-    def push(self, engine_loop, engine: Engine, tensors: list[tuple[str, torch.Tensor]],
-             version: int, bucket_bytes: int = 0, during: asyncio.Future | None = None) -> None:
+    async def push(self, engine: Engine, tensors: list[tuple[str, torch.Tensor]],
+                   version: int, bucket_bytes: int = 0) -> None:
+        """Broadcast from a thread while the engine receives and loads."""
         manifest = manifest_of(tensors, bucket_bytes)
         sender = threading.Thread(target=lambda: self.group.send(manifest,
                                                                  (t for _, t in tensors)))
         sender.start()
-        engine_loop.run(engine.load_weights(version, manifest))
+        await engine.load_weights(version, manifest)
         sender.join(timeout=60)
 
 
@@ -103,7 +104,7 @@ def test_pushed_weights_generate_exactly_as_the_same_weights_from_disk(
     before = [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS]
     learner = _Learner()
     learner.join(engine_loop, live_engine)
-    learner.push(engine_loop, live_engine, _tensors(trained_dir), version=1)
+    engine_loop.run(learner.push(live_engine, _tensors(trained_dir), version=1))
     pushed = [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS]
     assert live_engine.version == 1
 
@@ -117,8 +118,8 @@ def test_pushed_weights_generate_exactly_as_the_same_weights_from_disk(
     assert pushed != before
 
     # bucketed (the NCCL layout) in the same group, back to the original weights
-    learner.push(engine_loop, live_engine, _tensors(tiny_model_dir), version=2,
-                 bucket_bytes=64 * 1024)
+    engine_loop.run(learner.push(live_engine, _tensors(tiny_model_dir), version=2,
+                                 bucket_bytes=64 * 1024))
     assert [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS] == before
 
 
@@ -136,12 +137,7 @@ def test_a_request_in_flight_across_an_update_carries_both_versions(
         while live_engine.llm.output_processor.get_num_unfinished_requests() == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
-        manifest = manifest_of(tensors, 0)
-        sender = threading.Thread(target=lambda: learner.group.send(
-            manifest, (t for _, t in tensors)))
-        sender.start()
-        await live_engine.load_weights(start + 1, manifest)
-        sender.join(timeout=60)
+        await learner.push(live_engine, tensors, start + 1)
         return (await request).versions
 
     versions = engine_loop.run(generate_then_update())
