@@ -103,6 +103,9 @@ class ActorConfig:
     """Actor processes `compactionrl up` starts on this machine."""
     concurrent_episodes: int = 8
     """Episodes one actor runs at once on its engine."""
+    group_size: int = 1
+    """Consecutive episodes that play the same task (environment seed) with
+    different sampling seeds: the groups of learner.advantage = "grpo"."""
     metrics_port: int = 9110
     """First actor's Prometheus port; actor i serves on metrics_port + i (0 = off)."""
     ack_timeout_s: float = 5.0
@@ -119,6 +122,8 @@ class ActorConfig:
         """Problems that make this section unusable, each naming field and fix."""
         problems = []
         c, e = self.compaction, self.engine
+        if self.group_size < 1:
+            problems.append(f"{section}.group_size must be >= 1")
         if c.context_tokens < 64:
             problems.append(f"{section}.compaction.context_tokens = {c.context_tokens}: "
                             "must be at least 64")

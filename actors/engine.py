@@ -52,6 +52,8 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
     """
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    from vllm.platforms import current_platform
+
     return {
         "model": model,
         "dtype": config.dtype,
@@ -63,6 +65,10 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         # The processed distribution (temperature, top-p) is the behaviour
         # policy the learner's importance weights divide by.
         "logprobs_mode": "processed_logprobs",
+        # vLLM's CPU sampler cannot rewind a seeded request's generator after
+        # a partial (chunked) prefill ("CPU Generator does not use offset",
+        # the engine dies): on CPU every prompt is prefilled whole.
+        "enable_chunked_prefill": not current_platform.is_cpu(),
     }
 
 

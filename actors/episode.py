@@ -51,12 +51,15 @@ only with the last segment."""
 
 async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat,
                       config: ActorConfig, seed: int, emit: Emit,
-                      greedy: bool = False) -> EpisodeResult:
+                      greedy: bool = False, sampling_seed: int | None = None) -> EpisodeResult:
+    """Play one episode of the task ``seed``; turns are sampled with seeds
+    derived from ``sampling_seed`` (default: ``seed``)."""
     start = time.monotonic()
     task = await environment.reset(seed)
     context = CompactionContext(chat.turns(task), config.compaction)
     temperature = 0.0 if greedy else None
-    turn_seeds = iter(range(seed * SEED_STRIDE, (seed + 1) * SEED_STRIDE))
+    base = seed if sampling_seed is None else sampling_seed
+    turn_seeds = iter(range(base * SEED_STRIDE, (base + 1) * SEED_STRIDE))
     steps = generated = observations_cut = 0
     summary_seconds = reward = 0.0
     success = False

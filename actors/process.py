@@ -90,9 +90,14 @@ class ActorSettings:
     """Position among the actors of a launcher (offsets the metrics port and engine seed)."""
 
 
+#: Held-out episode seeds start here; training seeds are below, so an
+#: evaluation never replays a training episode.
+EVALUATION_SEEDS_FROM = 2**31
+
+
 def training_seed(run_seed: int, actor_id: str, incarnation: int, n: int) -> int:
-    """Episode seed, in [0, 2^31): distinct across actors, incarnations and
-    episodes. Evaluation uses seeds from 2^31 up, so the two never overlap."""
+    """Episode seed, in [0, EVALUATION_SEEDS_FROM): distinct across actors,
+    incarnations and episodes."""
     digest = hashlib.blake2b(f"{run_seed}/{actor_id}/{incarnation}/{n}".encode(),
                              digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF
@@ -218,13 +223,15 @@ class Actor:
         try:
             while await self._take_credit():
                 n = next(self._episode_numbers)
-                seed = training_seed(self.settings.run_seed, self.settings.actor_id,
-                                     self.incarnation, n)
+                task_seed, sampling_seed = (
+                    training_seed(self.settings.run_seed, self.settings.actor_id,
+                                  self.incarnation, number)
+                    for number in (n // self.config.group_size, n))
                 rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
                 self.state.active += 1
                 self.metrics.active_rollouts.inc()
                 try:
-                    await self._play(environment, rollout_id, seed)
+                    await self._play(environment, rollout_id, task_seed, sampling_seed)
                 finally:
                     self.state.active -= 1
                     self.metrics.active_rollouts.dec()
@@ -263,13 +270,15 @@ class Actor:
         return (self.state.learner_registered.is_set() and
                 self.state.learner_version - self.engine.version <= self.state.max_staleness)
 
-    async def _play(self, environment: Environment, rollout_id: str, seed: int) -> None:
+    async def _play(self, environment: Environment, rollout_id: str, seed: int,
+                    sampling_seed: int) -> None:
         index = itertools.count()
 
         async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
             await self._send_segment(rollout_id, task_id, next(index), segment, result)
 
-        result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit)
+        result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit,
+                                   sampling_seed=sampling_seed)
         self.metrics.episode_finished(result.reward, result.stats, result.summary_seconds,
                                       result.observations_cut)
 

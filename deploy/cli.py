@@ -42,6 +42,40 @@ def _cmd_model_sample(args: argparse.Namespace, overrides: list[str]) -> int:
                   num_prompts=args.num_prompts, check=args.check, as_json=args.json)
 
 
+def _cmd_bootstrap(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.bootstrap import bootstrap
+
+    config = load_config(args.config, overrides)
+    out = Path(args.out or config.run.model)
+    report = bootstrap(out, config.actors, config.bootstrap)
+    seconds = sum(report["seconds"].values())
+    print(f"base policy written to {out} in {seconds:.0f} s (demonstrations succeed "
+          f"{report['demonstrations']['success']:.1%}; recipe in {out / 'bootstrap.json'})")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    import dataclasses
+    import json
+
+    from deploy.evaluate import evaluate, format_report
+
+    config = load_config(args.config, overrides)
+    actors = config.actors
+    actors.compaction.enabled = args.compaction == "on"
+    if args.max_compactions is not None:
+        actors.compaction.max_compactions = args.max_compactions
+    report = evaluate(args.model or config.run.model, actors, args.episodes,
+                      show_progress=sys.stderr.isatty())
+    print(format_report(report))
+    encoded = json.dumps(dataclasses.asdict(report))
+    if args.out:
+        Path(args.out).write_text(encoded + "\n")
+    if args.json:
+        print(encoded)
+    return 0
+
+
 def _cmd_play(args: argparse.Namespace, overrides: list[str]) -> int:
     from deploy.play import play
 
@@ -207,6 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
                              "exit 1 on disagreement")
     sample.add_argument("--json", action="store_true", help="last line: one JSON object")
     sample.set_defaults(handler=_cmd_model_sample)
+
+    boot = commands.add_parser(
+        "bootstrap", help="fine-tune the tiny model on keyvault demonstrations whose summaries "
+                          "are imperfect (the recipe: [bootstrap]): the base policy for RL")
+    _config_args(boot)
+    boot.add_argument("--out", default=None, help="output folder (default: run.model)")
+    boot.set_defaults(handler=_cmd_bootstrap)
+
+    evaluation = commands.add_parser(
+        "eval", help="success rate (95%% CI) and compaction statistics on held-out episodes")
+    _config_args(evaluation)
+    evaluation.add_argument("--model", default=None, help="model folder (default: run.model)")
+    evaluation.add_argument("--episodes", type=int, default=200)
+    evaluation.add_argument("--compaction", choices=("on", "off"), default="on",
+                            help="off: one window; the episode ends when it is full")
+    evaluation.add_argument("--max-compactions", type=int, default=None,
+                            help="default: actors.compaction.max_compactions")
+    evaluation.add_argument("--out", default=None, help="also write the JSON report here")
+    evaluation.add_argument("--json", action="store_true", help="last line: one JSON object")
+    evaluation.set_defaults(handler=_cmd_eval)
 
     play = commands.add_parser(
         "play", help="run one episode with compaction on the actors' engine and show it")

@@ -47,14 +47,50 @@ class RunSection:
     """Run name; the run folder is out_dir/name."""
     out_dir: str = "runs"
     """Parent folder of run folders (checkpoints, metrics history, report)."""
-    model: str = "runs/tiny-model"
-    """HF-format model folder the actors and the learner start from
-    (`compactionrl model init --out DIR` builds the tiny default)."""
+    model: str = "runs/base-model"
+    """HF-format model folder the actors and the learner start from. The
+    default is the bootstrapped base policy, made on first use
+    (`compactionrl bootstrap`, from the tiny model `compactionrl model init` builds)."""
     seed: int = 0
     """Seed of everything random in the run (environment seeds, init, sampling)."""
     max_minutes: float = 0.0
     """`compactionrl up` stops the run after this much wall time (0 = only
     at learner.max_steps)."""
+
+
+@dataclass
+class BootstrapSection:
+    """How ``compactionrl bootstrap`` makes the base policy (the recipe is
+    reported with every result)."""
+
+    source: str = "runs/tiny-model"
+    """The model fine-tuned (the tiny model is built there if missing and
+    this is the default); the base policy goes to run.model or ``--out``."""
+    demonstrations: int = 1500
+    """Demonstration episodes played by the scripted player."""
+    drop_fact_probability: float = 0.5
+    """The imperfection: each summary leaves out each fact in the window
+    independently with this probability (0 = perfect summaries)."""
+    epochs: int = 2
+    """Passes over the demonstrations."""
+    lr: float = 1e-3
+    """AdamW learning rate (supervised; RL uses learner.lr)."""
+    batch_sequences: int = 16
+    """Sequences (a summary segment with the execution segment it extends,
+    or a final execution segment) per optimiser step."""
+    seed: int = 0
+    """Seeds the demonstrations, the recipe's coin flips and the data order."""
+
+    def validate(self, section: str = "bootstrap") -> list[str]:
+        problems = []
+        if not 0.0 <= self.drop_fact_probability <= 1.0:
+            problems.append(f"{section}.drop_fact_probability must be in [0, 1]")
+        for name in ("demonstrations", "epochs", "batch_sequences"):
+            if getattr(self, name) < 1:
+                problems.append(f"{section}.{name} must be >= 1")
+        if self.lr <= 0:
+            problems.append(f"{section}.lr must be > 0")
+        return problems
 
 
 @dataclass
@@ -66,10 +102,12 @@ class RunConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    bootstrap: BootstrapSection = field(default_factory=BootstrapSection)
 
     def validate(self) -> list[str]:
         problems = (self.actors.validate("actors") + self.replay.validate("replay")
-                    + self.learner.validate("learner") + self.transport.validate("transport"))
+                    + self.learner.validate("learner") + self.transport.validate("transport")
+                    + self.bootstrap.validate("bootstrap"))
         # Pacing deadlocks if the buffer cannot hold the rollouts the learner
         # waits for: (S + 1) * B of the largest possible size.
         largest = max_rollout_bytes(self.actors)
@@ -89,6 +127,9 @@ class RunConfig:
                 f"learner.publish_every = {self.learner.publish_every} exceeds "
                 f"replay.max_staleness + 1 = {self.replay.max_staleness + 1}: actors would "
                 "generate stale tokens before each publication; lower it or raise the bound")
+        if self.learner.advantage == "grpo" and self.actors.group_size < 2:
+            problems.append("learner.advantage = \"grpo\" needs groups of episodes on the same "
+                            "task: set actors.group_size >= 2 (every advantage would be 0)")
         if self.actors.metrics_port:
             actor_ports = range(self.actors.metrics_port,
                                 self.actors.metrics_port + self.actors.count)

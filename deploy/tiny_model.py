@@ -39,12 +39,14 @@ CHAT_TEMPLATE = (
 class TinyModelConfig:
     """Shape of the tiny Qwen2 model."""
 
-    hidden_size: int = 64
-    """Width; with 2 heads the head size is 32, the smallest vLLM's CPU attention supports."""
-    intermediate_size: int = 192
-    num_layers: int = 4
-    num_heads: int = 2
-    num_kv_heads: int = 1
+    hidden_size: int = 128
+    """Width; with 4 heads the head size is 32, the smallest vLLM's CPU attention supports."""
+    intermediate_size: int = 384
+    num_layers: int = 2
+    """Two layers: learning speed on CPU decides what RL fits in minutes, and
+    a 2-layer model already copies facts from its context reliably."""
+    num_heads: int = 4
+    num_kv_heads: int = 2
     max_position_embeddings: int = 4096
     """Must be >= the engines' max_model_len."""
     init_std: float = 0.05
@@ -66,8 +68,11 @@ def build_tokenizer() -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # Each word at the start of a line and after a space, twice (min_frequency).
-    corpus = [f"{word}\n {word}" for word in WORDS for _ in range(2)]
+    # Each word (and punctuation mark and digit, which the environments'
+    # texts put between spaces) at the start of a line and after a space,
+    # twice (min_frequency).
+    pieces = WORDS + tuple(".,:") + tuple("0123456789")
+    corpus = [f"{piece}\n {piece}" for piece in pieces for _ in range(2)]
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
 

@@ -338,18 +338,19 @@ class _View:
 
 
 def prepare_model(config: RunConfig) -> None:
-    """The embedded default's tiny model is built on first use; any other
-    missing model folder is an error (actors and learner never download)."""
+    """The embedded default's base policy is bootstrapped on first use (a
+    few minutes); any other missing model folder is an error (actors and
+    learner never download)."""
     model = Path(config.run.model)
     if (model / "config.json").is_file():
         return
     if config.run.model != RunSection().model:
         raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "
                          "local HF-format model folder")
-    from deploy.tiny_model import build_tiny_model
+    from deploy.bootstrap import bootstrap
 
-    print(f"building the tiny model in {model} (first run)", flush=True)
-    build_tiny_model(model)
+    print(f"bootstrapping the base policy in {model} (first run)", flush=True)
+    bootstrap(model, config.actors, config.bootstrap)
 
 
 def status(run_dir: Path) -> int:

@@ -27,8 +27,9 @@ CODE_NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
                 "ten")
 
-SYSTEM = ("you are an agent . each reply is one action : next , or answer with every code . "
-          "keep the facts you find , you must answer exactly at the end .")
+# Short texts: they open every window, so their length is paid in every
+# segment the learner trains on.
+SYSTEM = "you are an agent . each reply is one action : next , or answer with every code ."
 
 
 class KeyVault:
@@ -65,11 +66,10 @@ class KeyVault:
         self._notes = dict(zip(rooms, facts, strict=True))
         self._room = 0
         instruction = (
-            f"there are {self.rooms} rooms . say next to enter the next room . some rooms hold "
-            f"a note with one digit of a code . there are {self.codes} codes of {self.digits} "
-            "digits : " + " , ".join(names) + " . after the last room say answer and each code "
-            "with its digits , like answer " + " ".join(f"{n} " + " ".join("0" * self.digits)
-                                                      for n in names) + " .")
+            f"{self.rooms} rooms . say next to enter a room . notes hold one digit of a code . "
+            f"codes : " + " , ".join(names) + f" , {self.digits} digits each . after the last "
+            "room say answer " + " ".join(f"{n} " + " ".join("0" * self.digits)
+                                          for n in names) + " .")
         return Task(task_id=f"keyvault-{seed}", system=SYSTEM, instruction=instruction)
 
     async def step(self, action: str) -> StepResult:

@@ -1,0 +1,253 @@
+"""``compactionrl bootstrap``: a supervised base policy for ``keyvault``.
+
+RL needs a starting policy that already plays the game and already compacts,
+but compacts badly — as a real base model does. This module makes one from
+the tiny model in a few minutes on CPU:
+
+1. **Demonstrations.** A scripted player (:class:`Demonstrator`) plays
+   keyvault through the real agent loop (:func:`actors.episode.run_episode`,
+   the same chat format, windows and compactions as the actors), so every
+   demonstration token is exactly what the policy will see and produce. It
+   reads only its own context: it says ``next`` until the rooms run out, then
+   answers with the digits it can see (a digit it cannot see is guessed).
+2. **The imperfection recipe** (:class:`deploy.config.BootstrapSection`, reported with
+   every result): each summary keeps every fact visible in the window *with
+   probability* ``1 - drop_fact_probability``, independently. A fine-tuned
+   model copies that habit, so facts that pass through more compactions are
+   more likely lost; RL must learn to keep them all. Actions are always right.
+3. **Fine-tuning**: cross-entropy on the sampled tokens (the loss mask of the
+   segments: actions, answers and summaries), AdamW with linear decay.
+
+The out folder is an HF model like any other, plus ``bootstrap.json`` with
+the recipe, the demonstrations' success rate and the loss curve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actors.chat import ChatFormat
+from actors.config import ActorConfig
+from actors.context import Generation, SegmentData
+from actors.envs.base import load_environment
+from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, KeyVault
+from actors.episode import EpisodeResult, run_episode
+from deploy.config import BootstrapSection
+
+#: A fact as keyvault's notes state it; summaries state kept facts the same way.
+FACT = re.compile(r"code (\w+) digit (\w+) is (\w+)")
+#: Seeds of demonstrations: a range of their own, below evaluation's 2^31.
+DEMONSTRATION_SEED_SALT = "bootstrap"
+
+
+def facts_in(text: str) -> dict[tuple[str, str], str]:
+    """Facts stated in ``text`` (later statements win), keyed by (code, position word)."""
+    return {(code, position): digit for code, position, digit in FACT.findall(text)}
+
+
+class Demonstrator:
+    """The scripted keyvault player; a :class:`actors.episode.Policy`.
+
+    It sees what the policy would see — the prompt tokens — and nothing of
+    the environment's state. Its generations carry log-probability 0 and
+    version 0 (they are demonstrations, not samples).
+    """
+
+    def __init__(self, chat: ChatFormat, codes: tuple[str, ...], digits: int,
+                 drop_fact_probability: float, rng: random.Random) -> None:
+        self.chat = chat
+        self.codes, self.digits = codes, digits
+        self.drop_fact_probability = drop_fact_probability
+        self.rng = rng
+        self._summary_suffix = chat.summary_request + chat.assistant_header
+
+    async def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None,
+                       temperature: float | None = None) -> Generation:
+        text = self.chat.decode(prompt)
+        if prompt[-len(self._summary_suffix):] == self._summary_suffix:
+            reply = self.summary(text)
+        elif "no more rooms" in text.rsplit("assistant", 2)[-2]:  # the last observation
+            reply = self.answer(text)
+        else:
+            reply = "next"
+        ids = self.chat.tokenizer.encode(reply, add_special_tokens=False)
+        ids = ids[: max(0, max_tokens - len(self.chat.assistant_end))] + self.chat.assistant_end
+        return Generation(ids, [0.0] * len(ids), [0] * len(ids))
+
+    def summary(self, text: str) -> str:
+        kept = [fact for fact in sorted(facts_in(text).items())
+                if self.rng.random() >= self.drop_fact_probability]
+        if not kept:
+            return "no facts kept ."
+        return " ".join(f"code {code} digit {position} is {digit} ."
+                        for (code, position), digit in kept)
+
+    def answer(self, text: str) -> str:
+        known = facts_in(text)
+        words = ["answer"]
+        for code in self.codes:
+            words.append(code)
+            for position in range(self.digits):
+                digit = known.get((code, NUMBER_WORDS[position + 1]))
+                words.append(digit if digit is not None
+                             else NUMBER_WORDS[self.rng.randrange(10)])
+        return " ".join(words)
+
+
+def demonstration_seed(run_seed: int, n: int) -> int:
+    """The n-th demonstration's episode seed, in [0, 2^31) like training's."""
+    digest = hashlib.blake2b(f"{DEMONSTRATION_SEED_SALT}/{run_seed}/{n}".encode(),
+                             digest_size=4).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapSection
+                      ) -> tuple[list[SegmentData], list[EpisodeResult]]:
+    """Play ``recipe.demonstrations`` episodes; their segments and results."""
+    options = actors.environment.options
+    probe = load_environment(actors.environment.factory, options)
+    if not isinstance(probe, KeyVault):
+        raise ValueError(f"bootstrap demonstrates keyvault only, not {actors.environment.factory}")
+    codes, digits = CODE_NAMES[: probe.codes], probe.digits
+    rng = random.Random(recipe.seed)
+    segments: list[SegmentData] = []
+    results: list[EpisodeResult] = []
+
+    async def keep(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+        segments.append(segment)
+        if result is not None:
+            results.append(result)
+
+    player = Demonstrator(chat, codes, digits, recipe.drop_fact_probability, rng)
+    for n in range(recipe.demonstrations):
+        environment = load_environment(actors.environment.factory, options)
+        await run_episode(player, environment, chat, actors,
+                          demonstration_seed(recipe.seed, n), keep)
+    return segments, results
+
+
+def training_sequences(segments: list[SegmentData]) -> list[tuple[list[int], list[int]]]:
+    """(tokens, loss mask) to fine-tune on. A summary segment's prompt is the
+    execution segment before it, so the pair is one sequence with both
+    segments' trained tokens: the same loss at ~60 % of the tokens."""
+    sequences: list[tuple[list[int], list[int]]] = []
+    for n, segment in enumerate(segments):
+        after = segments[n + 1] if n + 1 < len(segments) else None
+        if (after is not None and segment.segment_type == "execution"
+                and after.segment_type == "summary"
+                and after.tokens[:len(segment.tokens)] == segment.tokens):
+            continue  # trained as the prefix of the summary segment
+        before = segments[n - 1] if n else None
+        if (segment.segment_type == "summary" and before is not None
+                and segment.tokens[:len(before.tokens)] == before.tokens):
+            mask = before.loss_mask + segment.loss_mask[len(before.tokens):]
+            sequences.append((segment.tokens, mask))
+        else:
+            sequences.append((segment.tokens, segment.loss_mask))
+    return sequences
+
+
+def fine_tune(model_dir: Path, segments: list[SegmentData], recipe: BootstrapSection,
+              log: Any = print) -> list[float]:
+    """Supervised fine-tuning on the loss-masked tokens; returns the mean
+    loss of each logged interval. The model in ``model_dir`` is rewritten."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(recipe.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    optimiser = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    sequences = training_sequences(segments)
+    total = recipe.epochs * -(-len(sequences) // recipe.batch_sequences)
+    # Linear decay to 0: the last steps settle the copying the summaries need.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: 1 - step / total)
+    order = random.Random(recipe.seed)
+    pad = model.config.pad_token_id or 0
+    curve: list[float] = []
+    window: list[float] = []
+    steps = 0
+    for _ in range(recipe.epochs):
+        indices = list(range(len(sequences)))
+        order.shuffle(indices)
+        for start in range(0, len(indices), recipe.batch_sequences):
+            batch = [sequences[i] for i in indices[start:start + recipe.batch_sequences]]
+            width = max(len(ids) for ids, _ in batch)
+            tokens = torch.full((len(batch), width), pad, dtype=torch.long)
+            labels = torch.full((len(batch), width), -100, dtype=torch.long)
+            for row, (ids, loss_mask) in enumerate(batch):
+                n = len(ids)
+                tokens[row, :n] = torch.tensor(ids)
+                mask = torch.tensor(loss_mask, dtype=torch.bool)
+                labels[row, :n] = torch.where(mask, tokens[row, :n], -100)
+            # Right padding under a causal mask: no real token sees a pad, so
+            # no attention mask is needed (and SDPA keeps its fast causal path).
+            loss = model(input_ids=tokens, labels=labels).loss
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            schedule.step()
+            steps += 1
+            window.append(loss.item())
+            if steps % 20 == 0 or steps == total:
+                curve.append(sum(window) / len(window))
+                log(f"  step {steps}/{total}: loss {curve[-1]:.4f}")
+                window = []
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return curve
+
+
+def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
+              log: Any = print) -> dict[str, Any]:
+    """Make the base policy in ``out`` from ``recipe.source``; returns (and
+    writes to ``bootstrap.json``) what was done."""
+    from transformers import AutoTokenizer
+
+    source_model = Path(recipe.source)
+    if not (source_model / "config.json").is_file():
+        if recipe.source != BootstrapSection().source:
+            raise SystemExit(f"bootstrap.source = {recipe.source!r} has no config.json")
+        from deploy.tiny_model import build_tiny_model
+
+        log(f"building the tiny model in {source_model}")
+        build_tiny_model(source_model)
+    began = time.perf_counter()
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(source_model, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
+    log(f"playing {recipe.demonstrations} demonstration episodes "
+        f"(drop_fact_probability {recipe.drop_fact_probability})")
+    segments, results = asyncio.run(demonstrate(chat, actors, recipe))
+    demonstrated = time.perf_counter()
+    success = sum(r.stats.success for r in results) / len(results)
+    compactions = sum(r.stats.compactions for r in results) / len(results)
+    log(f"  {len(segments)} segments, success {success:.3f}, "
+        f"{compactions:.2f} compactions per episode")
+    curve = fine_tune(out, segments, recipe, log)
+    report = {
+        "source_model": str(source_model),
+        "recipe": asdict(recipe),
+        "environment": {"factory": actors.environment.factory,
+                        "options": actors.environment.options},
+        "compaction": asdict(actors.compaction),
+        "demonstrations": {"episodes": len(results), "segments": len(segments),
+                           "trained_tokens": sum(s.num_trainable for s in segments),
+                           "success": success, "compactions_per_episode": compactions},
+        "loss_curve": curve,
+        "seconds": {"demonstrations": demonstrated - began,
+                    "fine_tune": time.perf_counter() - demonstrated},
+    }
+    (out / "bootstrap.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,85 @@
+"""The base policy's demonstrations: a scripted player that reads only its
+context, the imperfection recipe, and the sequences fine-tuning sees."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from actors.chat import ChatFormat
+from actors.process import EVALUATION_SEEDS_FROM
+from deploy.bootstrap import (Demonstrator, demonstrate, demonstration_seed, facts_in,
+                              training_sequences)
+from deploy.config import BootstrapSection, ConfigError, load_config
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def play(tokenizer, drop: float, episodes: int = 40):
+    actors = load_config(None, []).actors
+    chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
+    recipe = BootstrapSection(demonstrations=episodes, drop_fact_probability=drop, seed=1)
+    return asyncio.run(demonstrate(chat, actors, recipe))
+
+
+def test_perfect_summaries_solve_every_episode_through_two_compactions(tokenizer) -> None:
+    segments, results = play(tokenizer, drop=0.0)
+    assert all(r.stats.success for r in results)
+    assert all(r.stats.compactions == 2 for r in results)  # the local default's difficulty
+    assert {s.segment_type for s in segments} == {"execution", "summary"}
+
+
+def test_summaries_that_keep_nothing_leave_only_guesses(tokenizer) -> None:
+    segments, results = play(tokenizer, drop=1.0)
+    summaries = [tokenizer.decode(s.tokens[-s.num_trainable:]) for s in segments
+                 if s.segment_type == "summary"]
+    assert all("no facts kept" in text for text in summaries)
+    # Three digits guessed (1 in 1000) unless a note sits in the kept step.
+    assert sum(r.stats.success for r in results) <= 2
+
+
+def test_the_recipe_drops_facts_at_its_rate(tokenizer) -> None:
+    segments, results = play(tokenizer, drop=0.3, episodes=120)
+    success = sum(r.stats.success for r in results) / len(results)
+    assert 0.1 < success < 0.5  # well below the perfect player, well above guessing
+
+
+def test_the_player_answers_with_the_facts_in_view_and_guesses_the_rest(tokenizer) -> None:
+    actors = load_config(None, []).actors
+    chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
+    player = Demonstrator(chat, ("alpha",), 3, 0.0, random.Random(0))
+    text = ("summary : code alpha digit one is four . code alpha digit three is nine . "
+            "tool no more rooms . say answer now")
+    words = player.answer(text).split()
+    assert words[:3] == ["answer", "alpha", "four"] and words[4] == "nine"
+    assert facts_in(text) == {("alpha", "one"): "four", ("alpha", "three"): "nine"}
+
+
+def test_fine_tuning_trains_each_summary_with_the_window_it_summarises(tokenizer) -> None:
+    segments, _ = play(tokenizer, drop=0.3, episodes=5)
+    sequences = training_sequences(segments)
+    assert len(sequences) == 5 * 3  # per episode: 2 (window + summary) pairs, the last window
+    assert sum(sum(mask) for _, mask in sequences) == sum(s.num_trainable for s in segments)
+    for tokens, mask in sequences:
+        assert len(tokens) == len(mask)
+
+
+def test_demonstration_seeds_never_reach_the_evaluation_range() -> None:
+    seeds = {demonstration_seed(run_seed, n) for run_seed in range(3) for n in range(2000)}
+    assert max(seeds) < EVALUATION_SEEDS_FROM
+    assert len(seeds) == 6000
+
+
+def test_an_incoherent_recipe_is_refused() -> None:
+    with pytest.raises(ConfigError, match="drop_fact_probability"):
+        load_config(None, ["--bootstrap.drop_fact_probability", "1.5"])
+    with pytest.raises(ConfigError, match="group_size"):
+        load_config(None, ["--learner.advantage", "grpo"])

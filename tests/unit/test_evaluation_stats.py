@@ -1,0 +1,37 @@
+"""What ``compactionrl eval`` reports, from episode results."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.config import ActorConfig
+from actors.episode import EpisodeResult
+from deploy.evaluate import summarise, wilson_interval
+from protocol import RolloutStats
+
+
+def result(success: bool, compactions: int, summary_tokens: int) -> EpisodeResult:
+    stats = RolloutStats(outcome="done", success=success, steps=12, compactions=compactions,
+                         generated_tokens=40, summary_tokens=summary_tokens, duration_s=1.0)
+    return EpisodeResult(task_id="t", reward=float(success), stats=stats, summary_seconds=0.1,
+                         observations_cut=0)
+
+
+def test_wilson_interval_matches_known_values_and_stays_inside_0_1() -> None:
+    low, high = wilson_interval(50, 100)
+    assert low == pytest.approx(0.4038, abs=1e-4) and high == pytest.approx(0.5962, abs=1e-4)
+    assert wilson_interval(0, 20)[0] == 0.0 and 0 < wilson_interval(0, 20)[1] < 0.2
+    assert wilson_interval(20, 20)[1] == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_report_splits_success_by_number_of_compactions() -> None:
+    results = [result(True, 2, 20), result(False, 2, 10), result(True, 1, 6),
+               result(False, 0, 0)]
+    report = summarise("m", ActorConfig(), results, seconds=3.0)
+    assert report.success == 0.5 and report.mean_reward == 0.5
+    assert report.compactions_per_episode == pytest.approx(5 / 4)
+    assert report.summary_tokens_per_compaction == pytest.approx(36 / 5)
+    assert report.success_by_compactions == {0: {"episodes": 1, "success": 0.0},
+                                             1: {"episodes": 1, "success": 1.0},
+                                             2: {"episodes": 2, "success": 0.5}}
