@@ -103,3 +103,11 @@ class Background:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (Linux), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
