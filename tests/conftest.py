@@ -1,4 +1,5 @@
-"""Shared fixtures: built models and anything expensive live for the session."""
+"""Shared fixtures: built models and anything expensive live for the session;
+CURVE keys are made per test."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from protocol.transport import CurveConfig, generate_keys
 
 T = TypeVar("T")
 
@@ -73,3 +76,19 @@ def actor_engine(tiny_model_dir: Path, engine_loop: LoopThread):
     engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine, config.sampling))
     yield engine
     engine_loop.run(engine.shutdown())
+
+
+@pytest.fixture
+def curve(tmp_path: Path) -> tuple[CurveConfig, Path]:
+    """Server and one authorized client key pair, plus an intruder's pair that
+    is not in the authorized folder."""
+    generate_keys(tmp_path, ["server", "client-0"])
+    intruder = tmp_path / "intruder"
+    generate_keys(intruder, ["client-x"])
+    return CurveConfig(
+        enabled=True,
+        server_secret_key=str(tmp_path / "server.key_secret"),
+        server_public_key=str(tmp_path / "server.key"),
+        client_secret_key=str(tmp_path / "client-0.key_secret"),
+        authorized_keys_dir=str(tmp_path / "authorized"),
+    ), intruder / "client-x.key_secret"

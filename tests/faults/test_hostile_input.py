@@ -24,7 +24,6 @@ import zmq
 
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
-from ops.summary import scrape
 from protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -46,8 +45,8 @@ from protocol import (
 )
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
-from tests.ports import free_ports, loopback_addresses
-from tests.processes import Background, rss_bytes
+from tests.ports import loopback_addresses
+from tests.processes import ReplayProcess, rss_bytes
 from tests.protocol_clients import ActorClient, ControlClient, LearnerClient
 
 VOCAB = 100
@@ -146,57 +145,13 @@ def replay_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
 # --------------------------------------------------------------------------- the replay
 
 
-class ReplayProcess:
-    """`compactionrl replay` in its own process group, with its metrics port."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.actor_address, self.learner_address = loopback_addresses(2)
-        [self.metrics_port] = free_ports(1)
-        self.background = Background([
-            "replay", "--replay.actor_address", self.actor_address,
-            "--replay.learner_address", self.learner_address,
-            "--replay.metrics_port", str(self.metrics_port),
-            "--replay.log_path", str(tmp_path / "replay" / "segments.log"),
-            "--replay.vocab_size", str(VOCAB), "--replay.rollouts_per_batch", "2",
-            "--replay.max_staleness", "4", "--run.model", str(tmp_path / "no-model"),
-            "--transport.max_message_bytes", str(MAX_MESSAGE_BYTES)], tmp_path / "replay.log")
-        end = time.monotonic() + 60
-        while self.samples() is None:  # sockets are bound before metrics are served
-            assert self.background.process.poll() is None, self.background.log()[-4000:]
-            assert time.monotonic() < end, "the replay did not start within 60 s"
-            time.sleep(0.2)
-
-    def samples(self) -> dict | None:
-        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
-
-    def metric(self, name: str, **labels: str) -> float:
-        return sum(value for found, value in (self.samples() or {}).get(name, [])
-                   if all(found.get(k) == v for k, v in labels.items()))
-
-    def rejected(self) -> Counter[str]:
-        return Counter({found["reason"]: int(value) for found, value in
-                        (self.samples() or {}).get("crl_replay_rejected_messages_total", [])})
-
-    def wait_learner_version(self, version: int) -> None:
-        """Until the replay knows the learner's version (it bounds the version window)."""
-        end = time.monotonic() + 30
-        while self.metric("crl_replay_learner_version") != version:
-            assert time.monotonic() < end, "the learner's request did not arrive"
-            time.sleep(0.1)
-
-    def wait_rejected(self, total: int, timeout_s: float = 30) -> Counter[str]:
-        end = time.monotonic() + timeout_s
-        while sum((counts := self.rejected()).values()) < total:
-            assert time.monotonic() < end, f"only {counts} rejections counted, {total} expected"
-            time.sleep(0.2)
-        return counts
-
-
 @pytest.fixture
 def replay(tmp_path: Path) -> Iterator[ReplayProcess]:
-    process = ReplayProcess(tmp_path)
+    process = ReplayProcess(tmp_path, "--replay.vocab_size", str(VOCAB),
+                            "--replay.rollouts_per_batch", "2", "--replay.max_staleness", "4",
+                            "--transport.max_message_bytes", str(MAX_MESSAGE_BYTES))
     yield process
-    process.background.stop()
+    process.stop()
 
 
 @pytest.fixture
@@ -248,7 +203,7 @@ def test_a_flood_of_bad_frames_leaves_good_clients_served_and_batches_clean(
     actor.hello()
     hostile = _hostile(context, replay.actor_address)
     bad = [frames for _, frames, _ in replay_catalogue(Stamp("hostile", 1))]
-    rss_before = rss_bytes(replay.background.process.pid)
+    rss_before = rss_bytes(replay.pid)
     ack_seconds = []
     began = time.monotonic()
     for n in range(FLOOD):
@@ -260,7 +215,7 @@ def test_a_flood_of_bad_frames_leaves_good_clients_served_and_batches_clean(
             ack_seconds.append(time.monotonic() - pushed)
     counts = replay.wait_rejected(FLOOD)
     flood_s = time.monotonic() - began
-    rss_after = rss_bytes(replay.background.process.pid)
+    rss_after = rss_bytes(replay.pid)
     assert sum(counts.values()) == FLOOD and not actor.errors
 
     served: dict[tuple[str, int], Segment] = {}
@@ -335,7 +290,7 @@ class _RawZmtp:
 def test_oversized_frames_cost_the_sender_its_connection(replay: ReplayProcess,
                                                          context: zmq.Context) -> None:
     before = replay.rejected()
-    rss_before = rss_bytes(replay.background.process.pid)
+    rss_before = rss_bytes(replay.pid)
     raw = _RawZmtp(replay.actor_address)
     try:
         raw.send_frame(b"hello")  # the application hears this peer ...
@@ -354,7 +309,7 @@ def test_oversized_frames_cost_the_sender_its_connection(replay: ReplayProcess,
     assert actor.pump_until(lambda: not actor.unacked) and not actor.errors
     # the transport drops such frames before the application sees them: nothing to count
     assert replay.rejected() == before
-    assert rss_bytes(replay.background.process.pid) - rss_before < 16 * 2**20
+    assert rss_bytes(replay.pid) - rss_before < 16 * 2**20
 
 
 # --------------------------------------------------------------------------- the learner
