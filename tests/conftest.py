@@ -16,6 +16,18 @@ from protocol.transport import CurveConfig, generate_keys
 T = TypeVar("T")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak-seconds", type=float, default=0.0,
+                     help="run the fault suite's soak cases for this long (default: the "
+                          "fast variants, tens of seconds)")
+
+
+@pytest.fixture
+def soak_seconds(request: pytest.FixtureRequest) -> float:
+    """``--soak-seconds`` (0 unless asked for)."""
+    return request.config.getoption("--soak-seconds")
+
+
 class LoopThread:
     """An asyncio loop in a thread, so that one async engine can serve many
     tests (an ``AsyncLLM`` is bound to the loop it first ran on)."""
