@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from actors.config import ActorConfig
 from learner.config import LearnerConfig
-from protocol.transport import TransportConfig
+from protocol.transport import TransportConfig, is_loopback
 from replay.config import ReplayConfig
 
 DEFAULT_CONFIG = "local-cpu.toml"
@@ -143,6 +143,17 @@ class RunConfig:
         if len(set(addresses)) != len(addresses):
             problems.append("replay.actor_address, replay.learner_address and "
                             "learner.control_address must all differ")
+        # Without CURVE, anyone who reaches a service port joins the run.
+        exposed = [f"{name} = {address!r}" for name, address in zip(
+            ("replay.actor_address", "replay.learner_address", "learner.control_address"),
+            addresses, strict=True) if not is_loopback(address)]
+        if exposed and not (self.transport.curve.enabled
+                            or self.transport.allow_insecure_network):
+            problems.append(
+                f"{', '.join(exposed)}: beyond loopback with transport.curve.enabled = false, "
+                "anyone who reaches the port can register, push segments and take batches; "
+                "enable CURVE (`compactionrl keys init DIR`) or, on a network you trust, set "
+                "transport.allow_insecure_network = true")
         return problems
 
 

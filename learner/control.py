@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -85,6 +86,8 @@ class ControlPlane:
         self.version = 0
         """The learner's policy version, set by the training thread."""
         self._members: dict[str, Member] = {}
+        self._announced = 0
+        """The newest version announced: no actor can have loaded a newer one."""
         self._lock = threading.Lock()
         self._stamp = Stamp("learner", time.time_ns())
         self._context = zmq.Context()
@@ -129,6 +132,7 @@ class ControlPlane:
                  group_for_rank: Callable[[int], GroupInfo]) -> None:
         """Send ``WeightsAnnounce`` to each member (rank i+1 of the group)."""
         with self._lock:
+            self._announced = max(self._announced, version)
             for member in members:
                 member.fresh = False
         for rank, member in enumerate(members, start=1):
@@ -167,10 +171,13 @@ class ControlPlane:
 
     def _receive(self) -> None:
         try:
-            identity, frame = self._socket.recv_multipart(zmq.NOBLOCK)
-        except (zmq.Again, ValueError):
-            self.metrics.rejected_frames.labels("malformed").inc()
+            identity, *parts = self._socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
             return
+        if len(parts) != 1:
+            self._reject(identity, "malformed", "a message is exactly one frame", None)
+            return
+        frame = parts[0]
         try:
             message = decode(frame, self.transport.max_message_bytes)
         except ProtocolError as exc:
@@ -183,6 +190,7 @@ class ControlPlane:
         self._handle(identity, message)
 
     def _handle(self, identity: bytes, message: Message) -> None:
+        problem = ""
         with self._lock:
             member = self._members.get(message.sender_id)
             if isinstance(message, Hello):
@@ -196,8 +204,10 @@ class ControlPlane:
             elif member is None or member.incarnation != message.incarnation:
                 member = None
             elif isinstance(message, WeightsLoaded):
-                member.version = max(member.version, message.version)
-                self.metrics.weight_sync_seconds.labels("load").observe(message.seconds)
+                problem = self._implausible(message)
+                if not problem:
+                    member.version = max(member.version, message.version)
+                    self.metrics.weight_sync_seconds.labels("load").observe(message.seconds)
         if isinstance(message, Hello):
             self._liveness.seen(identity)
             self._send(identity, Welcome(
@@ -208,11 +218,23 @@ class ControlPlane:
         elif member is None:
             # unknown, or a replaced incarnation: it must say Hello (again)
             self._reject(identity, "unregistered", "send Hello first", message.seq)
+        elif problem:
+            self._reject(identity, "invalid", problem, message.seq)
         elif isinstance(message, (Heartbeat, WeightsLoaded)):
             self._liveness.seen(identity)
         else:
             self._reject(identity, "unexpected",
                          f"{type(message).__name__} is not for the learner", message.seq)
+
+    def _implausible(self, loaded: WeightsLoaded) -> str:
+        """Why a load report cannot be true ('' if it can): a version never
+        announced would hold the member back from publications, a non-finite
+        time would poison the load-time histogram for the rest of the run."""
+        if not 0 <= loaded.version <= self._announced:
+            return f"version {loaded.version} was never announced (newest {self._announced})"
+        if not (math.isfinite(loaded.seconds) and loaded.seconds >= 0):
+            return f"load time {loaded.seconds} is not a finite duration"
+        return ""
 
     def _drop(self, identity: bytes, why: str) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,10 @@ class TransportConfig:
     metrics_address: str = "127.0.0.1"
     """Interface every process serves ``/metrics`` on (0.0.0.0 for a remote Prometheus)."""
     curve: CurveConfig = field(default_factory=CurveConfig)
+    allow_insecure_network: bool = False
+    """Allow service addresses beyond loopback with CURVE off. Whoever reaches
+    such a port can register as an actor, push segments that get trained on
+    and take batches (docs/reliability.md): only for a network you trust."""
 
     def validate(self, section: str) -> list[str]:
         problems = []
@@ -97,6 +102,21 @@ class TransportConfig:
         if self.heartbeat_liveness < 1:
             problems.append(f"{section}.heartbeat_liveness must be >= 1")
         return problems + self.curve.validate(section)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (``tcp://HOST:PORT``, ``ipc://...`` or ``inproc://...``)
+    can be reached only from this machine."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or an interface name ("*", "eth0"): not loopback
+        return False
 
 
 def _common_options(socket: zmq.Socket, config: TransportConfig) -> None:

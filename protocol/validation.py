@@ -34,8 +34,10 @@ def check_segment_content(
         raise ProtocolError(Reason.INVALID, "loss_mask holds values other than 0 and 1")
     logprobs = segment.logprobs.numpy()
     # One reduction: NaN and +-inf propagate into the sum (absurd magnitudes
-    # that overflow it are rejected too, rightly).
-    if not math.isfinite(float(logprobs.sum())) or logprobs.max() > 0:
+    # that overflow it are rejected too, rightly, without a warning in the log).
+    with np.errstate(over="ignore"):
+        total = float(logprobs.sum())
+    if not math.isfinite(total) or logprobs.max() > 0:
         raise ProtocolError(Reason.INVALID, "log-probabilities must be finite and <= 0")
     versions = np.compress(mask.view(np.bool_), segment.versions.numpy())
     if versions.size == 0:

@@ -192,13 +192,14 @@ class ReplayService:
         now = time.monotonic()
         for _ in range(INGEST_BATCH):
             try:
-                identity, frame = self.actor_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                first, *parts = self.actor_socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            except ValueError:  # not exactly [identity, frame]
-                self.metrics.rejected.labels(Reason.MALFORMED.value).inc()
+            identity = first.bytes
+            if len(parts) != 1:  # the client sent a multi-part message
+                self._reject_multipart(self.actor_socket, identity)
                 continue
-            identity = identity.bytes
+            frame = parts[0]
             data = frame.buffer  # zero-copy: the stored segment keeps the frame alive
             message = self._decode_from(identity, data)
             if message is not None:
@@ -314,8 +315,10 @@ class ReplayService:
         expired = self.buffer.expired(time.monotonic(), {(actor_id, incarnation)})
         for entry in expired:
             self._drop(entry.rollout_id, "expired")
-        # the rollouts it had started but sent nothing of are lost too
-        self.metrics.dropped.labels("expired").inc(max(0, active_rollouts - len(expired)))
+        # the rollouts it had started but sent nothing of are lost too; a
+        # heartbeat's claim counts only up to the credits it still held
+        unseen = min(active_rollouts - len(expired), self.pacer.outstanding.get(actor_id, 0))
+        self.metrics.dropped.labels("expired").inc(max(0, unseen))
         self.pacer.forget(actor_id)
         self.liveness.forget(identity)
 
@@ -324,12 +327,13 @@ class ReplayService:
     def _serve_learner(self) -> None:
         while True:
             try:
-                identity, frame = self.learner_socket.recv_multipart(zmq.NOBLOCK)
+                identity, *parts = self.learner_socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            except ValueError:
-                self.metrics.rejected.labels(Reason.MALFORMED.value).inc()
+            if len(parts) != 1:
+                self._reject_multipart(self.learner_socket, identity)
                 continue
+            frame = parts[0]
             try:
                 message = decode(frame, self.transport.max_message_bytes)
             except ProtocolError as exc:
@@ -405,6 +409,10 @@ class ReplayService:
         self.metrics.rejected.labels(code).inc()
         self._send(socket, identity, Error(**self._stamp.next(), code=code, text=text[:500],
                                            ref_seq=ref_seq))
+
+    def _reject_multipart(self, socket: zmq.Socket, identity: bytes) -> None:
+        self._reject(socket, identity, Reason.MALFORMED.value,
+                     "a message is exactly one frame", None)
 
     def _send(self, socket: zmq.Socket, identity: bytes, message: Message) -> None:
         try:

@@ -1,4 +1,5 @@
-"""Shared fixtures: built models and anything expensive live for the session."""
+"""Shared fixtures: built models and anything expensive live for the session;
+CURVE keys are made per test."""
 
 from __future__ import annotations
 
@@ -10,7 +11,21 @@ from typing import Any, TypeVar
 
 import pytest
 
+from protocol.transport import CurveConfig, generate_keys
+
 T = TypeVar("T")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak-seconds", type=float, default=0.0,
+                     help="run the fault suite's soak cases for this long (default: the "
+                          "fast variants, tens of seconds)")
+
+
+@pytest.fixture
+def soak_seconds(request: pytest.FixtureRequest) -> float:
+    """``--soak-seconds`` (0 unless asked for)."""
+    return request.config.getoption("--soak-seconds")
 
 
 class LoopThread:
@@ -73,3 +88,19 @@ def actor_engine(tiny_model_dir: Path, engine_loop: LoopThread):
     engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine, config.sampling))
     yield engine
     engine_loop.run(engine.shutdown())
+
+
+@pytest.fixture
+def curve(tmp_path: Path) -> tuple[CurveConfig, Path]:
+    """Server and one authorized client key pair, plus an intruder's pair that
+    is not in the authorized folder."""
+    generate_keys(tmp_path, ["server", "client-0"])
+    intruder = tmp_path / "intruder"
+    generate_keys(intruder, ["client-x"])
+    return CurveConfig(
+        enabled=True,
+        server_secret_key=str(tmp_path / "server.key_secret"),
+        server_public_key=str(tmp_path / "server.key"),
+        client_secret_key=str(tmp_path / "client-0.key_secret"),
+        authorized_keys_dir=str(tmp_path / "authorized"),
+    ), intruder / "client-x.key_secret"

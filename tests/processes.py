@@ -7,7 +7,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+
+from ops.summary import scrape
+from tests.ports import free_ports, loopback_addresses
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -103,3 +107,67 @@ class Background:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (Linux), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+class ReplayProcess:
+    """`compactionrl replay` on free loopback ports, in its own process group
+    (killed by ``stop()``), its metrics read from its own port.
+
+    Usage::
+
+        replay = ReplayProcess(tmp_path, "--replay.vocab_size", "100")
+        replay.metric("crl_replay_segments_total", result="accepted")
+        replay.stop()
+    """
+
+    def __init__(self, folder: Path, *overrides: str) -> None:
+        self.actor_address, self.learner_address = loopback_addresses(2)
+        [self.metrics_port] = free_ports(1)
+        self.background = Background([
+            "replay", "--replay.actor_address", self.actor_address,
+            "--replay.learner_address", self.learner_address,
+            "--replay.metrics_port", str(self.metrics_port),
+            "--replay.log_path", str(folder / "replay" / "segments.log"),
+            "--run.model", str(folder / "no-model"), *overrides], folder / "replay.log")
+        self.pid = self.background.process.pid
+        end = time.monotonic() + 60
+        while self.samples() is None:  # sockets are bound before metrics are served
+            assert self.background.process.poll() is None, self.background.log()[-4000:]
+            assert time.monotonic() < end, "the replay did not start within 60 s"
+            time.sleep(0.2)
+
+    def samples(self) -> dict | None:
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
+
+    def metric(self, name: str, **labels: str) -> float:
+        return sum(value for found, value in (self.samples() or {}).get(name, [])
+                   if all(found.get(k) == v for k, v in labels.items()))
+
+    def rejected(self) -> Counter[str]:
+        return Counter({found["reason"]: int(value) for found, value in
+                        (self.samples() or {}).get("crl_replay_rejected_messages_total", [])})
+
+    def wait_learner_version(self, version: int) -> None:
+        """Until the replay knows the learner's version (it bounds the version window)."""
+        end = time.monotonic() + 30
+        while self.metric("crl_replay_learner_version") != version:
+            assert time.monotonic() < end, "the learner's request did not arrive"
+            time.sleep(0.1)
+
+    def wait_rejected(self, total: int, timeout_s: float = 30) -> Counter[str]:
+        end = time.monotonic() + timeout_s
+        while sum((counts := self.rejected()).values()) < total:
+            assert time.monotonic() < end, f"only {counts} rejections counted, {total} expected"
+            time.sleep(0.2)
+        return counts
+
+    def stop(self) -> None:
+        self.background.stop()

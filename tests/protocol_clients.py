@@ -1,5 +1,6 @@
-"""Scripted protocol clients for testing the replay: an actor and a learner
-on real DEALER sockets, speaking only through the wire protocol."""
+"""Scripted protocol clients on real DEALER sockets, speaking only through
+the wire protocol: an actor and a learner of the replay, and an actor of the
+learner's control socket."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ class ActorClient:
     """Sends segments, keeps them until acknowledged, resends on request."""
 
     def __init__(self, context: zmq.Context, address: str, actor_id: str = "actor-x",
-                 incarnation: int = 1, capacity: int = 4) -> None:
-        self.socket = connect_dealer(context, address, TransportConfig(), actor_id.encode())
+                 incarnation: int = 1, capacity: int = 4,
+                 transport: TransportConfig | None = None) -> None:
+        self.socket = connect_dealer(context, address, transport or TransportConfig(),
+                                     actor_id.encode())
         self.stamp = Stamp(actor_id, incarnation)
         self.capacity = capacity
         self.credits = 0
@@ -103,8 +106,9 @@ class ActorClient:
 
 
 class LearnerClient:
-    def __init__(self, context: zmq.Context, address: str) -> None:
-        self.socket = connect_dealer(context, address, TransportConfig(), b"learner")
+    def __init__(self, context: zmq.Context, address: str,
+                 transport: TransportConfig | None = None) -> None:
+        self.socket = connect_dealer(context, address, transport or TransportConfig(), b"learner")
         self.stamp = Stamp("learner", 1)
 
     def request(self, size: int, version: int) -> None:
@@ -120,3 +124,20 @@ class LearnerClient:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+class ControlClient:
+    """An actor of the learner's control socket: sends typed messages, reads replies."""
+
+    def __init__(self, context: zmq.Context, address: str, actor_id: str,
+                 transport: TransportConfig | None = None) -> None:
+        self.socket = connect_dealer(context, address, transport or TransportConfig(),
+                                     actor_id.encode())
+        self.stamp = Stamp(actor_id, time.time_ns())
+
+    def send(self, message_type: type, **fields: object) -> None:
+        self.socket.send(encode(message_type(**self.stamp.next(), **fields)))
+
+    def receive(self, timeout_ms: int = 5000) -> Message:
+        assert self.socket.poll(timeout_ms), "no reply from the control socket"
+        return decode(self.socket.recv(), 1 << 20)

@@ -53,6 +53,8 @@ def test_every_acknowledged_segment_survives_sigkill(tmp_path: Path) -> None:
     acked_before_kill: list[int] = []
     try:
         actor.hello()
+        # the first kill must find acknowledged segments: wait for the replay to be up
+        assert actor.pump_until(lambda: actor.credits > 0, timeout_s=STARTUP_S)
         in_flight_at_kill = []
         for n in range(ROLLOUTS):
             actor.push_rollout(segments=SEGMENTS)

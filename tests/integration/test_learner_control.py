@@ -25,11 +25,10 @@ from protocol import (
     WeightsAnnounce,
     WeightsLoaded,
     Welcome,
-    decode,
-    encode,
 )
-from protocol.transport import TransportConfig, connect_dealer
+from protocol.transport import TransportConfig
 from tests.ports import loopback_addresses
+from tests.protocol_clients import ControlClient
 
 ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
 MANIFEST = WeightManifest(tensors=[TensorSpec("w", "float32", (2, 2))], bucket_bytes=0)
@@ -46,19 +45,6 @@ def control() -> Iterator[tuple[ControlPlane, LearnerMetrics, str]]:
     plane.close()
 
 
-class _Actor:
-    def __init__(self, context: zmq.Context, address: str, actor_id: str) -> None:
-        self.socket = connect_dealer(context, address, TransportConfig(), actor_id.encode())
-        self.stamp = Stamp(actor_id, time.time_ns())
-
-    def send(self, message_type: type, **fields: object) -> None:
-        self.socket.send(encode(message_type(**self.stamp.next(), **fields)))
-
-    def receive(self, timeout_ms: int = 5000) -> object:
-        assert self.socket.poll(timeout_ms), "no reply from the control socket"
-        return decode(self.socket.recv(), 1 << 20)
-
-
 def _rejected(metrics: LearnerMetrics, reason: str) -> float:
     return metrics.registry.get_sample_value("crl_learner_rejected_frames_total",
                                              {"reason": reason}) or 0.0
@@ -68,7 +54,7 @@ def test_members_register_get_announcements_and_report_loads(control) -> None:
     plane, metrics, address = control
     context = zmq.Context()
     try:
-        actor = _Actor(context, address, "actor-1")
+        actor = ControlClient(context, address, "actor-1")
         plane.version = 5
         actor.send(Hello, engine=ENGINE, capacity=2, policy_version=0)
         welcome = actor.receive()
@@ -101,7 +87,7 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
     plane, metrics, address = control
     context = zmq.Context()
     try:
-        hostile = _Actor(context, address, "hostile")
+        hostile = ControlClient(context, address, "hostile")
         hostile.socket.send(b"\xff\x00 not msgpack")
         assert isinstance(hostile.receive(), Error)
         assert _rejected(metrics, "malformed") == 1
@@ -117,14 +103,14 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
         reply = hostile.receive()
         assert isinstance(reply, Error) and reply.code == "unregistered"
         # someone else's identity in the header
-        impostor = _Actor(context, address, "impostor")
+        impostor = ControlClient(context, address, "impostor")
         impostor.stamp = Stamp("actor-1", 1)
         impostor.send(Hello, engine=ENGINE, capacity=1)
         assert isinstance(impostor.receive(), Error)
         assert _rejected(metrics, "identity") == 1
         assert plane.members() == []
         # and a well-behaved actor is still served
-        actor = _Actor(context, address, "actor-1")
+        actor = ControlClient(context, address, "actor-1")
         actor.send(Hello, engine=ENGINE, capacity=1)
         assert isinstance(actor.receive(), Welcome)
     finally:

@@ -79,22 +79,6 @@ def test_frames_over_the_size_cap_never_arrive(context: zmq.Context) -> None:
     assert _receive(router, RECEIVE_TIMEOUT_MS) == [b"small", b"ok"]
 
 
-@pytest.fixture
-def curve(tmp_path: Path) -> tuple[CurveConfig, Path]:
-    """Server and one authorized client key pair, plus an intruder's pair that
-    is not in the authorized folder."""
-    generate_keys(tmp_path, ["server", "client-0"])
-    intruder = tmp_path / "intruder"
-    generate_keys(intruder, ["client-x"])
-    return CurveConfig(
-        enabled=True,
-        server_secret_key=str(tmp_path / "server.key_secret"),
-        server_public_key=str(tmp_path / "server.key"),
-        client_secret_key=str(tmp_path / "client-0.key_secret"),
-        authorized_keys_dir=str(tmp_path / "authorized"),
-    ), intruder / "client-x.key_secret"
-
-
 def test_curve_admits_only_authorized_keys(context: zmq.Context,
                                            curve: tuple[CurveConfig, Path]) -> None:
     curve_config, intruder_secret = curve

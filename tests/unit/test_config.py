@@ -71,6 +71,19 @@ def test_a_buffer_too_small_for_the_learners_batches_could_deadlock() -> None:
     assert "replay.max_buffer_bytes" in problem and "wait forever" in problem
 
 
+def test_services_beyond_loopback_need_curve_or_an_explicit_opt_in() -> None:
+    public = ["--replay.actor_address", "tcp://0.0.0.0:5555",
+              "--learner.control_address", "tcp://head-node:5557"]
+    [problem] = problems_of(public)
+    assert "replay.actor_address = 'tcp://0.0.0.0:5555'" in problem
+    assert "learner.control_address = 'tcp://head-node:5557'" in problem
+    assert "transport.allow_insecure_network = true" in problem
+    assert load_config(None, [*public, "--transport.allow_insecure_network", "true"])
+    for loopback in ("tcp://localhost:5555", "tcp://[::1]:5555", "tcp://127.0.0.2:5555",
+                     "ipc:///tmp/replay"):
+        assert load_config(None, ["--replay.actor_address", loopback])
+
+
 def test_literal_choices_are_listed() -> None:
     [problem] = problems_of(["--learner.is_mode", "clamp"])
     assert "'truncate', 'mask', 'off'" in problem

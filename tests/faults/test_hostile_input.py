@@ -1,0 +1,406 @@
+"""Hostile input (issue item 6): a client that speaks the wire protocol badly
+or dishonestly, against the real replay process (`compactionrl replay`) and
+the learner's control socket (the ControlPlane that learner rank 0 runs).
+
+Every kind of bad frame gets an ``Error`` reply naming the reason and a
+counter under that reason; a flood of them does not stop a well-behaved
+actor and learner from being served, and nothing of it reaches a batch.
+Frames the transport itself refuses (longer than ``max_message_bytes``, or a
+ZMTP length claim of 2^62 bytes) cost the sender its connection, before any
+memory is allocated for them."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from learner.control import ControlPlane
+from learner.metrics import LearnerMetrics
+from protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    BatchRequest,
+    EngineInfo,
+    Error,
+    GroupInfo,
+    Heartbeat,
+    Hello,
+    Segment,
+    Stamp,
+    TensorSpec,
+    WeightManifest,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Welcome,
+    decode,
+    encode,
+)
+from protocol.synthetic import synthetic_segment
+from protocol.transport import TransportConfig, connect_dealer
+from tests.ports import loopback_addresses
+from tests.processes import ReplayProcess, rss_bytes
+from tests.protocol_clients import ActorClient, ControlClient, LearnerClient
+
+VOCAB = 100
+TOKENS = 64
+#: The replay's frame limit here: small, so that an oversized frame is cheap to send.
+MAX_MESSAGE_BYTES = 1 << 20
+#: Frames in the flood.
+FLOOD = 10_000
+#: The learner version the good learner reports: trainable versions above it are out of window.
+LEARNER_VERSION = 1
+ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def _array(dtype: str, values: np.ndarray) -> list:
+    """An array as it is on the wire: [dtype, shape, little-endian bytes]."""
+    return [dtype, list(values.shape), values.astype(dtype).tobytes()]
+
+
+def _segment(stamp: Stamp, **changes: object) -> bytes:
+    """A valid segment of ``stamp``'s sender with fields replaced, encoded by hand
+    (so that it can hold what the typed encoder would refuse)."""
+    plain = msgspec.msgpack.decode(encode(synthetic_segment(stamp, "h", 0, True,
+                                                            version=LEARNER_VERSION)))
+    return msgspec.msgpack.encode({**plain, **changes})
+
+
+def _tokenwise(name: str, dtype: str, index: int, value: float) -> dict[str, list]:
+    """One per-token array of the synthetic segment with element ``index`` set
+    (odd indices are trainable, even ones are prompt)."""
+    mask = np.arange(TOKENS) % 2
+    base = {"tokens": np.arange(TOKENS) % VOCAB, "loss_mask": mask,
+            "logprobs": np.where(mask, -1.0, 0.0),
+            "versions": np.where(mask, LEARNER_VERSION, -1)}[name].astype(dtype)
+    base[index] = value
+    return {name: _array(dtype, base)}
+
+
+def _claim_gib_bin(frame: bytes) -> bytes:
+    """``frame`` with its first 256-byte bin (the token ids) claiming 1 GiB."""
+    marker = b"\xc5\x01\x00"  # bin16 of length 256
+    at = frame.index(marker)
+    return frame[:at] + b"\xc6\x40\x00\x00\x00" + frame[at + len(marker):]
+
+
+def replay_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
+    """(what, frames of one message, the reason the replay must give)."""
+    segment = _segment(stamp)
+    return [
+        ("not MessagePack", [b"\xff\x00 not msgpack"], "malformed"),
+        ("a truncated segment", [segment[: len(segment) // 2]], "malformed"),
+        ("a message in two frames", [segment, segment], "malformed"),
+        ("a bin claiming 1 GiB", [_claim_gib_bin(segment)], "malformed"),
+        ("a map claiming 4 billion fields", [b"\xdf\xff\xff\xff\xff\xa4kind"], "malformed"),
+        ("an array shape claiming 2^40 tokens",
+         [_segment(stamp, tokens=["int32", [2**40], b"\0" * 4 * TOKENS])], "array"),
+        ("a newer protocol version", [_segment(stamp, protocol_version=PROTOCOL_VERSION + 1)],
+         "protocol_version"),
+        ("protocol version 0", [_segment(stamp, protocol_version=0)], "protocol_version"),
+        ("an unknown kind", [_segment(stamp, kind="exploit")], "unknown_kind"),
+        ("a dtype outside the allowed set",
+         [_segment(stamp, tokens=["float16", [TOKENS], b"\0" * 2 * TOKENS])], "array"),
+        ("token ids as float32", [_segment(stamp, **_tokenwise("tokens", "float32", 0, 1.0))],
+         "array"),
+        ("per-token arrays of different lengths",
+         [_segment(stamp, logprobs=_array("float32", np.zeros(3)))], "length_mismatch"),
+        ("a NaN log-probability on a trainable token",
+         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, float("nan")))], "invalid"),
+        ("a NaN log-probability on a prompt token",
+         [_segment(stamp, **_tokenwise("logprobs", "float32", 0, float("nan")))], "invalid"),
+        ("an infinite log-probability",
+         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, float("-inf")))], "invalid"),
+        ("a positive log-probability",
+         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, 0.5))], "invalid"),
+        ("a NaN reward", [_segment(stamp, reward=float("nan"))], "invalid"),
+        ("a token id equal to the vocabulary size",
+         [_segment(stamp, **_tokenwise("tokens", "int32", 5, VOCAB))], "invalid"),
+        ("a negative token id", [_segment(stamp, **_tokenwise("tokens", "int32", 5, -1))],
+         "invalid"),
+        ("a loss mask of 2", [_segment(stamp, **_tokenwise("loss_mask", "uint8", 3, 2))],
+         "invalid"),
+        ("a trainable version newer than the learner",
+         [_segment(stamp, **_tokenwise("versions", "int32", 1, LEARNER_VERSION + 5))],
+         "invalid"),
+        ("a negative version on a trainable token",
+         [_segment(stamp, **_tokenwise("versions", "int32", 1, -1))], "invalid"),
+        ("a negative segment index", [_segment(stamp, index=-1)], "invalid"),
+        ("someone else's sender_id", [_segment(stamp, sender_id="actor-good")], "identity"),
+        ("a learner's request on the actor socket",
+         [encode(BatchRequest(**stamp.next(), size=1, policy_version=0))], "unexpected"),
+    ]
+
+
+# --------------------------------------------------------------------------- the replay
+
+
+@pytest.fixture
+def replay(tmp_path: Path) -> Iterator[ReplayProcess]:
+    process = ReplayProcess(tmp_path, "--replay.vocab_size", str(VOCAB),
+                            "--replay.rollouts_per_batch", "2", "--replay.max_staleness", "4",
+                            "--transport.max_message_bytes", str(MAX_MESSAGE_BYTES))
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _hostile(context: zmq.Context, address: str) -> zmq.Socket:
+    return connect_dealer(context, address, TransportConfig(), b"hostile")
+
+
+def _error(socket: zmq.Socket, timeout_ms: int = 10_000) -> Error:
+    """The next Error; Acks are passed over (any peer that is heard from is
+    granted a credit: restarted replays rely on it, see docs/reliability.md)."""
+    while True:
+        assert socket.poll(timeout_ms), "no reply"
+        reply = decode(socket.recv())
+        if not isinstance(reply, Ack):
+            assert isinstance(reply, Error), reply
+            return reply
+
+
+def test_each_kind_of_bad_frame_gets_an_error_and_a_counter(replay: ReplayProcess,
+                                                           context: zmq.Context) -> None:
+    learner = LearnerClient(context, replay.learner_address)
+    learner.request(2, version=LEARNER_VERSION)
+    replay.wait_learner_version(LEARNER_VERSION)
+    hostile = _hostile(context, replay.actor_address)
+    expected: Counter[str] = Counter()
+    for what, frames, reason in replay_catalogue(Stamp("hostile", 1)):
+        hostile.send_multipart(frames)
+        reply = _error(hostile)
+        assert reply.code == reason, f"{what}: {reply.code} {reply.text}"
+        expected[reason] += 1
+        assert replay.wait_rejected(sum(expected.values())) == expected, what
+    assert replay.metric("crl_replay_segments_total", result="accepted") == 0
+    assert replay.metric("crl_replay_buffer_bytes") == 0
+    assert learner.receive(0.5) is None
+
+
+def test_a_flood_of_bad_frames_leaves_good_clients_served_and_batches_clean(
+        replay: ReplayProcess, context: zmq.Context) -> None:
+    learner = LearnerClient(context, replay.learner_address)
+    learner.request(2, version=LEARNER_VERSION)
+    replay.wait_learner_version(LEARNER_VERSION)
+    actor = ActorClient(context, replay.actor_address, actor_id="actor-good")
+    actor.hello()
+    hostile = _hostile(context, replay.actor_address)
+    bad = [frames for _, frames, _ in replay_catalogue(Stamp("hostile", 1))]
+    rss_before = rss_bytes(replay.pid)
+    ack_seconds = []
+    began = time.monotonic()
+    for n in range(FLOOD):
+        hostile.send_multipart(bad[n % len(bad)])  # replies are never read: they pile up
+        if n % 1000 == 999:  # a good rollout in the middle of the flood
+            pushed = time.monotonic()
+            actor.push_rollout(segments=3, version=LEARNER_VERSION, tokens=TOKENS)
+            assert actor.pump_until(lambda: not actor.unacked, timeout_s=30)
+            ack_seconds.append(time.monotonic() - pushed)
+    counts = replay.wait_rejected(FLOOD)
+    flood_s = time.monotonic() - began
+    rss_after = rss_bytes(replay.pid)
+    assert sum(counts.values()) == FLOOD and not actor.errors
+
+    served: dict[tuple[str, int], Segment] = {}
+    for _ in range(len(ack_seconds) // 2):
+        batch = learner.receive(10.0)
+        assert batch is not None, f"{len(served)} segments served"
+        learner.request(2, version=LEARNER_VERSION)
+        served.update({(s.rollout_id, s.index): s for r in batch.rollouts for s in r.segments})
+    sent = {(s.rollout_id, s.index): s for s in actor.acked.values()}
+    assert served.keys() == sent.keys()
+    assert all(encode(served[k]) == encode(sent[k]) for k in sent)  # byte for byte
+    assert replay.metric("crl_replay_segments_total", result="accepted") == len(sent)
+    print(f"{FLOOD} bad frames in {flood_s:.1f} s, all rejected ({dict(counts)}); good "
+          f"rollouts acknowledged in at most {max(ack_seconds):.2f} s during the flood; "
+          f"replay RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
+    assert rss_after - rss_before < 64 * 2**20  # rejected frames are not kept
+
+
+class _RawZmtp:
+    """A DEALER spoken by hand (ZMTP 3.0, NULL mechanism), to send what no
+    ZeroMQ library would: a frame header claiming any length."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        self.socket = socket.create_connection((host, int(port)), timeout=10)
+        self.socket.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0])
+                            + b"NULL".ljust(20, b"\0") + b"\0" * 32)
+        assert self._read(64)[:1] == b"\xff", "not a ZMTP peer"
+        ready = b"\x05READY" + self._property(b"Socket-Type", b"DEALER") + \
+            self._property(b"Identity", b"raw")
+        self.socket.sendall(b"\x04" + bytes([len(ready)]) + ready)
+        assert b"READY" in self._command(), "no READY from the peer"
+
+    @staticmethod
+    def _property(name: bytes, value: bytes) -> bytes:
+        return bytes([len(name)]) + name + len(value).to_bytes(4, "big") + value
+
+    def _read(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.socket.recv(size - len(data))
+            assert chunk, "the peer closed the connection"
+            data += chunk
+        return data
+
+    def _command(self) -> bytes:
+        """One frame or command from the peer (short or long size)."""
+        flags = self._read(1)[0]
+        size = int.from_bytes(self._read(8 if flags & 0x02 else 1), "big")
+        return self._read(size)
+
+    def send_frame(self, data: bytes) -> None:
+        self.socket.sendall(b"\x02" + len(data).to_bytes(8, "big") + data)
+
+    def receive(self) -> bytes:
+        return self._command()
+
+    def claim(self, size: int) -> None:
+        """Announce a frame of ``size`` bytes and send only a few of them."""
+        self.socket.sendall(b"\x02" + size.to_bytes(8, "big") + b"x" * 64)
+
+    def closed_by_peer(self) -> bool:
+        try:
+            return self.socket.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def test_oversized_frames_cost_the_sender_its_connection(replay: ReplayProcess,
+                                                         context: zmq.Context) -> None:
+    before = replay.rejected()
+    rss_before = rss_bytes(replay.pid)
+    raw = _RawZmtp(replay.actor_address)
+    try:
+        raw.send_frame(b"hello")  # the application hears this peer ...
+        assert decode(raw.receive()).code == "malformed"
+        raw.claim(2**62)  # ... and the transport hangs up on this frame
+        assert raw.closed_by_peer()
+    finally:
+        raw.close()
+    before["malformed"] += 1
+    oversized = _hostile(context, replay.actor_address)
+    oversized.send(b"\0" * (MAX_MESSAGE_BYTES + 1))
+    assert not oversized.poll(1000)  # dropped by the transport: no reply
+    actor = ActorClient(context, replay.actor_address, actor_id="actor-good")
+    actor.hello()
+    actor.push_rollout(version=0)
+    assert actor.pump_until(lambda: not actor.unacked) and not actor.errors
+    # the transport drops such frames before the application sees them: nothing to count
+    assert replay.rejected() == before
+    assert rss_bytes(replay.pid) - rss_before < 16 * 2**20
+
+
+# --------------------------------------------------------------------------- the learner
+
+
+@pytest.fixture
+def control() -> Iterator[tuple[ControlPlane, LearnerMetrics, str]]:
+    [address] = loopback_addresses(1)
+    metrics = LearnerMetrics()
+    plane = ControlPlane(address, TransportConfig(max_message_bytes=MAX_MESSAGE_BYTES),
+                         run_id="r", max_staleness=2, late_joiner="immediate", metrics=metrics)
+    yield plane, metrics, address
+    plane.close()
+
+
+def control_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
+    """Bad frames for the control socket from an actor that registered as ``stamp``."""
+    plain = msgspec.msgpack.decode(encode(Heartbeat(**stamp.next(), active_rollouts=0,
+                                                    stall_seconds={})))
+    return [
+        ("not MessagePack", [b"\xff\x00 not msgpack"], "malformed"),
+        ("a message in two frames", [encode(Heartbeat(**stamp.next(), active_rollouts=0,
+                                                      stall_seconds={}))] * 2, "malformed"),
+        ("a map claiming 4 billion fields", [b"\xdf\xff\xff\xff\xff\xa4kind"], "malformed"),
+        ("a newer protocol version",
+         [msgspec.msgpack.encode({**plain, "protocol_version": PROTOCOL_VERSION + 1})],
+         "protocol_version"),
+        ("an unknown kind", [msgspec.msgpack.encode({**plain, "kind": "exploit"})],
+         "unknown_kind"),
+        ("someone else's sender_id", [msgspec.msgpack.encode({**plain, "sender_id": "a-1"})],
+         "identity"),
+        ("a segment with NaN log-probabilities",
+         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, float("nan")))], "unexpected"),
+        ("a load of a version never announced",
+         [encode(WeightsLoaded(**stamp.next(), version=10**9, seconds=1.0))], "invalid"),
+        ("a load of a negative version",
+         [encode(WeightsLoaded(**stamp.next(), version=-1, seconds=1.0))], "invalid"),
+        ("a NaN load time", [encode(WeightsLoaded(**stamp.next(), version=0,
+                                                  seconds=float("nan")))], "invalid"),
+        ("a heartbeat of another incarnation",
+         [encode(Heartbeat(**Stamp(stamp.sender_id, stamp.incarnation + 1).next(),
+                           active_rollouts=0, stall_seconds={}))], "unregistered"),
+    ]
+
+
+def _rejected(metrics: LearnerMetrics) -> Counter[str]:
+    samples = metrics.registry.collect()
+    return Counter({s.labels["reason"]: int(s.value) for family in samples
+                    for s in family.samples if s.name == "crl_learner_rejected_frames_total"})
+
+
+def test_the_control_socket_rejects_and_counts_bad_frames_through_a_flood(control) -> None:
+    plane, metrics, address = control
+    context = zmq.Context()
+    try:
+        hostile = ControlClient(context, address, "hostile")
+        hostile.send(Hello, engine=ENGINE, capacity=1)  # with CURVE off anyone may register
+        assert isinstance(hostile.receive(), Welcome)
+        catalogue = control_catalogue(hostile.stamp)
+        expected: Counter[str] = Counter()
+        for what, frames, reason in catalogue:
+            hostile.socket.send_multipart(frames)
+            reply = hostile.receive()
+            assert isinstance(reply, Error) and reply.code == reason, f"{what}: {reply}"
+            expected[reason] += 1
+        assert _rejected(metrics) == expected
+        for n in range(FLOOD):
+            hostile.socket.send_multipart(catalogue[n % len(catalogue)][1])
+        total = sum(expected.values()) + FLOOD
+        end = time.monotonic() + 30
+        while sum(_rejected(metrics).values()) < total:
+            assert time.monotonic() < end, f"{_rejected(metrics)}, {total} expected"
+            time.sleep(0.1)
+        # a good actor registers, is announced to and reports its load as usual
+        actor = ControlClient(context, address, "actor-good")
+        actor.send(Hello, engine=ENGINE, capacity=1)
+        assert isinstance(actor.receive(), Welcome)
+        members = [m for m in plane.members() if m.actor_id == "actor-good"]
+        plane.announce(members, 3, WeightManifest(tensors=[TensorSpec("w", "float32", (2,))],
+                                                  bucket_bytes=0),
+                       lambda rank: GroupInfo(generation=1, master_addr="h", master_port=1,
+                                              world_size=2, rank=rank, backend="gloo"))
+        assert isinstance(actor.receive(), WeightsAnnounce)
+        actor.send(WeightsLoaded, version=3, seconds=0.5)
+        end = time.monotonic() + 10
+        while members[0].version != 3:
+            assert time.monotonic() < end, "the good load was not recorded"
+            time.sleep(0.05)
+        load = {s.name: s.value for family in metrics.registry.collect()
+                for s in family.samples if s.labels.get("phase") == "load"}
+        assert load["crl_learner_weight_sync_seconds_count"] == 1
+        assert load["crl_learner_weight_sync_seconds_sum"] == 0.5  # no NaN got in
+    finally:
+        context.destroy(linger=0)
