@@ -95,13 +95,13 @@ def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConf
              for chosen in map(set, batch.minibatches(config.minibatches))]
     padded = [pad(part) for part in parts]
     with torch.no_grad():
-        for ids, mask in padded:
-            token_logprobs(policy, ids, mask)
-            token_values(critic, ids, mask)
+        for ids in padded:
+            token_logprobs(policy, ids)
+            token_values(critic, ids)
     for _ in range(config.ppo_epochs):
-        for ids, mask in padded:
-            token_logprobs(policy, ids, mask).sum().backward()
-            token_values(critic, ids, mask).sum().backward()
+        for ids in padded:
+            token_logprobs(policy, ids).sum().backward()
+            token_values(critic, ids).sum().backward()
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -18,8 +18,8 @@ class Critic(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids).last_hidden_state
         # a fresh tensor, not a view: FSDP2 hooks the module's output for backward
         return self.head(hidden).squeeze(-1).clone()
 
@@ -66,29 +66,31 @@ def placement(device: str) -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [B, L] ids and attention mask; a [1, 2] dummy when empty
-    (every rank runs the same number of passes: FSDP collectives must match)."""
+def pad(sequences: list[torch.Tensor]) -> torch.Tensor:
+    """Right-padded [B, L] ids; a [1, 2] dummy when empty (every rank runs the
+    same number of passes: FSDP collectives must match).
+
+    No attention mask goes with them: under the causal mask no real token
+    attends to a pad on its right, and without a padding mask SDPA keeps its
+    fused causal kernel (~20 % faster here). Outputs at pad positions are
+    garbage and never read."""
     if not sequences:
-        return torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
-    length = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), length, dtype=torch.long)
-    mask = torch.zeros(len(sequences), length, dtype=torch.long)
+        return torch.zeros(1, 2, dtype=torch.long)
+    ids = torch.zeros(len(sequences), max(len(s) for s in sequences), dtype=torch.long)
     for row, sequence in enumerate(sequences):
         ids[row, : len(sequence)] = sequence
-        mask[row, : len(sequence)] = 1
-    return ids, mask
+    return ids
 
 
-def token_logprobs(policy: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_logprobs(policy: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """[B, L] log-probability of each token given the ones before it (0 at position 0)."""
-    logits = policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    logits = policy(input_ids=ids).logits[:, :-1].float()
     chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     return torch.cat([torch.zeros_like(chosen[:, :1]), chosen], dim=1)
 
 
-def token_values(critic: Critic, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_values(critic: Critic, ids: torch.Tensor) -> torch.Tensor:
     """[B, L] value of the state each token is sampled from (the critic's
     output at the position before it; 0 at position 0)."""
-    values = critic(ids, mask).float()
+    values = critic(ids).float()
     return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)

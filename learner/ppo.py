@@ -86,10 +86,10 @@ class PPOTrainer:
     def _prepare(self, batch: TrainBatch, rollouts: list[int]) -> _Prepared:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
-        ids, mask = (t.to(self.device) for t in pad([s.tokens for s in sequences]))
+        ids = pad([s.tokens for s in sequences]).to(self.device)
         # advantages are computed on the CPU (small, sequential per rollout)
-        logp = token_logprobs(self.policy, ids, mask).cpu()
-        values = token_values(self.critic, ids, mask).cpu()
+        logp = token_logprobs(self.policy, ids).cpu()
+        values = token_values(self.critic, ids).cpu()
         prox = [logp[row, : len(s.tokens)] for row, s in enumerate(sequences)]
         old = [values[row, : len(s.tokens)] for row, s in enumerate(sequences)]
         advantages, returns = self._advantages(batch, sequences, old)
@@ -172,7 +172,7 @@ class PPOTrainer:
         global_tokens, global_segments = _all_sum([local_tokens, local_segments])
         if global_tokens == 0:
             return
-        ids, mask = (t.to(self.device) for t in pad([s.tokens for s in part.sequences]))
+        ids = pad([s.tokens for s in part.sequences]).to(self.device)
         trainable, prox, behaviour, advantages, old_values, returns = (
             _stack(rows, ids.shape).to(self.device) for rows in (
                 [s.trainable for s in part.sequences], part.logp_prox,
@@ -181,7 +181,7 @@ class PPOTrainer:
                 part.returns))
         trainable = trainable.bool()
 
-        logp = token_logprobs(self.policy, ids, mask)
+        logp = token_logprobs(self.policy, ids)
         # The normalisation is folded into the advantages (l is linear in A for
         # A scaled by a positive weight), so the loss is a plain sum.
         p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
@@ -189,7 +189,7 @@ class PPOTrainer:
                                       config.is_mode)
         # losses are already divided by the global count; FSDP averages over ranks
         (p_loss * self.world_size).backward()
-        values = token_values(self.critic, ids, mask)
+        values = token_values(self.critic, ids)
         v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
                                      config.value_clip)
         (v_loss * self.world_size).backward()
