@@ -23,12 +23,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: a full local training run on the embedded CPU default
-# (deploy/configs/local-cpu.toml): the tiny model is built on first use, then
-# replay, learner (torchrun, 2 ranks) and 2 vLLM actors train with live weight
-# updates; the run folder runs/local-cpu gets the checkpoint, the HF export,
-# metrics.jsonl and report.html.
+# (deploy/configs/local-cpu.toml): the base policy is bootstrapped on first
+# use (tiny model + supervised demonstrations), then replay, learner
+# (torchrun) and a vLLM actor train with live weight updates; the run folder
+# runs/local-cpu gets the checkpoint, the HF export, metrics.jsonl and
+# report.html. Last, the trained policy and the base are evaluated on the same
+# held-out episodes: compacted success before -> after.
 demo: $(STAMP)
 	$(VENV)/bin/compactionrl up
+	$(VENV)/bin/compactionrl eval --model runs/local-cpu/export --baseline runs/base-model \
+		--episodes 200
 
 test: $(STAMP)
 	$(PY) -m pytest tests

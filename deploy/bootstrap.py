@@ -41,18 +41,20 @@ from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import Generation, SegmentData
 from actors.envs.base import load_environment
-from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, KeyVault
+from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, ORDINALS, KeyVault
 from actors.episode import EpisodeResult, run_episode
 from deploy.config import BootstrapSection
 
-#: A fact as keyvault's notes state it; summaries state kept facts the same way.
-FACT = re.compile(r"code (\w+) digit (\w+) is (\w+)")
+#: A fact as keyvault's notes state it ("alpha second seven"); summaries
+#: state kept facts the same way.
+FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(ORDINALS)}) "
+                  rf"({'|'.join(NUMBER_WORDS[:10])})\b")
 #: Seeds of demonstrations: a range of their own, below evaluation's 2^31.
 DEMONSTRATION_SEED_SALT = "bootstrap"
 
 
 def facts_in(text: str) -> dict[tuple[str, str], str]:
-    """Facts stated in ``text`` (later statements win), keyed by (code, position word)."""
+    """Facts stated in ``text`` (later statements win), keyed by (code, ordinal)."""
     return {(code, position): digit for code, position, digit in FACT.findall(text)}
 
 
@@ -86,12 +88,12 @@ class Demonstrator:
         return Generation(ids, [0.0] * len(ids), [0] * len(ids))
 
     def summary(self, text: str) -> str:
-        kept = [fact for fact in sorted(facts_in(text).items())
-                if self.rng.random() >= self.drop_fact_probability]
+        in_order = sorted(facts_in(text).items(), key=lambda fact: (
+            CODE_NAMES.index(fact[0][0]), ORDINALS.index(fact[0][1])))
+        kept = [fact for fact in in_order if self.rng.random() >= self.drop_fact_probability]
         if not kept:
             return "no facts kept ."
-        return " ".join(f"code {code} digit {position} is {digit} ."
-                        for (code, position), digit in kept)
+        return " ".join(f"{code} {position} {digit} ." for (code, position), digit in kept)
 
     def answer(self, text: str) -> str:
         known = facts_in(text)
@@ -99,7 +101,7 @@ class Demonstrator:
         for code in self.codes:
             words.append(code)
             for position in range(self.digits):
-                digit = known.get((code, NUMBER_WORDS[position + 1]))
+                digit = known.get((code, ORDINALS[position]))
                 words.append(digit if digit is not None
                              else NUMBER_WORDS[self.rng.randrange(10)])
         return " ".join(words)

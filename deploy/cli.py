@@ -65,10 +65,19 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     actors.compaction.enabled = args.compaction == "on"
     if args.max_compactions is not None:
         actors.compaction.max_compactions = args.max_compactions
-    report = evaluate(args.model or config.run.model, actors, args.episodes,
-                      show_progress=sys.stderr.isatty())
-    print(format_report(report))
-    encoded = json.dumps(dataclasses.asdict(report))
+    models = [args.model or config.run.model] + ([args.baseline] if args.baseline else [])
+    reports = [evaluate(model, actors, args.episodes, show_progress=sys.stderr.isatty())
+               for model in models]
+    for report in reports:
+        print(format_report(report))
+    if args.baseline:
+        trained, base = reports
+        print(f"success {'compacted' if actors.compaction.enabled else 'single-window'}: "
+              f"{base.success:.1%} ({base.model}) -> {trained.success:.1%} ({trained.model}), "
+              f"{100 * (trained.success - base.success):+.1f} points")
+    encoded = json.dumps(dataclasses.asdict(reports[0]) if not args.baseline else
+                         {"trained": dataclasses.asdict(reports[0]),
+                          "baseline": dataclasses.asdict(reports[1])})
     if args.out:
         Path(args.out).write_text(encoded + "\n")
     if args.json:
@@ -258,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="off: one window; the episode ends when it is full")
     evaluation.add_argument("--max-compactions", type=int, default=None,
                             help="default: actors.compaction.max_compactions")
+    evaluation.add_argument("--baseline", default=None,
+                            help="also evaluate this model on the same episodes and print "
+                                 "the change (e.g. the base policy before training)")
     evaluation.add_argument("--out", default=None, help="also write the JSON report here")
     evaluation.add_argument("--json", action="store_true", help="last line: one JSON object")
     evaluation.set_defaults(handler=_cmd_eval)

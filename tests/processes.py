@@ -15,13 +15,10 @@ from tests.ports import free_ports, loopback_addresses
 
 VENV_BIN = Path(sys.executable).parent
 
-#: Overrides for test-sized episodes: a 512-token window the untrained tiny
-#: model fills in a few turns (so it compacts), short turns, few steps.
-SMALL_EPISODES = ["--actors.compaction.context_tokens", "512",
-                  "--actors.compaction.reserve_tokens", "200",
-                  "--actors.compaction.max_summary_tokens", "64",
-                  "--actors.sampling.max_turn_tokens", "32",
-                  "--actors.environment.max_steps", "12",
+#: Overrides for test-sized episodes: the default 270-token window (the
+#: untrained tiny model fills it in a few turns, so it compacts), few steps,
+#: two at a time.
+SMALL_EPISODES = ["--actors.environment.max_steps", "12",
                   "--actors.concurrent_episodes", "2"]
 
 

@@ -2,7 +2,7 @@
 
 The agent walks through numbered rooms by saying ``next``. Each room is
 described with distractor text; some rooms hold a note revealing one digit of
-one code ("note : code bravo digit two is seven"). After the last room the
+one code ("note : bravo second seven": the second digit of code bravo is 7). After the last room the
 agent must ``answer`` with every code: ``answer alpha 4 0 7 1 bravo 9 9 2 5``
 (digits as numerals or words). With the local default context the notes of
 early rooms have scrolled out of the window by the end, so an episode
@@ -26,6 +26,11 @@ from actors.envs.vocabulary import DISTRACTOR_WORDS
 CODE_NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
                 "ten")
+#: Digit positions are ordinals, never number words: a note reads "code,
+#: position, value" with no word that every note repeats between position
+#: and value, so a small model copies a value by matching the one word before it.
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
+            "ninth", "tenth")
 
 # Short texts: they open every window, so their length is paid in every
 # segment the learner trains on.
@@ -94,8 +99,7 @@ class KeyVault:
         text = f"room {room} : {distractor} ."
         if room in self._notes:
             name, position, digit = self._notes[room]
-            text += (f" note : code {name} digit {NUMBER_WORDS[position + 1]} is "
-                     f"{NUMBER_WORDS[digit]} .")
+            text += f" note : {name} {ORDINALS[position]} {NUMBER_WORDS[digit]} ."
         return text
 
     def _grade(self, words: list[str]) -> StepResult:

@@ -29,6 +29,7 @@ open go read look visit visited move enter exit back north south east west
 answer submit say reply correct wrong partial credit reward success failure
 alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima
 zero one two three four five six seven eight nine ten
+first second third fourth fifth sixth seventh eighth ninth tenth
 unknown command invalid usage try again nothing here empty end
 """.split()
 

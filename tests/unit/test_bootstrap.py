@@ -56,11 +56,11 @@ def test_the_player_answers_with_the_facts_in_view_and_guesses_the_rest(tokenize
     actors = load_config(None, []).actors
     chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
     player = Demonstrator(chat, ("alpha",), 3, 0.0, random.Random(0))
-    text = ("summary : code alpha digit one is four . code alpha digit three is nine . "
+    text = ("summary : alpha first four . alpha third nine . "
             "tool no more rooms . say answer now")
     words = player.answer(text).split()
     assert words[:3] == ["answer", "alpha", "four"] and words[4] == "nine"
-    assert facts_in(text) == {("alpha", "one"): "four", ("alpha", "three"): "nine"}
+    assert facts_in(text) == {("alpha", "first"): "four", ("alpha", "third"): "nine"}
 
 
 def test_fine_tuning_trains_each_summary_with_the_window_it_summarises(tokenizer) -> None:

@@ -122,3 +122,11 @@ def test_cli_config_show_and_its_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert "max_staleness = 7" in capsys.readouterr().out
     assert main(["config", "show", "--replay.max_staleness", "-7"]) == 2
     assert "replay.max_staleness" in capsys.readouterr().err
+
+
+def test_a_dotted_override_reaches_into_free_form_tables() -> None:
+    config = load_config(None, ["--actors.environment.options.step_latency_s", "0.25",
+                                "--actors.environment.options.rooms", "16"])
+    options = config.actors.environment.options
+    assert options["step_latency_s"] == 0.25 and options["rooms"] == 16
+    assert options["codes"] == 1  # the rest of the table is kept

@@ -1,0 +1,280 @@
+"""The ablation table: what each part of CompactionRL buys, reproduced on CPU.
+
+From the same bootstrapped base policy (``compactionrl bootstrap``), with the
+same time budget and the same seeds, each variant trains with
+``compactionrl up`` on the local default configuration, and its exported
+policy is evaluated on the same held-out episodes (``compactionrl eval``):
+
+- ``full``: CompactionRL as configured (summary tokens trained, token-level
+  normalisation, cross-trajectory GAE);
+- ``train_summary=false``: summary tokens masked out of the loss;
+- ``loss_norm=segment``: per-segment loss normalisation;
+- ``advantage=independent``: GAE within each segment alone;
+- ``advantage=grpo``: group-relative outcome advantage (groups of
+  ``GRPO_GROUP_SIZE`` episodes on one task);
+- ``compaction=false``: RL in a single window, evaluated single-window and
+  compacted.
+
+The base is evaluated the same way. ``docs/results.md`` (generated, with
+the command, the machine, wall time and every parameter), its raw JSON and a
+plot are written at the end.
+
+    python bench/ablations.py [--quick] [--seeds 3] [--minutes 6] [--episodes 300] [--json]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Keep bench/ off the import path (its files are named after packages).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import time
+from dataclasses import asdict
+from typing import Any
+
+from deploy.config import load_config, to_toml
+from deploy.evaluate import wilson_interval
+from ops.report import bar_chart
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
+#: Episodes per task in the GRPO variant: enough spread within a group for a
+#: non-zero advantage, few enough that a group lands in one batch.
+GRPO_GROUP_SIZE = 4
+#: Variant name -> configuration overrides (over the local default).
+VARIANTS: dict[str, list[str]] = {
+    "full": [],
+    "train_summary=false": ["--learner.train_summary", "false"],
+    "loss_norm=segment": ["--learner.loss_norm", "segment"],
+    "advantage=independent": ["--learner.advantage", "independent"],
+    "advantage=grpo": ["--learner.advantage", "grpo",
+                       "--actors.group_size", str(GRPO_GROUP_SIZE)],
+    "compaction=false": ["--actors.compaction.enabled", "false"],
+}
+#: Learner steps are not the budget (time is): this only keeps max_steps out of the way.
+UNBOUNDED_STEPS = 1_000_000
+
+
+def run(command: list[str], log: Path) -> None:
+    print("  $ " + shlex.join(command), flush=True)
+    with log.open("a") as out:
+        completed = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    if completed.returncode not in (0, 130):
+        raise SystemExit(f"command failed ({completed.returncode}); see {log}")
+
+
+def evaluate(model: Path, episodes: int, compaction: bool, out: Path, log: Path
+             ) -> dict[str, Any]:
+    if not out.is_file():  # finished evaluations are kept: a rerun resumes
+        run([COMPACTIONRL, "eval", "--model", str(model), "--episodes", str(episodes),
+             "--compaction", "on" if compaction else "off", "--out", str(out)], log)
+    return json.loads(out.read_text())
+
+
+def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path) -> dict[str, Any]:
+    name = f"{variant.replace('=', '-')}-seed{seed}"
+    run_dir = out_dir / name
+    if not (run_dir / "export" / "config.json").is_file():
+        began = time.perf_counter()
+        run([COMPACTIONRL, "up", "--run.out_dir", str(out_dir), "--run.name", name,
+             "--run.seed", str(seed), "--run.max_minutes", str(minutes),
+             "--learner.max_steps", str(UNBOUNDED_STEPS), *VARIANTS[variant]], log)
+        (run_dir / "wall_seconds").write_text(f"{time.perf_counter() - began:.1f}\n")
+    history = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = history[-1] if history else {}
+    return {"run_dir": str(run_dir), "export": str(run_dir / "export"),
+            "learner_steps": int(last.get("learner_step", 0)),
+            "wall_seconds": float((run_dir / "wall_seconds").read_text())}
+
+
+def pooled(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
+    """Success pooled over seeds (Wilson CI over all episodes) and the spread across seeds."""
+    episodes = sum(e["episodes"] for e in evaluations)
+    successes = round(sum(e["success"] * e["episodes"] for e in evaluations))
+    rates = [e["success"] for e in evaluations]
+    return {"success": successes / episodes, "ci95": wilson_interval(successes, episodes),
+            "per_seed": rates, "std": statistics.pstdev(rates) if len(rates) > 1 else 0.0,
+            "episodes": episodes,
+            "compactions_per_episode": statistics.fmean(
+                e["compactions_per_episode"] for e in evaluations),
+            "summary_tokens": statistics.fmean(
+                e["summary_tokens_per_compaction"] for e in evaluations)}
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return f"{os.cpu_count()} CPU cores ({model}), {platform.system()} {platform.release()}"
+
+
+def point(value: float) -> str:
+    return f"{100 * value:.1f}"
+
+
+def write_results(results: dict[str, Any], docs: Path) -> None:
+    rows = ["| variant | runs | learner steps | compacted success % (95% CI) | per seed % "
+            "| single-window success % | compactions/episode | summary tokens |",
+            "|---|---|---|---|---|---|---|---|"]
+    table = {"base": results["base"], **results["variants"]}
+    for name, entry in table.items():
+        compacted = entry["compacted"]
+        single = entry.get("single_window")
+        low, high = compacted["ci95"]
+        steps = entry.get("learner_steps")
+        rows.append(
+            f"| {name} | {len(compacted['per_seed'])} "
+            f"| {statistics.fmean(steps):.0f} | " if steps else f"| {name} | - | 0 | ")
+        rows[-1] += (f"{point(compacted['success'])} ({point(low)}-{point(high)}) "
+                     f"| {', '.join(point(r) for r in compacted['per_seed'])} "
+                     f"| {point(single['success']) if single else '-'} "
+                     f"| {compacted['compactions_per_episode']:.2f} "
+                     f"| {compacted['summary_tokens']:.1f} |")
+    full, masked = table["full"]["compacted"], table["train_summary=false"]["compacted"]
+    gain = full["success"] - results["base"]["compacted"]["success"]
+    margin = full["success"] - masked["success"]
+    half_widths = [(c["ci95"][1] - c["ci95"][0]) / 2 for c in (full, masked)]
+    chart = bar_chart("compacted success after training (pooled over seeds)",
+                      {name: entry["compacted"]["success"] for name, entry in table.items()})
+    svg = chart[chart.index("<svg"):]
+    (docs / "images").mkdir(parents=True, exist_ok=True)
+    (docs / "images" / "ablations.svg").write_text(svg)
+    params = results["parameters"]
+    text = f"""# Results: the ablation table
+
+Generated by `bench/ablations.py` — do not edit by hand; rerun:
+
+    {results['command']}
+
+Machine: {results['machine']}. Wall time of the whole script: {results['wall_minutes']:.0f} min.
+Budget per training run: {params['minutes']} min of `compactionrl up` (engine start
+included), seeds {params['seeds']}; every policy evaluated on the same
+{params['episodes']} held-out episodes (seeds from 2^31, never trained on) at the
+sampling temperature it trains at ({params['temperature']:g}).
+
+{chr(10).join(rows)}
+
+![compacted success by variant](images/ablations.svg)
+
+- Full CompactionRL vs the base: **{100 * gain:+.1f} points** of compacted success
+  (target: at least +40).
+- Full vs `train_summary=false`: **{100 * margin:+.1f} points**; the 95 % CI half-widths
+  are {100 * half_widths[0]:.1f} and {100 * half_widths[1]:.1f} points (target: a margin
+  larger than both).
+
+Success is pooled over seeds (Wilson interval over all evaluated episodes);
+"per seed" lists each training seed's evaluation. `compaction=false` trains in
+one window (an episode ends when it is full) and is evaluated both in one window
+and with compaction.
+
+## The base policy's recipe
+
+```json
+{json.dumps(results['recipe'], indent=2)}
+```
+
+## Every parameter
+
+Variant overrides (over the configuration below):
+
+```json
+{json.dumps(VARIANTS, indent=2)}
+```
+
+The effective configuration of the `full` runs (seed 0):
+
+```toml
+{results['config_toml']}```
+
+Raw numbers: [results.json](results.json).
+"""
+    (docs / "results.md").write_text(text)
+    (docs / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed per variant")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--minutes", type=float, default=6.0,
+                        help="wall-time budget of each training run")
+    parser.add_argument("--episodes", type=int, default=300, help="evaluation episodes")
+    parser.add_argument("--out", default="runs/ablations", help="run folders")
+    parser.add_argument("--docs", default="docs", help="where results.md goes")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    seeds = list(range(1 if args.quick else args.seeds))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "ablations.log"
+    began = time.perf_counter()
+    config = load_config(None, [])
+    base = Path(config.run.model)
+    if not (base / "config.json").is_file():
+        run([COMPACTIONRL, "bootstrap"], log)
+    print("evaluating the base policy", flush=True)
+    results: dict[str, Any] = {
+        "base": {"compacted": pooled([evaluate(base, args.episodes, True,
+                                               out_dir / "base-compacted.json", log)]),
+                 "single_window": pooled([evaluate(base, args.episodes, False,
+                                                   out_dir / "base-single.json", log)])},
+        "variants": {},
+    }
+    for variant in VARIANTS:
+        entry: dict[str, Any] = {"runs": [], "learner_steps": []}
+        compacted, single = [], []
+        for seed in seeds:
+            print(f"{variant}, seed {seed}", flush=True)
+            trained = train(variant, seed, args.minutes, out_dir, log)
+            export = Path(trained["export"])
+            compacted.append(evaluate(export, args.episodes, True,
+                                      Path(trained["run_dir"]) / "eval-compacted.json", log))
+            if variant == "compaction=false":
+                single.append(evaluate(export, args.episodes, False,
+                                       Path(trained["run_dir"]) / "eval-single.json", log))
+            entry["runs"].append(trained)
+            entry["learner_steps"].append(trained["learner_steps"])
+            print(f"  {trained['learner_steps']} learner steps; compacted success "
+                  f"{compacted[-1]['success']:.1%}", flush=True)
+        entry["compacted"] = pooled(compacted)
+        if single:
+            entry["single_window"] = pooled(single)
+        results["variants"][variant] = entry
+    results.update(
+        command="python " + shlex.join(["bench/ablations.py", *sys.argv[1:]]),
+        machine=machine(), wall_minutes=(time.perf_counter() - began) / 60,
+        parameters={"seeds": seeds, "minutes": args.minutes, "episodes": args.episodes,
+                    "temperature": config.actors.sampling.temperature},
+        recipe=asdict(config.bootstrap),
+        config_toml=to_toml(load_config(None, ["--run.seed", "0"])))
+    write_results(results, Path(args.docs))
+    full = results["variants"]["full"]["compacted"]["success"]
+    summary = {
+        "base_compacted_success": results["base"]["compacted"]["success"],
+        "full_compacted_success": full,
+        "full_minus_base": full - results["base"]["compacted"]["success"],
+        "full_minus_masked_summary": full - results["variants"]["train_summary=false"][
+            "compacted"]["success"],
+        **{f"success[{name}]": entry["compacted"]["success"]
+           for name, entry in results["variants"].items()},
+        "wall_minutes": results["wall_minutes"],
+    }
+    for key, value in summary.items():
+        print(f"{key:40s} {value:.3f}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""Asynchronous speed-up: the same training synchronous and asynchronous, in one run.
+
+Two ``compactionrl up`` runs on the local default, identical but for the
+staleness bound: ``max_staleness = 0`` (fully synchronous: the actors
+generate a batch with the current weights, the learner trains on it and
+publishes, and only then is the next batch generated: rollouts started under
+older weights are dropped) and ``max_staleness = 2`` (actors generate while
+the learner trains). Both run the same number of learner steps with the
+same batch size from the same base policy, with an environment step latency
+typical of tool calls. Reported, per mode: learner tokens per second over the
+training window (first to last step), learner idle fraction (waiting for a
+batch), actor idle fraction (episode slots stalled on credits or weights),
+rollouts dropped stale, and held-out compacted success after training; and
+``async_vs_sync_throughput``.
+
+    python bench/async.py [--steps 12] [--step-latency 0.3] [--episodes 200] [--json]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Keep bench/ off the import path (its files are named after packages).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+
+import argparse
+import json
+import shlex
+import subprocess
+from typing import Any
+
+from deploy.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
+MODES = {"sync": 0, "async": 2}
+
+
+def run(command: list[str], log: Path) -> None:
+    print("  $ " + shlex.join(command), flush=True)
+    with log.open("a") as out:
+        completed = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    if completed.returncode != 0:
+        raise SystemExit(f"command failed ({completed.returncode}); see {log}")
+
+
+def window(history: list[dict[str, Any]], steps: int) -> tuple[dict, dict]:
+    """Snapshots at the first completed learner step and at the last."""
+    trained = [h for h in history if h.get("learner_up") and h["learner_step_count"] >= 1]
+    if len(trained) < 2:
+        raise SystemExit("too few metric snapshots with the learner training: raise --steps")
+    last = next((h for h in trained if h["learner_step_count"] >= steps), trained[-1])
+    return trained[0], last
+
+
+def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> dict[str, Any]:
+    name = f"{mode}-staleness{MODES[mode]}"
+    run_dir = out_dir / name
+    config = load_config(None, [])
+    overrides = ["--run.out_dir", str(out_dir), "--run.name", name,
+                 "--replay.max_staleness", str(MODES[mode]), "--learner.publish_every", "1",
+                 "--learner.max_steps", str(args.steps),
+                 "--actors.environment.options.step_latency_s", str(args.step_latency)]
+    run([COMPACTIONRL, "up", *overrides], log)
+    history = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    first, last = window(history, args.steps)
+    seconds = last["time"] - first["time"]
+    slots = config.actors.count * config.actors.concurrent_episodes
+    stalled = ((last["stall_credits_s"] - first["stall_credits_s"])
+               + (last["stall_weights_s"] - first["stall_weights_s"]))
+    evaluation = run_dir / "eval-compacted.json"
+    run([COMPACTIONRL, "eval", "--model", str(run_dir / "export"), "--episodes",
+         str(args.episodes), "--out", str(evaluation)], log)
+    report = json.loads(evaluation.read_text())
+    return {
+        "max_staleness": MODES[mode],
+        "steps_timed": last["learner_step_count"] - first["learner_step_count"],
+        "seconds": seconds,
+        "learner_tokens_per_s": (last["learner_tokens"] - first["learner_tokens"]) / seconds,
+        "learner_idle_fraction": (last["learner_idle_s"] - first["learner_idle_s"]) / seconds,
+        "actor_idle_fraction": stalled / (seconds * slots),
+        "stale_rollouts": last["stale_rollouts"],
+        "success": report["success"], "success_ci95": report["success_ci95"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12, help="learner steps per mode")
+    parser.add_argument("--step-latency", type=float, default=0.3,
+                        help="seconds per environment step (a tool call)")
+    parser.add_argument("--episodes", type=int, default=200, help="evaluation episodes")
+    parser.add_argument("--out", default="runs/async-bench")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "async.log"
+    results = {mode: measure(mode, args, out_dir, log) for mode in MODES}
+    print(f"{'':24s} {'sync':>10s} {'async':>10s}")
+    for key in ("learner_tokens_per_s", "learner_idle_fraction", "actor_idle_fraction",
+                "stale_rollouts", "success"):
+        print(f"{key:24s} {results['sync'][key]:10.3f} {results['async'][key]:10.3f}")
+    summary = {
+        "async_vs_sync_throughput": (results["async"]["learner_tokens_per_s"]
+                                     / results["sync"]["learner_tokens_per_s"]),
+        "success_sync": results["sync"]["success"], "success_async": results["async"]["success"],
+        "steps": args.steps, "step_latency_s": args.step_latency, "modes": results,
+    }
+    print(f"async_vs_sync_throughput {summary['async_vs_sync_throughput']:.2f}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
