@@ -93,7 +93,7 @@ def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path) -> 
                (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = history[-1] if history else {}
     return {"run_dir": str(run_dir), "export": str(run_dir / "export"),
-            "learner_steps": int(last.get("learner_step", 0)),
+            "learner_steps": int(last.get("learner_step_count") or 0),
             "wall_seconds": float((run_dir / "wall_seconds").read_text())}
 
 
@@ -105,6 +105,7 @@ def pooled(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
     return {"success": successes / episodes, "ci95": wilson_interval(successes, episodes),
             "per_seed": rates, "std": statistics.pstdev(rates) if len(rates) > 1 else 0.0,
             "episodes": episodes,
+            "mean_reward": statistics.fmean(e["mean_reward"] for e in evaluations),
             "compactions_per_episode": statistics.fmean(
                 e["compactions_per_episode"] for e in evaluations),
             "summary_tokens": statistics.fmean(
@@ -124,22 +125,21 @@ def point(value: float) -> str:
 
 def write_results(results: dict[str, Any], docs: Path) -> None:
     rows = ["| variant | runs | learner steps | compacted success % (95% CI) | per seed % "
-            "| single-window success % | compactions/episode | summary tokens |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| mean reward | single-window success % | compactions/episode | summary tokens |",
+            "|---|---|---|---|---|---|---|---|---|"]
     table = {"base": results["base"], **results["variants"]}
     for name, entry in table.items():
-        compacted = entry["compacted"]
-        single = entry.get("single_window")
+        compacted, single = entry["compacted"], entry.get("single_window")
         low, high = compacted["ci95"]
-        steps = entry.get("learner_steps")
-        rows.append(
-            f"| {name} | {len(compacted['per_seed'])} "
-            f"| {statistics.fmean(steps):.0f} | " if steps else f"| {name} | - | 0 | ")
-        rows[-1] += (f"{point(compacted['success'])} ({point(low)}-{point(high)}) "
-                     f"| {', '.join(point(r) for r in compacted['per_seed'])} "
-                     f"| {point(single['success']) if single else '-'} "
-                     f"| {compacted['compactions_per_episode']:.2f} "
-                     f"| {compacted['summary_tokens']:.1f} |")
+        steps = entry.get("learner_steps") or [0]
+        runs = len(entry.get("runs", [])) or "-"
+        rows.append(f"| {name} | {runs} | {statistics.fmean(steps):.0f} "
+                    f"| {point(compacted['success'])} ({point(low)}-{point(high)}) "
+                    f"| {', '.join(point(r) for r in compacted['per_seed'])} "
+                    f"| {compacted['mean_reward']:.3f} "
+                    f"| {point(single['success']) if single else '-'} "
+                    f"| {compacted['compactions_per_episode']:.2f} "
+                    f"| {compacted['summary_tokens']:.1f} |")
     full, masked = table["full"]["compacted"], table["train_summary=false"]["compacted"]
     gain = full["success"] - results["base"]["compacted"]["success"]
     margin = full["success"] - masked["success"]
@@ -172,7 +172,9 @@ sampling temperature it trains at ({params['temperature']:g}).
   are {100 * half_widths[0]:.1f} and {100 * half_widths[1]:.1f} points (target: a margin
   larger than both).
 
-Success is pooled over seeds (Wilson interval over all evaluated episodes);
+Success (the exact answer) is pooled over seeds (Wilson interval over all
+evaluated episodes); mean reward is the fraction of digits right (the local
+default trains on partial credit);
 "per seed" lists each training seed's evaluation. `compaction=false` trains in
 one window (an episode ends when it is full) and is evaluated both in one window
 and with compaction.

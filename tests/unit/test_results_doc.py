@@ -1,0 +1,63 @@
+"""bench/ablations.py: pooling over seeds and the generated docs/results.md
+(from synthetic evaluations; the training runs themselves are the bench's)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from deploy.config import load_config, to_toml
+
+BENCH = Path(__file__).parents[2] / "bench" / "ablations.py"
+
+
+@pytest.fixture(scope="module")
+def ablations():
+    spec = importlib.util.spec_from_file_location("ablations", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def evaluation(successes: int, episodes: int = 100) -> dict:
+    return {"episodes": episodes, "success": successes / episodes, "mean_reward": 0.5,
+            "compactions_per_episode": 2.0, "summary_tokens_per_compaction": 7.0}
+
+
+def test_success_is_pooled_over_seeds_with_their_spread(ablations) -> None:
+    pooled = ablations.pooled([evaluation(30), evaluation(50)])
+    assert pooled["success"] == pytest.approx(0.4)
+    assert pooled["per_seed"] == [0.3, 0.5] and pooled["std"] == pytest.approx(0.1)
+    low, high = pooled["ci95"]
+    assert low < 0.4 < high and pooled["episodes"] == 200
+
+
+def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
+        ablations, tmp_path: Path) -> None:
+    variants = {}
+    for name in ablations.VARIANTS:
+        entry = {"runs": [{}], "learner_steps": [40], "compacted": ablations.pooled(
+            [evaluation(60 if name == "full" else 20)])}
+        if name == "compaction=false":
+            entry["single_window"] = ablations.pooled([evaluation(0)])
+        variants[name] = entry
+    config = load_config(None, [])
+    results = {"base": {"compacted": ablations.pooled([evaluation(10)]),
+                        "single_window": ablations.pooled([evaluation(0)])},
+               "variants": variants, "command": "python bench/ablations.py --quick",
+               "machine": ablations.machine(), "wall_minutes": 42.0,
+               "parameters": {"seeds": [0], "minutes": 6, "episodes": 100,
+                              "temperature": 1.0},
+               "recipe": asdict(config.bootstrap), "config_toml": to_toml(config)}
+    ablations.write_results(results, tmp_path)
+    page = (tmp_path / "results.md").read_text()
+    for name in ["base", *ablations.VARIANTS]:
+        assert f"| {name} |" in page
+    assert "**+50.0 points** of compacted success" in page  # full vs base
+    assert "**+40.0 points**" in page  # full vs train_summary=false
+    assert "drop_fact_probability" in page and "python bench/ablations.py --quick" in page
+    assert (tmp_path / "results.json").is_file()
+    assert (tmp_path / "images" / "ablations.svg").read_text().startswith("<svg")
