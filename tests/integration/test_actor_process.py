@@ -43,6 +43,11 @@ def _rollouts_counted(metrics: str) -> float:
                if line.startswith("crl_actor_rollouts_total{"))
 
 
+def _resent(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("crl_actor_segments_resent_total"))
+
+
 def _wait_for(peer: ReplayPeer, condition, timeout: float, process: subprocess.Popen) -> None:
     end = time.monotonic() + timeout
     while not condition():
@@ -64,12 +69,15 @@ def actor_run(tiny_model_dir: Path) -> Run:
         # three credited rollouts, the first ack lost on the way
         _wait_for(peer, lambda: peer.finished() == 3, ENGINE_START_S + 120, process)
         first = set(peer.rollouts())
-        # the actor counts a rollout just after sending its last segment
+        # the actor counts a rollout just after sending its last segment, and
+        # resends the segment whose ack was lost once ack_timeout_s has passed
+        # (short episodes can all end before that)
         scraped: list[str] = []
 
         def all_counted() -> bool:
             scraped.append(_scrape(port))
-            return _rollouts_counted(scraped[-1]) == 3
+            return (_rollouts_counted(scraped[-1]) == 3
+                    and _resent(scraped[-1]) >= 1)
 
         _wait_for(peer, all_counted, 30, process)
         metrics = scraped[-1]
