@@ -11,8 +11,13 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.process import EVALUATION_SEEDS_FROM
-from deploy.bootstrap import (Demonstrator, demonstrate, demonstration_seed, facts_in,
-                              training_sequences)
+from deploy.bootstrap import (
+    Demonstrator,
+    demonstrate,
+    demonstration_seed,
+    facts_in,
+    training_sequences,
+)
 from deploy.config import BootstrapSection, ConfigError, load_config
 
 
