@@ -3,8 +3,8 @@
 Two ``compactionrl up`` runs on the local default, identical but for the
 staleness bound: ``max_staleness = 0`` (fully synchronous: the actors
 generate a batch with the current weights, the learner trains on it and
-publishes, and only then is the next batch generated: rollouts started under
-older weights are dropped) and ``max_staleness = 2`` (actors generate while
+publishes, and only then is the next batch generated: the replay grants its
+credits when the learner asks for it) and ``max_staleness = 2`` (actors generate while
 the learner trains). Both run the same number of learner steps with the
 same batch size from the same base policy, with an environment step latency
 typical of tool calls. Reported, per mode: learner tokens per second over the
