@@ -147,7 +147,7 @@ class Up:
         self.replay = Child("replay", ["replay", *common], logs / "replay.log")
         self.learner = Child("learner", ["learner", *common,
                                          *(["--resume"] if self.resume else [])],
-                             logs / "learner.log")
+                             logs / "learner.log", env=self._learner_env())
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
                                             f"{self.config.run.name}-actor-{i}",
                                             *self._core_of(i)],
@@ -166,6 +166,17 @@ class Up:
         """On CPU, OpenMP threads that finished a forward pass sleep instead of
         spinning: an engine idle on credits then leaves the cores to the learner."""
         return {} if self._on_gpu() else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+    def _learner_env(self) -> dict[str, str]:
+        """On CPU, the learner's ranks share the cores the actor engines are
+        not bound to, as on a cluster where each has devices of its own:
+        threads of both on one core slow both (OpenMP threads spin and wait
+        on each other)."""
+        if self._on_gpu() or self.config.actors.engine.cpu_threads_bind != "auto":
+            return {}
+        cores = os.cpu_count() or 1
+        free = cores - min(self.config.actors.count, cores - 1)
+        return {"OMP_NUM_THREADS": str(max(1, free // self.config.learner.nproc))}
 
     @staticmethod
     def _on_gpu() -> bool:
