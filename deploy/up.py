@@ -67,6 +67,8 @@ class Child:
     restarts: int = 0
     restart_at: float | None = None
     env: dict[str, str] = field(default_factory=dict)
+    cores: frozenset[int] = frozenset()
+    """CPU cores it (and every process it starts) may run on; empty: any."""
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -76,6 +78,8 @@ class Child:
                 [sys.executable, "-m", "deploy.cli", *self.args], stdout=log, stderr=log,
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**os.environ, **self.env})
+        if self.cores:  # set before it starts its own children, which inherit it
+            os.sched_setaffinity(self.process.pid, self.cores)
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -145,38 +149,48 @@ class Up:
         logs = self.run_dir / "logs"
         common = ["--config", str(self.config_path)]
         self.replay = Child("replay", ["replay", *common], logs / "replay.log")
+        actor_cores, learner_cores = self._cpu_cores()
         self.learner = Child("learner", ["learner", *common,
                                          *(["--resume"] if self.resume else [])],
-                             logs / "learner.log", env=self._learner_env())
+                             logs / "learner.log", env=self._learner_env(learner_cores),
+                             cores=learner_cores)
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
                                             f"{self.config.run.name}-actor-{i}",
-                                            *self._core_of(i)],
-                             logs / f"actor-{i}.log", env=self._actor_env())
+                                            *self._bind_engine(actor_cores, i)],
+                             logs / f"actor-{i}.log", env=self._actor_env(),
+                             cores=frozenset({actor_cores[i]}) if actor_cores else frozenset())
                        for i in range(self.config.actors.count)]
 
-    def _core_of(self, index: int) -> list[str]:
-        """On a CPU-only machine, one core per local actor engine (round robin):
-        engines that each spin OpenMP threads on every core starve each other
-        and the learner."""
+    def _cpu_cores(self) -> tuple[list[int], frozenset[int]]:
+        """On a CPU-only machine (engine binding "auto"): the core of each local
+        actor, round robin over all cores but the last ones, and the cores left
+        to the learner — as on a cluster, where each has devices of its own.
+        Engines that each spin OpenMP threads on every core starve each other
+        and the learner, and a learner on an engine's core slows both. Empty
+        (no placement) on GPU machines or with an explicit binding."""
         if self._on_gpu() or self.config.actors.engine.cpu_threads_bind != "auto":
-            return []
-        return ["--actors.engine.cpu_threads_bind", str(index % (os.cpu_count() or 1))]
+            return [], frozenset()
+        cores = sorted(os.sched_getaffinity(0))
+        # at least one core is the learner's whenever there are two
+        span = max(1, min(self.config.actors.count, len(cores) - 1))
+        actor_cores = [cores[i % span] for i in range(self.config.actors.count)]
+        return actor_cores, frozenset(cores[span:] or cores)
+
+    @staticmethod
+    def _bind_engine(actor_cores: list[int], index: int) -> list[str]:
+        """The engine's OpenMP threads on the actor's core."""
+        return ["--actors.engine.cpu_threads_bind", str(actor_cores[index])] if actor_cores else []
 
     def _actor_env(self) -> dict[str, str]:
         """On CPU, OpenMP threads that finished a forward pass sleep instead of
         spinning: an engine idle on credits then leaves the cores to the learner."""
         return {} if self._on_gpu() else {"OMP_WAIT_POLICY": "PASSIVE"}
 
-    def _learner_env(self) -> dict[str, str]:
-        """On CPU, the learner's ranks share the cores the actor engines are
-        not bound to, as on a cluster where each has devices of its own:
-        threads of both on one core slow both (OpenMP threads spin and wait
-        on each other)."""
-        if self._on_gpu() or self.config.actors.engine.cpu_threads_bind != "auto":
+    def _learner_env(self, learner_cores: frozenset[int]) -> dict[str, str]:
+        """The learner's ranks share its cores: one OpenMP thread each per core."""
+        if not learner_cores:
             return {}
-        cores = os.cpu_count() or 1
-        free = cores - min(self.config.actors.count, cores - 1)
-        return {"OMP_NUM_THREADS": str(max(1, free // self.config.learner.nproc))}
+        return {"OMP_NUM_THREADS": str(max(1, len(learner_cores) // self.config.learner.nproc))}
 
     @staticmethod
     def _on_gpu() -> bool:
