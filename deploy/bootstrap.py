@@ -51,6 +51,8 @@ FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(ORDINALS)}) "
                   rf"({'|'.join(NUMBER_WORDS[:10])})\b")
 #: Seeds of demonstrations: a range of their own, below evaluation's 2^31.
 DEMONSTRATION_SEED_SALT = "bootstrap"
+#: Demonstrations played after fine-tuning to measure copying (~5 s on CPU).
+HELD_OUT_DEMONSTRATIONS = 100
 
 
 def facts_in(text: str) -> dict[tuple[str, str], str]:
@@ -114,9 +116,10 @@ def demonstration_seed(run_seed: int, n: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapSection
-                      ) -> tuple[list[SegmentData], list[EpisodeResult]]:
-    """Play ``recipe.demonstrations`` episodes; their segments and results."""
+async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapSection,
+                      held_out: int = 0) -> tuple[list[SegmentData], list[EpisodeResult]]:
+    """Play ``recipe.demonstrations`` episodes; their segments and results.
+    With ``held_out``, that many further episodes instead (never trained on)."""
     options = actors.environment.options
     probe = load_environment(actors.environment.factory, options)
     if not isinstance(probe, KeyVault):
@@ -132,7 +135,9 @@ async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapSe
             results.append(result)
 
     player = Demonstrator(chat, codes, digits, recipe.drop_fact_probability, rng)
-    for n in range(recipe.demonstrations):
+    numbers = (range(recipe.demonstrations, recipe.demonstrations + held_out) if held_out
+               else range(recipe.demonstrations))
+    for n in numbers:
         environment = load_environment(actors.environment.factory, options)
         await run_episode(player, environment, chat, actors,
                           demonstration_seed(recipe.seed, n), keep)
@@ -209,6 +214,61 @@ def fine_tune(model_dir: Path, segments: list[SegmentData], recipe: BootstrapSec
     return curve
 
 
+def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
+                  ) -> dict[str, float]:
+    """How often the model, teacher-forced on demonstrations, puts its most
+    likely token on a fact's value where the player copied one: in summaries
+    (every value there is a copy) and in answers (values in view; the
+    player's guesses are left out). Copying decides success: an exact answer
+    needs every copy right through every compaction. Also the number of
+    values of each kind (``summary_values``, ``answer_values``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = chat.tokenizer
+    value_ids = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(f" {word}"))[0]: word
+                 for word in NUMBER_WORDS[:10]}
+    # "answer" opens its turn (no space before it) or follows a space
+    answer_ids = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))[0]
+                  for text in ("answer", " answer")}
+    right = {"summary": 0, "answer": 0}
+    total = {"summary": 0, "answer": 0}
+    for segment in segments:
+        with torch.no_grad():
+            predicted = model(input_ids=torch.tensor([segment.tokens])).logits[0].argmax(-1)
+        answer_at = None
+        for i, token in enumerate(segment.tokens):
+            if not segment.loss_mask[i]:
+                continue
+            if token in answer_ids:
+                answer_at = i
+            if token not in value_ids:
+                continue
+            if segment.segment_type == "summary":
+                kind = "summary"
+            elif answer_at is not None:
+                # "answer alpha four six nine bravo ...": the code named last,
+                # and the value's place after it
+                words = chat.decode(segment.tokens[answer_at:i]).split()
+                named = max((n for n, w in enumerate(words) if w in CODE_NAMES), default=None)
+                if named is None or len(words) - named - 1 >= len(ORDINALS):
+                    continue
+                key = (words[named], ORDINALS[len(words) - named - 1])
+                visible = facts_in(chat.decode(segment.tokens[:answer_at]))
+                if visible.get(key) != value_ids[token]:
+                    continue  # a guess, not a copy
+                kind = "answer"
+            else:
+                continue
+            total[kind] += 1
+            right[kind] += int(predicted[i - 1] == token)
+    report: dict[str, float] = {}
+    for kind in total:
+        report[kind] = right[kind] / total[kind] if total[kind] else float("nan")
+        report[f"{kind}_values"] = total[kind]
+    return report
+
+
 def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
               log: Any = print) -> dict[str, Any]:
     """Make the base policy in ``out`` from ``recipe.source``; returns (and
@@ -238,6 +298,10 @@ def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
     log(f"  {len(segments)} segments, success {success:.3f}, "
         f"{compactions:.2f} compactions per episode")
     curve = fine_tune(out, segments, recipe, log)
+    held_out, _ = asyncio.run(demonstrate(chat, actors, recipe, held_out=HELD_OUT_DEMONSTRATIONS))
+    copying = copy_accuracy(out, chat, held_out)
+    log(f"  copy accuracy on {HELD_OUT_DEMONSTRATIONS} held-out demonstrations: summaries "
+        f"{copying['summary']:.3f}, answers {copying['answer']:.3f}")
     report = {
         "source_model": str(source_model),
         "recipe": asdict(recipe),
@@ -248,6 +312,7 @@ def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
                            "trained_tokens": sum(s.num_trainable for s in segments),
                            "success": success, "compactions_per_episode": compactions},
         "loss_curve": curve,
+        "copy_accuracy": copying,
         "seconds": {"demonstrations": demonstrated - began,
                     "fine_tune": time.perf_counter() - demonstrated},
     }

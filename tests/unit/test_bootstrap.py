@@ -13,6 +13,7 @@ from actors.chat import ChatFormat
 from actors.process import EVALUATION_SEEDS_FROM
 from deploy.bootstrap import (
     Demonstrator,
+    copy_accuracy,
     demonstrate,
     demonstration_seed,
     facts_in,
@@ -88,3 +89,21 @@ def test_an_incoherent_recipe_is_refused() -> None:
         load_config(None, ["--bootstrap.drop_fact_probability", "1.5"])
     with pytest.raises(ConfigError, match="group_size"):
         load_config(None, ["--learner.advantage", "grpo"])
+
+
+def test_copy_accuracy_counts_every_copied_value_and_no_guess(tokenizer,
+                                                                tiny_model_dir: Path) -> None:
+    actors = load_config(None, []).actors
+    chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
+    perfect, _ = play(tokenizer, drop=0.0, episodes=6)
+    report = copy_accuracy(tiny_model_dir, chat, perfect)
+    # perfect summaries: every answer value is in view, and every summary
+    # value is a copy of a fact in the window
+    assert report["answer_values"] == 6 * 3
+    summary_values = sum(len(facts_in(tokenizer.decode(s.tokens[-s.num_trainable:])))
+                         for s in perfect if s.segment_type == "summary")
+    assert report["summary_values"] == summary_values > 0
+    assert 0.0 <= report["summary"] <= 1.0 and 0.0 <= report["answer"] <= 1.0
+    forgetful, _ = play(tokenizer, drop=1.0, episodes=6)
+    # nothing kept: only notes of the last window are in view, the rest are guesses
+    assert copy_accuracy(tiny_model_dir, chat, forgetful)["answer_values"] < 6 * 3
