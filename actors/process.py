@@ -9,6 +9,13 @@ Protocol with the replay (DEALER -> ROUTER):
   seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
   same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates.
 - ``Heartbeat`` every ``heartbeat_interval_s``.
+- If the replay answers ``dead_incarnation`` (this process was frozen or
+  starved past the liveness, so the replay declared it dead and expired its
+  rollouts), the actor abandons its episodes in flight and their
+  unacknowledged segments and registers as a new incarnation, its seqs
+  continuing the old ones: nothing of the dead incarnation counts twice. The
+  replay's word decides, not the actor's own sense of a gap: only the replay
+  knows whether it declared the actor dead.
 - With a learner (``learner_address``): ``Hello`` to its control socket,
   heartbeats, and on each ``WeightsAnnounce`` join the group generation (if
   new), receive and load the weights into the running engine (generation
@@ -49,6 +56,7 @@ from actors.episode import EpisodeResult, run_episode
 from actors.metrics import ActorMetrics
 from ops.metrics import MetricsServer
 from protocol import (
+    DEAD_INCARNATION,
     Ack,
     Array,
     EngineInfo,
@@ -113,6 +121,8 @@ class _Pending:
 class _State:
     credits: int = 0
     registered: asyncio.Event = field(default_factory=asyncio.Event)
+    replay_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """The replay declared this incarnation dead: say Hello again as a new one."""
     credit_available: asyncio.Event = field(default_factory=asyncio.Event)
     unacked: dict[int, _Pending] = field(default_factory=dict)
     all_acked: asyncio.Event = field(default_factory=asyncio.Event)
@@ -140,6 +150,7 @@ class Actor:
         self.state.all_acked.set()
         self._stopping = asyncio.Event()
         self._episode_numbers = itertools.count()
+        self._slots: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -192,15 +203,14 @@ class Actor:
             coroutines += [self._learner_receive(), self._learner_register(),
                            self._apply_weights()]
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
-        slots = [asyncio.create_task(self._episode_slot(slot))
-                 for slot in range(self.config.concurrent_episodes)]
+        self._start_slots()
         await self._stopping.wait()
         log.info("stopping: %s in-flight episodes (%s)", self.state.active,
                  self.config.on_shutdown)
         deadline = time.monotonic() + self.config.shutdown_deadline_s
+        slots = self._slots
         if self.config.on_shutdown == "abandon":
-            for task in slots:
-                task.cancel()
+            self._abandon_episodes()
         await asyncio.wait(slots, timeout=max(0.0, deadline - time.monotonic()))
         for task in slots:
             task.cancel()
@@ -216,6 +226,16 @@ class Actor:
         return 0
 
     # ------------------------------------------------------------------ episodes
+
+    def _start_slots(self) -> None:
+        self._slots = [asyncio.create_task(self._episode_slot(slot))
+                       for slot in range(self.config.concurrent_episodes)]
+
+    def _abandon_episodes(self) -> None:
+        """Cancel the episodes in flight (their engine requests are aborted)."""
+        self.metrics.abandoned_rollouts.inc(self.state.active)
+        for task in self._slots:
+            task.cancel()
 
     async def _episode_slot(self, slot: int) -> None:
         environment = load_environment(self.config.environment.factory,
@@ -304,7 +324,12 @@ class Actor:
     # ------------------------------------------------------------------ replay link
 
     async def _register(self, engine: EngineInfo) -> None:
-        while not self.state.registered.is_set():
+        while True:
+            if self.state.registered.is_set():
+                await self.state.replay_lost.wait()
+                self.state.replay_lost.clear()
+                self.state.registered.clear()
+                continue
             await self.socket.send(encode(Hello(**self.stamp.next(), engine=engine,
                                                 capacity=self.config.concurrent_episodes)))
             with contextlib.suppress(TimeoutError):
@@ -339,6 +364,34 @@ class Actor:
                     self.metrics.unacked_segments.set(len(self.state.unacked))
                     if not self.state.unacked:
                         self.state.all_acked.set()
+                # about this incarnation (older seqs: one already left behind)
+                if (message.code == DEAD_INCARNATION and message.ref_seq is not None
+                        and message.ref_seq >= self.stamp.first_seq
+                        and not self._stopping.is_set()):
+                    self._reincarnate()
+
+    def _reincarnate(self) -> None:
+        """Start over as a new incarnation after the replay declared this one
+        dead: it has expired the rollouts in flight, so they are abandoned with
+        their unacknowledged segments (counted), and the process registers
+        again with the replay and the learner."""
+        old = self.incarnation
+        self.incarnation = max(time.time_ns(), old + 1)
+        self.stamp = Stamp(self.settings.actor_id, self.incarnation,
+                           first_seq=self.stamp.next_seq)
+        log.warning("the replay declared incarnation %d dead: abandoning %d episodes and %d "
+                    "unacknowledged segments; registering as incarnation %d", old,
+                    self.state.active, len(self.state.unacked), self.incarnation)
+        self.metrics.reincarnations.inc()
+        self._abandon_episodes()
+        self.metrics.segments_abandoned.inc(len(self.state.unacked))
+        self.state.unacked.clear()
+        self.metrics.unacked_segments.set(0)
+        self.state.all_acked.set()
+        self.state.credits = 0
+        self.state.replay_lost.set()
+        self.state.learner_lost.set()
+        self._start_slots()
 
     def _grant(self, credits: int) -> None:
         if credits > 0:

@@ -32,6 +32,8 @@ import zmq
 
 from ops.metrics import MetricsServer
 from protocol import (
+    DEAD_INCARNATION,
+    STALE_INCARNATION,
     Ack,
     Batch,
     BatchRequest,
@@ -118,6 +120,10 @@ class ReplayService:
         self.seen = _SeenSeqs()
         self.peers: dict[bytes, _Peer] = {}
         self.current_incarnation: dict[str, int] = {}
+        self.dead_incarnation: dict[str, int] = {}
+        """Per actor id, the newest incarnation declared dead (silent past the
+        liveness): its rollouts expired, so whatever it sends later is refused
+        and it must come back as a new incarnation (a frozen process resumed)."""
         self.liveness = Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness)
         self.learner_version = 0
         self.learner_seen = False
@@ -233,9 +239,17 @@ class ReplayService:
                       acks: dict[bytes, list[int]], now: float) -> None:
         actor_id, incarnation = message.sender_id, message.incarnation
         current = self.current_incarnation.get(actor_id)
+        refused = None
         if current is not None and incarnation < current:
-            self._reject(self.actor_socket, identity, "stale_incarnation",
-                         f"incarnation {incarnation} was replaced by {current}", message.seq)
+            refused = STALE_INCARNATION, f"incarnation {incarnation} was replaced by {current}"
+        elif incarnation <= self.dead_incarnation.get(actor_id, -1):
+            refused = DEAD_INCARNATION, (f"incarnation {incarnation} was declared dead (silent "
+                                         f"for {self.liveness.timeout_s:g} s): register as a "
+                                         "new one")
+        if refused is not None:  # its rollouts are gone: nothing of it may count twice
+            self._reject(self.actor_socket, identity, *refused, message.seq)
+            if isinstance(message, Segment):
+                self.metrics.segments.labels("rejected").inc()
             return
         if current is not None and incarnation > current:
             old = self.peers.get(identity)  # restarted: the old one is dead
@@ -427,6 +441,7 @@ class ReplayService:
             if peer is not None:
                 log.info("actor %s (incarnation %d) is silent: declared dead", peer.actor_id,
                          peer.incarnation)
+                self.dead_incarnation[peer.actor_id] = peer.incarnation
                 self._actor_gone(identity, peer.actor_id, peer.incarnation,
                                  peer.active_rollouts)
         for entry in self.buffer.expired(now, set()):

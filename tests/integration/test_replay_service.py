@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import PROTOCOL_VERSION, encode
+from protocol import DEAD_INCARNATION, PROTOCOL_VERSION, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -165,6 +165,40 @@ def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -
     assert late.pump_until(lambda: late.errors)
     assert [e.code for e in late.errors] == ["stale_incarnation"]
     assert replay.metric("crl_replay_segments_total", result="accepted") == 0
+
+
+def test_a_frozen_incarnation_declared_dead_is_refused_until_it_comes_back_new(
+        replay: Running) -> None:
+    frozen = replay.actor(actor_id="actor-f", incarnation=1)
+    frozen.hello()
+    assert frozen.pump_until(lambda: frozen.credits > 0)
+    first = synthetic_segment(frozen.stamp, "in-flight", 0, final=False)
+    frozen.unacked[first.seq] = encode(first)
+    frozen.sent[first.seq] = first
+    frozen.send(first)
+    assert frozen.pump_until(lambda: not frozen.unacked)
+    # silent past the liveness (3 x 0.2 s): declared dead, its rollout expires
+    assert frozen.pump_until(
+        lambda: replay.metric("crl_replay_dropped_total", reason="expired") == 1)
+    # resumed (SIGCONT): its heartbeat and its rollout's last segment are refused
+    frozen.heartbeat()
+    frozen.send(synthetic_segment(frozen.stamp, "in-flight", 1, final=True))
+    assert frozen.pump_until(lambda: len(frozen.errors) == 2)
+    assert {e.code for e in frozen.errors} == {DEAD_INCARNATION}
+    assert replay.metric("crl_replay_segments_total", result="rejected") == 1
+    assert replay.metric("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION) == 2
+    # the same process as a new incarnation is welcome, and its rollouts count
+    reborn = replay.actor(actor_id="actor-f", incarnation=2)
+    reborn.hello()
+    assert reborn.pump_until(lambda: reborn.credits > 0)
+    reborn.push_rollout(segments=2)
+    assert reborn.pump_until(lambda: not reborn.unacked)
+    learner = replay.learner()
+    learner.request(1, version=0)
+    batch = learner.receive(5.0)
+    assert batch is not None
+    assert [r.segments[0].incarnation for r in batch.rollouts] == [2]
+    assert replay.metric("crl_replay_dropped_total", reason="expired") == 1  # not twice
 
 
 def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> None:
