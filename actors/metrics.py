@@ -51,6 +51,9 @@ class ActorMetrics:
         self.weight_failures = Counter("crl_actor_weight_load_failures",
                                        "Weight publications not loaded (a broadcast failed)",
                                        registry=r)
+        self.disconnects = Counter("crl_actor_disconnects",
+                                   "Connections to a peer that dropped (ZeroMQ reconnects)",
+                                   ["peer"], registry=r)
         self.reincarnations = Counter("crl_actor_reincarnations",
                                       "Times this process registered as a new incarnation "
                                       "after the replay declared the old one dead", registry=r)

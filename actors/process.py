@@ -198,10 +198,11 @@ class Actor:
         self.chat = ChatFormat(self.engine.tokenizer, self.config.compaction,
                                self.config.environment)
         coroutines = [self._receive(), self._register(engine_info), self._heartbeat(),
-                      self._resend()]
+                      self._resend(), self._count_disconnects(self.socket, "replay")]
         if self.learner_socket is not None:
             coroutines += [self._learner_receive(), self._learner_register(),
-                           self._apply_weights()]
+                           self._apply_weights(),
+                           self._count_disconnects(self.learner_socket, "learner")]
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
         self._start_slots()
         await self._stopping.wait()
@@ -417,6 +418,19 @@ class Actor:
                     pending.sent_at = now
                     self.metrics.segments_resent.inc()
                     await self.socket.send(pending.frame)
+
+    async def _count_disconnects(self, socket: zmq.asyncio.Socket, peer: str) -> None:
+        """Count the connection to ``peer`` dropping: ZeroMQ reconnects by
+        itself and what was lost is resent, so without this a flaky network
+        would show only as resends."""
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                self.metrics.disconnects.labels(peer).inc()
+        finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
 
     # ------------------------------------------------------------------ learner link
 
