@@ -130,8 +130,8 @@ def _segments(data: bytes, since: int = 0) -> list[Segment]:
 
 
 def _trainable_versions(segment: Segment) -> list[int]:
-    mask = segment.loss_mask.to_numpy()
-    return segment.versions.to_numpy()[mask == 1].tolist()
+    mask = segment.loss_mask.numpy()
+    return segment.versions.numpy()[mask == 1].tolist()
 
 
 def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -54,7 +54,10 @@ def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Running]:
                    rollouts_per_batch=2, max_staleness=1, log_path=str(tmp_path / "log"),
                    metrics_port=0, rollout_timeout_s=600.0)
     options.update(getattr(request, "param", {}))
-    transport = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=3)
+    # scripted actors send no heartbeats: only the liveness tests get a short one
+    # (a replay declares a silent actor dead and refuses it from then on)
+    liveness = options.pop("heartbeat_liveness", 100)
+    transport = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=liveness)
     running = Running(ReplayService(ReplayConfig(**options), transport, vocab_size=100))
     yield running
     running.close()
@@ -137,6 +140,7 @@ def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
     assert batch is not None and all(r.staleness == 0 for r in batch.rollouts)
 
 
+@pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
 def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running) -> None:
     actor = replay.actor()
     actor.hello()
@@ -167,6 +171,7 @@ def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -
     assert replay.metric("crl_replay_segments_total", result="accepted") == 0
 
 
+@pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
 def test_a_frozen_incarnation_declared_dead_is_refused_until_it_comes_back_new(
         replay: Running) -> None:
     frozen = replay.actor(actor_id="actor-f", incarnation=1)
