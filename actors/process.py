@@ -351,6 +351,9 @@ class Actor:
                 self.metrics.unacked_segments.set(len(self.state.unacked))
                 if not self.state.unacked:
                     self.state.all_acked.set()
+                # The replay hears of a new learner version before the weights
+                # are announced: credits granted for it must wait for them.
+                self._learner_at(message.policy_version)
                 self._grant(message.credits)
             elif isinstance(message, Welcome):
                 self.state.credits = 0

@@ -3,8 +3,12 @@
 Semantics (Reverb-style rate limiting, in rollouts):
 
 - ``B`` = rollouts per learner batch, ``S`` = max staleness, ``v`` = batches
-  the learner has consumed since this replay started (one per learner step,
-  so the learner version advances with it; counted as rollouts served / B).
+  the learner has finished since this replay started: batches served, less
+  the one it is training on (served, and no new ``BatchRequest`` yet). One
+  learner step advances the learner version by one, so ``v`` is the version
+  the learner has reached, counted from this replay's start. Counting the
+  batch in training too would let actors start the next batch under weights
+  the learner is about to replace: at ``S = 0`` every such rollout is stale.
 - *accepted* = rollouts that completed and were kept (served or waiting);
   rollouts dropped as stale, expired or over the memory bound are not
   counted. *running* = credits granted and not yet returned as a finished
@@ -14,8 +18,8 @@ Semantics (Reverb-style rate limiting, in rollouts):
 - Memory: no credit while ``buffer bytes + running * estimated rollout bytes``
   would exceed ``max_buffer_bytes``, except the one that keeps the learner
   fed (below). Ingest enforces the byte bound itself.
-- No deadlock: whenever the learner waits (fewer than B ready) and nothing is
-  running, at least one credit is available: ``(S + v + 1) * B - accepted >=
+- No deadlock: whenever the learner waits (it asked, fewer than B are ready)
+  and nothing is running, at least one credit is available: ``(S + v + 1) * B - accepted >=
   (S + 1) * B - ready >= S * B + 1 >= 1``, and the memory rule yields to it.
 
 Usage::
@@ -23,7 +27,8 @@ Usage::
     pacer = CreditPacer(rollouts_per_batch=8, max_staleness=2, max_buffer_bytes=1 << 30)
     n = pacer.grant("actor-1", wanted=4, buffer_bytes=buffer.nbytes, ready=buffer.ready_count)
     pacer.finished("actor-1", accepted=True, rollout_bytes=123_456)
-    pacer.consumed(8)
+    pacer.consumed(8)          # a batch served: the learner trains on it
+    pacer.learner_waiting()    # its next BatchRequest: that step is done
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class CreditPacer:
         self.max_staleness = max_staleness
         self.max_buffer_bytes = max_buffer_bytes
         self.rollouts_consumed = 0
+        self.rollouts_in_training = 0
+        """The last batch served, until the learner asks for the next one."""
         self.accepted = 0
         self.outstanding: dict[str, int] = {}
         self._bytes_seen = 0
@@ -58,7 +65,7 @@ class CreditPacer:
 
     def available(self, buffer_bytes: int, ready: int) -> int:
         """Credits that may be granted now, to anyone."""
-        by_staleness = ((self.max_staleness + 1) * self.batch + self.rollouts_consumed
+        by_staleness = ((self.max_staleness + 1) * self.batch + self.rollouts_trained
                         - self.accepted - self.running)
         free = self.max_buffer_bytes - buffer_bytes
         by_memory = free // self.estimated_rollout_bytes - self.running
@@ -87,12 +94,21 @@ class CreditPacer:
         self.accepted -= 1
 
     def consumed(self, rollouts: int) -> None:
-        """The learner took ``rollouts`` (a batch)."""
+        """The learner took ``rollouts`` (a batch) and trains on it."""
         self.rollouts_consumed += rollouts
+        self.rollouts_in_training = rollouts
+
+    def learner_waiting(self) -> None:
+        """The learner asked for a batch: it is done with the one it took."""
+        self.rollouts_in_training = 0
 
     @property
-    def batches_consumed(self) -> float:
-        return self.rollouts_consumed / self.batch
+    def rollouts_trained(self) -> int:
+        return self.rollouts_consumed - self.rollouts_in_training
+
+    @property
+    def batches_trained(self) -> float:
+        return self.rollouts_trained / self.batch
 
     def forget(self, actor: str) -> None:
         """The actor is gone: its unreturned credits are void."""

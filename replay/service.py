@@ -339,6 +339,7 @@ class ReplayService:
     # ------------------------------------------------------------------ learner
 
     def _serve_learner(self) -> None:
+        asked = False
         while True:
             try:
                 identity, *parts = self.learner_socket.recv_multipart(zmq.NOBLOCK)
@@ -363,13 +364,28 @@ class ReplayService:
                     rollouts_per_batch=self.config.rollouts_per_batch, credits=0))
             elif isinstance(message, BatchRequest) and message.size >= 1:
                 self._set_learner_version(message.policy_version)
+                self.pacer.learner_waiting()
                 self._parked = [(i, r) for i, r in self._parked if i != identity]
                 self._parked.append((identity, message))
+                asked = True
             elif not isinstance(message, Heartbeat):
                 self._reject(self.learner_socket, identity, "unexpected",
                              f"{type(message).__name__} is not for the learner socket",
                              message.seq)
         self._try_serve_parked()
+        if asked:
+            self._offer_credits()
+
+    def _offer_credits(self) -> None:
+        """Send the credits a learner step freed now, not in reply to each
+        actor's next message: in synchronous mode (S = 0) idle actors would
+        otherwise wait up to a heartbeat interval every step."""
+        for identity in list(self.peers):
+            credits = self._top_up(identity)
+            if credits:
+                self._send(self.actor_socket, identity, Ack(
+                    **self._stamp.next(), stored_seqs=[], credits=credits,
+                    policy_version=self.learner_version))
 
     def _set_learner_version(self, version: int) -> None:
         self.learner_seen = True

@@ -252,7 +252,11 @@ def test_backpressure_when_the_learner_stops(replay: Running) -> None:
     learner.request(2, version=0)
     assert learner.receive(10.0) is not None
     actor.heartbeat()
-    assert actor.pump_until(lambda: actor.credits == 2)  # the step released two places
+    actor.pump(0.3)
+    assert actor.credits == 0  # the learner trains on the batch: no place is free yet
+    learner.request(2, version=1)  # that step is done
+    # the replay sends the two freed places at once, without waiting for a heartbeat
+    assert actor.pump_until(lambda: actor.credits == 2)
 
 
 def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: Running

@@ -14,7 +14,8 @@ ACTORS = ("a", "b", "c")
 
 
 class PacingModel(RuleBasedStateMachine):
-    """Actors start rollouts only with credits; the learner takes B when B are ready."""
+    """Actors start rollouts only with credits; the learner asks for a batch,
+    takes B when B are ready, trains, and asks again."""
 
     @initialize(batch=st.integers(1, 6), staleness=st.integers(0, 3),
                 rollout_bytes=st.integers(1_000, 50_000), memory_rollouts=st.integers(0, 40))
@@ -28,6 +29,7 @@ class PacingModel(RuleBasedStateMachine):
         self.ready = 0
         self.buffer_bytes = 0
         self.started = 0
+        self.learner_asked = True
 
     @rule(actor=st.sampled_from(ACTORS), wanted=st.integers(1, 8))
     def ask(self, actor: str, wanted: int) -> None:
@@ -57,11 +59,17 @@ class PacingModel(RuleBasedStateMachine):
             self.pacer.dropped()
 
     @rule()
-    def learner_step(self) -> None:
-        if self.ready >= self.batch:
+    def learner_takes_batch(self) -> None:
+        if self.learner_asked and self.ready >= self.batch:
             self.ready -= self.batch
             self.buffer_bytes -= self.batch * self.rollout_bytes
             self.pacer.consumed(self.batch)
+            self.learner_asked = False
+
+    @rule()
+    def learner_asks(self) -> None:
+        self.learner_asked = True
+        self.pacer.learner_waiting()
 
     @rule(actor=st.sampled_from(ACTORS))
     def actor_dies(self, actor: str) -> None:
@@ -72,12 +80,12 @@ class PacingModel(RuleBasedStateMachine):
     def staleness_bound(self) -> None:
         in_flight = sum(self.credits.values()) + sum(self.running.values())
         assert self.pacer.accepted + in_flight <= (
-            (self.staleness + self.pacer.batches_consumed + 1) * self.batch)
+            (self.staleness + self.pacer.batches_trained + 1) * self.batch)
 
     @invariant()
     def no_deadlock(self) -> None:
         idle = not any(self.credits.values()) and not any(self.running.values())
-        if idle and self.ready < self.batch:
+        if idle and self.learner_asked and self.ready < self.batch:
             assert self.pacer.available(self.buffer_bytes, self.ready) >= 1
 
     @invariant()
@@ -87,6 +95,19 @@ class PacingModel(RuleBasedStateMachine):
 
 TestPacing = PacingModel.TestCase
 TestPacing.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+def test_no_credit_for_the_next_batch_while_the_learner_trains_synchronously() -> None:
+    """At S = 0 a rollout started while the learner trains would carry the
+    weights it is about to replace: stale before it ends."""
+    pacer = CreditPacer(rollouts_per_batch=2, max_staleness=0, max_buffer_bytes=1 << 40)
+    assert pacer.grant("a", 10, 0, 0) == 2
+    for _ in range(2):
+        pacer.finished("a", accepted=True, rollout_bytes=100)
+    pacer.consumed(2)
+    assert pacer.grant("a", 10, 0, 0) == 0
+    pacer.learner_waiting()
+    assert pacer.grant("a", 10, 0, 0) == 2
 
 
 def test_incoherent_pacer_is_rejected() -> None:
