@@ -8,7 +8,10 @@ Protocol with the replay (DEALER -> ROUTER):
 - Every closed segment is sent at once and kept until an ``Ack`` lists its
   seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
   same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates.
-- ``Heartbeat`` every ``heartbeat_interval_s``.
+- ``Heartbeat`` every ``heartbeat_interval_s``, and at once whenever an
+  episode starts or ends: it carries the episodes in flight, which the replay
+  counts as lost if this process dies (a periodic report alone would miss
+  those started since the last one).
 - If the replay answers ``dead_incarnation`` (this process was frozen or
   starved past the liveness, so the replay declared it dead and expired its
   rollouts), the actor abandons its episodes in flight and their
@@ -127,6 +130,8 @@ class _State:
     unacked: dict[int, _Pending] = field(default_factory=dict)
     all_acked: asyncio.Event = field(default_factory=asyncio.Event)
     active: int = 0
+    active_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when an episode starts or ends: the replay is told at once."""
     learner_registered: asyncio.Event = field(default_factory=asyncio.Event)
     learner_lost: asyncio.Event = field(default_factory=asyncio.Event)
     """The learner no longer knows this actor (it restarted): say Hello again."""
@@ -250,11 +255,13 @@ class Actor:
                     for number in (n // self.config.group_size, n))
                 rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
                 self.state.active += 1
+                self.state.active_changed.set()
                 self.metrics.active_rollouts.inc()
                 try:
                     await self._play(environment, rollout_id, task_seed, sampling_seed)
                 finally:
                     self.state.active -= 1
+                    self.state.active_changed.set()
                     self.metrics.active_rollouts.dec()
         finally:
             await environment.close()
@@ -404,7 +411,10 @@ class Actor:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.transport.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state.active_changed.wait(),
+                                       self.settings.transport.heartbeat_interval_s)
+            self.state.active_changed.clear()
             for socket in (self.socket, self.learner_socket):
                 if socket is not None:
                     await socket.send(encode(Heartbeat(

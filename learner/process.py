@@ -18,9 +18,13 @@ publication (actors hold newer weights, the replay has seen newer versions)
 labels its weights above every version announced or reported before
 (:func:`starting_version`), so the actors take its first publication as new.
 
-The replay may restart under the learner (``compactionrl up`` restarts it):
-an outstanding ``BatchRequest`` died with it, so rank 0 sends it again when
-its connection to the replay is re-established (a ZeroMQ monitor event).
+The replay may restart under the learner (``compactionrl up`` restarts it),
+or the connection may drop with a ``Batch`` on its way: rank 0 sends its
+outstanding ``BatchRequest`` again, byte for byte, whenever its connection to
+the replay is re-established (a ZeroMQ monitor event). A replay that served
+that request already sends the same ``Batch`` again; one that never saw it
+(restarted) treats it as new. A ``Batch`` identical to the one taken last (a
+resend that crossed the original) is ignored and counted.
 
 Started as ``torchrun ... -m learner --settings FILE`` (``compactionrl
 learner`` writes FILE: this package cannot read the run's TOML itself).
@@ -128,7 +132,8 @@ class Learner:
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
             self.version, self.step = load_checkpoint(latest, self.trainer)
             log.info("resumed from %s at version %d", latest, self.version)
-        link = _ReplayLink(self.settings) if self.rank == 0 else None
+        link = (_ReplayLink(self.settings, self.metrics.duplicate_batches)
+                if self.rank == 0 else None)
         control = ControlPlane(self.config.control_address, self.settings.transport,
                                self.settings.run_id, self.settings.max_staleness,
                                self.config.late_joiner, self.metrics,
@@ -234,7 +239,7 @@ class Learner:
 class _ReplayLink:
     """Rank 0's DEALER to the replay's learner socket."""
 
-    def __init__(self, settings: LearnerSettings) -> None:
+    def __init__(self, settings: LearnerSettings, duplicates: Counter) -> None:
         self.context = zmq.Context()
         self.socket = connect_dealer(self.context, settings.replay_address, settings.transport,
                                      b"learner")
@@ -242,8 +247,11 @@ class _ReplayLink:
         """An event per (re)connection to the replay."""
         self.stamp = Stamp("learner", time.time_ns())
         self.max_bytes = settings.transport.max_message_bytes
-        self.requested = False
-        """A BatchRequest is outstanding (its Batch not yet received)."""
+        self.request_frame: bytes | None = None
+        """The outstanding BatchRequest (its Batch not yet received), as sent."""
+        self.last_batch: tuple[int, int] | None = None
+        """(incarnation, seq) of the replay's last Batch taken: a resend of it is dropped."""
+        self.duplicates = duplicates
 
     def hello(self) -> tuple[int, int]:
         """Register; returns the batch size B and the newest learner version
@@ -266,10 +274,10 @@ class _ReplayLink:
 
     def request(self, size: int, version: int) -> None:
         """Send a BatchRequest unless one is outstanding."""
-        if not self.requested:
-            self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
-                                                 policy_version=version)))
-            self.requested = True
+        if self.request_frame is None:
+            self.request_frame = encode(BatchRequest(**self.stamp.next(), size=size,
+                                                     policy_version=version))
+            self.socket.send(self.request_frame)
 
     def next_batch(self, size: int, version: int, interrupted: Callable[[], bool],
                    idle: Counter) -> bytes:
@@ -279,20 +287,26 @@ class _ReplayLink:
         began = time.perf_counter()
         try:
             while not interrupted():
-                if self._reconnected() and self.requested:
-                    # the request may have died with a restarted replay; a
-                    # request that did arrive is replaced by this one there
+                if self._reconnected() and self.request_frame is not None:
+                    # the request, or its batch, may have been lost with the connection
                     log.info("reconnected to the replay: asking for the batch again")
-                    self.requested = False
-                    self.request(size, version)
+                    self.socket.send(self.request_frame)
                 if self.socket.poll(WAIT_SLICE_MS, zmq.POLLIN):
                     frame = self.socket.recv()
                     try:
-                        if isinstance(decode(frame, self.max_bytes), Batch):
-                            self.requested = False
-                            return frame
+                        message = decode(frame, self.max_bytes)
                     except ProtocolError as exc:
                         log.warning("dropped a frame from the replay: %s", exc)
+                        continue
+                    if not isinstance(message, Batch):
+                        continue
+                    if (message.incarnation, message.seq) == self.last_batch:
+                        self.duplicates.inc()
+                        log.info("dropped a batch taken before (resent after a reconnect)")
+                        continue
+                    self.last_batch = (message.incarnation, message.seq)
+                    self.request_frame = None
+                    return frame
             return b""
         finally:
             idle.inc(time.perf_counter() - began)

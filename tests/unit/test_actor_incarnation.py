@@ -11,7 +11,7 @@ import time
 
 from actors.config import ActorConfig
 from actors.process import Actor, ActorSettings, _Pending
-from protocol import DEAD_INCARNATION, Error, Stamp, encode
+from protocol import DEAD_INCARNATION, Error, Stamp, decode, encode
 from protocol.transport import TransportConfig
 
 
@@ -98,3 +98,57 @@ async def _scenario() -> None:
 
 def test_a_dead_incarnation_abandons_its_episodes_and_registers_anew() -> None:
     asyncio.run(asyncio.wait_for(_scenario(), 60))
+
+
+class RecordingSocket:
+    """Keeps what the actor sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def send(self, frame: bytes, copy: bool = True) -> None:
+        self.sent.append(bytes(frame))
+
+
+class _Environment:
+    async def close(self) -> None:
+        pass
+
+
+async def _heartbeat_scenario(monkeypatch) -> None:
+    actor = Actor(ActorSettings(actor_id="actor-h", model="none",
+                                replay_address="tcp://127.0.0.1:1", actor=ActorConfig(),
+                                transport=TransportConfig(heartbeat_interval_s=3600.0)))
+    actor.learner_socket = None
+    socket = actor.socket = RecordingSocket()
+    monkeypatch.setattr("actors.process.load_environment", lambda *_: _Environment())
+    credits = iter([True])
+    finish = asyncio.Event()
+
+    async def take_credit() -> bool:
+        return next(credits, False)
+
+    async def play(*_: object) -> None:
+        await finish.wait()
+
+    actor._take_credit = take_credit  # type: ignore[method-assign]
+    actor._play = play  # type: ignore[method-assign]
+
+    async def reported() -> list[int]:
+        await asyncio.sleep(0.1)
+        return [decode(f).active_rollouts for f in socket.sent]
+
+    heartbeat = asyncio.create_task(actor._heartbeat())
+    slot = asyncio.create_task(actor._episode_slot(0))
+    assert await reported() == [1]  # at the start, not an interval later
+    finish.set()
+    await slot
+    assert await reported() == [1, 0]
+    heartbeat.cancel()
+    await asyncio.gather(heartbeat, return_exceptions=True)
+
+
+def test_the_replay_hears_of_an_episode_the_moment_it_starts_and_ends(monkeypatch) -> None:
+    """If the process dies, the replay counts as lost the episodes of its last
+    heartbeat: one started after a periodic report would go uncounted."""
+    asyncio.run(asyncio.wait_for(_heartbeat_scenario(monkeypatch), 60))
