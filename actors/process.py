@@ -131,7 +131,8 @@ class _State:
     all_acked: asyncio.Event = field(default_factory=asyncio.Event)
     active: int = 0
     active_changed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when an episode starts or ends: the replay is told at once."""
+    """Set when an episode ends: the heartbeat task tells the replay at once
+    (a start is told by the episode itself, before it begins)."""
     learner_registered: asyncio.Event = field(default_factory=asyncio.Event)
     learner_lost: asyncio.Event = field(default_factory=asyncio.Event)
     """The learner no longer knows this actor (it restarted): say Hello again."""
@@ -255,14 +256,18 @@ class Actor:
                     for number in (n // self.config.group_size, n))
                 rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
                 self.state.active += 1
-                self.state.active_changed.set()
-                self.metrics.active_rollouts.inc()
                 try:
-                    await self._play(environment, rollout_id, task_seed, sampling_seed)
+                    # queued before anything else can run: a weight load may hold
+                    # the event loop for seconds, and the heartbeat task with it
+                    await self._send_heartbeat(self.socket)
+                    self.metrics.active_rollouts.inc()
+                    try:
+                        await self._play(environment, rollout_id, task_seed, sampling_seed)
+                    finally:
+                        self.metrics.active_rollouts.dec()
                 finally:
                     self.state.active -= 1
                     self.state.active_changed.set()
-                    self.metrics.active_rollouts.dec()
         finally:
             await environment.close()
 
@@ -417,9 +422,11 @@ class Actor:
             self.state.active_changed.clear()
             for socket in (self.socket, self.learner_socket):
                 if socket is not None:
-                    await socket.send(encode(Heartbeat(
-                        **self.stamp.next(), active_rollouts=self.state.active,
-                        stall_seconds=self.metrics.stall_totals())))
+                    await self._send_heartbeat(socket)
+
+    async def _send_heartbeat(self, socket: zmq.asyncio.Socket) -> None:
+        await socket.send(encode(Heartbeat(**self.stamp.next(), active_rollouts=self.state.active,
+                                           stall_seconds=self.metrics.stall_totals())))
 
     async def _resend(self) -> None:
         timeout = self.config.ack_timeout_s

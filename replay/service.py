@@ -349,8 +349,13 @@ class ReplayService:
             self._drop(entry.rollout_id, "expired")
         # the rollouts it had started but sent nothing of are lost too; a
         # heartbeat's claim counts only up to the credits it still held
-        unseen = min(active_rollouts - len(expired), self.pacer.outstanding.get(actor_id, 0))
-        self.metrics.dropped.labels("expired").inc(max(0, unseen))
+        outstanding = self.pacer.outstanding.get(actor_id, 0)
+        unseen = max(0, min(active_rollouts - len(expired), outstanding))
+        self.metrics.dropped.labels("expired").inc(unseen)
+        log.info("actor %s (incarnation %d) gone: %d rollouts lost (%d pending, %d unseen; "
+                 "%d in flight at its last report, %d credits outstanding)", actor_id,
+                 incarnation, len(expired) + unseen, len(expired), unseen, active_rollouts,
+                 outstanding)
         self.pacer.forget(actor_id)
         self.liveness.forget(identity)
 

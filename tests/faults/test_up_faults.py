@@ -45,10 +45,11 @@ pytestmark = pytest.mark.slow
 RUN_NAME = "faults"
 ACTOR_0 = f"{RUN_NAME}-actor-0"
 PROXIED = f"{RUN_NAME}-proxied"
-#: Heartbeats every 0.5 s, dead after 30 missed: 15 s, well above the
+#: Heartbeats every 0.5 s, dead after 50 missed: 25 s, well above the
 #: event-loop stalls of two engines and a learner on two busy cores, and room
-#: for phase 1's partition to hold a segment.
-HEARTBEAT_S, LIVENESS = 0.5, 30
+#: for phase 1's partition to hold a segment when episodes crawl (the machine
+#: is shared: at a load of 9, one took over 12 s to send its next segment).
+HEARTBEAT_S, LIVENESS = 0.5, 50
 MAX_STALENESS = 2
 #: An unacknowledged segment is resent after this long (short, so that the
 #: resends of a phase come within it).
@@ -65,7 +66,7 @@ DROPS = 3
 #: The partition of phase 1 lasts until a segment is held in it, at most this
 #: long (below the liveness: the actor must not be declared dead). It begins
 #: with an episode in flight, whose next segment comes within seconds.
-CUT_MAX_S = 12.0
+CUT_MAX_S = 20.0
 #: After an episode starts, how long until its heartbeat has surely reached
 #: the replay (it is sent at once; this covers a busy event loop).
 REPORTED_S = 0.3
@@ -247,6 +248,7 @@ def test_network_trouble_loses_nothing_silently(run: Run) -> None:
             time.sleep(0.2)
     held_segment = sent() > mark
     cut_s = time.monotonic() - cut_began
+    assert held_segment, f"no segment was sent during the {cut_s:.0f} s partition"
     recovered_s = run.wait(
         lambda: run.actor("proxied", "crl_actor_segments_resent_total") > before["resent"]
         and run.actor("proxied", "crl_actor_unacked_segments") == 0,
@@ -265,7 +267,6 @@ def test_network_trouble_loses_nothing_silently(run: Run) -> None:
     _measured("network: segments resent", resent)
     _measured("network: partition length (s) / resend and ack after it (s)",
               (round(cut_s, 1), round(recovered_s, 1)))
-    assert held_segment, "no segment was sent during the partition"
     assert run.replay_proxy.aborted > aborted
     # every connection the proxy aborted is one the actor saw drop
     assert disconnects["replay"] >= DROPS + 1
@@ -350,12 +351,15 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
     its rollouts; after SIGCONT its old incarnation is refused, it abandons
     what it had in flight, registers as a new incarnation and contributes
     again; nothing of the dead incarnation is stored after its death."""
-    run.wait(lambda: run.actor("actor-0", "crl_actor_active_rollouts") > 0,
-             "episodes in flight at actor-0")
-    time.sleep(2 * HEARTBEAT_S)
-    pid = run.children()["actor-0"]
-    expired = run.replay("crl_replay_dropped_total", reason="expired")
-    replay_offset = len(run.log("replay"))
+    in_flight = 0
+    while not in_flight:  # episodes in flight, their start reported to the replay
+        run.wait(lambda: run.actor("actor-0", "crl_actor_active_rollouts") > 0,
+                 "episodes in flight at actor-0")
+        time.sleep(REPORTED_S)
+        pid = run.children()["actor-0"]
+        expired = run.replay("crl_replay_dropped_total", reason="expired")
+        replay_offset = len(run.log("replay"))
+        in_flight = int(run.actor("actor-0", "crl_actor_active_rollouts"))
     _kill_group(pid, signal.SIGSTOP)
     try:
         declared = run.wait(lambda: "is silent: declared dead" in run.log("replay")[
@@ -375,12 +379,14 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
     _measured("SIGSTOP to declared dead (s)", round(declared, 1))
     _measured("SIGCONT to new incarnation's first stored segment (s)",
               round(time.monotonic() - resumed_at, 1))
-    _measured("frozen phase: expired rollouts / refused messages / abandoned episodes",
-              (run.replay("crl_replay_dropped_total", reason="expired") - expired,
+    _measured("frozen phase: episodes in flight / expired rollouts / refused messages / "
+              "abandoned episodes",
+              (in_flight, run.replay("crl_replay_dropped_total", reason="expired") - expired,
                run.replay("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION),
                run.actor("actor-0", "crl_actor_abandoned_rollouts_total")))
     assert run.children()["actor-0"] == pid  # the same process, not a restart
-    assert run.replay("crl_replay_dropped_total", reason="expired") > expired
+    # every rollout in flight at the freeze, exactly once
+    assert run.replay("crl_replay_dropped_total", reason="expired") - expired == in_flight
     assert run.replay("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION) >= 1
     assert run.actor("actor-0", "crl_actor_abandoned_rollouts_total") >= 1
     # nothing of the dead incarnation was stored once it was declared dead
