@@ -368,7 +368,8 @@ class Actor:
                 self._learner_at(message.policy_version)
                 self._grant(message.credits)
             elif isinstance(message, Welcome):
-                self.state.credits = 0
+                # credits add up, as the replay counts them: a second Welcome
+                # (a Hello retried) or an Ack before it must not erase any
                 self._grant(message.credits)
                 self.state.registered.set()
             elif isinstance(message, Error):

@@ -274,8 +274,8 @@ class ReplayService:
             self._actor_gone(identity, actor_id, old.incarnation, old.active_rollouts)
         self.current_incarnation[actor_id] = incarnation
         peer = self.peers.setdefault(identity, _Peer(actor_id, incarnation))
-        if peer.incarnation != incarnation:
-            self.peers[identity] = peer = _Peer(actor_id, incarnation)
+        if peer.incarnation != incarnation:  # the same process or config: same capacity
+            self.peers[identity] = peer = _Peer(actor_id, incarnation, peer.capacity)
         self.liveness.seen(identity)
         if isinstance(message, Hello):
             peer.capacity = max(1, message.capacity)

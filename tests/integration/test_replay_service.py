@@ -303,7 +303,9 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
     taken: list[list[str]] = []
 
     def take(version: int) -> None:
-        frame = link.next_batch(2, version, lambda: False, idle)
+        deadline = time.monotonic() + 60.0
+        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline, idle)
+        assert frame, f"no batch for version {version} within 60 s"
         batch = decode(frame)
         assert isinstance(batch, Batch)
         taken.append(sorted(r.rollout_id for r in batch.rollouts))
