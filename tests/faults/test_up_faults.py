@@ -268,9 +268,11 @@ def test_network_trouble_loses_nothing_silently(run: Run) -> None:
     _measured("network: partition length (s) / resend and ack after it (s)",
               (round(cut_s, 1), round(recovered_s, 1)))
     assert run.replay_proxy.aborted > aborted
-    # every connection the proxy aborted is one the actor saw drop
-    assert disconnects["replay"] >= DROPS + 1
-    assert disconnects["learner"] >= DROPS
+    # every connection the proxy aborted (the proxies are new: all in this
+    # phase) is one the actor saw drop; a drop that comes before the actor
+    # reconnected after the previous one finds nothing to abort
+    assert disconnects["replay"] >= run.replay_proxy.aborted >= 2
+    assert disconnects["learner"] >= run.control_proxy.aborted >= 1
     assert resent >= 1  # the segment held in the partition
     assert run.actor("proxied", "crl_actor_reincarnations_total") == 0
     assert run.replay("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION) == 0
