@@ -51,6 +51,19 @@ class ActorMetrics:
         self.weight_failures = Counter("crl_actor_weight_load_failures",
                                        "Weight publications not loaded (a broadcast failed)",
                                        registry=r)
+        self.disconnects = Counter("crl_actor_disconnects",
+                                   "Connections to a peer that dropped (ZeroMQ reconnects)",
+                                   ["peer"], registry=r)
+        self.reincarnations = Counter("crl_actor_reincarnations",
+                                      "Times this process registered as a new incarnation "
+                                      "after the replay declared the old one dead", registry=r)
+        self.abandoned_rollouts = Counter("crl_actor_abandoned_rollouts",
+                                          "Episodes cancelled unfinished (declared dead, or "
+                                          "stopped with on_shutdown = abandon)", registry=r)
+        self.segments_abandoned = Counter("crl_actor_segments_abandoned",
+                                          "Unacknowledged segments given up with a dead "
+                                          "incarnation (the replay expired their rollouts)",
+                                          registry=r)
         self.observations_cut = Counter("crl_actor_observations_cut",
                                         "Observations cut to fit budget or window", registry=r)
         self._finished = 0

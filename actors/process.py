@@ -8,7 +8,17 @@ Protocol with the replay (DEALER -> ROUTER):
 - Every closed segment is sent at once and kept until an ``Ack`` lists its
   seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
   same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates.
-- ``Heartbeat`` every ``heartbeat_interval_s``.
+- ``Heartbeat`` every ``heartbeat_interval_s``, and at once whenever an
+  episode starts or ends: it carries the episodes in flight, which the replay
+  counts as lost if this process dies (a periodic report alone would miss
+  those started since the last one).
+- If the replay answers ``dead_incarnation`` (this process was frozen or
+  starved past the liveness, so the replay declared it dead and expired its
+  rollouts), the actor abandons its episodes in flight and their
+  unacknowledged segments and registers as a new incarnation, its seqs
+  continuing the old ones: nothing of the dead incarnation counts twice. The
+  replay's word decides, not the actor's own sense of a gap: only the replay
+  knows whether it declared the actor dead.
 - With a learner (``learner_address``): ``Hello`` to its control socket,
   heartbeats, and on each ``WeightsAnnounce`` join the group generation (if
   new), receive and load the weights into the running engine (generation
@@ -49,6 +59,7 @@ from actors.episode import EpisodeResult, run_episode
 from actors.metrics import ActorMetrics
 from ops.metrics import MetricsServer
 from protocol import (
+    DEAD_INCARNATION,
     Ack,
     Array,
     EngineInfo,
@@ -113,10 +124,15 @@ class _Pending:
 class _State:
     credits: int = 0
     registered: asyncio.Event = field(default_factory=asyncio.Event)
+    replay_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """The replay declared this incarnation dead: say Hello again as a new one."""
     credit_available: asyncio.Event = field(default_factory=asyncio.Event)
     unacked: dict[int, _Pending] = field(default_factory=dict)
     all_acked: asyncio.Event = field(default_factory=asyncio.Event)
     active: int = 0
+    active_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when an episode ends: the heartbeat task tells the replay at once
+    (a start is told by the episode itself, before it begins)."""
     learner_registered: asyncio.Event = field(default_factory=asyncio.Event)
     learner_lost: asyncio.Event = field(default_factory=asyncio.Event)
     """The learner no longer knows this actor (it restarted): say Hello again."""
@@ -140,6 +156,7 @@ class Actor:
         self.state.all_acked.set()
         self._stopping = asyncio.Event()
         self._episode_numbers = itertools.count()
+        self._slots: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -187,20 +204,20 @@ class Actor:
         self.chat = ChatFormat(self.engine.tokenizer, self.config.compaction,
                                self.config.environment)
         coroutines = [self._receive(), self._register(engine_info), self._heartbeat(),
-                      self._resend()]
+                      self._resend(), self._count_disconnects(self.socket, "replay")]
         if self.learner_socket is not None:
             coroutines += [self._learner_receive(), self._learner_register(),
-                           self._apply_weights()]
+                           self._apply_weights(),
+                           self._count_disconnects(self.learner_socket, "learner")]
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
-        slots = [asyncio.create_task(self._episode_slot(slot))
-                 for slot in range(self.config.concurrent_episodes)]
+        self._start_slots()
         await self._stopping.wait()
         log.info("stopping: %s in-flight episodes (%s)", self.state.active,
                  self.config.on_shutdown)
         deadline = time.monotonic() + self.config.shutdown_deadline_s
+        slots = self._slots
         if self.config.on_shutdown == "abandon":
-            for task in slots:
-                task.cancel()
+            self._abandon_episodes()
         await asyncio.wait(slots, timeout=max(0.0, deadline - time.monotonic()))
         for task in slots:
             task.cancel()
@@ -217,6 +234,16 @@ class Actor:
 
     # ------------------------------------------------------------------ episodes
 
+    def _start_slots(self) -> None:
+        self._slots = [asyncio.create_task(self._episode_slot(slot))
+                       for slot in range(self.config.concurrent_episodes)]
+
+    def _abandon_episodes(self) -> None:
+        """Cancel the episodes in flight (their engine requests are aborted)."""
+        self.metrics.abandoned_rollouts.inc(self.state.active)
+        for task in self._slots:
+            task.cancel()
+
     async def _episode_slot(self, slot: int) -> None:
         environment = load_environment(self.config.environment.factory,
                                        self.config.environment.options)
@@ -229,12 +256,18 @@ class Actor:
                     for number in (n // self.config.group_size, n))
                 rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
                 self.state.active += 1
-                self.metrics.active_rollouts.inc()
                 try:
-                    await self._play(environment, rollout_id, task_seed, sampling_seed)
+                    # queued before anything else can run: a weight load may hold
+                    # the event loop for seconds, and the heartbeat task with it
+                    await self._send_heartbeat(self.socket)
+                    self.metrics.active_rollouts.inc()
+                    try:
+                        await self._play(environment, rollout_id, task_seed, sampling_seed)
+                    finally:
+                        self.metrics.active_rollouts.dec()
                 finally:
                     self.state.active -= 1
-                    self.metrics.active_rollouts.dec()
+                    self.state.active_changed.set()
         finally:
             await environment.close()
 
@@ -304,7 +337,12 @@ class Actor:
     # ------------------------------------------------------------------ replay link
 
     async def _register(self, engine: EngineInfo) -> None:
-        while not self.state.registered.is_set():
+        while True:
+            if self.state.registered.is_set():
+                await self.state.replay_lost.wait()
+                self.state.replay_lost.clear()
+                self.state.registered.clear()
+                continue
             await self.socket.send(encode(Hello(**self.stamp.next(), engine=engine,
                                                 capacity=self.config.concurrent_episodes)))
             with contextlib.suppress(TimeoutError):
@@ -330,7 +368,8 @@ class Actor:
                 self._learner_at(message.policy_version)
                 self._grant(message.credits)
             elif isinstance(message, Welcome):
-                self.state.credits = 0
+                # credits add up, as the replay counts them: a second Welcome
+                # (a Hello retried) or an Ack before it must not erase any
                 self._grant(message.credits)
                 self.state.registered.set()
             elif isinstance(message, Error):
@@ -342,6 +381,34 @@ class Actor:
                     self.metrics.unacked_segments.set(len(self.state.unacked))
                     if not self.state.unacked:
                         self.state.all_acked.set()
+                # about this incarnation (older seqs: one already left behind)
+                if (message.code == DEAD_INCARNATION and message.ref_seq is not None
+                        and message.ref_seq >= self.stamp.first_seq
+                        and not self._stopping.is_set()):
+                    self._reincarnate()
+
+    def _reincarnate(self) -> None:
+        """Start over as a new incarnation after the replay declared this one
+        dead: it has expired the rollouts in flight, so they are abandoned with
+        their unacknowledged segments (counted), and the process registers
+        again with the replay and the learner."""
+        old = self.incarnation
+        self.incarnation = max(time.time_ns(), old + 1)
+        self.stamp = Stamp(self.settings.actor_id, self.incarnation,
+                           first_seq=self.stamp.next_seq)
+        log.warning("the replay declared incarnation %d dead: abandoning %d episodes and %d "
+                    "unacknowledged segments; registering as incarnation %d", old,
+                    self.state.active, len(self.state.unacked), self.incarnation)
+        self.metrics.reincarnations.inc()
+        self._abandon_episodes()
+        self.metrics.segments_abandoned.inc(len(self.state.unacked))
+        self.state.unacked.clear()
+        self.metrics.unacked_segments.set(0)
+        self.state.all_acked.set()
+        self.state.credits = 0
+        self.state.replay_lost.set()
+        self.state.learner_lost.set()
+        self._start_slots()
 
     def _grant(self, credits: int) -> None:
         if credits > 0:
@@ -350,12 +417,17 @@ class Actor:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.transport.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.state.active_changed.wait(),
+                                       self.settings.transport.heartbeat_interval_s)
+            self.state.active_changed.clear()
             for socket in (self.socket, self.learner_socket):
                 if socket is not None:
-                    await socket.send(encode(Heartbeat(
-                        **self.stamp.next(), active_rollouts=self.state.active,
-                        stall_seconds=self.metrics.stall_totals())))
+                    await self._send_heartbeat(socket)
+
+    async def _send_heartbeat(self, socket: zmq.asyncio.Socket) -> None:
+        await socket.send(encode(Heartbeat(**self.stamp.next(), active_rollouts=self.state.active,
+                                           stall_seconds=self.metrics.stall_totals())))
 
     async def _resend(self) -> None:
         timeout = self.config.ack_timeout_s
@@ -367,6 +439,19 @@ class Actor:
                     pending.sent_at = now
                     self.metrics.segments_resent.inc()
                     await self.socket.send(pending.frame)
+
+    async def _count_disconnects(self, socket: zmq.asyncio.Socket, peer: str) -> None:
+        """Count the connection to ``peer`` dropping: ZeroMQ reconnects by
+        itself and what was lost is resent, so without this a flaky network
+        would show only as resends."""
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                self.metrics.disconnects.labels(peer).inc()
+        finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
 
     # ------------------------------------------------------------------ learner link
 

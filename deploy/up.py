@@ -6,11 +6,18 @@ effective configuration written once to ``RUN/config.toml`` and read by all.
 
 Supervision:
 
-- an actor that exits is restarted with backoff (``ACTOR_BACKOFF_S``; reset
-  after it ran ``BACKOFF_RESET_S``) and rejoins as a new incarnation (the
-  replay expires its lost in-flight rollouts, the learner sends it weights);
-- the learner or the replay exiting with an error stops the run, says which
-  and where its log is, and prints the command that resumes it;
+- a process that exits is restarted with backoff (``RESTART_BACKOFF_S``;
+  reset after it ran ``BACKOFF_RESET_S``):
+  - an actor rejoins as a new incarnation (the replay expires its lost
+    in-flight rollouts, the learner sends it weights);
+  - the replay recovers its durable log (every acknowledged segment) and the
+    actors resend what it had not acknowledged;
+  - the learner is restarted with ``--resume``: it continues from its newest
+    checkpoint at a version above any it announced, and the actors load its
+    next publication;
+- the learner or the replay failing ``SERVICE_MAX_CRASHES`` times in a row
+  (a crash loop, not a fault) stops the run, says which and where its log
+  is, and prints the command that resumes it;
 - the learner finishing (``learner.max_steps``), ``run.max_minutes``, Ctrl-C
   or SIGTERM shut everything down in order: the learner first (it writes a
   checkpoint and the HF export), then the actors (they flush their
@@ -42,10 +49,15 @@ from ops.files import atomic_write_text
 from ops.report import write_report
 from ops.summary import scrape_run, summarise
 
-#: Seconds before restarting an actor after its n-th consecutive crash.
-ACTOR_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-#: An actor that ran this long before exiting starts its backoff afresh.
+#: Seconds before restarting a process after its n-th consecutive crash.
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+#: A process that ran this long before exiting starts its backoff afresh.
 BACKOFF_RESET_S = 60.0
+#: The replay or the learner exiting this many times in a row, each within
+#: ``BACKOFF_RESET_S`` of its start, is a crash loop (a bad configuration, a
+#: bug): the run stops instead of restarting it forever. Actors have no such
+#: limit: the run goes on without them, and an operator sees them down.
+SERVICE_MAX_CRASHES = 5
 SCRAPE_INTERVAL_S = 2.0
 #: Without a terminal (CI, pipes), one summary line this often.
 PLAIN_EVERY_S = 15.0
@@ -69,6 +81,8 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     cores: frozenset[int] = frozenset()
     """CPU cores it (and every process it starts) may run on; empty: any."""
+    restart_args: list[str] | None = None
+    """Arguments of a restart (the learner resumes); None: the same as the first start."""
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +167,7 @@ class Up:
         self.learner = Child("learner", ["learner", *common,
                                          *(["--resume"] if self.resume else [])],
                              logs / "learner.log", env=self._learner_env(learner_cores),
-                             cores=learner_cores)
+                             cores=learner_cores, restart_args=["learner", *common, "--resume"])
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
                                             f"{self.config.run.name}-actor-{i}",
                                             *self._bind_engine(actor_cores, i)],
@@ -205,10 +219,10 @@ class Up:
         self.config_path.write_text(to_toml(self.config))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        began = time.monotonic()
+        began = self._began = time.monotonic()
         for child in (self.replay, self.learner, *self.actors):
             child.start()
-        self._write_state(began)
+        self._write_state()
         outcome = EXIT_FAILED
         try:
             outcome, message = self._supervise(began)
@@ -221,7 +235,7 @@ class Up:
                 "\n".join(f"{k}: {v}" for k, v in summary.items()) + "\n")
             write_report(self.history_path, self.run_dir / "report.html",
                          self.config.run.name, summary)
-            self._write_state(began, finished=True)
+            self._write_state(finished=True)
         print(message)
         if outcome == EXIT_FAILED or outcome == EXIT_INTERRUPTED:
             print(f"resume with: compactionrl up --config {self.config_path} --resume")
@@ -242,18 +256,16 @@ class Up:
                 minutes = self.config.run.max_minutes
                 if minutes and now - began > minutes * 60:
                     return EXIT_FINISHED, f"wall time of {minutes} min reached"
-                code = self.learner.exit_code()
-                if code == 0:
+                if self.learner.exit_code() == 0:
                     return EXIT_FINISHED, (f"finished: {self.config.learner.max_steps} "
                                            "learner steps")
-                if code is not None:
-                    return EXIT_FAILED, (f"the learner exited with code {code}; see "
-                                         f"{self.learner.log}")
-                code = self.replay.exit_code()
-                if code is not None:
-                    return EXIT_FAILED, (f"the replay exited with code {code}; see "
-                                         f"{self.replay.log}")
-                self._tend_actors(now)
+                for service in (self.replay, self.learner):
+                    if service.crashes >= SERVICE_MAX_CRASHES and service.exit_code() is not None:
+                        return EXIT_FAILED, (
+                            f"the {service.name} exited with code {service.exit_code()} "
+                            f"{service.crashes} times in a row; see {service.log}")
+                for child in (self.replay, self.learner, *self.actors):
+                    self._tend(child, now)
                 if now - last_scrape >= SCRAPE_INTERVAL_S:
                     last_scrape = now
                     self._snapshot()
@@ -262,20 +274,23 @@ class Up:
         finally:
             view.close()
 
-    def _tend_actors(self, now: float) -> None:
-        for actor in self.actors:
-            code = actor.exit_code()
-            if code is not None and actor.restart_at is None:
-                if now - actor.started_at > BACKOFF_RESET_S:
-                    actor.crashes = 0
-                delay = ACTOR_BACKOFF_S[min(actor.crashes, len(ACTOR_BACKOFF_S) - 1)]
-                actor.crashes += 1
-                actor.restart_at = now + delay
-                print(f"{actor.name} exited with code {code}; restarting in {delay:.0f} s "
-                      f"(see {actor.log})", flush=True)
-            elif actor.restart_at is not None and now >= actor.restart_at:
-                actor.restarts += 1
-                actor.start()
+    def _tend(self, child: Child, now: float) -> None:
+        """Schedule the restart of a child that exited, or restart it when due."""
+        code = child.exit_code()
+        if code is not None and child.restart_at is None:
+            if now - child.started_at > BACKOFF_RESET_S:
+                child.crashes = 0
+            delay = RESTART_BACKOFF_S[min(child.crashes, len(RESTART_BACKOFF_S) - 1)]
+            child.crashes += 1
+            child.restart_at = now + delay
+            print(f"{child.name} exited with code {code}; restarting in {delay:.0f} s "
+                  f"(see {child.log})", flush=True)
+        elif child.restart_at is not None and now >= child.restart_at:
+            child.restarts += 1
+            if child.restart_args is not None:
+                child.args = child.restart_args
+            child.start()
+            self._write_state()
 
     def _shutdown(self) -> None:
         """After the learner: the actors (they flush), then the replay."""
@@ -305,6 +320,8 @@ class Up:
         longer serves metrics)."""
         snapshot = scrape_run(self._urls(), self.history[-1] if self.history else None)
         snapshot["actor_restarts"] = float(sum(a.restarts for a in self.actors))
+        snapshot["replay_restarts"] = float(self.replay.restarts)
+        snapshot["learner_restarts"] = float(self.learner.restarts)
         checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if final else None
         if checkpoint is not None:
             meta = json.loads((checkpoint / "meta.json").read_text())
@@ -320,11 +337,14 @@ class Up:
         before = self.history[-2] if len(self.history) > 1 else None
         lines = summarise(self.history[-1], before, self.history[0],
                           self.config.learner.max_steps)
-        lines["restarts"] = f"actor restarts {sum(a.restarts for a in self.actors)}"
+        lines["restarts"] = (f"actors {sum(a.restarts for a in self.actors)}, replay "
+                             f"{self.replay.restarts}, learner {self.learner.restarts}")
         return lines
 
-    def _write_state(self, began: float, finished: bool = False) -> None:
-        """``RUN/up.json``: what ``compactionrl status`` reads."""
+    def _write_state(self, finished: bool = False) -> None:
+        """``RUN/up.json``: what ``compactionrl status`` reads; rewritten when
+        a child restarts, so that its pids are the live ones."""
+        began = self._began
         atomic_write_text(self.run_dir / "up.json", json.dumps({
             "pid": os.getpid(), "finished": finished, "max_steps": self.config.learner.max_steps,
             "children": {c.name: c.process.pid for c in (self.replay, self.learner, *self.actors)

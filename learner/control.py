@@ -13,7 +13,8 @@ announcements to the thread over an inproc PAIR, which also wakes it.
 Usage::
 
     control = ControlPlane(address, transport, run_id="r", max_staleness=4,
-                           late_joiner="immediate", metrics=metrics)
+                           late_joiner="immediate", metrics=metrics,
+                           announced_record=run_dir / "checkpoints" / "announced.json")
     members = control.members()
     control.announce(members, version, manifest, group_for_rank)
     if control.publication_wanted(version): ...
@@ -23,17 +24,20 @@ Usage::
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import zmq
 
 from learner.metrics import LearnerMetrics
+from ops.files import atomic_write_text
 from protocol import (
     EngineInfo,
     Error,
@@ -77,7 +81,11 @@ class Member:
 class ControlPlane:
     def __init__(self, address: str, transport: TransportConfig, run_id: str,
                  max_staleness: int, late_joiner: Literal["immediate", "next_publication"],
-                 metrics: LearnerMetrics) -> None:
+                 metrics: LearnerMetrics, announced_record: Path | None = None) -> None:
+        """``announced_record``: a file that keeps the newest version ever
+        announced in this run, written before the announcement: a learner
+        restarted from an older checkpoint reads it and labels its weights
+        above every version an actor may hold."""
         self.run_id = run_id
         self.max_staleness = max_staleness
         self.late_joiner = late_joiner
@@ -86,8 +94,11 @@ class ControlPlane:
         self.version = 0
         """The learner's policy version, set by the training thread."""
         self._members: dict[str, Member] = {}
-        self._announced = 0
-        """The newest version announced: no actor can have loaded a newer one."""
+        self._record = announced_record
+        self._announced = (json.loads(announced_record.read_text())["version"]
+                           if announced_record is not None and announced_record.is_file() else 0)
+        """The newest version announced (by this process or an earlier one of
+        the run): no actor can have loaded a newer one."""
         self._lock = threading.Lock()
         self._stamp = Stamp("learner", time.time_ns())
         self._context = zmq.Context()
@@ -128,9 +139,17 @@ class ControlPlane:
             for member in members:
                 member.version = max(member.version, version)
 
+    @property
+    def announced(self) -> int:
+        with self._lock:
+            return self._announced
+
     def announce(self, members: list[Member], version: int, manifest: WeightManifest,
                  group_for_rank: Callable[[int], GroupInfo]) -> None:
         """Send ``WeightsAnnounce`` to each member (rank i+1 of the group)."""
+        if self._record is not None and version > self.announced:
+            self._record.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self._record, json.dumps({"version": version}))
         with self._lock:
             self._announced = max(self._announced, version)
             for member in members:

@@ -36,6 +36,9 @@ class LearnerMetrics:
                                     "Time waiting for batches from the replay", registry=r)
         self.rejected_batches = Counter("crl_learner_rejected_batches",
                                         "Batches refused before any update", registry=r)
+        self.duplicate_batches = Counter(
+            "crl_learner_duplicate_batches",
+            "Batches received again after a reconnect and dropped (trained once)", registry=r)
         self.weight_sync_seconds = Histogram(
             "crl_learner_weight_sync_seconds",
             "Weight publication by phase: gather (from FSDP shards), broadcast "

@@ -12,6 +12,20 @@ refuses (no final reward, arrays that disagree) is counted and skipped before
 any update. The version increments once per step; checkpoints every
 ``checkpoint_every`` steps and at the end (or on SIGTERM), then the HF export.
 
+Versions only go up within a run, across learner restarts: a version names
+one set of weights. A learner resumed from a checkpoint older than the last
+publication (actors hold newer weights, the replay has seen newer versions)
+labels its weights above every version announced or reported before
+(:func:`starting_version`), so the actors take its first publication as new.
+
+The replay may restart under the learner (``compactionrl up`` restarts it),
+or the connection may drop with a ``Batch`` on its way: rank 0 sends its
+outstanding ``BatchRequest`` again, byte for byte, whenever its connection to
+the replay is re-established (a ZeroMQ monitor event). A replay that served
+that request already sends the same ``Batch`` again; one that never saw it
+(restarted) treats it as new. A ``Batch`` identical to the one taken last (a
+resend that crossed the original) is ignored and counted.
+
 Started as ``torchrun ... -m learner --settings FILE`` (``compactionrl
 learner`` writes FILE: this package cannot read the run's TOML itself).
 """
@@ -57,6 +71,19 @@ log = logging.getLogger("compactionrl.learner")
 
 #: Rank 0 polls the replay this often while waiting, to notice SIGTERM.
 WAIT_SLICE_MS = 500
+#: Name of the announced-version record in the checkpoints folder.
+ANNOUNCED_RECORD = "announced.json"
+
+
+def starting_version(restored: int, announced: int, replay_version: int) -> int:
+    """The version the learner's weights carry at start: the restored
+    checkpoint's (0 without one), unless an earlier learner process of the run
+    got further: it announced ``announced`` to actors, and the replay heard
+    ``replay_version`` in its batch requests. Those weights are lost, but
+    actors may still generate with them, so the restored weights take a label
+    above both, never one that named other weights."""
+    seen = max(announced, replay_version)
+    return restored if seen <= restored else seen + 1
 
 
 @dataclass
@@ -105,17 +132,27 @@ class Learner:
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
             self.version, self.step = load_checkpoint(latest, self.trainer)
             log.info("resumed from %s at version %d", latest, self.version)
-        link = _ReplayLink(self.settings) if self.rank == 0 else None
+        link = (_ReplayLink(self.settings, self.metrics.duplicate_batches)
+                if self.rank == 0 else None)
         control = ControlPlane(self.config.control_address, self.settings.transport,
                                self.settings.run_id, self.settings.max_staleness,
-                               self.config.late_joiner, self.metrics) if self.rank == 0 else None
+                               self.config.late_joiner, self.metrics,
+                               checkpoints / ANNOUNCED_RECORD) if self.rank == 0 else None
         publisher = WeightPublisher(self.trainer.policy, self.config, self.rank, control,
                                     self.metrics, self._broadcast_int)
         server = MetricsServer(self.metrics.registry,
                                self.config.metrics_port if self.rank == 0 else 0,
                                self.settings.transport.metrics_address)
         try:
-            batch_size = self._broadcast_int(link.hello() if link else 0)
+            batch_size, replay_version = link.hello() if link else (0, 0)
+            batch_size = self._broadcast_int(batch_size)
+            restored = self.version
+            self.version = self._broadcast_int(starting_version(
+                restored, control.announced, replay_version) if control else 0)
+            if self.version != restored and self.rank == 0:
+                log.info("weights of version %d labelled version %d: an earlier learner of "
+                         "this run got to version %d", restored, self.version,
+                         self.version - 1)
             while self.step < self.config.max_steps:
                 if control:
                     control.version = self.version
@@ -202,30 +239,45 @@ class Learner:
 class _ReplayLink:
     """Rank 0's DEALER to the replay's learner socket."""
 
-    def __init__(self, settings: LearnerSettings) -> None:
+    def __init__(self, settings: LearnerSettings, duplicates: Counter) -> None:
         self.context = zmq.Context()
         self.socket = connect_dealer(self.context, settings.replay_address, settings.transport,
                                      b"learner")
+        self.connections = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        """An event per (re)connection to the replay."""
         self.stamp = Stamp("learner", time.time_ns())
         self.max_bytes = settings.transport.max_message_bytes
-        self.requested = False
-        """A BatchRequest is outstanding (its Batch not yet received)."""
+        self.request_frame: bytes | None = None
+        """The outstanding BatchRequest (its Batch not yet received), as sent."""
+        self.last_batch: tuple[int, int] | None = None
+        """(incarnation, seq) of the replay's last Batch taken: a resend of it is dropped."""
+        self.duplicates = duplicates
 
-    def hello(self) -> int:
-        """Register; returns the batch size B from the replay's Welcome."""
+    def hello(self) -> tuple[int, int]:
+        """Register; returns the batch size B and the newest learner version
+        the replay knows, from its Welcome."""
         self.socket.send(encode(Hello(**self.stamp.next(), capacity=0, engine=EngineInfo(
             device="learner", dtype="", tensor_parallel=0, model=""))))
         while True:
             message = decode(self.socket.recv(), self.max_bytes)
             if isinstance(message, Welcome):
-                return message.rollouts_per_batch
+                self._reconnected()  # the first connection is not a reconnection
+                return message.rollouts_per_batch, message.policy_version
+
+    def _reconnected(self) -> bool:
+        """Whether the connection to the replay was (re)established since the last call."""
+        events = 0
+        while self.connections.poll(0, zmq.POLLIN):
+            self.connections.recv_multipart()
+            events += 1
+        return events > 0
 
     def request(self, size: int, version: int) -> None:
         """Send a BatchRequest unless one is outstanding."""
-        if not self.requested:
-            self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
-                                                 policy_version=version)))
-            self.requested = True
+        if self.request_frame is None:
+            self.request_frame = encode(BatchRequest(**self.stamp.next(), size=size,
+                                                     policy_version=version))
+            self.socket.send(self.request_frame)
 
     def next_batch(self, size: int, version: int, interrupted: Callable[[], bool],
                    idle: Counter) -> bytes:
@@ -235,18 +287,32 @@ class _ReplayLink:
         began = time.perf_counter()
         try:
             while not interrupted():
+                if self._reconnected() and self.request_frame is not None:
+                    # the request, or its batch, may have been lost with the connection
+                    log.info("reconnected to the replay: asking for the batch again")
+                    self.socket.send(self.request_frame)
                 if self.socket.poll(WAIT_SLICE_MS, zmq.POLLIN):
                     frame = self.socket.recv()
                     try:
-                        if isinstance(decode(frame, self.max_bytes), Batch):
-                            self.requested = False
-                            return frame
+                        message = decode(frame, self.max_bytes)
                     except ProtocolError as exc:
                         log.warning("dropped a frame from the replay: %s", exc)
+                        continue
+                    if not isinstance(message, Batch):
+                        continue
+                    if (message.incarnation, message.seq) == self.last_batch:
+                        self.duplicates.inc()
+                        log.info("dropped a batch taken before (resent after a reconnect)")
+                        continue
+                    self.last_batch = (message.incarnation, message.seq)
+                    self.request_frame = None
+                    return frame
             return b""
         finally:
             idle.inc(time.perf_counter() - began)
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.connections.close(linger=0)
         self.socket.close(linger=0)
         self.context.term()

@@ -26,6 +26,15 @@ class Reason(StrEnum):
     trainable token, a final segment without a reward, ...)."""
 
 
+#: Error codes of the actor socket beyond :class:`Reason`, about the sender's
+#: incarnation (stable: they label counters, and actors act on them).
+STALE_INCARNATION = "stale_incarnation"
+"""A newer incarnation of the same actor id registered: this one is over."""
+DEAD_INCARNATION = "dead_incarnation"
+"""The replay declared this incarnation dead (silent past the liveness) and
+expired its rollouts: the process, if it lives, must register as a new one."""
+
+
 class ProtocolError(Exception):
     """A message that cannot be accepted. ``reason`` says why, ``str()`` says
     what exactly; the receiver replies with an ``Error`` and counts it."""

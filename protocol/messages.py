@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from typing import Any, Literal
@@ -56,18 +55,24 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True):
 
 
 class Stamp:
-    """Produces header fields for one sender: ``Hello(**stamp.next(), ...)``."""
+    """Produces header fields for one sender: ``Hello(**stamp.next(), ...)``.
 
-    def __init__(self, sender_id: str, incarnation: int) -> None:
+    ``first_seq``: a process that starts a new incarnation continues its seqs
+    (``Stamp(id, new, first_seq=old.next_seq)``), so that a reply naming a
+    ``ref_seq`` tells which of its incarnations it is about."""
+
+    def __init__(self, sender_id: str, incarnation: int, first_seq: int = 0) -> None:
         self.sender_id = sender_id
         self.incarnation = incarnation
-        self._seq = itertools.count()
+        self.first_seq = first_seq
+        self.next_seq = first_seq
 
     def next(self) -> dict[str, Any]:
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
         return {
             "sender_id": self.sender_id,
             "incarnation": self.incarnation,
-            "seq": next(self._seq),
+            "seq": seq,
             "sent_at": time.time(),
         }
 

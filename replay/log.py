@@ -36,6 +36,24 @@ _HEADER = struct.Struct("<IIB")
 MAX_RECORD_BYTES = 1 << 31
 
 
+def read_records(data: bytes) -> Iterator[tuple[int, bytes, int]]:
+    """``(kind, payload, end offset)`` of each whole record of a log's bytes,
+    up to the first torn or corrupt one. Reads only: a live log can be read
+    while the replay appends to it."""
+    offset = 0
+    while offset + _HEADER.size <= len(data):
+        length, checksum, kind = _HEADER.unpack_from(data, offset)
+        end = offset + _HEADER.size + length
+        if length > MAX_RECORD_BYTES or end > len(data):
+            return
+        payload = data[offset + _HEADER.size:end]
+        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != checksum or kind not in (
+                SEGMENT, RELEASED):
+            return
+        yield kind, payload, end
+        offset = end
+
+
 class DurableLog:
     """Append-only segment log with a configurable fsync policy."""
 
@@ -60,18 +78,9 @@ class DurableLog:
         good = 0
         with open(self.path, "rb") as file:
             data = file.read()
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            length, checksum, kind = _HEADER.unpack_from(data, offset)
-            end = offset + _HEADER.size + length
-            if length > MAX_RECORD_BYTES or end > len(data):
-                break
-            payload = data[offset + _HEADER.size:end]
-            if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != checksum or kind not in (
-                    SEGMENT, RELEASED):
-                break
+        for kind, payload, end in read_records(data):
             yield kind, payload
-            offset = good = end
+            good = end
         if good < len(data):
             self._file.truncate(good)
             self._file.flush()

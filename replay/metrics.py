@@ -30,6 +30,9 @@ class ReplayMetrics:
                                   registry=r)
         self.log_bytes = Gauge("crl_replay_log_bytes", "Size of the durable log", registry=r)
         self.batches = Counter("crl_replay_batches", "Batches served", registry=r)
+        self.batches_resent = Counter(
+            "crl_replay_batches_resent",
+            "Batches served again: the learner asked again after a reconnect", registry=r)
         self.learner_version = Gauge("crl_replay_learner_version",
                                      "Learner version last reported", registry=r)
         self.actors_alive = Gauge("crl_replay_actors_alive", "Actors heard from recently",

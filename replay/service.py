@@ -4,7 +4,10 @@ One thread, one poll loop over two ROUTER sockets (actors, learner). Each
 turn of the loop reads up to :data:`INGEST_BATCH` actor messages, writes the
 accepted segments to the durable log, makes them durable (fsync policy), and
 only then acknowledges them, with credits. Learner ``BatchRequest``s are
-parked until enough ready rollouts exist, then answered with a ``Batch``.
+parked until enough ready rollouts exist, then answered with a ``Batch``. The
+last ``Batch`` is kept until the learner's next request: the same request
+again (after a reconnect: the batch may have been lost with the connection)
+gets the same bytes again, never a second batch.
 
 Every message from a peer is checked: undecodable frames, a ``sender_id``
 that is not the socket identity, an old incarnation, segment contents outside
@@ -32,6 +35,8 @@ import zmq
 
 from ops.metrics import MetricsServer
 from protocol import (
+    DEAD_INCARNATION,
+    STALE_INCARNATION,
     Ack,
     Batch,
     BatchRequest,
@@ -82,6 +87,17 @@ class _Peer:
     """In flight at its last heartbeat, including rollouts not yet seen here."""
 
 
+@dataclass
+class _Served:
+    """The last batch served to a learner identity, kept until that learner's
+    next request shows it arrived: a connection that drops while the batch is
+    on its way loses it, and the learner then asks again with the same request."""
+
+    request: tuple[int, int]
+    """(incarnation, seq) of the ``BatchRequest`` it answers."""
+    frame: bytes
+
+
 class _SeenSeqs:
     """Seqs seen per (sender, incarnation), bounded by a window behind the newest."""
 
@@ -118,12 +134,17 @@ class ReplayService:
         self.seen = _SeenSeqs()
         self.peers: dict[bytes, _Peer] = {}
         self.current_incarnation: dict[str, int] = {}
+        self.dead_incarnation: dict[str, int] = {}
+        """Per actor id, the newest incarnation declared dead (silent past the
+        liveness): its rollouts expired, so whatever it sends later is refused
+        and it must come back as a new incarnation (a frozen process resumed)."""
         self.liveness = Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness)
         self.learner_version = 0
         self.learner_seen = False
         self.compact_min_bytes = COMPACT_MIN_BYTES
         self._stamp = Stamp("replay", time.time_ns())
         self._parked: list[tuple[bytes, BatchRequest]] = []
+        self._served: dict[bytes, _Served] = {}
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
         self.actor_socket = bind_router(self._context, config.actor_address, transport)
@@ -233,17 +254,28 @@ class ReplayService:
                       acks: dict[bytes, list[int]], now: float) -> None:
         actor_id, incarnation = message.sender_id, message.incarnation
         current = self.current_incarnation.get(actor_id)
+        refused = None
         if current is not None and incarnation < current:
-            self._reject(self.actor_socket, identity, "stale_incarnation",
-                         f"incarnation {incarnation} was replaced by {current}", message.seq)
+            refused = STALE_INCARNATION, f"incarnation {incarnation} was replaced by {current}"
+        elif incarnation <= self.dead_incarnation.get(actor_id, -1):
+            refused = DEAD_INCARNATION, (f"incarnation {incarnation} was declared dead (silent "
+                                         f"for {self.liveness.timeout_s:g} s): register as a "
+                                         "new one")
+        if refused is not None:  # its rollouts are gone: nothing of it may count twice
+            self._reject(self.actor_socket, identity, *refused, message.seq)
+            if isinstance(message, Segment):
+                self.metrics.segments.labels("rejected").inc()
             return
-        if current is not None and incarnation > current:
-            old = self.peers.get(identity)  # restarted: the old one is dead
-            self._actor_gone(identity, actor_id, current, old.active_rollouts if old else 0)
+        old = self.peers.get(identity)
+        if old is not None and incarnation > old.incarnation:
+            # restarted before its old incarnation fell silent long enough: that
+            # one is dead now (one declared dead by the liveness was counted then
+            # and left self.peers, so nothing of it is counted twice)
+            self._actor_gone(identity, actor_id, old.incarnation, old.active_rollouts)
         self.current_incarnation[actor_id] = incarnation
         peer = self.peers.setdefault(identity, _Peer(actor_id, incarnation))
-        if peer.incarnation != incarnation:
-            peer.incarnation, peer.active_rollouts = incarnation, 0
+        if peer.incarnation != incarnation:  # the same process or config: same capacity
+            self.peers[identity] = peer = _Peer(actor_id, incarnation, peer.capacity)
         self.liveness.seen(identity)
         if isinstance(message, Hello):
             peer.capacity = max(1, message.capacity)
@@ -317,8 +349,13 @@ class ReplayService:
             self._drop(entry.rollout_id, "expired")
         # the rollouts it had started but sent nothing of are lost too; a
         # heartbeat's claim counts only up to the credits it still held
-        unseen = min(active_rollouts - len(expired), self.pacer.outstanding.get(actor_id, 0))
-        self.metrics.dropped.labels("expired").inc(max(0, unseen))
+        outstanding = self.pacer.outstanding.get(actor_id, 0)
+        unseen = max(0, min(active_rollouts - len(expired), outstanding))
+        self.metrics.dropped.labels("expired").inc(unseen)
+        log.info("actor %s (incarnation %d) gone: %d rollouts lost (%d pending, %d unseen; "
+                 "%d in flight at its last report, %d credits outstanding)", actor_id,
+                 incarnation, len(expired) + unseen, len(expired), unseen, active_rollouts,
+                 outstanding)
         self.pacer.forget(actor_id)
         self.liveness.forget(identity)
 
@@ -350,6 +387,15 @@ class ReplayService:
                     rollouts_per_batch=self.config.rollouts_per_batch, credits=0))
             elif isinstance(message, BatchRequest) and message.size >= 1:
                 self._set_learner_version(message.policy_version)
+                served = self._served.get(identity)
+                if served is not None and served.request == (message.incarnation, message.seq):
+                    # asked again after a reconnect: the batch may be lost on the way
+                    self.metrics.batches_resent.inc()
+                    self._send_frame(self.learner_socket, identity, served.frame)
+                    continue
+                # a new request: the batch served before it arrived (or its learner
+                # is gone, replaced by a new incarnation)
+                self._served.pop(identity, None)
                 self.pacer.learner_waiting()
                 self._parked = [(i, r) for i, r in self._parked if i != identity]
                 self._parked.append((identity, message))
@@ -395,13 +441,15 @@ class ReplayService:
             for value in staleness:
                 self.metrics.staleness.observe(value)
             self.metrics.batches.inc()
-            self._send(self.learner_socket, identity, Batch(
+            frame = encode(Batch(
                 **self._stamp.next(), policy_version=self.learner_version,
                 rollouts=[to_rollout(e, self.learner_version) for e in entries],
                 staleness=StalenessStats(
                     min=int(staleness.min()), max=int(staleness.max()),
                     mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
                     p95=float(np.percentile(staleness, 95)))))
+            self._served[identity] = _Served((request.incarnation, request.seq), frame)
+            self._send_frame(self.learner_socket, identity, frame)
 
     # ------------------------------------------------------------------ shared
 
@@ -431,8 +479,11 @@ class ReplayService:
                      "a message is exactly one frame", None)
 
     def _send(self, socket: zmq.Socket, identity: bytes, message: Message) -> None:
+        self._send_frame(socket, identity, encode(message))
+
+    def _send_frame(self, socket: zmq.Socket, identity: bytes, frame: bytes) -> None:
         try:
-            socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+            socket.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
             log.debug("cannot reply to %r: %s", identity, exc)
 
@@ -443,6 +494,7 @@ class ReplayService:
             if peer is not None:
                 log.info("actor %s (incarnation %d) is silent: declared dead", peer.actor_id,
                          peer.incarnation)
+                self.dead_incarnation[peer.actor_id] = peer.incarnation
                 self._actor_gone(identity, peer.actor_id, peer.incarnation,
                                  peer.active_rollouts)
         for entry in self.buffer.expired(now, set()):

@@ -42,6 +42,14 @@ def run_command(args: list[str], timeout: float, env: dict[str, str] | None = No
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
+def metric(port: int, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` with ``labels`` at a process's metrics
+    port on loopback (0 if it does not answer)."""
+    return sum(value for found, value in
+               (scrape(f"http://127.0.0.1:{port}/metrics") or {}).get(name, [])
+               if all(found.get(k) == v for k, v in labels.items()))
+
+
 def compactionrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return run_command([str(VENV_BIN / "compactionrl"), *args], timeout)
 
@@ -56,13 +64,15 @@ class Background:
             learner.wait_for("published version 1", timeout=120)
     """
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None
+                 ) -> None:
         self.args = args
         self.log_path = log_path
         self._log = log_path.open("w")
         self.process = subprocess.Popen([str(VENV_BIN / "compactionrl"), *args],
                                         stdout=subprocess.DEVNULL, stderr=self._log,
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        env={**os.environ, **(env or {})})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -145,8 +155,7 @@ class ReplayProcess:
         return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     def metric(self, name: str, **labels: str) -> float:
-        return sum(value for found, value in (self.samples() or {}).get(name, [])
-                   if all(found.get(k) == v for k, v in labels.items()))
+        return metric(self.metrics_port, name, **labels)
 
     def rejected(self) -> Counter[str]:
         return Counter({found["reason"]: int(value) for found, value in

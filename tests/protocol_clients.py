@@ -51,8 +51,9 @@ class ActorClient:
                         engine=EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1,
                                           model="m")))
 
-    def heartbeat(self) -> None:
-        self.send(Heartbeat(**self.stamp.next(), active_rollouts=0, stall_seconds={}))
+    def heartbeat(self, active_rollouts: int = 0) -> None:
+        self.send(Heartbeat(**self.stamp.next(), active_rollouts=active_rollouts,
+                            stall_seconds={}))
 
     def send(self, message: Message) -> None:
         self.socket.send(encode(message))
@@ -111,9 +112,11 @@ class LearnerClient:
         self.socket = connect_dealer(context, address, transport or TransportConfig(), b"learner")
         self.stamp = Stamp("learner", 1)
 
-    def request(self, size: int, version: int) -> None:
-        self.socket.send(encode(BatchRequest(**self.stamp.next(), size=size,
-                                             policy_version=version)))
+    def request(self, size: int, version: int) -> bytes:
+        """Send a BatchRequest; returns its frame (to send it again)."""
+        frame = encode(BatchRequest(**self.stamp.next(), size=size, policy_version=version))
+        self.socket.send(frame)
+        return frame
 
     def receive(self, timeout_s: float) -> Batch | None:
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):

@@ -115,3 +115,35 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
         assert isinstance(actor.receive(), Welcome)
     finally:
         context.destroy(linger=0)
+
+
+def test_the_newest_announced_version_outlives_the_learner(tmp_path) -> None:
+    """A restarted learner reads the newest version its predecessor announced,
+    and starts above it when its checkpoint is older (versions never repeat)."""
+    from learner.process import starting_version
+
+    record = tmp_path / "checkpoints" / "announced.json"
+    [address] = loopback_addresses(1)
+
+    def plane() -> ControlPlane:
+        return ControlPlane(address, TransportConfig(), run_id="r", max_staleness=2,
+                            late_joiner="immediate", metrics=LearnerMetrics(),
+                            announced_record=record)
+
+    first = plane()
+    try:
+        assert first.announced == 0
+        for version in (3, 7, 5):
+            first.announce([], version, MANIFEST, lambda rank: None)
+        assert first.announced == 7
+    finally:
+        first.close()
+    restarted = plane()
+    try:
+        assert restarted.announced == 7
+    finally:
+        restarted.close()
+    assert starting_version(restored=4, announced=7, replay_version=6) == 8
+    assert starting_version(restored=4, announced=4, replay_version=5) == 6
+    assert starting_version(restored=7, announced=7, replay_version=7) == 7
+    assert starting_version(restored=0, announced=0, replay_version=0) == 0

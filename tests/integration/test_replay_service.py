@@ -13,11 +13,12 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import PROTOCOL_VERSION, encode
+from protocol import DEAD_INCARNATION, PROTOCOL_VERSION, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import ReplayService
+from tests.faults.proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
 from tests.protocol_clients import ActorClient, LearnerClient
 
@@ -54,7 +55,10 @@ def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Running]:
                    rollouts_per_batch=2, max_staleness=1, log_path=str(tmp_path / "log"),
                    metrics_port=0, rollout_timeout_s=600.0)
     options.update(getattr(request, "param", {}))
-    transport = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=3)
+    # scripted actors send no heartbeats: only the liveness tests get a short one
+    # (a replay declares a silent actor dead and refuses it from then on)
+    liveness = options.pop("heartbeat_liveness", 100)
+    transport = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=liveness)
     running = Running(ReplayService(ReplayConfig(**options), transport, vocab_size=100))
     yield running
     running.close()
@@ -137,6 +141,7 @@ def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
     assert batch is not None and all(r.staleness == 0 for r in batch.rollouts)
 
 
+@pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
 def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running) -> None:
     actor = replay.actor()
     actor.hello()
@@ -165,6 +170,177 @@ def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -
     assert late.pump_until(lambda: late.errors)
     assert [e.code for e in late.errors] == ["stale_incarnation"]
     assert replay.metric("crl_replay_segments_total", result="accepted") == 0
+
+
+@pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
+def test_a_frozen_incarnation_declared_dead_is_refused_until_it_comes_back_new(
+        replay: Running) -> None:
+    frozen = replay.actor(actor_id="actor-f", incarnation=1)
+    frozen.hello()
+    assert frozen.pump_until(lambda: frozen.credits > 0)
+    first = synthetic_segment(frozen.stamp, "in-flight", 0, final=False)
+    frozen.unacked[first.seq] = encode(first)
+    frozen.sent[first.seq] = first
+    frozen.send(first)
+    assert frozen.pump_until(lambda: not frozen.unacked)
+    # silent past the liveness (3 x 0.2 s): declared dead, its rollout expires
+    assert frozen.pump_until(
+        lambda: replay.metric("crl_replay_dropped_total", reason="expired") == 1)
+    # resumed (SIGCONT): its heartbeat and its rollout's last segment are refused
+    frozen.heartbeat()
+    frozen.send(synthetic_segment(frozen.stamp, "in-flight", 1, final=True))
+    assert frozen.pump_until(lambda: len(frozen.errors) == 2)
+    assert {e.code for e in frozen.errors} == {DEAD_INCARNATION}
+    assert replay.metric("crl_replay_segments_total", result="rejected") == 1
+    assert replay.metric("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION) == 2
+    # the same process as a new incarnation is welcome, and its rollouts count
+    reborn = replay.actor(actor_id="actor-f", incarnation=2)
+    reborn.hello()
+    assert reborn.pump_until(lambda: reborn.credits > 0)
+    reborn.push_rollout(segments=2)
+    assert reborn.pump_until(lambda: not reborn.unacked)
+    learner = replay.learner()
+    learner.request(1, version=0)
+    batch = learner.receive(5.0)
+    assert batch is not None
+    assert [r.segments[0].incarnation for r in batch.rollouts] == [2]
+    assert replay.metric("crl_replay_dropped_total", reason="expired") == 1  # not twice
+
+
+def test_a_restarted_actor_s_lost_rollouts_are_counted_once(replay: Running) -> None:
+    """Restarted before its old incarnation fell silent: the old one's rollouts
+    in flight expire at the new one's first message, the pending one and the
+    ones it had sent nothing of alike, each exactly once."""
+    old = replay.actor(actor_id="actor-k", incarnation=1, capacity=4)
+    old.hello()
+    assert old.pump_until(lambda: old.credits == 4)
+    old.push_rollout(segments=1)  # finished: not lost
+    old.send(synthetic_segment(old.stamp, "actor-k-1-pending", 0, final=False))
+    old.heartbeat(active_rollouts=3)  # the pending one and two that sent nothing yet
+    assert old.pump_until(lambda: not old.unacked and replay.metric(
+        "crl_replay_segments_total", result="accepted") == 2)
+    old.close()  # SIGKILLed
+    new = replay.actor(actor_id="actor-k", incarnation=2, capacity=4)
+    new.hello()
+    assert new.pump_until(lambda: new.credits > 0)
+    new.heartbeat()
+    new.pump(0.5)
+    assert replay.metric("crl_replay_dropped_total", reason="expired") == 3
+
+
+@pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
+def test_a_dead_actor_s_lost_rollouts_are_counted_once_when_it_comes_back(
+        replay: Running) -> None:
+    """Declared dead by the liveness first, then restarted: counted at the
+    death, not again when the new incarnation registers."""
+    old = replay.actor(actor_id="actor-d", incarnation=1, capacity=4)
+    old.hello()
+    assert old.pump_until(lambda: old.credits == 4)
+    old.heartbeat(active_rollouts=2)  # two episodes, nothing sent yet
+    assert old.pump_until(
+        lambda: replay.metric("crl_replay_dropped_total", reason="expired") == 2)
+    old.close()
+    new = replay.actor(actor_id="actor-d", incarnation=2, capacity=4)
+    new.hello()
+    assert new.pump_until(lambda: new.credits > 0)
+    new.pump(1.0)  # it falls silent too, with nothing in flight
+    assert replay.metric("crl_replay_dropped_total", reason="expired") == 2
+
+
+def test_a_batch_lost_with_the_learner_s_connection_is_served_again(replay: Running) -> None:
+    """The connection drops with a Batch on its way: the learner asks again
+    with the same request and gets the same batch; asking twice never gets a
+    second batch; its next request acknowledges the first."""
+    proxy = FaultProxy(int(replay.service.config.learner_address.rsplit(":", 1)[1]))
+    try:
+        actor = replay.actor()
+        actor.hello()
+        learner = LearnerClient(replay.context, proxy.address)
+        first = actor.push_rollout(segments=1)
+        request = learner.request(2, version=0)  # parked: one rollout is ready
+        assert actor.pump_until(lambda: not actor.unacked)
+        with proxy.partition():  # the batch is held, then lost with the connection
+            second = actor.push_rollout(segments=1)
+            assert actor.pump_until(lambda: replay.metric("crl_replay_batches_total") == 1)
+        learner.socket.send(request)  # reconnected: asks again
+        batch = learner.receive(15.0)
+        assert batch is not None
+        assert sorted(r.rollout_id for r in batch.rollouts) == sorted([first, second])
+        assert replay.metric("crl_replay_batches_resent_total") == 1
+        assert learner.receive(0.5) is None
+        # the next request, sent twice (as after a reconnect), gets one batch
+        request = learner.request(2, version=1)
+        learner.socket.send(request)
+        third, fourth = actor.push_rollout(segments=1), actor.push_rollout(segments=1)
+        assert actor.pump_until(lambda: not actor.unacked)
+        batch = learner.receive(15.0)
+        assert batch is not None
+        assert sorted(r.rollout_id for r in batch.rollouts) == sorted([third, fourth])
+        assert learner.receive(0.5) is None
+        assert replay.metric("crl_replay_batches_total") == 2
+        assert replay.metric("crl_replay_batches_resent_total") == 1
+    finally:
+        proxy.close()
+
+
+def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
+        replay: Running, tmp_path: Path) -> None:
+    """Rank 0's link to the replay, through a proxy that cuts it: a batch lost
+    on the way arrives when the link asks again on reconnecting; a batch that
+    did arrive before the drop is taken once, its resend dropped and counted."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from learner.process import LearnerSettings, _ReplayLink
+    from protocol import Batch, decode
+
+    proxy = FaultProxy(int(replay.service.config.learner_address.rsplit(":", 1)[1]))
+    registry = CollectorRegistry()
+    duplicates = Counter("duplicates", "", registry=registry)
+    idle = Counter("idle", "", registry=registry)
+    link = _ReplayLink(LearnerSettings(model="m", replay_address=proxy.address,
+                                       run_dir=str(tmp_path)), duplicates)
+    actor = replay.actor(capacity=8)
+    taken: list[list[str]] = []
+
+    def take(version: int) -> None:
+        deadline = time.monotonic() + 60.0
+        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline, idle)
+        assert frame, f"no batch for version {version} within 60 s"
+        batch = decode(frame)
+        assert isinstance(batch, Batch)
+        taken.append(sorted(r.rollout_id for r in batch.rollouts))
+
+    try:
+        assert link.hello()[0] == 2
+        actor.hello()
+        pushed = [actor.push_rollout(segments=1)]
+        link.request(2, 0)
+        assert actor.pump_until(lambda: len(replay.service._parked) == 1)
+        with proxy.partition():  # the batch is held, then lost with the connection
+            pushed.append(actor.push_rollout(segments=1))
+            assert actor.pump_until(lambda: replay.metric("crl_replay_batches_total") == 1)
+        take(0)  # asks again once reconnected
+        assert replay.metric("crl_replay_batches_resent_total") == 1
+        # the next batch arrives, then the connection drops before it is read
+        pushed += [actor.push_rollout(segments=1), actor.push_rollout(segments=1)]
+        link.request(2, 1)
+        assert actor.pump_until(lambda: replay.metric("crl_replay_batches_total") == 2)
+        assert link.socket.poll(10_000, zmq.POLLIN)
+        proxy.drop()
+        actor.pump(1.0)  # reconnected meanwhile
+        take(1)  # asks again: the replay resends the batch it has just read
+        # generated with version 1 (the replay hears of version 2 only in the
+        # next request, and refuses tokens newer than the learner it knows)
+        pushed += [actor.push_rollout(segments=1, version=1),
+                   actor.push_rollout(segments=1, version=1)]
+        take(2)  # drops the resend, takes the new batch
+        assert actor.pump_until(lambda: not actor.unacked)
+        assert taken == [sorted(pushed[0:2]), sorted(pushed[2:4]), sorted(pushed[4:6])]
+        assert replay.metric("crl_replay_batches_resent_total") == 2
+        assert registry.get_sample_value("duplicates_total") == 1
+    finally:
+        link.close()
+        proxy.close()
 
 
 def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> None:

@@ -1,0 +1,154 @@
+"""The actor's answer to being declared dead by the replay (a frozen process
+resumed): abandon what is in flight and register as a new incarnation whose
+seqs continue the old ones, so replies about the old incarnation are told
+apart. The actor runs without an engine: its episode slots and its socket
+are stand-ins."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from actors.config import ActorConfig
+from actors.process import Actor, ActorSettings, _Pending
+from protocol import DEAD_INCARNATION, Error, Stamp, decode, encode
+from protocol.transport import TransportConfig
+
+
+class _Frame:
+    """A received ZeroMQ frame, as the receive loop reads it."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+class ScriptedSocket:
+    """Hands the actor's receive loop the frames it is given, then waits."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def recv(self, copy: bool = False) -> _Frame:
+        frame = await self.inbox.get()
+        return _Frame(frame)
+
+
+async def _scenario() -> None:
+    actor = Actor(ActorSettings(actor_id="actor-f", model="none",
+                                replay_address="tcp://127.0.0.1:1", actor=ActorConfig(),
+                                transport=TransportConfig()))
+    actor.learner_socket = None
+    socket = actor.socket = ScriptedSocket()
+    episodes: list[int] = []
+
+    async def slot(number: int) -> None:  # an episode that runs until cancelled
+        episodes.append(number)
+        actor.state.active += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            actor.state.active -= 1
+
+    actor._episode_slot = slot  # type: ignore[method-assign]
+    actor._start_slots()
+    first_slots = actor._slots
+    for _ in range(10):  # seqs 0..9 sent; 6..9 are segments still unacknowledged
+        seq = actor.stamp.next()["seq"]
+        if seq >= 6:
+            actor.state.unacked[seq] = _Pending(b"frame", time.monotonic())
+    old_incarnation = actor.incarnation
+    receive = asyncio.create_task(actor._receive())
+    replay = Stamp("replay", 1)
+
+    async def reply(ref_seq: int) -> None:
+        await socket.inbox.put(encode(Error(**replay.next(), code=DEAD_INCARNATION,
+                                            text="declared dead", ref_seq=ref_seq)))
+        while not socket.inbox.empty():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+
+    def count(metric: str) -> float:
+        return actor.metrics.registry.get_sample_value(metric) or 0.0
+
+    await reply(7)  # the replay refuses a resent segment of the frozen incarnation
+    assert actor.incarnation > old_incarnation
+    assert actor.stamp.incarnation == actor.incarnation and actor.stamp.first_seq == 10
+    assert all(task.cancelled() for task in first_slots)
+    assert len(episodes) == 2 * actor.config.concurrent_episodes  # slots started afresh
+    assert not actor.state.unacked and actor.state.all_acked.is_set()
+    assert actor.state.credits == 0 and actor.state.replay_lost.is_set()
+    assert count("crl_actor_reincarnations_total") == 1
+    assert count("crl_actor_abandoned_rollouts_total") == actor.config.concurrent_episodes
+    assert count("crl_actor_segments_abandoned_total") == 3  # 6, 8, 9 (7 was refused)
+
+    reborn = actor.incarnation
+    await reply(9)  # a later refusal of the old incarnation's messages: already handled
+    assert actor.incarnation == reborn
+    assert count("crl_actor_reincarnations_total") == 1
+
+    await reply(actor.stamp.next()["seq"])  # the new incarnation declared dead in turn
+    assert actor.incarnation > reborn
+    assert count("crl_actor_reincarnations_total") == 2
+
+    receive.cancel()
+    for task in actor._slots:
+        task.cancel()
+    await asyncio.gather(receive, *actor._slots, return_exceptions=True)
+
+
+def test_a_dead_incarnation_abandons_its_episodes_and_registers_anew() -> None:
+    asyncio.run(asyncio.wait_for(_scenario(), 60))
+
+
+class RecordingSocket:
+    """Keeps what the actor sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def send(self, frame: bytes, copy: bool = True) -> None:
+        self.sent.append(bytes(frame))
+
+
+class _Environment:
+    async def close(self) -> None:
+        pass
+
+
+async def _heartbeat_scenario(monkeypatch) -> None:
+    actor = Actor(ActorSettings(actor_id="actor-h", model="none",
+                                replay_address="tcp://127.0.0.1:1", actor=ActorConfig(),
+                                transport=TransportConfig(heartbeat_interval_s=3600.0)))
+    actor.learner_socket = None
+    socket = actor.socket = RecordingSocket()
+    monkeypatch.setattr("actors.process.load_environment", lambda *_: _Environment())
+    credits = iter([True])
+    finish = asyncio.Event()
+
+    async def take_credit() -> bool:
+        return next(credits, False)
+
+    async def play(*_: object) -> None:
+        await finish.wait()
+
+    actor._take_credit = take_credit  # type: ignore[method-assign]
+    actor._play = play  # type: ignore[method-assign]
+
+    async def reported() -> list[int]:
+        await asyncio.sleep(0.1)
+        return [decode(f).active_rollouts for f in socket.sent]
+
+    heartbeat = asyncio.create_task(actor._heartbeat())
+    slot = asyncio.create_task(actor._episode_slot(0))
+    assert await reported() == [1]  # at the start, not an interval later
+    finish.set()
+    await slot
+    assert await reported() == [1, 0]
+    heartbeat.cancel()
+    await asyncio.gather(heartbeat, return_exceptions=True)
+
+
+def test_the_replay_hears_of_an_episode_the_moment_it_starts_and_ends(monkeypatch) -> None:
+    """If the process dies, the replay counts as lost the episodes of its last
+    heartbeat: one started after a periodic report would go uncounted."""
+    asyncio.run(asyncio.wait_for(_heartbeat_scenario(monkeypatch), 60))
