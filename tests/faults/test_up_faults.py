@@ -219,11 +219,11 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "known bug, open: once in nine runs the proxied actor sent no segment for 300 s after a "
-    "dropped connection (suspected: credits granted in an Ack lost with the connection stay "
-    "outstanding at the replay, which never reconciles them, so the actor gets no more); "
-    "and once a held segment was not seen resent and acknowledged within 120 s "
-    "(docs/reliability.md, section 5)"))
+    "known bug, open: in both suite runs of the merged code the proxied actor sent no "
+    "segment for minutes after a dropped connection (suspected: credits granted in an Ack "
+    "lost with the connection stay outstanding at the replay, which never reconciles them, "
+    "so the actor gets no more); once, a held segment was not seen resent and acknowledged "
+    "within 120 s (docs/reliability.md, section 5)"))
 def test_network_trouble_loses_nothing_silently(run: Run) -> None:
     """Delay, dropped connections and a partition between the proxied actor and
     both services: it keeps contributing, every drop shows as a disconnect,
