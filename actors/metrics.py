@@ -54,6 +54,10 @@ class ActorMetrics:
         self.disconnects = Counter("crl_actor_disconnects",
                                    "Connections to a peer that dropped (ZeroMQ reconnects)",
                                    ["peer"], registry=r)
+        self.credits_recovered = Counter(
+            "crl_actor_credits_recovered",
+            "Credits whose reply was lost (a dropped connection), made up by a later one",
+            registry=r)
         self.reincarnations = Counter("crl_actor_reincarnations",
                                       "Times this process registered as a new incarnation "
                                       "after the replay declared the old one dead", registry=r)

@@ -4,7 +4,9 @@ Protocol with the replay (DEALER -> ROUTER):
 
 - ``Hello`` until a ``Welcome`` arrives; the ``Welcome`` sets the credits.
 - An episode starts only by spending a credit; more credits come with ``Ack``s.
-  Waiting for one is stall time (``reason="credits"``).
+  Waiting for one is stall time (``reason="credits"``). Credits are counted by
+  the replay's ledger total, and each heartbeat says which total was seen, so
+  credits in an ``Ack`` lost with a dropped connection are made up (counted).
 - Every closed segment is sent at once and kept until an ``Ack`` lists its
   seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
   same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates.
@@ -123,6 +125,10 @@ class _Pending:
 @dataclass
 class _State:
     credits: int = 0
+    credit_ledger: int = 0
+    """The replay's ledger for this actor, and the total granted under it
+    that this actor has counted (``Ack.credits_total``)."""
+    credits_seen: int = 0
     registered: asyncio.Event = field(default_factory=asyncio.Event)
     replay_lost: asyncio.Event = field(default_factory=asyncio.Event)
     """The replay declared this incarnation dead: say Hello again as a new one."""
@@ -366,11 +372,11 @@ class Actor:
                 # The replay hears of a new learner version before the weights
                 # are announced: credits granted for it must wait for them.
                 self._learner_at(message.policy_version)
-                self._grant(message.credits)
+                self._grant(message)
             elif isinstance(message, Welcome):
-                # credits add up, as the replay counts them: a second Welcome
-                # (a Hello retried) or an Ack before it must not erase any
-                self._grant(message.credits)
+                # counted by the ledger: a second Welcome (a Hello retried) or
+                # an Ack before it adds only what it has that was not seen
+                self._grant(message)
                 self.state.registered.set()
             elif isinstance(message, Error):
                 # a rejection is final: the same bytes would be rejected again
@@ -410,10 +416,18 @@ class Actor:
         self.state.learner_lost.set()
         self._start_slots()
 
-    def _grant(self, credits: int) -> None:
-        if credits > 0:
-            self.state.credits += credits
-            self.state.credit_available.set()
+    def _grant(self, reply: Ack | Welcome) -> None:
+        """Count the credits of ``reply`` by its ledger (``Ack.credits_total``)."""
+        state = self.state
+        if reply.credit_ledger != state.credit_ledger:  # the replay's account starts over
+            state.credit_ledger, state.credits_seen, state.credits = reply.credit_ledger, 0, 0
+        new = reply.credits_total - state.credits_seen
+        if new > 0:
+            # more than this reply granted: the rest came in replies that were lost
+            self.metrics.credits_recovered.inc(max(0, new - reply.credits))
+            state.credits_seen = reply.credits_total
+            state.credits += new
+            state.credit_available.set()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -426,8 +440,10 @@ class Actor:
                     await self._send_heartbeat(socket)
 
     async def _send_heartbeat(self, socket: zmq.asyncio.Socket) -> None:
-        await socket.send(encode(Heartbeat(**self.stamp.next(), active_rollouts=self.state.active,
-                                           stall_seconds=self.metrics.stall_totals())))
+        await socket.send(encode(Heartbeat(
+            **self.stamp.next(), active_rollouts=self.state.active,
+            stall_seconds=self.metrics.stall_totals(), credit_ledger=self.state.credit_ledger,
+            credits_seen=self.state.credits_seen)))
 
     async def _resend(self) -> None:
         timeout = self.config.ack_timeout_s

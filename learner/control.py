@@ -233,7 +233,8 @@ class ControlPlane:
                 **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
                 heartbeat_interval_s=self.transport.heartbeat_interval_s,
                 heartbeat_liveness=self.transport.heartbeat_liveness,
-                max_staleness=self.max_staleness, rollouts_per_batch=0, credits=0))
+                max_staleness=self.max_staleness, rollouts_per_batch=0, credits=0,
+                credit_ledger=0, credits_total=0))
         elif member is None:
             # unknown, or a replaced incarnation: it must say Hello (again)
             self._reject(identity, "unregistered", "send Hello first", message.seq)

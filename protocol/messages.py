@@ -25,7 +25,8 @@ from protocol.arrays import Array
 from protocol.errors import ProtocolError, Reason
 
 #: The wire schema version; a peer speaking another one is rejected.
-PROTOCOL_VERSION = 1
+#: 2: credit ledgers in ``Welcome``, ``Ack`` and ``Heartbeat``.
+PROTOCOL_VERSION = 2
 
 SegmentType = Literal["execution", "summary"]
 EpisodeOutcome = Literal[
@@ -101,8 +102,8 @@ class Hello(Message, tag="hello"):
 
 
 class Welcome(Message, tag="welcome"):
-    """replay / learner -> actor: the run configuration the actor needs.
-    A new ``Welcome`` (after the replay restarted) resets the actor's credits."""
+    """replay / learner -> actor: the run configuration the actor needs, and
+    (from the replay) the actor's credit ledger, as in ``Ack``."""
 
     run_id: str
     policy_version: int
@@ -113,6 +114,8 @@ class Welcome(Message, tag="welcome"):
     """B: the batch size the learner should request."""
     credits: int
     """Rollouts the actor may start now (more arrive with each ``Ack``)."""
+    credit_ledger: int
+    credits_total: int
 
 
 class RolloutStats(msgspec.Struct, kw_only=True):
@@ -182,7 +185,14 @@ class Ack(Message, tag="ack"):
 
     stored_seqs: list[int]
     credits: int
+    """Granted with this reply (for reading; the actor counts by the ledger)."""
     policy_version: int
+    credit_ledger: int
+    """The replay's account of this actor's credits: a new id voids the credits
+    held under the old one (the replay restarted, or it forgot the actor)."""
+    credits_total: int
+    """Credits granted under ``credit_ledger`` so far. The actor credits itself
+    the part it has not seen, so a reply lost with a connection loses none."""
 
 
 class Heartbeat(Message, tag="heartbeat"):
@@ -191,6 +201,10 @@ class Heartbeat(Message, tag="heartbeat"):
     active_rollouts: int
     stall_seconds: dict[str, float]
     """Cumulative stall by reason (``weights``, ``credits``, ``summary``)."""
+    credit_ledger: int
+    credits_seen: int
+    """The replay's ledger and total as last received: when behind, the
+    replay repeats them (a reply carrying credits was lost)."""
 
 
 # --------------------------------------------------------------------------- learner <-> replay

@@ -26,6 +26,9 @@ class ReplayMetrics:
                                          "Credits granted and not yet returned", registry=r)
         self.credits_granted = Counter("crl_replay_credits_granted", "Credits granted",
                                        registry=r)
+        self.replies_undelivered = Counter(
+            "crl_replay_replies_undelivered",
+            "Replies not sent: the peer's connection was gone or its queue full", registry=r)
         self.buffer_bytes = Gauge("crl_replay_buffer_bytes", "Bytes of stored segments",
                                   registry=r)
         self.log_bytes = Gauge("crl_replay_log_bytes", "Size of the durable log", registry=r)

@@ -29,9 +29,19 @@ Usage::
     pacer.finished("actor-1", accepted=True, rollout_bytes=123_456)
     pacer.consumed(8)          # a batch served: the learner trains on it
     pacer.learner_waiting()    # its next BatchRequest: that step is done
+
+Ledgers: a reply that carries credits can be lost with a dropped connection.
+So each actor's grants are also counted in a *ledger*: an id and the total
+granted under it. Replies carry both; the actor credits itself the difference
+from the last total it saw, so any later reply makes up for a lost one, and
+its heartbeats say which total it has seen, so the replay knows to repeat it.
+A forgotten actor's next grant opens a new ledger, and a new ledger voids the
+credits held under the old one (as does a replay restart: its ledgers are new).
 """
 
 from __future__ import annotations
+
+import secrets
 
 #: Until rollouts have been seen, assume this size for the memory rule.
 INITIAL_ROLLOUT_BYTES = 256 * 1024
@@ -50,6 +60,8 @@ class CreditPacer:
         """The last batch served, until the learner asks for the next one."""
         self.accepted = 0
         self.outstanding: dict[str, int] = {}
+        self._ledgers: dict[str, tuple[int, int]] = {}
+        """actor -> (ledger id, credits granted under it)."""
         self._bytes_seen = 0
         self._rollouts_seen = 0
 
@@ -78,7 +90,16 @@ class CreditPacer:
         granted = max(0, min(wanted, self.available(buffer_bytes, ready)))
         if granted:
             self.outstanding[actor] = self.outstanding.get(actor, 0) + granted
+            ledger, total = self.ledger(actor)
+            self._ledgers[actor] = ledger, total + granted
         return granted
+
+    def ledger(self, actor: str) -> tuple[int, int]:
+        """``actor``'s ledger id and the credits granted under it so far."""
+        if actor not in self._ledgers:
+            # random, not counted: a restarted replay must not reuse an id
+            self._ledgers[actor] = secrets.randbits(63), 0
+        return self._ledgers[actor]
 
     def finished(self, actor: str, accepted: bool, rollout_bytes: int = 0) -> None:
         """A rollout of ``actor`` completed (``accepted``) or was lost."""
@@ -111,5 +132,6 @@ class CreditPacer:
         return self.rollouts_trained / self.batch
 
     def forget(self, actor: str) -> None:
-        """The actor is gone: its unreturned credits are void."""
+        """The actor is gone: its unreturned credits are void, and so is its ledger."""
         self.outstanding.pop(actor, None)
+        self._ledgers.pop(actor, None)

@@ -145,6 +145,8 @@ class ReplayService:
         self._stamp = Stamp("replay", time.time_ns())
         self._parked: list[tuple[bytes, BatchRequest]] = []
         self._served: dict[bytes, _Served] = {}
+        self._behind: set[bytes] = set()
+        """Actors whose heartbeat showed an older credit total than granted."""
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
         self.actor_socket = bind_router(self._context, config.actor_address, transport)
@@ -229,13 +231,13 @@ class ReplayService:
         if self.log is not None and acks:
             self.log.sync()
         for identity in touched:
-            peer = self.peers.get(identity)
+            if identity not in self.peers:  # refused: nothing of it was stored
+                continue
             seqs = acks.get(identity, [])
-            credits = self._top_up(identity) if peer is not None else 0
-            if seqs or credits:
-                self._send(self.actor_socket, identity, Ack(
-                    **self._stamp.next(), stored_seqs=seqs, credits=credits,
-                    policy_version=self.learner_version))
+            credits = self._top_up(identity)
+            if seqs or credits or identity in self._behind:
+                self._ack(identity, seqs, credits)
+        self._behind.clear()
         self._try_serve_parked()
 
     def _decode_from(self, identity: bytes, frame: memoryview) -> Message | None:
@@ -285,11 +287,14 @@ class ReplayService:
                 heartbeat_liveness=self.transport.heartbeat_liveness,
                 max_staleness=self.config.max_staleness,
                 rollouts_per_batch=self.config.rollouts_per_batch,
-                credits=self._top_up(identity)))
+                credits=self._top_up(identity),  # before the ledger: it counts them
+                **self._ledger_fields(actor_id)))
         elif isinstance(message, Segment):
             self._ingest_segment(identity, message, frame, acks, now)
         elif isinstance(message, Heartbeat):
             peer.active_rollouts = message.active_rollouts
+            if (message.credit_ledger, message.credits_seen) != self.pacer.ledger(actor_id):
+                self._behind.add(identity)  # a reply with credits was lost: repeat the total
         else:
             self._reject(self.actor_socket, identity, "unexpected",
                          f"{type(message).__name__} is not for the actor socket", message.seq)
@@ -384,7 +389,8 @@ class ReplayService:
                     heartbeat_interval_s=self.transport.heartbeat_interval_s,
                     heartbeat_liveness=self.transport.heartbeat_liveness,
                     max_staleness=self.config.max_staleness,
-                    rollouts_per_batch=self.config.rollouts_per_batch, credits=0))
+                    rollouts_per_batch=self.config.rollouts_per_batch, credits=0,
+                    credit_ledger=0, credits_total=0))
             elif isinstance(message, BatchRequest) and message.size >= 1:
                 self._set_learner_version(message.policy_version)
                 served = self._served.get(identity)
@@ -415,9 +421,17 @@ class ReplayService:
         for identity in list(self.peers):
             credits = self._top_up(identity)
             if credits:
-                self._send(self.actor_socket, identity, Ack(
-                    **self._stamp.next(), stored_seqs=[], credits=credits,
-                    policy_version=self.learner_version))
+                self._ack(identity, [], credits)
+
+    def _ack(self, identity: bytes, stored_seqs: list[int], credits: int) -> None:
+        self._send(self.actor_socket, identity, Ack(
+            **self._stamp.next(), stored_seqs=stored_seqs, credits=credits,
+            policy_version=self.learner_version,
+            **self._ledger_fields(self.peers[identity].actor_id)))
+
+    def _ledger_fields(self, actor_id: str) -> dict[str, int]:
+        ledger, total = self.pacer.ledger(actor_id)
+        return {"credit_ledger": ledger, "credits_total": total}
 
     def _set_learner_version(self, version: int) -> None:
         self.learner_seen = True
@@ -485,6 +499,7 @@ class ReplayService:
         try:
             socket.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
+            self.metrics.replies_undelivered.inc()
             log.debug("cannot reply to %r: %s", identity, exc)
 
     def _tick(self) -> None:

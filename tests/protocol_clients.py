@@ -39,6 +39,9 @@ class ActorClient:
         self.stamp = Stamp(actor_id, incarnation)
         self.capacity = capacity
         self.credits = 0
+        """To spend: a test starts a rollout by taking one."""
+        self.credit_ledger = 0
+        self.credits_seen = 0
         self.unacked: dict[int, bytes] = {}
         self.acked: dict[int, Segment] = {}
         self.sent: dict[int, Segment] = {}
@@ -53,7 +56,8 @@ class ActorClient:
 
     def heartbeat(self, active_rollouts: int = 0) -> None:
         self.send(Heartbeat(**self.stamp.next(), active_rollouts=active_rollouts,
-                            stall_seconds={}))
+                            stall_seconds={}, credit_ledger=self.credit_ledger,
+                            credits_seen=self.credits_seen))
 
     def send(self, message: Message) -> None:
         self.socket.send(encode(message))
@@ -79,10 +83,13 @@ class ActorClient:
             if not self.socket.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 continue
             message = decode(self.socket.recv())
-            if isinstance(message, Welcome):
-                self.credits = message.credits
-            elif isinstance(message, Ack):
-                self.credits += message.credits
+            if isinstance(message, Welcome | Ack):
+                if message.credit_ledger != self.credit_ledger:
+                    self.credit_ledger, self.credits_seen, self.credits = (
+                        message.credit_ledger, 0, 0)
+                self.credits += max(0, message.credits_total - self.credits_seen)
+                self.credits_seen = max(self.credits_seen, message.credits_total)
+            if isinstance(message, Ack):
                 self.policy_version = message.policy_version
                 for seq in message.stored_seqs:
                     if self.unacked.pop(seq, None) is not None:

@@ -1,6 +1,6 @@
 """A minimal replay for testing actors: speaks the protocol on a real ROUTER.
 
-It grants credits, records every segment frame it receives, acknowledges
+It grants credits (under one ledger), records every segment frame it receives, acknowledges
 them (or withholds acknowledgements on request), and drops duplicates by
 ``(sender_id, incarnation, seq)`` exactly as the real replay must.
 """
@@ -16,6 +16,8 @@ import zmq
 from protocol import Ack, Heartbeat, Hello, Segment, Stamp, Welcome, decode, encode
 from protocol.transport import TransportConfig, bind_router
 
+CREDIT_LEDGER = 1
+
 
 @dataclass
 class ReplayPeer:
@@ -29,6 +31,10 @@ class ReplayPeer:
     duplicates: int = 0
     heartbeats: int = 0
     hellos: int = 0
+    credits_total: int = 0
+    """Granted so far, under the one ledger this replay keeps."""
+    credits_seen: int = 0
+    """The actor's last heartbeat's ``credits_seen``."""
     _withheld: list[tuple[bytes, int]] = field(default_factory=list)
     _dropped_one: bool = False
 
@@ -43,21 +49,24 @@ class ReplayPeer:
         self.socket.close(linger=0)
         self._context.term()
 
-    def grant(self, credits: int) -> None:
+    def grant(self, credits: int, lost: bool = False) -> None:
+        """Grant ``credits``; ``lost``: as if the reply were lost on the way."""
         assert self._peer is not None
-        self.socket.send_multipart([self._peer, encode(Ack(
-            **self._stamp.next(), stored_seqs=[], credits=credits, policy_version=0))])
+        self.credits_total += credits
+        if not lost:
+            self._send_ack(self._peer, [], credits)
 
     def release_acks(self) -> None:
         """Acknowledge everything withheld so far, and stop withholding."""
         self.withhold_acks = False
         for identity, seq in self._withheld:
-            self._ack(identity, seq)
+            self._send_ack(identity, [seq], 0)
         self._withheld.clear()
 
-    def _ack(self, identity: bytes, seq: int) -> None:
+    def _send_ack(self, identity: bytes, seqs: list[int], credits: int) -> None:
         self.socket.send_multipart([identity, encode(Ack(
-            **self._stamp.next(), stored_seqs=[seq], credits=0, policy_version=0))])
+            **self._stamp.next(), stored_seqs=seqs, credits=credits, policy_version=0,
+            credit_ledger=CREDIT_LEDGER, credits_total=self.credits_total))])
 
     def pump(self, seconds: float) -> None:
         """Serve for ``seconds``."""
@@ -70,12 +79,17 @@ class ReplayPeer:
             if isinstance(message, Hello):
                 self.hellos += 1
                 self._peer = identity
+                self.credits_total += self.credits_on_welcome
                 self.socket.send_multipart([identity, encode(Welcome(
                     **self._stamp.next(), run_id="test", policy_version=0,
                     heartbeat_interval_s=1.0, heartbeat_liveness=5, max_staleness=2,
-                    rollouts_per_batch=4, credits=self.credits_on_welcome))])
+                    rollouts_per_batch=4, credits=self.credits_on_welcome,
+                    credit_ledger=CREDIT_LEDGER, credits_total=self.credits_total))])
             elif isinstance(message, Heartbeat):
                 self.heartbeats += 1
+                self.credits_seen = message.credits_seen
+                if message.credits_seen < self.credits_total:  # as the replay does
+                    self._send_ack(identity, [], 0)
             elif isinstance(message, Segment):
                 self.frames.append((time.monotonic(), frame))
                 key = (message.sender_id, message.incarnation, message.seq)
@@ -88,7 +102,7 @@ class ReplayPeer:
                 elif self.withhold_acks:
                     self._withheld.append((identity, message.seq))
                 else:
-                    self._ack(identity, message.seq)
+                    self._send_ack(identity, [message.seq], 0)
 
     def rollouts(self) -> dict[str, list[Segment]]:
         by_rollout: dict[str, list[Segment]] = defaultdict(list)

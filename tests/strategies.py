@@ -97,13 +97,16 @@ def messages(draw, kind: str | None = None):
         return Welcome(**h, run_id=draw(ids), policy_version=draw(counts),
                        heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts),
                        max_staleness=draw(counts), rollouts_per_batch=draw(counts),
-                       credits=draw(counts))
+                       credits=draw(counts), credit_ledger=draw(counts),
+                       credits_total=draw(counts))
     if kind == "ack":
         return Ack(**h, stored_seqs=draw(st.lists(counts, max_size=20)), credits=draw(counts),
-                   policy_version=draw(counts))
+                   policy_version=draw(counts), credit_ledger=draw(counts),
+                   credits_total=draw(counts))
     if kind == "heartbeat":
         return Heartbeat(**h, active_rollouts=draw(counts),
-                         stall_seconds=draw(st.dictionaries(ids, finite, max_size=3)))
+                         stall_seconds=draw(st.dictionaries(ids, finite, max_size=3)),
+                         credit_ledger=draw(counts), credits_seen=draw(counts))
     if kind == "batch_request":
         return BatchRequest(**h, size=draw(counts), policy_version=draw(counts))
     if kind == "batch":

@@ -328,11 +328,13 @@ def control() -> Iterator[tuple[ControlPlane, LearnerMetrics, str]]:
 def control_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
     """Bad frames for the control socket from an actor that registered as ``stamp``."""
     plain = msgspec.msgpack.decode(encode(Heartbeat(**stamp.next(), active_rollouts=0,
-                                                    stall_seconds={})))
+                                                    stall_seconds={}, credit_ledger=0,
+                                                    credits_seen=0)))
     return [
         ("not MessagePack", [b"\xff\x00 not msgpack"], "malformed"),
         ("a message in two frames", [encode(Heartbeat(**stamp.next(), active_rollouts=0,
-                                                      stall_seconds={}))] * 2, "malformed"),
+                                                      stall_seconds={}, credit_ledger=0,
+                                                      credits_seen=0))] * 2, "malformed"),
         ("a map claiming 4 billion fields", [b"\xdf\xff\xff\xff\xff\xa4kind"], "malformed"),
         ("a newer protocol version",
          [msgspec.msgpack.encode({**plain, "protocol_version": PROTOCOL_VERSION + 1})],
@@ -351,7 +353,8 @@ def control_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
                                                   seconds=float("nan")))], "invalid"),
         ("a heartbeat of another incarnation",
          [encode(Heartbeat(**Stamp(stamp.sender_id, stamp.incarnation + 1).next(),
-                           active_rollouts=0, stall_seconds={}))], "unregistered"),
+                           active_rollouts=0, stall_seconds={}, credit_ledger=0,
+                           credits_seen=0))], "unregistered"),
     ]
 
 

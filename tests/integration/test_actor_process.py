@@ -32,6 +32,7 @@ class Run:
     first_rollouts: set[str]
     stderr: str
     metrics: str
+    credits_recovered: float
 
 
 def _scrape(port: int) -> str:
@@ -81,10 +82,12 @@ def actor_run(tiny_model_dir: Path) -> Run:
 
         _wait_for(peer, all_counted, 30, process)
         metrics = scraped[-1]
-        # one more rollout whose acks are withheld; SIGTERM while it runs
+        # one more rollout, its credit in a reply lost on the way (made up after
+        # the actor's next heartbeat) and its acks withheld; SIGTERM while it runs
         peer.withhold_acks = True
-        peer.grant(1)
+        peer.grant(1, lost=True)
         _wait_for(peer, lambda: len(peer.rollouts()) == 4, 60, process)
+        credits_recovered = _sample(_scrape(port), "crl_actor_credits_recovered_total")
         sigterm_at = time.monotonic()
         process.send_signal(signal.SIGTERM)
         peer.pump(3.0)  # the actor finishes the episode and resends while unacknowledged
@@ -93,7 +96,8 @@ def actor_run(tiny_model_dir: Path) -> Run:
         while process.poll() is None and time.monotonic() < end:
             peer.pump(0.2)
         exit_code = process.wait(timeout=5)
-        return Run(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics)
+        return Run(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics,
+                   credits_recovered)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -113,6 +117,11 @@ def test_actor_registers_and_sends_heartbeats(actor_run: Run) -> None:
 
 def test_starts_no_more_rollouts_than_credits(actor_run: Run) -> None:
     assert len(actor_run.peer.rollouts()) == 4  # 3 on Welcome + 1 granted
+
+
+def test_credits_of_a_lost_reply_are_made_up_and_counted(actor_run: Run) -> None:
+    assert actor_run.peer.credits_seen == actor_run.peer.credits_total == 4
+    assert actor_run.credits_recovered == 1
 
 
 def test_lost_ack_is_resent_with_the_same_identity_and_not_duplicated(actor_run: Run) -> None:

@@ -94,6 +94,17 @@ def test_hello_gets_credits_and_segments_are_acknowledged(replay: Running) -> No
     assert replay.metric("crl_replay_segments_total", result="accepted") == 3
 
 
+def test_credits_in_a_lost_reply_are_repeated_after_a_heartbeat(replay: Running) -> None:
+    actor = replay.actor(capacity=3)
+    actor.hello()
+    assert actor.socket.poll(5000)
+    actor.socket.recv()  # the Welcome, lost on the way
+    actor.heartbeat()
+    assert actor.pump_until(lambda: actor.credits == 3)
+    actor.heartbeat()  # up to date: nothing to repeat
+    assert not actor.socket.poll(500)
+
+
 def test_resent_segments_are_acknowledged_once_stored_once(replay: Running) -> None:
     actor = replay.actor()
     actor.hello()

@@ -110,6 +110,19 @@ def test_no_credit_for_the_next_batch_while_the_learner_trains_synchronously() -
     assert pacer.grant("a", 10, 0, 0) == 2
 
 
+def test_a_ledger_totals_the_grants_until_its_actor_is_forgotten() -> None:
+    pacer = CreditPacer(rollouts_per_batch=4, max_staleness=1, max_buffer_bytes=1 << 40)
+    ledger, total = pacer.ledger("a")
+    assert total == 0
+    pacer.grant("a", 3, 0, 0)
+    pacer.finished("a", accepted=True, rollout_bytes=10)
+    pacer.grant("a", 2, 0, 0)
+    assert pacer.ledger("a") == (ledger, 5)
+    pacer.forget("a")
+    renewed, total = pacer.ledger("a")
+    assert renewed != ledger and total == 0
+
+
 def test_incoherent_pacer_is_rejected() -> None:
     with pytest.raises(ValueError):
         CreditPacer(rollouts_per_batch=0, max_staleness=1, max_buffer_bytes=10)
