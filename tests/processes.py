@@ -124,6 +124,37 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for process {pid}")
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it (Linux): an actor with its
+    engine's processes, torchrun with its ranks (which run in sessions of their
+    own, so a process group would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # exited meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        tree.append(pid)
+        frontier += children.get(pid, [])
+    return tree
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of ``process_tree(root)``, in bytes. Shared pages count
+    once per process, so this bounds what the tree uses."""
+    total = 0
+    for pid in process_tree(root):
+        try:
+            total += rss_bytes(pid)
+        except (OSError, AssertionError):  # exited meanwhile
+            continue
+    return total
+
+
 class ReplayProcess:
     """`compactionrl replay` on free loopback ports, in its own process group
     (killed by ``stop()``), its metrics read from its own port.

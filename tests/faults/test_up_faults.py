@@ -9,14 +9,17 @@ the replay's durable log:
 3. actor-0 frozen (SIGSTOP) past the heartbeat liveness, then resumed;
 4. the replay frozen with segments in flight, then SIGKILLed;
 5. the learner SIGKILLed after publishing beyond its last checkpoint;
-6. clean shutdown: every segment acknowledged, nothing left running.
+6. the learner paused (SIGSTOP): actors stall on credits and the memory of
+   every process stays flat, then it resumes;
+7. clean shutdown: every segment acknowledged, nothing left running.
 
 The phases share the run (starting engines costs most of a minute each), so
 they run in this order. Each waits on events, never on fixed speeds, within
 a bound; the module's finaliser kills every process group it started, pass
 or fail. What each phase measured is printed (``pytest -s``) as ``MEASURED``
 lines; docs/reliability.md quotes them. ``--soak-seconds N`` keeps killing
-actor-0 for N seconds in phase 2.
+actor-0 for N seconds in phase 2 and keeps the learner paused N seconds in
+phase 6.
 """
 
 from __future__ import annotations
@@ -38,7 +41,15 @@ from protocol import DEAD_INCARNATION, Segment, decode
 from replay.log import SEGMENT, read_records
 from tests.faults.proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
-from tests.processes import SMALL_EPISODES, VENV_BIN, Background, metric
+from tests.processes import (
+    SMALL_EPISODES,
+    VENV_BIN,
+    Background,
+    metric,
+    process_tree,
+    rss_bytes,
+    tree_rss_bytes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +81,17 @@ DROPS = 3
 #: long (below the liveness: the actor must not be declared dead). It begins
 #: with an episode in flight, whose next segment comes within seconds.
 CUT_MAX_S = 20.0
+#: The replay's buffer bound in this run (phase 6 asserts it).
+MAX_BUFFER_BYTES = 32 * 2**20
+#: Phase 6 keeps the learner paused, once the actors have stalled, this long
+#: (or --soak-seconds), sampling every process group's memory.
+PAUSE_S, RSS_SAMPLE_S = 45.0, 3.0
+#: The actors count as stalled once idle (no credit out, no episode) this long,
+#: which they are within SETTLE_S of the pause unless it caught a publication.
+STILL_S, SETTLE_S, PAUSE_ATTEMPTS = 5.0, 60.0, 3
+#: How much a process tree's RSS may rise while everything is stalled:
+#: allocator and vLLM noise, far below any leak that grows with time.
+RSS_GROWTH_ALLOWANCE = 32 * 2**20
 #: After an episode starts, how long until its heartbeat has surely reached
 #: the replay (it is sent at once; this covers a busy event loop).
 REPORTED_S = 0.3
@@ -166,6 +188,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "--replay.actor_address", actor_address, "--replay.learner_address", learner_address,
             "--replay.metrics_port", str(replay_metrics), "--replay.rollouts_per_batch", "4",
             "--replay.max_staleness", str(MAX_STALENESS),
+            "--replay.max_buffer_bytes", str(MAX_BUFFER_BYTES),
             "--replay.log_path", str(folder / "replay" / "segments.log"),
             "--actors.metrics_port", str(actor_metrics), "--actors.count", "1",
             "--actors.ack_timeout_s", str(ACK_TIMEOUT_S), *SMALL_EPISODES,
@@ -462,6 +485,10 @@ def _published(log: str) -> list[int]:
     return [int(v) for v in re.findall(r"published version (\d+)", log)]
 
 
+def _loaded(log: str) -> list[int]:
+    return [int(v) for v in re.findall(r"loaded version (\d+)", log)]
+
+
 def _checkpoint_version(folder: Path) -> int:
     versions = [json.loads(meta.read_text())["version"]
                 for meta in (folder / "checkpoints").glob("step-*/meta.json")]
@@ -487,13 +514,10 @@ def test_learner_killed_resumes_with_monotonic_versions(run: Run) -> None:
     invalid = run.replay("crl_replay_rejected_messages_total", reason="invalid")
     run.wait(lambda: "learner exited with code -9" in run.output(), "up to notice the kill")
 
-    def loaded_after(text: str) -> list[int]:
-        return [int(v) for v in re.findall(r"loaded version (\d+)", text)]
-
     # a load of a version announced before the kill may still finish after it
-    run.wait(lambda: max(loaded_after(run.log("actor-0")[offsets["actor-0"]:]), default=0)
+    run.wait(lambda: max(_loaded(run.log("actor-0")[offsets["actor-0"]:]), default=0)
              > announced
-             and max(loaded_after(run.proxied.log()[offsets["proxied"]:]), default=0)
+             and max(_loaded(run.proxied.log()[offsets["proxied"]:]), default=0)
              > announced, "both actors to load the resumed learner's weights")
     reload_s = time.monotonic() - killed_at
     steps = run.learner_step()
@@ -511,14 +535,110 @@ def test_learner_killed_resumes_with_monotonic_versions(run: Run) -> None:
     assert _non_decreasing(published), published
     assert min(_published(resumed_log)) > announced
     for text in (run.log("actor-0")[offsets["actor-0"]:], run.proxied.log()[offsets["proxied"]:]):
-        resumed = [v for v in loaded_after(text) if v > announced]
+        resumed = [v for v in _loaded(text) if v > announced]
         assert resumed and min(resumed) >= _published(resumed_log)[0]  # no version in between
     versions = [int(v) for v in re.findall(r"step \d+: version (\d+)", run.log("learner"))]
     assert _increasing(versions), versions
     assert run.replay("crl_replay_rejected_messages_total", reason="invalid") == invalid
 
 
-# ---------------------------------------------------------------------- 6. shutdown
+# ---------------------------------------------------------------------- 6. learner paused
+
+
+def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
+        run: Run, soak_seconds: float) -> None:
+    """With the learner frozen, the actors use the credits they have, then stall:
+    no episode runs, the replay holds at most (S + 1) * B rollouts within its
+    buffer bound, and the RSS of every process (each actor with its engine's
+    processes, the replay, torchrun with its ranks, up) stays flat; resumed, the
+    learner steps again and the actors generate again."""
+    actors = ("actor-0", "proxied")
+    sent = lambda: sum(run.actor(a, "crl_actor_segments_sent_total")  # noqa: E731
+                       for a in actors)
+    stall = lambda: sum(run.actor(a, "crl_actor_stall_seconds_total",  # noqa: E731
+                                  reason="credits") for a in actors)
+    children = run.children()
+    trees = {"actor-0": children["actor-0"], "proxied": run.proxied.process.pid,
+             "replay": children["replay"], "learner": children["learner"]}
+    learner = process_tree(trees["learner"])  # torchrun and its ranks
+    # every credit granted came back as a finished rollout, and none runs
+    idle = lambda: (run.replay("crl_replay_credits_outstanding") == 0  # noqa: E731
+                    and all(run.actor(a, "crl_actor_active_rollouts") == 0 for a in actors))
+    idle_since: list[float] = []  # a request in flight at the pause frees one more batch
+
+    def stalled() -> bool:
+        if not idle():
+            idle_since.clear()
+            return False
+        idle_since[:] = idle_since or [time.monotonic()]
+        return time.monotonic() - idle_since[0] >= STILL_S
+
+    def newest_publication_loaded() -> bool:
+        published = _published(run.log("learner"))
+        return bool(published) and all(
+            _loaded(text)[-1:] == published[-1:] for text in (run.log("actor-0"),
+                                                              run.proxied.log()))
+
+    # Frozen in the middle of a publication, the learner would hold the actors'
+    # engines paused in the broadcast, their episodes unfinished: freeze it
+    # just after one (and again, should the next have begun meanwhile).
+    for attempt in range(1, PAUSE_ATTEMPTS + 1):
+        steps = run.learner_step()
+        run.wait(lambda steps=steps: run.learner_step() > steps and newest_publication_loaded(),
+                 "a step whose weights both actors loaded")
+        stall_before = stall()
+        for pid in learner:
+            os.kill(pid, signal.SIGSTOP)
+        paused_at = time.monotonic()
+        try:
+            settled = run.wait(stalled, "the actors to stall on credits", timeout=SETTLE_S)
+            break
+        except AssertionError:
+            for pid in learner:
+                os.kill(pid, signal.SIGCONT)
+            if attempt == PAUSE_ATTEMPTS:
+                raise
+    try:
+        sent_at_stall = sent()
+        samples: dict[str, list[int]] = {name: [] for name in [*trees, "up"]}
+        window_end = time.monotonic() + max(PAUSE_S, soak_seconds)
+        while time.monotonic() < window_end:
+            for name, root in trees.items():
+                samples[name].append(tree_rss_bytes(root))
+            samples["up"].append(rss_bytes(run.up.pid))  # its tree holds all the others
+            assert idle()
+            assert run.replay("crl_replay_buffer_bytes") <= MAX_BUFFER_BYTES
+            time.sleep(RSS_SAMPLE_S)
+        ready = run.replay("crl_replay_rollouts", state="ready")
+        sent_in_stall = sent() - sent_at_stall
+        stalled_s = time.monotonic() - paused_at - settled
+    finally:
+        for pid in learner:
+            os.kill(pid, signal.SIGCONT)
+    resumed_at = time.monotonic()
+    steps = run.learner_step()
+    run.wait(lambda: run.learner_step() > steps, "a learner step after the pause")
+    step_s = time.monotonic() - resumed_at
+    mark = sent()
+    run.wait(lambda: sent() > mark, "segments after the pause")
+    mib = {name: (round(values[0] / 2**20), round(max(values) / 2**20))
+           for name, values in samples.items()}
+    _measured("paused learner: attempts", attempt)
+    _measured("paused learner: actors stalled after (s) / stalled for (s) / segments sent "
+              "while stalled / ready rollouts held", (round(settled, 1), round(stalled_s),
+                                                      sent_in_stall, ready))
+    _measured("paused learner: RSS MiB (first, peak) while stalled, by process tree", mib)
+    _measured("paused learner: resume to learner step (s) / credit stall counted (s)",
+              (round(step_s, 1), round(stall() - stall_before)))
+    assert sent_in_stall == 0
+    assert ready <= (MAX_STALENESS + 1) * 4
+    for name, values in samples.items():
+        assert max(values) <= values[0] + RSS_GROWTH_ALLOWANCE, (name, mib[name])
+    # the stall shows where users look: at least one slot waited the whole time
+    assert stall() - stall_before >= stalled_s
+
+
+# ---------------------------------------------------------------------- 7. shutdown
 
 
 def test_clean_shutdown_after_the_faults(run: Run) -> None:
