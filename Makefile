@@ -30,6 +30,7 @@ $(STAMP): pyproject.toml
 # report.html. Last, the trained policy and the base are evaluated on the same
 # held-out episodes: compacted success before -> after.
 demo: $(STAMP)
+	rm -rf runs/local-cpu  # the last demo's run: `up` does not mix two runs in a folder
 	$(VENV)/bin/compactionrl up
 	$(VENV)/bin/compactionrl eval --model runs/local-cpu/export --baseline runs/base-model \
 		--episodes 200

@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import time
@@ -84,6 +85,7 @@ def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path) -> 
     name = f"{variant.replace('=', '-')}-seed{seed}"
     run_dir = out_dir / name
     if not (run_dir / "export" / "config.json").is_file():
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short: start it over
         began = time.perf_counter()
         run([COMPACTIONRL, "up", "--run.out_dir", str(out_dir), "--run.name", name,
              "--run.seed", str(seed), "--run.max_minutes", str(minutes),

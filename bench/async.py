@@ -27,6 +27,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 from typing import Any
 
@@ -62,6 +63,7 @@ def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> di
                  "--replay.max_staleness", str(MODES[mode]), "--learner.publish_every", "1",
                  "--learner.max_steps", str(args.steps),
                  "--actors.environment.options.step_latency_s", str(args.step_latency)]
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own output, from a last run
     run([COMPACTIONRL, "up", *overrides], log)
     history = [json.loads(line) for line in
                (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -196,6 +196,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     config = _build(RunConfig, data, "", problems)
     for dotted, raw in _pair_overrides(overrides or [], problems):
         _override(config, dotted, raw, problems)
+    if not config.replay.log_path:  # the run's own: one shared by runs mixes their rollouts
+        config.replay.log_path = str(Path(config.run.out_dir) / config.run.name / "replay"
+                                     / "segments.log")
     # Fields that failed to convert kept their defaults, so the coherence
     # checks still run and every problem is reported at once.
     problems += config.validate()

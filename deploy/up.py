@@ -215,6 +215,16 @@ class Up:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> int:
+        earlier = [path for path in (self.run_dir / "checkpoints",
+                                     Path(self.config.replay.log_path))
+                   if path.exists()]
+        if earlier and not self.resume:
+            # a fresh learner at version 0 beside an earlier run's checkpoints
+            # and rollouts would mix the two runs
+            print(f"the run folder {self.run_dir} holds an earlier run "
+                  f"({', '.join(str(path) for path in earlier)}): continue it with --resume, "
+                  "or remove it, or choose another --run.name", file=sys.stderr)
+            return EXIT_FAILED
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(to_toml(self.config))
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -34,8 +34,9 @@ class ReplayConfig:
     """fsync the log after every batch of writes, or every fsync_interval_s."""
     fsync_interval_s: float = 1.0
     """Used with fsync = "interval"."""
-    log_path: str = "runs/replay/segments.log"
-    """The durable log (with durable_log = true)."""
+    log_path: str = ""
+    """The durable log (with durable_log = true). Empty: replay/segments.log in
+    the run folder, so that a run never recovers another run's rollouts."""
     vocab_size: int = 0
     """Token ids must be below this; 0 = read it from run.model's config.json."""
     metrics_port: int = 9100
@@ -54,6 +55,8 @@ class ReplayConfig:
             problems.append(f"{section}.rollout_timeout_s must be > 0")
         if self.fsync == "interval" and self.fsync_interval_s <= 0:
             problems.append(f"{section}.fsync_interval_s must be > 0 with fsync = \"interval\"")
+        if self.durable_log and not self.log_path:
+            problems.append(f"{section}.log_path is empty but {section}.durable_log = true")
         if self.actor_address == self.learner_address:
             problems.append(f"{section}.actor_address and {section}.learner_address must differ")
         return problems

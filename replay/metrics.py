@@ -43,6 +43,10 @@ class ReplayMetrics:
         self.recovered_segments = Counter("crl_replay_recovered_segments",
                                           "Segments recovered from the log at start",
                                           registry=r)
+        self.unrecoverable_segments = Counter(
+            "crl_replay_unrecoverable_segments",
+            "Segments in the log at start that failed to decode or validate, skipped",
+            registry=r)
         for result in SEGMENT_RESULTS:
             self.segments.labels(result)
         for reason in DROP_REASONS:

@@ -163,13 +163,17 @@ class ReplayService:
 
     def _recover(self) -> None:
         now = time.monotonic()
-        recovered = 0
+        recovered, skipped = 0, []
         for kind, payload in self.log.recover():
             if kind == SEGMENT:
-                segment = decode(payload, self.transport.max_message_bytes)
+                try:  # a log written by another build, or for another model
+                    segment = decode(payload, self.transport.max_message_bytes)
+                    oldest = check_segment_content(segment, vocab_size=self.vocab_size,
+                                                   oldest_version=0, newest_version=2**31 - 1)
+                except ProtocolError as exc:
+                    skipped.append(str(exc))
+                    continue
                 self.seen.add((segment.sender_id, segment.incarnation, segment.seq))
-                oldest = check_segment_content(segment, vocab_size=self.vocab_size,
-                                               oldest_version=0, newest_version=2**31 - 1)
                 if self.buffer.add(segment, payload, now, oldest) == "stored":
                     recovered += 1
                     if self.buffer.promote(segment.rollout_id, now) is not None:
@@ -180,6 +184,10 @@ class ReplayService:
                     self.pacer.accepted -= 1
         # recovered pending rollouts may still complete: their actors resend or go on
         self.metrics.recovered_segments.inc(recovered)
+        self.metrics.unrecoverable_segments.inc(len(skipped))
+        if skipped:
+            log.warning("%d segments in %s cannot be recovered and were skipped (first: %s)",
+                        len(skipped), self.config.log_path, skipped[0])
         log.info("recovered %d segments: %d rollouts ready, %d pending", recovered,
                  len(self.buffer.ready), len(self.buffer.pending))
 

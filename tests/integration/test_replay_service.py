@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import DEAD_INCARNATION, PROTOCOL_VERSION, encode
+from protocol import DEAD_INCARNATION, PROTOCOL_VERSION, Stamp, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -445,3 +445,32 @@ def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay:
     good = sum(len(encode(s)) for s in actor.acked.values())
     assert replay.service.buffer.nbytes == good
     hostile.close(linger=0)
+
+
+def test_segments_the_log_cannot_recover_are_skipped_and_counted(tmp_path: Path) -> None:
+    """A log written by another protocol version, or holding token ids beyond
+    this model's vocabulary, does not stop the replay: it recovers the rest."""
+    from replay.log import DurableLog
+
+    path = tmp_path / "log"
+    written = DurableLog(path)
+    stamp = Stamp("actor-old", 1)
+    written.append_segment(encode(synthetic_segment(stamp, "r-0", 0, final=True, tokens=64)))
+    older = msgspec.msgpack.decode(encode(synthetic_segment(stamp, "r-1", 0, final=True)))
+    written.append_segment(msgspec.msgpack.encode({**older, "protocol_version":
+                                                   PROTOCOL_VERSION - 1}))
+    written.append_segment(encode(synthetic_segment(stamp, "r-2", 0, final=True, tokens=100)))
+    written.sync(force=True)
+    written.close()
+    actor_address, learner_address = loopback_addresses(2)
+    service = ReplayService(ReplayConfig(actor_address=actor_address,
+                                         learner_address=learner_address,
+                                         log_path=str(path), metrics_port=0),
+                            TransportConfig(), vocab_size=64)  # r-2 has ids up to 99
+    try:
+        registry = service.metrics.registry
+        assert registry.get_sample_value("crl_replay_recovered_segments_total") == 1
+        assert registry.get_sample_value("crl_replay_unrecoverable_segments_total") == 2
+        assert list(service.buffer.ready) == ["r-0"]
+    finally:
+        service.close()

@@ -84,6 +84,16 @@ def test_services_beyond_loopback_need_curve_or_an_explicit_opt_in() -> None:
         assert load_config(None, ["--replay.actor_address", loopback])
 
 
+def test_each_run_keeps_its_replay_log_in_its_own_folder() -> None:
+    """A log shared by runs would hand one run's leftover rollouts to the next."""
+    first = load_config(None, ["--run.name", "a", "--run.out_dir", "/tmp/runs"])
+    second = load_config(None, ["--run.name", "b", "--run.out_dir", "/tmp/runs"])
+    assert first.replay.log_path == "/tmp/runs/a/replay/segments.log"
+    assert second.replay.log_path == "/tmp/runs/b/replay/segments.log"
+    chosen = load_config(None, ["--replay.log_path", "/data/log"])
+    assert chosen.replay.log_path == "/data/log"
+
+
 def test_literal_choices_are_listed() -> None:
     [problem] = problems_of(["--learner.is_mode", "clamp"])
     assert "'truncate', 'mask', 'off'" in problem

@@ -106,7 +106,8 @@ def test_config_map_loads_with_the_project_loader(run_toml: Path) -> None:
 
 def test_run_toml_is_gpu_7b_with_the_cluster_addresses(run_toml: Path) -> None:
     """Only the addresses (and the vocabulary size the replay would otherwise
-    read from a model volume it does not mount) may differ."""
+    read from a model volume it does not mount, and its log, on its own
+    volume) may differ."""
     def flat(config: RunConfig) -> dict[str, object]:
         out = {}
         for section, fields in asdict(config).items():
@@ -124,7 +125,7 @@ def test_run_toml_is_gpu_7b_with_the_cluster_addresses(run_toml: Path) -> None:
     differing = {key for key in example if cluster[key] != example[key]}
     assert differing == {"replay.actor_address", "replay.learner_address",
                          "learner.control_address", "learner.weight_store_address",
-                         "replay.vocab_size"}
+                         "replay.vocab_size", "replay.log_path"}
 
 
 def test_services_bind_on_the_pod_and_clients_reach_the_services(rendered: list[dict],

@@ -1,0 +1,127 @@
+"""Hostile input does not change learning (issue item 6): the learner, under
+torchrun, trains the same steps on the same rollouts twice, once clean and
+once while a hostile client floods the replay's actor socket and the
+learner's control socket with every kind of bad frame. The step metrics and
+the exported weights must be bit-identical: rejected frames reach neither a
+batch nor the optimiser. (A real actor's generation is not deterministic, so
+the rollouts come from a scripted actor.)"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from safetensors.torch import load_file
+
+from protocol import Stamp
+from protocol.transport import TransportConfig, connect_dealer
+from replay.config import ReplayConfig
+from replay.service import ReplayService
+from tests.faults.test_hostile_input import control_catalogue, replay_catalogue
+from tests.ports import loopback_addresses
+from tests.processes import compactionrl
+from tests.protocol_clients import ActorClient
+
+pytestmark = pytest.mark.slow
+
+#: Rollouts per batch, rollouts pushed, learner steps: every rollout trained once.
+BATCH, ROLLOUTS, STEPS = 2, 6, 3
+#: The tiny model's vocabulary (the replay rejects token ids outside it).
+VOCAB = 1054
+
+
+class _Flood:
+    """A thread sending bad frames to ``addresses`` round robin until stopped."""
+
+    def __init__(self, context: zmq.Context, replay_address: str, control_address: str) -> None:
+        self._targets = [
+            (connect_dealer(context, replay_address, TransportConfig(), b"hostile"),
+             [frames for _, frames, _ in replay_catalogue(Stamp("hostile", 1))]),
+            (connect_dealer(context, control_address, TransportConfig(), b"hostile"),
+             [frames for _, frames, _ in control_catalogue(Stamp("hostile", 1))])]
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for socket, catalogue in self._targets:
+                try:
+                    socket.send_multipart(catalogue[self.sent % len(catalogue)], zmq.NOBLOCK)
+                    self.sent += 1
+                except zmq.Again:  # its queue is full: the peer is not reading yet
+                    pass
+                while socket.poll(0):  # replies are read and dropped
+                    socket.recv_multipart()
+            self._stop.wait(0.001)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for socket, _ in self._targets:
+            socket.close(linger=0)
+
+
+def _train(model: Path, folder: Path, flood: bool) -> tuple[list[str], dict[str, torch.Tensor],
+                                                           float, int]:
+    """Step log lines and exported weights of one learner run, the replay's
+    rejected-message count, and the bad frames sent."""
+    actor_address, learner_address, control_address = loopback_addresses(3)
+    service = ReplayService(ReplayConfig(
+        actor_address=actor_address, learner_address=learner_address,
+        rollouts_per_batch=BATCH, max_staleness=8, durable_log=False, metrics_port=0),
+        TransportConfig(), vocab_size=VOCAB)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    thread.start()
+    context = zmq.Context()
+    actor = ActorClient(context, actor_address, capacity=ROLLOUTS)
+    flooding = None
+    try:
+        actor.hello()
+        for _ in range(ROLLOUTS):
+            actor.push_rollout(segments=3, tokens=48)
+        assert actor.pump_until(lambda: not actor.unacked)
+        if flood:
+            flooding = _Flood(context, actor_address, control_address)
+        result = compactionrl(
+            "learner", "--run.model", str(model), "--run.out_dir", str(folder),
+            "--run.name", "learn", "--replay.learner_address", learner_address,
+            "--replay.actor_address", actor_address, "--learner.nproc", "1",
+            "--learner.control_address", control_address, "--learner.metrics_port", "0",
+            "--learner.max_steps", str(STEPS), "--learner.checkpoint_every", "1000",
+            timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
+        steps = re.findall(r"step \d+: .*", result.stderr)
+        weights = load_file(folder / "learn" / "export" / "model.safetensors")
+        rejected = sum(sample.value for sample in service.metrics.rejected.collect()[0].samples
+                       if sample.name.endswith("_total"))
+        return steps, weights, rejected, flooding.sent if flooding else 0
+    finally:
+        if flooding is not None:
+            flooding.close()
+        actor.close()
+        context.destroy(linger=0)
+        stop.set()
+        thread.join(timeout=10)
+        service.close()
+
+
+def test_a_flood_of_bad_frames_leaves_training_bit_identical(tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    clean_steps, clean_weights, clean_rejected, _ = _train(tiny_model_dir, tmp_path / "clean",
+                                                           flood=False)
+    steps, weights, rejected, sent = _train(tiny_model_dir, tmp_path / "flood", flood=True)
+    print(f"MEASURED flood during training: {sent} bad frames sent, {rejected:.0f} rejected "
+          f"by the replay; {len(steps)} steps identical")
+    assert len(clean_steps) == STEPS and clean_rejected == 0
+    assert sent > 1000 and rejected > 0
+    assert steps == clean_steps
+    assert weights.keys() == clean_weights.keys()
+    for name, tensor in clean_weights.items():
+        assert torch.equal(weights[name], tensor), name
