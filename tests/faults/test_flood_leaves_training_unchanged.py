@@ -43,17 +43,19 @@ class _Flood:
              [frames for _, frames, _ in replay_catalogue(Stamp("hostile", 1))]),
             (connect_dealer(context, control_address, TransportConfig(), b"hostile"),
              [frames for _, frames, _ in control_catalogue(Stamp("hostile", 1))])]
-        self.sent = 0
+        self.sent = [0, 0]
+        """Frames sent to the replay, to the control socket."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for socket, catalogue in self._targets:
+            for target, (socket, catalogue) in enumerate(self._targets):
                 try:
-                    socket.send_multipart(catalogue[self.sent % len(catalogue)], zmq.NOBLOCK)
-                    self.sent += 1
+                    socket.send_multipart(catalogue[self.sent[target] % len(catalogue)],
+                                          zmq.NOBLOCK)
+                    self.sent[target] += 1
                 except zmq.Again:  # its queue is full: the peer is not reading yet
                     pass
                 while socket.poll(0):  # replies are read and dropped
@@ -68,7 +70,7 @@ class _Flood:
 
 
 def _train(model: Path, folder: Path, flood: bool) -> tuple[list[str], dict[str, torch.Tensor],
-                                                           float, int]:
+                                                           float, list[int]]:
     """Step log lines and exported weights of one learner run, the replay's
     rejected-message count, and the bad frames sent."""
     actor_address, learner_address, control_address = loopback_addresses(3)
@@ -101,7 +103,7 @@ def _train(model: Path, folder: Path, flood: bool) -> tuple[list[str], dict[str,
         weights = load_file(folder / "learn" / "export" / "model.safetensors")
         rejected = sum(sample.value for sample in service.metrics.rejected.collect()[0].samples
                        if sample.name.endswith("_total"))
-        return steps, weights, rejected, flooding.sent if flooding else 0
+        return steps, weights, rejected, flooding.sent if flooding else [0, 0]
     finally:
         if flooding is not None:
             flooding.close()
@@ -117,10 +119,11 @@ def test_a_flood_of_bad_frames_leaves_training_bit_identical(tiny_model_dir: Pat
     clean_steps, clean_weights, clean_rejected, _ = _train(tiny_model_dir, tmp_path / "clean",
                                                            flood=False)
     steps, weights, rejected, sent = _train(tiny_model_dir, tmp_path / "flood", flood=True)
-    print(f"MEASURED flood during training: {sent} bad frames sent, {rejected:.0f} rejected "
-          f"by the replay; {len(steps)} steps identical")
+    print(f"MEASURED flood during training: bad frames sent to the replay / the control "
+          f"socket {sent}, rejections counted by the replay {rejected:.0f}; {len(steps)} "
+          "steps and the exported weights identical to the clean run")
     assert len(clean_steps) == STEPS and clean_rejected == 0
-    assert sent > 1000 and rejected > 0
+    assert min(sent) > 500 and rejected > 0  # exact counting: test_hostile_input.py
     assert steps == clean_steps
     assert weights.keys() == clean_weights.keys()
     for name, tensor in clean_weights.items():
