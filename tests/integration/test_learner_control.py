@@ -99,7 +99,8 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
         assert isinstance(hostile.receive(), Error)
         assert _rejected(metrics, "protocol_version") == 1
         # a valid message from an actor that never said Hello
-        hostile.send(Heartbeat, active_rollouts=0, stall_seconds={})
+        hostile.send(Heartbeat, active_rollouts=0, stall_seconds={}, credit_ledger=0,
+                     credits_seen=0)
         reply = hostile.receive()
         assert isinstance(reply, Error) and reply.code == "unregistered"
         # someone else's identity in the header
