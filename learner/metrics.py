@@ -39,6 +39,10 @@ class LearnerMetrics:
         self.duplicate_batches = Counter(
             "crl_learner_duplicate_batches",
             "Batches received again after a reconnect and dropped (trained once)", registry=r)
+        self.duplicate_rollouts = Counter(
+            "crl_learner_duplicate_rollouts",
+            "Rollouts served again that this learner took before (the replay restarted "
+            "before it asked again), dropped (trained once)", registry=r)
         self.weight_sync_seconds = Histogram(
             "crl_learner_weight_sync_seconds",
             "Weight publication by phase: gather (from FSDP shards), broadcast "

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,12 @@ log = logging.getLogger("compactionrl.learner")
 
 #: Rank 0 polls the replay this often while waiting, to notice SIGTERM.
 WAIT_SLICE_MS = 500
+#: Rollout ids rank 0 remembers having taken: a restarted replay serves again
+#: at most the batch it had not seen confirmed, so a few batches' worth suffice.
+TAKEN_ROLLOUTS_MEMORY = 4096
+#: On closing, rank 0 gives its last request this long to leave: without it
+#: the replay would serve the last batch trained again after a restart.
+CLOSE_LINGER_MS = 1000
 #: Name of the announced-version record in the checkpoints folder.
 ANNOUNCED_RECORD = "announced.json"
 
@@ -132,7 +139,8 @@ class Learner:
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
             self.version, self.step = load_checkpoint(latest, self.trainer)
             log.info("resumed from %s at version %d", latest, self.version)
-        link = (_ReplayLink(self.settings, self.metrics.duplicate_batches)
+        link = (_ReplayLink(self.settings, self.metrics.duplicate_batches,
+                            self.metrics.duplicate_rollouts)
                 if self.rank == 0 else None)
         control = ControlPlane(self.config.control_address, self.settings.transport,
                                self.settings.run_id, self.settings.max_staleness,
@@ -170,10 +178,19 @@ class Learner:
                     continue  # stopping, or weights are wanted first
                 if not self._train(frame):
                     continue
-                if link and self.step < self.config.max_steps:
-                    # ask now: the replay learns the new version before any
-                    # actor can sample with it, and assembles while we publish
-                    link.request(batch_size, self.version)
+                if link:
+                    # ask now: the replay learns the new version before any actor
+                    # can sample with it, assembles while we publish, and releases
+                    # the batch just trained in its log (after the last step: a
+                    # request for none, for that release alone)
+                    link.request(batch_size if self.step < self.config.max_steps else 0,
+                                 self.version)
+                if (self.step % self.config.checkpoint_every == 0
+                        and self.step < self.config.max_steps):
+                    # after the request: a checkpoint never holds a batch the replay
+                    # would serve again to a learner resumed from it
+                    save_checkpoint(self.run_dir / "checkpoints", self.trainer, self.version,
+                                    self.step)
                 if self.step % self.config.publish_every == 0:
                     publisher.publish(self.version)
             save_checkpoint(checkpoints, self.trainer, self.version, self.step)
@@ -209,8 +226,6 @@ class Learner:
             log.info("step %d: version %d, reward %.3f, %d tokens, policy loss %.4f",
                      self.step, self.version, float(batch.rewards.mean()), metrics["tokens"],
                      metrics.get("losses/policy_loss", 0.0))
-        if self.step % self.config.checkpoint_every == 0 and self.step < self.config.max_steps:
-            save_checkpoint(self.run_dir / "checkpoints", self.trainer, self.version, self.step)
         return True
 
     # ------------------------------------------------------------------ collectives
@@ -239,7 +254,8 @@ class Learner:
 class _ReplayLink:
     """Rank 0's DEALER to the replay's learner socket."""
 
-    def __init__(self, settings: LearnerSettings, duplicates: Counter) -> None:
+    def __init__(self, settings: LearnerSettings, duplicates: Counter,
+                 duplicate_rollouts: Counter) -> None:
         self.context = zmq.Context()
         self.socket = connect_dealer(self.context, settings.replay_address, settings.transport,
                                      b"learner")
@@ -252,6 +268,9 @@ class _ReplayLink:
         self.last_batch: tuple[int, int] | None = None
         """(incarnation, seq) of the replay's last Batch taken: a resend of it is dropped."""
         self.duplicates = duplicates
+        self.duplicate_rollouts = duplicate_rollouts
+        self.taken: OrderedDict[str, None] = OrderedDict()
+        """Rollout ids taken, newest last (TAKEN_ROLLOUTS_MEMORY of them)."""
 
     def hello(self) -> tuple[int, int]:
         """Register; returns the batch size B and the newest learner version
@@ -306,6 +325,19 @@ class _ReplayLink:
                         continue
                     self.last_batch = (message.incarnation, message.seq)
                     self.request_frame = None
+                    fresh = [r for r in message.rollouts if r.rollout_id not in self.taken]
+                    if len(fresh) < len(message.rollouts):
+                        self.duplicate_rollouts.inc(len(message.rollouts) - len(fresh))
+                        log.info("dropped %d rollouts taken before (the replay restarted)",
+                                 len(message.rollouts) - len(fresh))
+                        frame = encode(msgspec.structs.replace(message, rollouts=fresh))
+                    for rollout in fresh:
+                        self.taken[rollout.rollout_id] = None
+                    while len(self.taken) > TAKEN_ROLLOUTS_MEMORY:
+                        self.taken.popitem(last=False)
+                    if not fresh:
+                        self.request(size, version)  # nothing new in it: ask again
+                        continue
                     return frame
             return b""
         finally:
@@ -314,5 +346,5 @@ class _ReplayLink:
     def close(self) -> None:
         self.socket.disable_monitor()
         self.connections.close(linger=0)
-        self.socket.close(linger=0)
+        self.socket.close(linger=CLOSE_LINGER_MS)
         self.context.term()

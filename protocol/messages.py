@@ -211,7 +211,9 @@ class Heartbeat(Message, tag="heartbeat"):
 
 
 class BatchRequest(Message, tag="batch_request"):
-    """learner -> replay: ask for ``size`` complete rollouts."""
+    """learner -> replay: ask for ``size`` complete rollouts; it also says the
+    batch before arrived (the replay releases it). ``size`` 0: only that (the
+    learner's last word)."""
 
     size: int
     policy_version: int

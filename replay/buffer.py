@@ -121,6 +121,14 @@ class RolloutBuffer:
             self._remember(rollout_id)
         return entry
 
+    def restore(self, entries: list[RolloutEntry]) -> None:
+        """Put rollouts taken by ``take`` back, first in serving order: their
+        batch never reached a learner that survived."""
+        for entry in entries:
+            self._released.pop(entry.rollout_id, None)
+            self.nbytes += entry.nbytes
+        self.ready = {entry.rollout_id: entry for entry in entries} | self.ready
+
     def _remember(self, rollout_id: str) -> None:
         self._released[rollout_id] = None
         if len(self._released) > RELEASED_MEMORY:

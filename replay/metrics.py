@@ -36,6 +36,10 @@ class ReplayMetrics:
         self.batches_resent = Counter(
             "crl_replay_batches_resent",
             "Batches served again: the learner asked again after a reconnect", registry=r)
+        self.batches_returned = Counter(
+            "crl_replay_batches_returned",
+            "Batches whose learner died before asking again: their rollouts are served "
+            "again", registry=r)
         self.learner_version = Gauge("crl_replay_learner_version",
                                      "Learner version last reported", registry=r)
         self.actors_alive = Gauge("crl_replay_actors_alive", "Actors heard from recently",

@@ -119,6 +119,10 @@ class CreditPacer:
         self.rollouts_consumed += rollouts
         self.rollouts_in_training = rollouts
 
+    def returned(self, rollouts: int) -> None:
+        """Rollouts consumed are back, untrained (their learner died)."""
+        self.rollouts_consumed -= rollouts
+
     def learner_waiting(self) -> None:
         """The learner asked for a batch: it is done with the one it took."""
         self.rollouts_in_training = 0

@@ -91,11 +91,18 @@ class _Peer:
 class _Served:
     """The last batch served to a learner identity, kept until that learner's
     next request shows it arrived: a connection that drops while the batch is
-    on its way loses it, and the learner then asks again with the same request."""
+    on its way loses it, and the learner then asks again with the same request.
+
+    Its rollouts are released in the log only then. A replay killed before
+    recovers them from its log and serves them again; the learner drops those
+    it took already (by rollout id). A request from a new learner incarnation
+    (the old one died, its step after its last checkpoint lost) gets them
+    again, first: each rollout is trained by a surviving learner once."""
 
     request: tuple[int, int]
     """(incarnation, seq) of the ``BatchRequest`` it answers."""
     frame: bytes
+    entries: list[RolloutEntry]
 
 
 class _SeenSeqs:
@@ -399,7 +406,7 @@ class ReplayService:
                     max_staleness=self.config.max_staleness,
                     rollouts_per_batch=self.config.rollouts_per_batch, credits=0,
                     credit_ledger=0, credits_total=0))
-            elif isinstance(message, BatchRequest) and message.size >= 1:
+            elif isinstance(message, BatchRequest) and message.size >= 0:
                 self._set_learner_version(message.policy_version)
                 served = self._served.get(identity)
                 if served is not None and served.request == (message.incarnation, message.seq):
@@ -407,12 +414,12 @@ class ReplayService:
                     self.metrics.batches_resent.inc()
                     self._send_frame(self.learner_socket, identity, served.frame)
                     continue
-                # a new request: the batch served before it arrived (or its learner
-                # is gone, replaced by a new incarnation)
-                self._served.pop(identity, None)
                 self.pacer.learner_waiting()
+                if (served := self._served.pop(identity, None)) is not None:
+                    self._confirm(served, message)
                 self._parked = [(i, r) for i, r in self._parked if i != identity]
-                self._parked.append((identity, message))
+                if message.size:  # 0: the learner's last word, nothing more wanted
+                    self._parked.append((identity, message))
                 asked = True
             elif not isinstance(message, Heartbeat):
                 self._reject(self.learner_socket, identity, "unexpected",
@@ -441,11 +448,28 @@ class ReplayService:
         ledger, total = self.pacer.ledger(actor_id)
         return {"credit_ledger": ledger, "credits_total": total}
 
+    def _confirm(self, served: _Served, request: BatchRequest) -> None:
+        """A new request: the batch ``served`` before it arrived, or (from a
+        new incarnation) its learner died with it."""
+        if request.incarnation == served.request[0]:
+            for entry in served.entries:
+                self._release(entry)
+        else:
+            self.buffer.restore(served.entries)
+            self.pacer.returned(len(served.entries))
+            self.metrics.batches_returned.inc()
+            log.info("a new learner incarnation asks: the %d rollouts served to the last one "
+                     "are served again", len(served.entries))
+            self._drop_stale()
+
     def _set_learner_version(self, version: int) -> None:
         self.learner_seen = True
         if version > self.learner_version:
             self.learner_version = version
             self.metrics.learner_version.set(version)
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
         for entry in self.buffer.stale(self.learner_version):
             self._drop(entry.rollout_id, "stale")
 
@@ -456,8 +480,6 @@ class ReplayService:
             if not entries:
                 return
             self._parked.pop(0)
-            for entry in entries:
-                self._release(entry)
             self.pacer.consumed(len(entries))
             staleness = np.array([e.staleness(self.learner_version) for e in entries])
             for value in staleness:
@@ -470,7 +492,7 @@ class ReplayService:
                     min=int(staleness.min()), max=int(staleness.max()),
                     mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
                     p95=float(np.percentile(staleness, 95)))))
-            self._served[identity] = _Served((request.incarnation, request.seq), frame)
+            self._served[identity] = _Served((request.incarnation, request.seq), frame, entries)
             self._send_frame(self.learner_socket, identity, frame)
 
     # ------------------------------------------------------------------ shared
@@ -526,7 +548,9 @@ class ReplayService:
             self.log.sync()
             live = self.buffer.nbytes
             if self.log.released_bytes > max(self.compact_min_bytes, live):
-                self.log.compact(self.buffer.live_frames())
+                self.log.compact(self.buffer.live_frames() + [  # and batches not confirmed
+                    s.frame for served in self._served.values() for e in served.entries
+                    for s in e.segments.values()])
         self._update_gauges()
         self._try_serve_parked()
 

@@ -115,9 +115,9 @@ class ActorClient:
 
 class LearnerClient:
     def __init__(self, context: zmq.Context, address: str,
-                 transport: TransportConfig | None = None) -> None:
+                 transport: TransportConfig | None = None, incarnation: int = 1) -> None:
         self.socket = connect_dealer(context, address, transport or TransportConfig(), b"learner")
-        self.stamp = Stamp("learner", 1)
+        self.stamp = Stamp("learner", incarnation)
 
     def request(self, size: int, version: int) -> bytes:
         """Send a BatchRequest; returns its frame (to send it again)."""

@@ -34,8 +34,9 @@ class Running:
     def actor(self, **kwargs) -> ActorClient:
         return ActorClient(self.context, self.service.config.actor_address, **kwargs)
 
-    def learner(self) -> LearnerClient:
-        return LearnerClient(self.context, self.service.config.learner_address)
+    def learner(self, incarnation: int = 1) -> LearnerClient:
+        return LearnerClient(self.context, self.service.config.learner_address,
+                             incarnation=incarnation)
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.service.metrics.registry.get_sample_value(name, labels or None)
@@ -307,9 +308,10 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
     proxy = FaultProxy(int(replay.service.config.learner_address.rsplit(":", 1)[1]))
     registry = CollectorRegistry()
     duplicates = Counter("duplicates", "", registry=registry)
+    duplicate_rollouts = Counter("duplicate_rollouts", "", registry=registry)
     idle = Counter("idle", "", registry=registry)
     link = _ReplayLink(LearnerSettings(model="m", replay_address=proxy.address,
-                                       run_dir=str(tmp_path)), duplicates)
+                                       run_dir=str(tmp_path)), duplicates, duplicate_rollouts)
     actor = replay.actor(capacity=8)
     taken: list[list[str]] = []
 
@@ -364,10 +366,12 @@ def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> 
     log_path = Path(replay.service.config.log_path)
     before = log_path.stat().st_size
     learner = replay.learner()
-    for _ in range(2):
+    for _ in range(3):  # a batch is released once the next request shows it arrived
         learner.request(2, version=0)
         assert learner.receive(2.0) is not None
     actor.push_rollout(tokens=64)
+    actor.push_rollout(tokens=64)
+    # the log keeps the third batch (not confirmed yet) and the new rollouts
     assert actor.pump_until(lambda: log_path.stat().st_size < before / 2)
     learner.request(2, version=0)
     batch = learner.receive(2.0)
@@ -474,3 +478,87 @@ def test_segments_the_log_cannot_recover_are_skipped_and_counted(tmp_path: Path)
         assert list(service.buffer.ready) == ["r-0"]
     finally:
         service.close()
+
+
+def _served_again_setup(tmp_path: Path) -> tuple[ReplayConfig, TransportConfig]:
+    actor_address, learner_address = loopback_addresses(2)
+    return (ReplayConfig(actor_address=actor_address, learner_address=learner_address,
+                         rollouts_per_batch=2, max_staleness=4, log_path=str(tmp_path / "log"),
+                         metrics_port=0),
+            TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=100))
+
+
+def test_a_batch_taken_before_the_replay_died_is_trained_once(tmp_path: Path) -> None:
+    """The replay releases a batch in its log only when the learner's next
+    request shows it arrived; killed before, it serves those rollouts again,
+    and the learner's link drops them: nothing lost, nothing trained twice."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from learner.process import LearnerSettings, _ReplayLink
+    from protocol import Batch, decode
+
+    config, transport = _served_again_setup(tmp_path)
+    registry = CollectorRegistry()
+    duplicate_rollouts = Counter("duplicate_rollouts", "", registry=registry)
+    link = _ReplayLink(LearnerSettings(model="m", replay_address=config.learner_address,
+                                       run_dir=str(tmp_path)),
+                       Counter("duplicates", "", registry=registry), duplicate_rollouts)
+    replay = Running(ReplayService(config, transport, vocab_size=100))
+    taken: list[list[str]] = []
+
+    def take(version: int) -> None:
+        deadline = time.monotonic() + 60.0
+        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline,
+                                Counter("idle", "", registry=CollectorRegistry()))
+        assert frame, f"no batch for version {version} within 60 s"
+        batch = decode(frame)
+        assert isinstance(batch, Batch)
+        taken.append(sorted(r.rollout_id for r in batch.rollouts))
+
+    try:
+        link.hello()
+        actor = replay.actor(capacity=8)
+        actor.hello()
+        pushed = [actor.push_rollout(segments=1) for _ in range(4)]
+        assert actor.pump_until(lambda: not actor.unacked)
+        take(0)  # the learner trains on it: the replay is killed before it asks again
+        replay.close()
+        replay = Running(ReplayService(config, transport, vocab_size=100))
+        assert replay.metric("crl_replay_recovered_segments_total") == 4
+        take(1)  # served the first two again, dropped; then the next two
+        assert taken == [sorted(pushed[:2]), sorted(pushed[2:])]
+        assert registry.get_sample_value("duplicate_rollouts_total") == 2
+    finally:
+        link.close()
+        replay.close()
+
+
+def test_a_new_learner_incarnation_gets_the_batch_its_predecessor_died_with(
+        tmp_path: Path) -> None:
+    """A learner killed with a batch (trained after its last checkpoint, or
+    not received) is resumed as a new incarnation: its first request gets
+    those rollouts again, not the next ones."""
+    config, transport = _served_again_setup(tmp_path)
+    replay = Running(ReplayService(config, transport, vocab_size=100))
+    try:
+        actor = replay.actor(capacity=8)
+        actor.hello()
+        pushed = [actor.push_rollout(segments=1) for _ in range(4)]
+        assert actor.pump_until(lambda: not actor.unacked)
+        first = replay.learner()
+        first.request(2, version=0)
+        batch = first.receive(5.0)
+        assert batch is not None
+        died_with = sorted(r.rollout_id for r in batch.rollouts)
+        resumed = replay.learner(incarnation=2)
+        resumed.request(2, version=0)
+        batch = resumed.receive(5.0)
+        assert batch is not None and sorted(r.rollout_id for r in batch.rollouts) == died_with
+        assert died_with == sorted(pushed[:2])
+        assert replay.metric("crl_replay_batches_returned_total") == 1
+        resumed.request(2, version=0)  # the same incarnation: that batch arrived
+        batch = resumed.receive(5.0)
+        assert batch is not None
+        assert sorted(r.rollout_id for r in batch.rollouts) == sorted(pushed[2:])
+    finally:
+        replay.close()
