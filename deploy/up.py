@@ -110,7 +110,7 @@ class Child:
         if self.process is None:
             return None
         if self.process.poll() is None:
-            for child in _children(self.process.pid):
+            for child in child_pids(self.process.pid):
                 _signal(child, sig)
             _signal_group(self.process.pid, sig)
             try:
@@ -135,7 +135,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from deploy.up import child_pids
 from ops.summary import scrape
 from tests.ports import free_ports, loopback_addresses
 
@@ -128,18 +129,11 @@ def process_tree(root: int) -> list[int]:
     """``root`` and every process descended from it (Linux): an actor with its
     engine's processes, torchrun with its ranks (which run in sessions of their
     own, so a process group would miss them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:  # exited meanwhile
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
     tree, frontier = [], [root]
     while frontier:
         pid = frontier.pop()
         tree.append(pid)
-        frontier += children.get(pid, [])
+        frontier += child_pids(pid)
     return tree
 
 
