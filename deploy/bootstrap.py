@@ -45,19 +45,31 @@ from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, ORDINALS, KeyVault
 from actors.episode import EpisodeResult, run_episode
 from deploy.config import BootstrapSection
 
-#: A fact as keyvault's notes state it ("alpha second seven"); summaries
-#: state kept facts the same way.
-FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(ORDINALS)}) "
-                  rf"({'|'.join(NUMBER_WORDS[:10])})\b")
+#: A fact as keyvault's notes state it: "alpha second seven", or "alpha seven"
+#: when the code's digits are unordered; summaries state kept facts the same way.
+ORDERED_FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(ORDINALS)}) "
+                          rf"({'|'.join(NUMBER_WORDS[:10])})\b")
+UNORDERED_FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(NUMBER_WORDS[:10])})\b")
 #: Seeds of demonstrations: a range of their own, below evaluation's 2^31.
 DEMONSTRATION_SEED_SALT = "bootstrap"
 #: Demonstrations played after fine-tuning to measure copying (~5 s on CPU).
 HELD_OUT_DEMONSTRATIONS = 100
 
 
-def facts_in(text: str) -> dict[tuple[str, str], str]:
-    """Facts stated in ``text`` (later statements win), keyed by (code, ordinal)."""
-    return {(code, position): digit for code, position, digit in FACT.findall(text)}
+def facts_in(text: str, ordered: bool) -> dict[tuple[str, str], str]:
+    """Facts stated in ``text``, in order of first statement: value by (code,
+    ordinal), later statements winning; unordered, value by (code, value)."""
+    if ordered:
+        return {(code, position): digit for code, position, digit in ORDERED_FACT.findall(text)}
+    return {(code, digit): digit for code, digit in UNORDERED_FACT.findall(text)}
+
+
+def values_by_code(facts: dict[tuple[str, str], str]) -> dict[str, list[str]]:
+    """The values of ``facts`` of each code, in order."""
+    values: dict[str, list[str]] = {}
+    for (code, _), digit in facts.items():
+        values.setdefault(code, []).append(digit)
+    return values
 
 
 class Demonstrator:
@@ -69,9 +81,9 @@ class Demonstrator:
     """
 
     def __init__(self, chat: ChatFormat, codes: tuple[str, ...], digits: int,
-                 drop_fact_probability: float, rng: random.Random) -> None:
+                 drop_fact_probability: float, rng: random.Random, ordered: bool) -> None:
         self.chat = chat
-        self.codes, self.digits = codes, digits
+        self.codes, self.digits, self.ordered = codes, digits, ordered
         self.drop_fact_probability = drop_fact_probability
         self.rng = rng
         self._summary_suffix = chat.summary_request + chat.assistant_header
@@ -90,22 +102,40 @@ class Demonstrator:
         return Generation(ids, [0.0] * len(ids), [0] * len(ids))
 
     def summary(self, text: str) -> str:
-        in_order = sorted(facts_in(text).items(), key=lambda fact: (
-            CODE_NAMES.index(fact[0][0]), ORDINALS.index(fact[0][1])))
-        kept = [fact for fact in in_order if self.rng.random() >= self.drop_fact_probability]
+        """Kept facts by code, then by position (ordered) or by value
+        (unordered: the next value to write is then the smallest one in view
+        above the last written, which one attention head can find; in order
+        of appearance it would take an induction head, and in any order the
+        tiny model repeats values)."""
+        facts = facts_in(text, self.ordered)
+        in_order = sorted(facts, key=lambda key: (
+            CODE_NAMES.index(key[0]),
+            ORDINALS.index(key[1]) if self.ordered else NUMBER_WORDS.index(key[1])))
+        kept = [key for key in in_order if self.rng.random() >= self.drop_fact_probability]
         if not kept:
             return "no facts kept ."
-        return " ".join(f"{code} {position} {digit} ." for (code, position), digit in kept)
+        if self.ordered:
+            return " ".join(f"{code} {position} {facts[code, position]} ."
+                            for code, position in kept)
+        return " ".join(f"{code} {digit} ." for code, digit in kept)
 
     def answer(self, text: str) -> str:
-        known = facts_in(text)
+        """Every code's digits in view (unordered: by value, as summaries
+        list them); a digit not in view is guessed."""
+        known = facts_in(text, self.ordered)
         words = ["answer"]
         for code in self.codes:
             words.append(code)
-            for position in range(self.digits):
-                digit = known.get((code, ORDINALS[position]))
-                words.append(digit if digit is not None
-                             else NUMBER_WORDS[self.rng.randrange(10)])
+            if self.ordered:
+                for position in ORDINALS[:self.digits]:
+                    digit = known.get((code, position))
+                    words.append(digit if digit is not None
+                                 else NUMBER_WORDS[self.rng.randrange(10)])
+                continue
+            seen = sorted(values_by_code(known).get(code, []), key=NUMBER_WORDS.index)
+            seen = seen[:self.digits]
+            unseen = [digit for digit in NUMBER_WORDS[:10] if digit not in seen]
+            words += seen + self.rng.sample(unseen, self.digits - len(seen))
         return " ".join(words)
 
 
@@ -134,7 +164,8 @@ async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapSe
         if result is not None:
             results.append(result)
 
-    player = Demonstrator(chat, codes, digits, recipe.drop_fact_probability, rng)
+    player = Demonstrator(chat, codes, digits, recipe.drop_fact_probability, rng,
+                          ordered=probe.ordered)
     numbers = (range(recipe.demonstrations, recipe.demonstrations + held_out) if held_out
                else range(recipe.demonstrations))
     for n in numbers:
@@ -214,54 +245,63 @@ def fine_tune(model_dir: Path, segments: list[SegmentData], recipe: BootstrapSec
     return curve
 
 
-def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
-                  ) -> dict[str, float]:
+def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData],
+                  ordered: bool) -> dict[str, float]:
     """How often the model, teacher-forced on demonstrations, puts its most
-    likely token on a fact's value where the player copied one: in summaries
-    (every value there is a copy) and in answers (values in view; the
-    player's guesses are left out). Copying decides success: an exact answer
-    needs every copy right through every compaction. Also the number of
-    values of each kind (``summary_values``, ``answer_values``)."""
+    likely token on a right copy where the player copied a fact's value: in
+    summaries (every value there is a copy) and in answers (values in view;
+    the player's guesses are left out). A right copy is the value of the
+    position just named (ordered), or any value of the code in view not yet
+    written in this reply (unordered: the player's order is its own choice).
+    Copying decides success: an exact answer needs every copy right through
+    every compaction. Also the number of values of each kind
+    (``summary_values``, ``answer_values``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = chat.tokenizer
     value_ids = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(f" {word}"))[0]: word
                  for word in NUMBER_WORDS[:10]}
-    # "answer" opens its turn (no space before it) or follows a space
-    answer_ids = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))[0]
-                  for text in ("answer", " answer")}
     right = {"summary": 0, "answer": 0}
     total = {"summary": 0, "answer": 0}
     for segment in segments:
         with torch.no_grad():
             predicted = model(input_ids=torch.tensor([segment.tokens])).logits[0].argmax(-1)
-        answer_at = None
+        kind = "summary" if segment.segment_type == "summary" else None
+        visible: dict[tuple[str, str], str] = {}
+        written: list[str] = []  # words of the reply being checked
         for i, token in enumerate(segment.tokens):
             if not segment.loss_mask[i]:
+                written = []
                 continue
-            if token in answer_ids:
-                answer_at = i
-            if token not in value_ids:
-                continue
-            if segment.segment_type == "summary":
-                kind = "summary"
-            elif answer_at is not None:
-                # "answer alpha four six nine bravo ...": the code named last,
-                # and the value's place after it
-                words = chat.decode(segment.tokens[answer_at:i]).split()
-                named = max((n for n, w in enumerate(words) if w in CODE_NAMES), default=None)
-                if named is None or len(words) - named - 1 >= len(ORDINALS):
-                    continue
-                key = (words[named], ORDINALS[len(words) - named - 1])
-                visible = facts_in(chat.decode(segment.tokens[:answer_at]))
-                if visible.get(key) != value_ids[token]:
-                    continue  # a guess, not a copy
+            word = chat.decode([token]).strip()
+            if not written:  # a reply begins: what it may copy is what precedes it
+                visible = facts_in(chat.decode(segment.tokens[:i]), ordered)
+            written.append(word)
+            if word == "answer":
                 kind = "answer"
-            else:
+                written = [word]
+            if token not in value_ids or kind is None:
                 continue
+            codes_named = [n for n, w in enumerate(written) if w in CODE_NAMES]
+            if not codes_named:
+                continue
+            code, named_at = written[codes_named[-1]], codes_named[-1]
+            if ordered:
+                # a summary names the position before the value; an answer by place
+                place = len(written) - named_at - 2
+                position = (written[-2] if kind == "summary"
+                            else ORDINALS[place] if place < len(ORDINALS) else None)
+                acceptable = {visible.get((code, position))}
+            else:
+                done = {w for w in written[named_at + 1:-1] if w in NUMBER_WORDS[:10]}
+                done |= {w for n in codes_named[:-1] if written[n] == code
+                         for w in written[n + 1:n + 2]}
+                acceptable = set(values_by_code(visible).get(code, [])) - done
+            if word not in acceptable:
+                continue  # a guess, not a copy
             total[kind] += 1
-            right[kind] += int(predicted[i - 1] == token)
+            right[kind] += int(value_ids.get(int(predicted[i - 1])) in acceptable)
     report: dict[str, float] = {}
     for kind in total:
         report[kind] = right[kind] / total[kind] if total[kind] else float("nan")
@@ -299,7 +339,8 @@ def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
         f"{compactions:.2f} compactions per episode")
     curve = fine_tune(out, segments, recipe, log)
     held_out, _ = asyncio.run(demonstrate(chat, actors, recipe, held_out=HELD_OUT_DEMONSTRATIONS))
-    copying = copy_accuracy(out, chat, held_out)
+    ordered = bool(actors.environment.options.get("ordered", True))
+    copying = copy_accuracy(out, chat, held_out, ordered)
     log(f"  copy accuracy on {HELD_OUT_DEMONSTRATIONS} held-out demonstrations: summaries "
         f"{copying['summary']:.3f}, answers {copying['answer']:.3f}")
     report = {

@@ -8,6 +8,12 @@ agent must ``answer`` with every code: ``answer alpha 4 0 7 1 bravo 9 9 2 5``
 early rooms have scrolled out of the window by the end, so an episode
 succeeds only if the summaries kept the digits found.
 
+With ``ordered = false`` a code's digits are distinct and a note gives a digit
+without its position ("note : bravo seven"); the answer may list them in any
+order. That removes *binding* (which value goes with which position) from
+the task, which a tiny model cannot learn in minutes (docs/running.md), and
+leaves what compaction is about: keeping every fact.
+
 Reward: 1 for an exact answer (all codes, all digits), else 0; with
 ``partial_credit`` the fraction of digits right. Deterministic in the seed.
 All text uses :mod:`actors.envs.vocabulary` words, one token each in the
@@ -28,7 +34,8 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "
                 "ten")
 #: Digit positions are ordinals, never number words: a note reads "code,
 #: position, value" with no word that every note repeats between position
-#: and value, so a small model copies a value by matching the one word before it.
+#: and value, so matching the one word before a value finds it (an induction
+#: head; the tiny model does not learn one in minutes, hence ``ordered``).
 ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
             "ninth", "tenth")
 
@@ -42,7 +49,7 @@ class KeyVault:
 
     def __init__(self, codes: int = 2, digits: int = 4, rooms: int = 24,
                  distractor_words: int = 30, partial_credit: bool = False,
-                 step_latency_s: float = 0.0) -> None:
+                 ordered: bool = True, step_latency_s: float = 0.0) -> None:
         if not 1 <= codes <= len(CODE_NAMES):
             raise ValueError(f"codes must be in [1, {len(CODE_NAMES)}]")
         if not 1 <= digits <= 10:
@@ -54,6 +61,7 @@ class KeyVault:
         self.codes, self.digits, self.rooms = codes, digits, rooms
         self.distractor_words = distractor_words
         self.partial_credit = partial_credit
+        self.ordered = ordered
         self.step_latency_s = step_latency_s
         self._rng = random.Random()
         self._answer: dict[str, list[int]] = {}
@@ -63,18 +71,20 @@ class KeyVault:
     async def reset(self, seed: int) -> Task:
         self._rng = random.Random(seed)
         names = CODE_NAMES[: self.codes]
-        self._answer = {name: [self._rng.randrange(10) for _ in range(self.digits)]
+        self._answer = {name: ([self._rng.randrange(10) for _ in range(self.digits)]
+                               if self.ordered else self._rng.sample(range(10), self.digits))
                         for name in names}
         facts = [(name, position, digit) for name, digits in self._answer.items()
                  for position, digit in enumerate(digits)]
         rooms = self._rng.sample(range(1, self.rooms + 1), len(facts))
         self._notes = dict(zip(rooms, facts, strict=True))
         self._room = 0
+        which = " . " if self.ordered else " , not its position . "
         instruction = (
-            f"{self.rooms} rooms . say next to enter a room . notes hold one digit of a code . "
-            f"codes : " + " , ".join(names) + f" , {self.digits} digits each . after the last "
-            "room say answer " + " ".join(f"{n} " + " ".join("0" * self.digits)
-                                          for n in names) + " .")
+            f"{self.rooms} rooms . say next to enter a room . notes hold one digit of a code"
+            f"{which}codes : " + " , ".join(names) + f" , {self.digits} digits each . after the "
+            "last room say answer " + " ".join(f"{n} " + " ".join("0" * self.digits)
+                                               for n in names) + " .")
         return Task(task_id=f"keyvault-{seed}", system=SYSTEM, instruction=instruction)
 
     async def step(self, action: str) -> StepResult:
@@ -99,7 +109,8 @@ class KeyVault:
         text = f"room {room} : {distractor} ."
         if room in self._notes:
             name, position, digit = self._notes[room]
-            text += f" note : {name} {ORDINALS[position]} {NUMBER_WORDS[digit]} ."
+            where = f" {ORDINALS[position]}" if self.ordered else ""
+            text += f" note : {name}{where} {NUMBER_WORDS[digit]} ."
         return text
 
     def _grade(self, words: list[str]) -> StepResult:
@@ -110,10 +121,16 @@ class KeyVault:
                 current = given.setdefault(word, [])
             elif current is not None and (word.isdigit() or word in NUMBER_WORDS[:10]):
                 current.append(int(word) if word.isdigit() else NUMBER_WORDS.index(word))
-        right = sum(a == b for name, digits in self._answer.items()
-                    for a, b in zip(digits, given.get(name, []), strict=False))
+        if self.ordered:
+            right = sum(a == b for name, digits in self._answer.items()
+                        for a, b in zip(digits, given.get(name, []), strict=False))
+            exact = all(given.get(name) == digits for name, digits in self._answer.items())
+        else:
+            right = sum(len(set(digits) & set(given.get(name, [])))
+                        for name, digits in self._answer.items())
+            exact = all(sorted(given.get(name, [])) == sorted(digits)
+                        for name, digits in self._answer.items())
         total = self.codes * self.digits
-        exact = all(given.get(name) == digits for name, digits in self._answer.items())
         reward = 1.0 if exact else (right / total if self.partial_credit else 0.0)
         verdict = "correct" if exact else "wrong"
         return StepResult(f"answer {verdict} . {right} of {total} digits right .", done=True,

@@ -4,6 +4,7 @@ context, the imperfection recipe, and the sequences fine-tuning sees."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from pathlib import Path
 
@@ -29,8 +30,10 @@ def tokenizer(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def play(tokenizer, drop: float, episodes: int = 40):
+def play(tokenizer, drop: float, episodes: int = 40, ordered: bool = False):
     actors = load_config(None, []).actors
+    options = {**actors.environment.options, "ordered": ordered}
+    actors.environment = dataclasses.replace(actors.environment, options=options)
     chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
     recipe = BootstrapSection(demonstrations=episodes, drop_fact_probability=drop, seed=1)
     return asyncio.run(demonstrate(chat, actors, recipe))
@@ -48,7 +51,7 @@ def test_summaries_that_keep_nothing_leave_only_guesses(tokenizer) -> None:
     summaries = [tokenizer.decode(s.tokens[-s.num_trainable:]) for s in segments
                  if s.segment_type == "summary"]
     assert all("no facts kept" in text for text in summaries)
-    # Three digits guessed (1 in 1000) unless a note sits in the kept step.
+    # Three distinct digits guessed (1 in 120) unless a note sits in the kept step.
     assert sum(r.stats.success for r in results) <= 2
 
 
@@ -61,12 +64,28 @@ def test_the_recipe_drops_facts_at_its_rate(tokenizer) -> None:
 def test_the_player_answers_with_the_facts_in_view_and_guesses_the_rest(tokenizer) -> None:
     actors = load_config(None, []).actors
     chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
-    player = Demonstrator(chat, ("alpha",), 3, 0.0, random.Random(0))
+    player = Demonstrator(chat, ("alpha",), 3, 0.0, random.Random(0), ordered=True)
     text = ("summary : alpha first four . alpha third nine . "
             "tool no more rooms . say answer now")
     words = player.answer(text).split()
     assert words[:3] == ["answer", "alpha", "four"] and words[4] == "nine"
-    assert facts_in(text) == {("alpha", "first"): "four", ("alpha", "third"): "nine"}
+    assert facts_in(text, ordered=True) == {("alpha", "first"): "four",
+                                            ("alpha", "third"): "nine"}
+
+
+def test_unordered_the_player_lists_facts_by_value_and_guesses_other_digits(tokenizer) -> None:
+    actors = load_config(None, []).actors
+    chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
+    player = Demonstrator(chat, ("alpha",), 3, 0.0, random.Random(0), ordered=False)
+    text = "summary : alpha nine . note : alpha four . note : alpha nine ."
+    assert facts_in(text, ordered=False) == {("alpha", "nine"): "nine",
+                                             ("alpha", "four"): "four"}
+    assert player.summary(text) == "alpha four . alpha nine ."  # by value
+    for seed in range(20):
+        player.rng = random.Random(seed)
+        words = player.answer(text).split()
+        assert words[:4] == ["answer", "alpha", "four", "nine"]
+        assert words[4] not in ("nine", "four")  # a guess is never a digit already given
 
 
 def test_fine_tuning_trains_each_summary_with_the_window_it_summarises(tokenizer) -> None:
@@ -91,19 +110,20 @@ def test_an_incoherent_recipe_is_refused() -> None:
         load_config(None, ["--learner.advantage", "grpo"])
 
 
-def test_copy_accuracy_counts_every_copied_value_and_no_guess(tokenizer,
-                                                                tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("ordered", [False, True])
+def test_copy_accuracy_counts_every_copied_value_and_no_guess(tokenizer, tiny_model_dir: Path,
+                                                                ordered: bool) -> None:
     actors = load_config(None, []).actors
     chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
-    perfect, _ = play(tokenizer, drop=0.0, episodes=6)
-    report = copy_accuracy(tiny_model_dir, chat, perfect)
+    perfect, _ = play(tokenizer, drop=0.0, episodes=6, ordered=ordered)
+    report = copy_accuracy(tiny_model_dir, chat, perfect, ordered=ordered)
     # perfect summaries: every answer value is in view, and every summary
     # value is a copy of a fact in the window
     assert report["answer_values"] == 6 * 3
-    summary_values = sum(len(facts_in(tokenizer.decode(s.tokens[-s.num_trainable:])))
+    summary_values = sum(len(facts_in(tokenizer.decode(s.tokens[-s.num_trainable:]), ordered))
                          for s in perfect if s.segment_type == "summary")
     assert report["summary_values"] == summary_values > 0
     assert 0.0 <= report["summary"] <= 1.0 and 0.0 <= report["answer"] <= 1.0
-    forgetful, _ = play(tokenizer, drop=1.0, episodes=6)
+    forgetful, _ = play(tokenizer, drop=1.0, episodes=6, ordered=ordered)
     # nothing kept: only notes of the last window are in view, the rest are guesses
-    assert copy_accuracy(tiny_model_dir, chat, forgetful)["answer_values"] < 6 * 3
+    assert copy_accuracy(tiny_model_dir, chat, forgetful, ordered)["answer_values"] < 6 * 3

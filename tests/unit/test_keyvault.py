@@ -46,16 +46,6 @@ def test_every_digit_is_revealed_exactly_once() -> None:
     assert "no more rooms" in walk(env, 1)[-1]
 
 
-def test_text_stays_inside_the_vocabulary() -> None:
-    env = KeyVault()
-    task = asyncio.run(env.reset(5))
-    known = set(WORDS) | {".", ",", ":"}
-    text = " ".join([task.system, *walk(env, 5)[:-1]])
-    unknown = {w for w in text.split() if w not in known and not w.isdigit()}
-    assert unknown == set()
-    assert set(task.instruction.split()) - known - {str(i) for i in range(100)} == set()
-
-
 def test_exact_answer_scores_one_and_partial_credit_is_optional() -> None:
     env = KeyVault(codes=2, digits=4)
     walk(env, 9)
@@ -73,6 +63,31 @@ def test_exact_answer_scores_one_and_partial_credit_is_optional() -> None:
     only_alpha = "answer alpha " + " ".join(map(str, partial._answer["alpha"]))
     result = answer(partial, only_alpha)
     assert result.reward == 0.5 and not result.success
+
+
+def test_unordered_notes_hide_positions_and_any_order_is_exact() -> None:
+    env = KeyVault(codes=2, digits=4, ordered=False)
+    notes = [o.split("note : ")[1] for o in walk(env, 9) if "note :" in o]
+    assert all(len(note.split()) == 3 for note in notes)  # "alpha seven ."
+    codes = env._answer
+    assert all(len(set(digits)) == 4 for digits in codes.values())  # distinct
+    backwards = "answer " + " ".join(f"{n} " + " ".join(map(str, d[::-1]))
+                                     for n, d in codes.items())
+    assert answer(env, backwards).success
+    partial = KeyVault(codes=1, digits=4, ordered=False, partial_credit=True)
+    walk(partial, 9)
+    first, second = partial._answer["alpha"][:2]
+    twice = answer(partial, f"answer alpha {first} {first} {second}")
+    assert twice.reward == 0.5 and not twice.success  # a digit given twice counts once
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_text_stays_inside_the_vocabulary(ordered: bool) -> None:
+    env = KeyVault(ordered=ordered)
+    task = asyncio.run(env.reset(5))
+    known = set(WORDS) | {".", ",", ":"}
+    text = " ".join([task.system, task.instruction, *walk(env, 5)[:-1]])
+    assert {w for w in text.split() if w not in known and not w.isdigit()} == set()
 
 
 @pytest.mark.parametrize("options", [{"codes": 0}, {"digits": 11}, {"rooms": 3},
