@@ -9,7 +9,8 @@ step against the same forward and backward passes done bare.
     advantages, minibatches, losses, optimizer steps) against the same
     padded forward and backward passes of the same models over the same
     tokens with a trivial loss, plus the same optimizer steps. The ratio is
-    what the RL machinery costs.
+    what the RL machinery costs. Twice: 2 minibatches x 2 epochs, and the
+    default one minibatch, whose step runs no separate step-start passes.
 
     python bench/learner.py [--json] [--quick]
 """
@@ -94,10 +95,11 @@ def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConf
     parts = [[s.tokens for s in batch.sequences if s.rollout in chosen]
              for chosen in map(set, batch.minibatches(config.minibatches))]
     padded = [pad(part) for part in parts]
-    with torch.no_grad():
-        for ids in padded:
-            token_logprobs(policy, ids)
-            token_values(critic, ids)
+    if len(padded) > 1:  # with one minibatch the step takes these from its first update
+        with torch.no_grad():
+            for ids in padded:
+                token_logprobs(policy, ids)
+                token_values(critic, ids)
     for _ in range(config.ppo_epochs):
         for ids in padded:
             token_logprobs(policy, ids).sum().backward()
@@ -107,10 +109,9 @@ def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConf
                 optimizer.zero_grad(set_to_none=True)
 
 
-def bench_ppo(repeats: int) -> dict[str, float]:
+def bench_ppo(repeats: int, config: LearnerConfig) -> dict[str, float]:
     from deploy.tiny_model import build_tiny_model
 
-    config = LearnerConfig(minibatches=2, ppo_epochs=2)
     with tempfile.TemporaryDirectory() as folder:
         model = str(build_tiny_model(Path(folder) / "tiny"))
         torch.manual_seed(0)
@@ -142,12 +143,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     args = parser.parse_args()
     gae = bench_gae(*((20_000, 200, 20) if args.quick else (1_000_000, 10_000, 1_000)))
-    ppo = bench_ppo(repeats=1 if args.quick else 5)
-    result = {**gae, **ppo}
+    repeats = 1 if args.quick else 5
+    ppo = bench_ppo(repeats, LearnerConfig(minibatches=2, ppo_epochs=2))
+    # the default: one minibatch, one epoch (log pi_prox and values from the update)
+    single = bench_ppo(repeats, LearnerConfig())
+    result = {**gae, **ppo, **{f"{key}_one_minibatch": value for key, value in single.items()}}
     print(f"GAE: {gae['gae_seconds']} s vectorised vs {gae['gae_loop_seconds']} s tensor loop "
           f"({gae['gae_vs_loop']}x), {gae['gae_python_float_loop_seconds']} s Python-float loop "
           f"({gae['gae_vs_python_float_loop']}x); PPO step {ppo['ppo_tokens_per_s']} tokens/s "
-          f"vs bare {ppo['bare_tokens_per_s']} tokens/s (ratio {ppo['ppo_vs_bare']})")
+          f"vs bare {ppo['bare_tokens_per_s']} tokens/s (ratio {ppo['ppo_vs_bare']}) with 2 "
+          f"minibatches x 2 epochs; {single['ppo_tokens_per_s']} vs "
+          f"{single['bare_tokens_per_s']} tokens/s (ratio {single['ppo_vs_bare']}) with one")
     if args.json:
         print(json.dumps(result))
 

@@ -3,7 +3,9 @@
 1. Cut the batch into minibatches of whole rollouts (the same cut for any
    number of ranks) and give each rank whole rollouts of each minibatch.
 2. With the weights at the step's start: log pi_prox of every token and the
-   critic's values (no gradient).
+   critic's values (no gradient). With one minibatch (the default) its first
+   update already runs at those weights, so they are taken from that update's
+   own forward passes instead: one forward pass per model less each step.
 3. Advantages (cross-trajectory GAE, independent GAE, or group-relative) and
    value targets, per rollout.
 4. ``ppo_epochs`` passes over the minibatches: policy loss normalised by the
@@ -40,13 +42,18 @@ GRPO_EPSILON = 1e-6
 
 @dataclass
 class _Prepared:
-    """One rank's share of one minibatch, with what the step start fixed."""
+    """One rank's share of one minibatch, with what the step start fixed
+    (empty lists until the first update fills them, when it is fused)."""
 
     sequences: list[Sequence]
     logp_prox: list[torch.Tensor]
     old_values: list[torch.Tensor]
     advantages: list[torch.Tensor]
     returns: list[torch.Tensor]
+
+    @property
+    def fixed(self) -> bool:
+        return len(self.logp_prox) == len(self.sequences)
 
 
 def _world() -> tuple[int, int]:
@@ -83,9 +90,12 @@ class PPOTrainer:
     # ------------------------------------------------------------------ preparation
 
     @torch.no_grad()
-    def _prepare(self, batch: TrainBatch, rollouts: list[int]) -> _Prepared:
+    def _prepare(self, batch: TrainBatch, rollouts: list[int], fused: bool = False
+                 ) -> _Prepared:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
+        if fused:
+            return _Prepared(sequences, [], [], [], [])
         ids = pad([s.tokens for s in sequences]).to(self.device)
         # advantages are computed on the CPU (small, sequential per rollout)
         logp = token_logprobs(self.policy, ids).cpu()
@@ -140,11 +150,12 @@ class PPOTrainer:
     def step(self, batch: TrainBatch) -> dict[str, float]:
         shares = [batch.assign(m, self.world_size)[self.rank]
                   for m in batch.minibatches(self.config.minibatches)]
-        prepared = [self._prepare(batch, share) for share in shares]
+        fused = len(shares) == 1
+        prepared = [self._prepare(batch, share, fused) for share in shares]
         sums: dict[str, float] = defaultdict(float)
         for _ in range(self.config.ppo_epochs):
             for part in prepared:
-                self._update(part, sums)
+                self._update(part, sums, batch)
         names = sorted(sums)
         totals = dict(zip(names, _all_sum([sums[n] for n in names]), strict=True))
         updates = max(totals.pop("updates", 1.0) / self.world_size, 1.0)
@@ -165,7 +176,7 @@ class PPOTrainer:
         return [a / (max(int(s.trainable.sum()), 1) * segments)
                 for s, a in zip(part.sequences, part.advantages, strict=True)]
 
-    def _update(self, part: _Prepared, sums: dict[str, float]) -> None:
+    def _update(self, part: _Prepared, sums: dict[str, float], batch: TrainBatch) -> None:
         config = self.config
         local_tokens = sum(int(s.trainable.sum()) for s in part.sequences)
         local_segments = sum(1 for s in part.sequences if s.trainable.any())
@@ -173,26 +184,37 @@ class PPOTrainer:
         if global_tokens == 0:
             return
         ids = pad([s.tokens for s in part.sequences]).to(self.device)
-        trainable, prox, behaviour, advantages, old_values, returns = (
+        lengths = [len(s.tokens) for s in part.sequences]  # none for an empty share's dummy
+        # The critic first: a fused first update takes the old values (and so
+        # the advantages) from this forward pass.
+        values = token_values(self.critic, ids)
+        if not part.fixed:
+            part.old_values = [row[:n].detach().cpu()
+                               for row, n in zip(values, lengths, strict=False)]
+            part.advantages, part.returns = self._advantages(batch, part.sequences,
+                                                             part.old_values)
+        trainable, behaviour, advantages, old_values, returns = (
             _stack(rows, ids.shape).to(self.device) for rows in (
-                [s.trainable for s in part.sequences], part.logp_prox,
+                [s.trainable for s in part.sequences],
                 [s.behaviour_logprobs for s in part.sequences],
                 self._weighted(part, global_tokens, global_segments), part.old_values,
                 part.returns))
         trainable = trainable.bool()
+        v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
+                                     config.value_clip)
+        # losses are already divided by the global count; FSDP averages over ranks
+        (v_loss * self.world_size).backward()
 
         logp = token_logprobs(self.policy, ids)
+        if not part.fixed:
+            part.logp_prox = [row[:n].detach().cpu() for row, n in zip(logp, lengths, strict=False)]
+        prox = _stack(part.logp_prox, ids.shape).to(self.device)
         # The normalisation is folded into the advantages (l is linear in A for
         # A scaled by a positive weight), so the loss is a plain sum.
         p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
                                       config.clip_low, config.clip_high, config.is_cap,
                                       config.is_mode)
-        # losses are already divided by the global count; FSDP averages over ranks
         (p_loss * self.world_size).backward()
-        values = token_values(self.critic, ids)
-        v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
-                                     config.value_clip)
-        (v_loss * self.world_size).backward()
         if config.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm

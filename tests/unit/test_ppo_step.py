@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,24 @@ def test_a_step_updates_policy_and_critic(tiny_model_dir: Path, changes: dict) -
     assert metrics["tokens"] > 0 and "losses/clipfrac" in metrics
     for old, module in zip(before, (ppo.policy, ppo.critic), strict=True):
         assert any(not torch.equal(a, b) for a, b in zip(old, module.parameters(), strict=True))
+
+
+def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_model_dir: Path
+                                                                      ) -> None:
+    batch = to_train_batch(synthetic_batch(), train_summary=True)
+    fused = trainer(tiny_model_dir, ppo_epochs=2)
+    fused_metrics = fused.step(batch)
+    # the general path: no-gradient forward passes at the step's start first
+    reference = trainer(tiny_model_dir, ppo_epochs=2)
+    part = reference._prepare(batch, batch.assign(batch.minibatches(1)[0], 1)[0], fused=False)
+    sums: defaultdict[str, float] = defaultdict(float)
+    for _ in range(2):
+        reference._update(part, sums, batch)
+    for module, expected in ((fused.policy, reference.policy), (fused.critic, reference.critic)):
+        for a, b in zip(module.parameters(), expected.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert fused_metrics["losses/policy_loss"] == pytest.approx(
+        sums["losses/policy_loss"] / 2, rel=1e-4, abs=1e-7)
 
 
 def test_without_summary_training_summary_tokens_leave_the_loss(tiny_model_dir: Path) -> None:
