@@ -19,7 +19,7 @@ The base is evaluated the same way. ``docs/results.md`` (generated, with
 the command, the machine, wall time and every parameter), its raw JSON and a
 plot are written at the end.
 
-    python bench/ablations.py [--quick] [--seeds 3] [--minutes 6] [--episodes 300] [--json]
+    python bench/ablations.py [--quick] [--seeds 3] [--minutes 5] [--episodes 300] [--json]
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ sampling temperature it trains at ({params['temperature']:g}).
 - Full vs `train_summary=false`: **{100 * margin:+.1f} points**; the 95 % CI half-widths
   are {100 * half_widths[0]:.1f} and {100 * half_widths[1]:.1f} points (target: a margin
   larger than both).
-- What the summaries became (tokens per compaction; each kept fact is 4 tokens):
+- What the summaries became (tokens per compaction; a kept fact, `alpha seven .`, is 3):
   base {base['summary_tokens']:.1f}, full {full['summary_tokens']:.1f},
   `train_summary=false` {masked['summary_tokens']:.1f}. Mean reward (fraction of digits
   right): base {base['mean_reward']:.3f}, full {full['mean_reward']:.3f},
@@ -191,6 +191,13 @@ and with compaction.
 
 ```json
 {json.dumps(results['recipe'], indent=2)}
+```
+
+What `compactionrl bootstrap` measured (the demonstrations' own success, and
+the base's copy accuracy, teacher-forced on held-out demonstrations):
+
+```json
+{json.dumps(results['bootstrap'], indent=2)}
 ```
 
 ## Every parameter
@@ -216,8 +223,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed per variant")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--minutes", type=float, default=6.0,
-                        help="wall-time budget of each training run")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="wall-time budget of each training run (default: run.max_minutes)")
     parser.add_argument("--episodes", type=int, default=300, help="evaluation episodes")
     parser.add_argument("--out", default="runs/ablations", help="run folders")
     parser.add_argument("--docs", default="docs", help="where results.md goes")
@@ -235,9 +242,22 @@ def main() -> int:
     log = out_dir / "ablations.log"
     began = time.perf_counter()
     config = load_config(None, [])
+    minutes = args.minutes or config.run.max_minutes
     base = Path(config.run.model)
     if not (base / "config.json").is_file():
         run([COMPACTIONRL, "bootstrap"], log)
+    # Finished runs and evaluations are kept, so that a rerun resumes (with
+    # more seeds, say), but only those made from this base, budget and
+    # configuration.
+    settings = json.dumps({"minutes": minutes, "episodes": args.episodes,
+                           "base": (base / "bootstrap.json").read_text(),
+                           "config": to_toml(config)}, sort_keys=True)
+    made_with = out_dir / "settings.json"
+    if made_with.is_file() and made_with.read_text() != settings:
+        print(f"{out_dir} holds runs of other settings: starting over", flush=True)
+        shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
+    made_with.write_text(settings)
     print("evaluating the base policy", flush=True)
     results: dict[str, Any] = {
         "base": {"compacted": pooled([evaluate(base, args.episodes, True,
@@ -251,7 +271,7 @@ def main() -> int:
         compacted, single = [], []
         for seed in seeds:
             print(f"{variant}, seed {seed}", flush=True)
-            trained = train(variant, seed, args.minutes, out_dir, log)
+            trained = train(variant, seed, minutes, out_dir, log)
             export = Path(trained["export"])
             compacted.append(evaluate(export, args.episodes, True,
                                       Path(trained["run_dir"]) / "eval-compacted.json", log))
@@ -269,9 +289,12 @@ def main() -> int:
     results.update(
         command="python " + shlex.join(["bench/ablations.py", *sys.argv[1:]]),
         machine=machine(), wall_minutes=(time.perf_counter() - began) / 60,
-        parameters={"seeds": seeds, "minutes": args.minutes, "episodes": args.episodes,
+        parameters={"seeds": seeds, "minutes": minutes, "episodes": args.episodes,
                     "temperature": config.actors.sampling.temperature},
         recipe=asdict(config.bootstrap),
+        bootstrap={key: value for key, value in
+                   json.loads((base / "bootstrap.json").read_text()).items()
+                   if key in ("demonstrations", "copy_accuracy", "seconds")},
         config_toml=to_toml(load_config(None, ["--run.seed", "0"])))
     write_results(results, Path(args.docs))
     full = results["variants"]["full"]["compacted"]["success"]

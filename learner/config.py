@@ -34,6 +34,10 @@ class LearnerConfig:
     per segment, then over segments (ablation)."""
     train_summary: bool = True
     """False: summary tokens stay in the context but are masked out of the loss."""
+    share_prefixes: bool = True
+    """Train a summary segment and the window it summarises (its prompt, the
+    execution segment before it) as one sequence: the same losses, fewer
+    tokens through the models."""
     clip_low: float = 0.2
     """epsilon_low of the PPO ratio clip."""
     clip_high: float = 0.2

@@ -112,8 +112,10 @@ class PPOTrainer:
             return [], []
         local_rollout = {r: i for i, r in enumerate(dict.fromkeys(s.rollout for s in sequences))}
         flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
-        lengths = torch.tensor([int(s.trainable.sum()) for s in sequences])
-        rollout_of = torch.tensor([local_rollout[s.rollout] for s in sequences])
+        # per segment (a sequence may hold two), in order
+        lengths = torch.tensor([n for s in sequences for n in s.segment_lengths])
+        segment_rollouts = [s.rollout for s in sequences for _ in s.segment_lengths]
+        rollout_of = torch.tensor([local_rollout[r] for r in segment_rollouts])
         rewards = batch.rewards[list(local_rollout)]
         mode = "independent" if self.config.advantage == "independent" else "cross"
         flat_adv, flat_ret = cross_trajectory_gae(flat_values.double(), lengths, rollout_of,
@@ -121,9 +123,10 @@ class PPOTrainer:
                                                   mode)
         if self.config.advantage == "grpo":
             group = _group_relative(batch)
-            flat_adv = torch.repeat_interleave(group[[s.rollout for s in sequences]], lengths)
+            flat_adv = torch.repeat_interleave(group[segment_rollouts], lengths)
         advantages, returns, offset = [], [], 0
-        for sequence, n in zip(sequences, lengths.tolist(), strict=True):
+        for sequence in sequences:
+            n = sum(sequence.segment_lengths)
             adv = torch.zeros(len(sequence.tokens), dtype=torch.float64)
             ret = torch.zeros(len(sequence.tokens), dtype=torch.float64)
             adv[sequence.trainable] = flat_adv[offset: offset + n]
@@ -173,13 +176,19 @@ class PPOTrainer:
         normalisation) or 1/(n_s * number of segments) (segment normalisation)."""
         if self.config.loss_norm == "token":
             return [a / tokens for a in part.advantages]
-        return [a / (max(int(s.trainable.sum()), 1) * segments)
-                for s, a in zip(part.sequences, part.advantages, strict=True)]
+        weighted = []
+        for sequence, advantages in zip(part.sequences, part.advantages, strict=True):
+            sizes = torch.tensor(sequence.segment_lengths, dtype=torch.float32)
+            per_token = torch.zeros_like(advantages)
+            per_token[sequence.trainable] = torch.repeat_interleave(
+                1.0 / (sizes.clamp(min=1) * segments), sizes.long())
+            weighted.append(advantages * per_token)
+        return weighted
 
     def _update(self, part: _Prepared, sums: dict[str, float], batch: TrainBatch) -> None:
         config = self.config
         local_tokens = sum(int(s.trainable.sum()) for s in part.sequences)
-        local_segments = sum(1 for s in part.sequences if s.trainable.any())
+        local_segments = sum(n > 0 for s in part.sequences for n in s.segment_lengths)
         global_tokens, global_segments = _all_sum([local_tokens, local_segments])
         if global_tokens == 0:
             return

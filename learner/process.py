@@ -211,7 +211,8 @@ class Learner:
             message = decode(frame, self.settings.transport.max_message_bytes)
             if not isinstance(message, Batch):
                 raise BatchError(f"expected a Batch, got {type(message).__name__}")
-            batch = to_train_batch(message, self.config.train_summary)
+            batch = to_train_batch(message, self.config.train_summary,
+                                   self.config.share_prefixes)
         except (ProtocolError, BatchError) as exc:
             self.metrics.rejected_batches.inc()
             if self.rank == 0:

@@ -31,18 +31,22 @@ def synthetic_batch(rollouts: int = 6, seed: int = 0, vocab: int = 1000,
                     summary_trainable: bool = True) -> Batch:
     """Rollouts of execution / summary / execution segments with random
     tokens; trainable runs after a prompt; behaviour log-probabilities near
-    what a random model gives."""
+    what a random model gives. As the actors emit them, a summary segment's
+    prompt is the execution segment before it."""
     rng = np.random.default_rng(seed)
     items = []
     for r in range(rollouts):
         segments = []
         kinds = ["execution", "summary", "execution"][: 1 + 2 * int(rng.integers(0, 2))]
+        tokens = np.zeros(0, np.int32)
         for index, kind in enumerate(kinds):
             n = int(rng.integers(12, 40))
-            tokens = rng.integers(3, vocab, n).astype(np.int32)
-            mask = np.zeros(n, np.uint8)
-            start = int(rng.integers(2, n // 2))
+            prompt = tokens if kind == "summary" else np.zeros(0, np.int32)
+            tokens = np.concatenate([prompt, rng.integers(3, vocab, n).astype(np.int32)])
+            mask = np.zeros(len(tokens), np.uint8)
+            start = len(prompt) + int(rng.integers(2, n // 2))
             mask[start:] = 1 if (kind == "execution" or summary_trainable) else 0
+            n = len(tokens)
             logprobs = np.where(mask, -rng.uniform(5.0, 8.0, n), 0.0).astype(np.float32)
             final = index == len(kinds) - 1
             segments.append(Segment(

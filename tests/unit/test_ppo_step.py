@@ -59,8 +59,43 @@ def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_mode
         sums["losses/policy_loss"] / 2, rel=1e-4, abs=1e-7)
 
 
+def test_a_summary_shares_the_sequence_of_the_window_it_summarises() -> None:
+    wire = synthetic_batch(rollouts=8)
+    batch = to_train_batch(wire, train_summary=True)
+    apart = to_train_batch(wire, train_summary=True, share_prefixes=False)
+    assert len(batch.sequences) < len(apart.sequences)
+    for rollout in range(8):
+        shared = [s for s in batch.sequences if s.rollout == rollout]
+        alone = [s for s in apart.sequences if s.rollout == rollout]
+        # execution + summary in one sequence, then the last execution segment
+        assert [s.segment_lengths for s in shared] == (
+            [[int(alone[0].trainable.sum()), int(alone[1].trainable.sum())],
+             [int(alone[2].trainable.sum())]] if len(alone) == 3
+            else [[int(alone[0].trainable.sum())]])
+        assert torch.equal(shared[0].tokens, alone[1 if len(alone) == 3 else 0].tokens)
+    assert sum(int(s.trainable.sum()) for s in batch.sequences) == sum(
+        int(s.trainable.sum()) for s in apart.sequences)
+    assert sum(len(s.tokens) for s in batch.sequences) < sum(
+        len(s.tokens) for s in apart.sequences)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"advantage": "independent"}, {"advantage": "grpo"}, {"loss_norm": "segment"},
+    {"train_summary": False},
+])
+def test_shared_prefixes_leave_the_update_unchanged(tiny_model_dir: Path, changes: dict) -> None:
+    wire = synthetic_batch(rollouts=8)
+    updated = []
+    for share in (True, False):
+        ppo = trainer(tiny_model_dir, **changes)
+        ppo.step(to_train_batch(wire, changes.get("train_summary", True), share))
+        updated.append([*ppo.policy.parameters(), *ppo.critic.parameters()])
+    for a, b in zip(*updated, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_without_summary_training_summary_tokens_leave_the_loss(tiny_model_dir: Path) -> None:
-    batch = to_train_batch(synthetic_batch(), train_summary=False)
+    batch = to_train_batch(synthetic_batch(), train_summary=False, share_prefixes=False)
     summaries = [s for s in batch.sequences if s.segment_type == "summary"]
     assert summaries and not any(s.trainable.any() for s in summaries)
     # a batch whose only trainable tokens were summaries: no gradient, no update

@@ -51,7 +51,8 @@ def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
                "machine": ablations.machine(), "wall_minutes": 42.0,
                "parameters": {"seeds": [0], "minutes": 6, "episodes": 100,
                               "temperature": 1.0},
-               "recipe": asdict(config.bootstrap), "config_toml": to_toml(config)}
+               "recipe": asdict(config.bootstrap), "config_toml": to_toml(config),
+               "bootstrap": {"copy_accuracy": {"summary": 0.986, "answer": 1.0}}}
     ablations.write_results(results, tmp_path)
     page = (tmp_path / "results.md").read_text()
     for name in ["base", *ablations.VARIANTS]:
@@ -59,5 +60,6 @@ def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
     assert "**+50.0 points** of compacted success" in page  # full vs base
     assert "**+40.0 points**" in page  # full vs train_summary=false
     assert "drop_fact_probability" in page and "python bench/ablations.py --quick" in page
+    assert '"summary": 0.986' in page  # what bootstrap measured
     assert (tmp_path / "results.json").is_file()
     assert (tmp_path / "images" / "ablations.svg").read_text().startswith("<svg")
