@@ -253,7 +253,8 @@ def main() -> int:
                            "base": (base / "bootstrap.json").read_text(),
                            "config": to_toml(config)}, sort_keys=True)
     made_with = out_dir / "settings.json"
-    if made_with.is_file() and made_with.read_text() != settings:
+    kept = [path for path in out_dir.iterdir() if path != log]
+    if kept and (not made_with.is_file() or made_with.read_text() != settings):
         print(f"{out_dir} holds runs of other settings: starting over", flush=True)
         shutil.rmtree(out_dir)
         out_dir.mkdir(parents=True)

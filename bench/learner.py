@@ -1,5 +1,6 @@
 """Learner speed: (a) cross-trajectory GAE against a plain loop, (b) one PPO
-step against the same forward and backward passes done bare.
+step against the same forward and backward passes done bare, (c) shared
+prefixes against separate sequences.
 
 (a) 1M trainable tokens in 10k segments of 1k rollouts: the vectorised
     ``cross_trajectory_gae`` against the token-by-token loop reference over
@@ -11,6 +12,9 @@ step against the same forward and backward passes done bare.
     tokens with a trivial loss, plus the same optimizer steps. The ratio is
     what the RL machinery costs. Twice: 2 minibatches x 2 epochs, and the
     default one minibatch, whose step runs no separate step-start passes.
+(c) The same rollouts stepped with shared prefixes (a summary segment in the
+    sequence of the window it summarises) and with separate sequences
+    (``shared_vs_separate``, and the fraction of tokens left).
 
     python bench/learner.py [--json] [--quick]
 """
@@ -137,6 +141,29 @@ def bench_ppo(repeats: int, config: LearnerConfig) -> dict[str, float]:
             "ppo_vs_bare": round(bare_s / ppo_s, 3)}
 
 
+def bench_shared_prefixes(repeats: int) -> dict[str, float]:
+    """The same rollouts stepped with each summary sharing the sequence of
+    the window it summarises, and with every segment its own sequence."""
+    from deploy.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = str(build_tiny_model(Path(folder) / "tiny"))
+        trainer = PPOTrainer(load_policy(model), load_critic(model), LearnerConfig())
+    wires = [synthetic_batch(rollouts=32, seed=s) for s in range(repeats + 1)]
+    seconds = {True: 0.0, False: 0.0}
+    tokens = {True: 0, False: 0}
+    for n, wire in enumerate(wires):
+        for share in (True, False):  # interleaved, so both see the same machine state
+            batch = to_train_batch(wire, True, share)
+            began = time.perf_counter()
+            trainer.step(batch)
+            if n:  # the first batch warms up
+                seconds[share] += time.perf_counter() - began
+                tokens[share] += sum(len(s.tokens) for s in batch.sequences)
+    return {"shared_vs_separate": round(seconds[False] / seconds[True], 3),
+            "shared_token_fraction": round(tokens[True] / tokens[False], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -147,13 +174,17 @@ def main() -> None:
     ppo = bench_ppo(repeats, LearnerConfig(minibatches=2, ppo_epochs=2))
     # the default: one minibatch, one epoch (log pi_prox and values from the update)
     single = bench_ppo(repeats, LearnerConfig())
-    result = {**gae, **ppo, **{f"{key}_one_minibatch": value for key, value in single.items()}}
+    shared = bench_shared_prefixes(repeats)
+    result = {**gae, **ppo, **{f"{key}_one_minibatch": value for key, value in single.items()},
+              **shared}
     print(f"GAE: {gae['gae_seconds']} s vectorised vs {gae['gae_loop_seconds']} s tensor loop "
           f"({gae['gae_vs_loop']}x), {gae['gae_python_float_loop_seconds']} s Python-float loop "
           f"({gae['gae_vs_python_float_loop']}x); PPO step {ppo['ppo_tokens_per_s']} tokens/s "
           f"vs bare {ppo['bare_tokens_per_s']} tokens/s (ratio {ppo['ppo_vs_bare']}) with 2 "
           f"minibatches x 2 epochs; {single['ppo_tokens_per_s']} vs "
-          f"{single['bare_tokens_per_s']} tokens/s (ratio {single['ppo_vs_bare']}) with one")
+          f"{single['bare_tokens_per_s']} tokens/s (ratio {single['ppo_vs_bare']}) with one; "
+          f"shared prefixes {shared['shared_vs_separate']}x faster than separate sequences "
+          f"({shared['shared_token_fraction']} of the tokens)")
     if args.json:
         print(json.dumps(result))
 

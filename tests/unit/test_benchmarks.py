@@ -18,7 +18,7 @@ BENCH = Path(__file__).parents[2] / "bench"
     ("codec.py", ["--quick"], ("vs_pickle_32k", "vs_memcpy_32k", "vs_pickle_1k")),
     ("replay.py", ["--senders", "2", "--segments", "40"],
      ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
-    ("learner.py", ["--quick"], ("gae_vs_loop", "ppo_vs_bare")),
+    ("learner.py", ["--quick"], ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
     pytest.param("weights.py", ["--big-params", "2e6", "--engines", "1", "--pushes", "1"],
                  ("push_vs_raw_100m", "stall_vs_load"), marks=pytest.mark.slow),
 ])
