@@ -113,14 +113,19 @@ def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConf
                 optimizer.zero_grad(set_to_none=True)
 
 
-def bench_ppo(repeats: int, config: LearnerConfig) -> dict[str, float]:
+def tiny_models(config: LearnerConfig) -> tuple[PPOTrainer, torch.nn.Module, torch.nn.Module]:
+    """A trainer on a fresh tiny model, and a bare policy and critic of the same weights."""
     from deploy.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as folder:
         model = str(build_tiny_model(Path(folder) / "tiny"))
         torch.manual_seed(0)
         trainer = PPOTrainer(load_policy(model), load_critic(model), config)
-        policy, critic = load_policy(model), load_critic(model)
+        return trainer, load_policy(model), load_critic(model)
+
+
+def bench_ppo(repeats: int, config: LearnerConfig) -> dict[str, float]:
+    trainer, policy, critic = tiny_models(config)
     optimizers = [torch.optim.AdamW(policy.parameters(), lr=config.lr),
                   torch.optim.AdamW(critic.parameters(), lr=config.critic_lr)]
     batches = [to_train_batch(synthetic_batch(rollouts=32, seed=s), True)
@@ -144,11 +149,7 @@ def bench_ppo(repeats: int, config: LearnerConfig) -> dict[str, float]:
 def bench_shared_prefixes(repeats: int) -> dict[str, float]:
     """The same rollouts stepped with each summary sharing the sequence of
     the window it summarises, and with every segment its own sequence."""
-    from deploy.tiny_model import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as folder:
-        model = str(build_tiny_model(Path(folder) / "tiny"))
-        trainer = PPOTrainer(load_policy(model), load_critic(model), LearnerConfig())
+    trainer, _, _ = tiny_models(LearnerConfig())
     wires = [synthetic_batch(rollouts=32, seed=s) for s in range(repeats + 1)]
     seconds = {True: 0.0, False: 0.0}
     tokens = {True: 0, False: 0}
