@@ -146,14 +146,20 @@ def demonstration_seed(run_seed: int, n: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
+def _keyvault(actors: ActorConfig) -> KeyVault:
+    """The configured environment, which bootstrap can demonstrate only if it is keyvault."""
+    environment = load_environment(actors.environment.factory, actors.environment.options)
+    if not isinstance(environment, KeyVault):
+        raise ValueError(f"bootstrap demonstrates keyvault only, not {actors.environment.factory}")
+    return environment
+
+
 async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapSection,
                       held_out: int = 0) -> tuple[list[SegmentData], list[EpisodeResult]]:
     """Play ``recipe.demonstrations`` episodes; their segments and results.
     With ``held_out``, that many further episodes instead (never trained on)."""
     options = actors.environment.options
-    probe = load_environment(actors.environment.factory, options)
-    if not isinstance(probe, KeyVault):
-        raise ValueError(f"bootstrap demonstrates keyvault only, not {actors.environment.factory}")
+    probe = _keyvault(actors)
     codes, digits = CODE_NAMES[: probe.codes], probe.digits
     rng = random.Random(recipe.seed)
     segments: list[SegmentData] = []
@@ -309,6 +315,34 @@ def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
     return report
 
 
+def made_for(actors: ActorConfig, recipe: BootstrapSection) -> dict[str, Any]:
+    """The settings a base policy is made with, as ``bootstrap.json`` records them."""
+    return json.loads(json.dumps({
+        "recipe": asdict(recipe),
+        "environment": {"factory": actors.environment.factory,
+                        "options": actors.environment.options},
+        "compaction": asdict(actors.compaction)}))
+
+
+def differences(model: Path, actors: ActorConfig, recipe: BootstrapSection) -> list[str]:
+    """Where the settings ``model`` was bootstrapped with differ from these
+    ("name: then -> now"); none for a model without ``bootstrap.json``."""
+    record = model / "bootstrap.json"
+    if not record.is_file():
+        return []
+    then, now = json.loads(record.read_text()), made_for(actors, recipe)
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(tree, dict):
+            return {prefix: tree}
+        return {k: v for key, value in tree.items()
+                for k, v in flat(value, f"{prefix}.{key}" if prefix else key).items()}
+
+    old, new = flat({k: then.get(k) for k in now}), flat(now)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
 def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
               log: Any = print) -> dict[str, Any]:
     """Make the base policy in ``out`` from ``recipe.source``; returns (and
@@ -339,16 +373,12 @@ def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
         f"{compactions:.2f} compactions per episode")
     curve = fine_tune(out, segments, recipe, log)
     held_out, _ = asyncio.run(demonstrate(chat, actors, recipe, held_out=HELD_OUT_DEMONSTRATIONS))
-    ordered = bool(actors.environment.options.get("ordered", True))
-    copying = copy_accuracy(out, chat, held_out, ordered)
+    copying = copy_accuracy(out, chat, held_out, _keyvault(actors).ordered)
     log(f"  copy accuracy on {HELD_OUT_DEMONSTRATIONS} held-out demonstrations: summaries "
         f"{copying['summary']:.3f}, answers {copying['answer']:.3f}")
     report = {
         "source_model": str(source_model),
-        "recipe": asdict(recipe),
-        "environment": {"factory": actors.environment.factory,
-                        "options": actors.environment.options},
-        "compaction": asdict(actors.compaction),
+        **made_for(actors, recipe),
         "demonstrations": {"episodes": len(results), "segments": len(segments),
                            "trained_tokens": sum(s.num_trainable for s in segments),
                            "success": success, "compactions_per_episode": compactions},

@@ -395,9 +395,16 @@ class _View:
 def prepare_model(config: RunConfig) -> None:
     """The embedded default's base policy is bootstrapped on first use (a
     few minutes); any other missing model folder is an error (actors and
-    learner never download)."""
+    learner never download). A bootstrapped model made with other settings
+    than these is used, with a note saying which differ."""
     model = Path(config.run.model)
     if (model / "config.json").is_file():
+        from deploy.bootstrap import differences
+
+        changed = differences(model, config.actors, config.bootstrap)
+        if changed:  # a base for the same game still trains; the user decides
+            print(f"note: {model} was bootstrapped with other settings ({'; '.join(changed)}); "
+                  f"remove it to bootstrap a base for these", flush=True)
         return
     if config.run.model != RunSection().model:
         raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from deploy.bootstrap import (
     copy_accuracy,
     demonstrate,
     demonstration_seed,
+    differences,
     facts_in,
+    made_for,
     training_sequences,
 )
 from deploy.config import BootstrapSection, ConfigError, load_config
@@ -127,3 +130,18 @@ def test_copy_accuracy_counts_every_copied_value_and_no_guess(tokenizer, tiny_mo
     forgetful, _ = play(tokenizer, drop=1.0, episodes=6, ordered=ordered)
     # nothing kept: only notes of the last window are in view, the rest are guesses
     assert copy_accuracy(tiny_model_dir, chat, forgetful, ordered)["answer_values"] < 6 * 3
+
+
+def test_a_base_made_with_other_settings_is_told_apart_by_the_settings_that_differ(
+        tmp_path: Path) -> None:
+    config = load_config(None, [])
+    assert differences(tmp_path, config.actors, config.bootstrap) == []  # no bootstrap.json
+    (tmp_path / "bootstrap.json").write_text(
+        json.dumps({"seconds": 1.0, **made_for(config.actors, config.bootstrap)}))
+    assert differences(tmp_path, config.actors, config.bootstrap) == []
+    other = load_config(None, ["--actors.environment.options.rooms", "12",
+                               "--bootstrap.drop_fact_probability", "0.5"])
+    rooms = config.actors.environment.options["rooms"]
+    assert differences(tmp_path, other.actors, other.bootstrap) == [
+        f"environment.options.rooms: {rooms!r} -> 12",
+        f"recipe.drop_fact_probability: {config.bootstrap.drop_fact_probability!r} -> 0.5"]
