@@ -249,8 +249,8 @@ def main() -> int:
     # Finished runs and evaluations are kept, so that a rerun resumes (with
     # more seeds, say), but only those made from this base, budget and
     # configuration.
-    settings = json.dumps({"minutes": minutes, "episodes": args.episodes,
-                           "base": (base / "bootstrap.json").read_text(),
+    made = (base / "bootstrap.json").read_text()
+    settings = json.dumps({"minutes": minutes, "episodes": args.episodes, "base": made,
                            "config": to_toml(config)}, sort_keys=True)
     made_with = out_dir / "settings.json"
     kept = [path for path in out_dir.iterdir() if path != log]
@@ -294,7 +294,7 @@ def main() -> int:
                     "temperature": config.actors.sampling.temperature},
         recipe=asdict(config.bootstrap),
         bootstrap={key: value for key, value in
-                   json.loads((base / "bootstrap.json").read_text()).items()
+                   json.loads(made).items()
                    if key in ("demonstrations", "copy_accuracy", "seconds")},
         config_toml=to_toml(load_config(None, ["--run.seed", "0"])))
     write_results(results, Path(args.docs))
