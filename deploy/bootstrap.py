@@ -274,15 +274,16 @@ def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
         with torch.no_grad():
             predicted = model(input_ids=torch.tensor([segment.tokens])).logits[0].argmax(-1)
         kind = "summary" if segment.segment_type == "summary" else None
-        visible: dict[tuple[str, str], str] = {}
+        visible: dict[tuple[str, str], str] | None = None
+        reply_start = 0
         written: list[str] = []  # words of the reply being checked
         for i, token in enumerate(segment.tokens):
             if not segment.loss_mask[i]:
                 written = []
                 continue
             word = chat.decode([token]).strip()
-            if not written:  # a reply begins: what it may copy is what precedes it
-                visible = facts_in(chat.decode(segment.tokens[:i]), ordered)
+            if not written:  # a reply begins: it may copy what precedes it
+                reply_start, visible = i, None
             written.append(word)
             if word == "answer":
                 kind = "answer"
@@ -293,6 +294,8 @@ def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
             if not codes_named:
                 continue
             code, named_at = written[codes_named[-1]], codes_named[-1]
+            if visible is None:  # decoded once per reply that states a value
+                visible = facts_in(chat.decode(segment.tokens[:reply_start]), ordered)
             if ordered:
                 # a summary names the position before the value; an answer by place
                 place = len(written) - named_at - 2
