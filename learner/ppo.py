@@ -42,18 +42,17 @@ GRPO_EPSILON = 1e-6
 
 @dataclass
 class _Prepared:
-    """One rank's share of one minibatch, with what the step start fixed
-    (empty lists until the first update fills them, when it is fused)."""
+    """One rank's share of one minibatch, with what the step start fixed.
+    In a fused step the lists start empty and ``fixed`` false: the first
+    update fills them from its own forward passes (on every rank, an empty
+    share too, since computing advantages can be collective)."""
 
     sequences: list[Sequence]
     logp_prox: list[torch.Tensor]
     old_values: list[torch.Tensor]
     advantages: list[torch.Tensor]
     returns: list[torch.Tensor]
-
-    @property
-    def fixed(self) -> bool:
-        return len(self.logp_prox) == len(self.sequences)
+    fixed: bool = True
 
 
 def _world() -> tuple[int, int]:
@@ -95,7 +94,7 @@ class PPOTrainer:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
         if fused:
-            return _Prepared(sequences, [], [], [], [])
+            return _Prepared(sequences, [], [], [], [], fixed=False)
         ids = pad([s.tokens for s in sequences]).to(self.device)
         # advantages are computed on the CPU (small, sequential per rollout)
         logp = token_logprobs(self.policy, ids).cpu()
@@ -107,9 +106,15 @@ class PPOTrainer:
 
     def _advantages(self, batch: TrainBatch, sequences: list[Sequence],
                     values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence, [L] advantages and returns (zero off the trainable tokens)."""
-        if not sequences:
-            return [], []
+        """Per sequence, [L] advantages and returns (zero off the trainable
+        tokens). Whitening is collective: every rank calls this, an empty share too."""
+        advantages, returns = self._gae(batch, sequences, values) if sequences else ([], [])
+        if self.config.whiten_advantages:
+            advantages = self._whiten(sequences, advantages)
+        return advantages, returns
+
+    def _gae(self, batch: TrainBatch, sequences: list[Sequence], values: list[torch.Tensor]
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         local_rollout = {r: i for i, r in enumerate(dict.fromkeys(s.rollout for s in sequences))}
         flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
         # per segment (a sequence may hold two), in order
@@ -134,8 +139,6 @@ class PPOTrainer:
             advantages.append(adv.float())
             returns.append(ret.float())
             offset += n
-        if self.config.whiten_advantages:
-            advantages = self._whiten(sequences, advantages)
         return advantages, returns
 
     def _whiten(self, sequences: list[Sequence], advantages: list[torch.Tensor]
@@ -217,6 +220,7 @@ class PPOTrainer:
         logp = token_logprobs(self.policy, ids)
         if not part.fixed:
             part.logp_prox = [row[:n].detach().cpu() for row, n in zip(logp, lengths, strict=False)]
+            part.fixed = True
         prox = _stack(part.logp_prox, ids.shape).to(self.device)
         # The normalisation is folded into the advantages (l is linear in A for
         # A scaled by a positive weight), so the loss is a plain sum.

@@ -24,10 +24,14 @@ def main() -> None:
     model, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    config = LearnerConfig(minibatches=2, ppo_epochs=2)
+    # Whitening's all-reduce is joined by a rank with an empty share: 7 rollouts
+    # in 4 minibatches (the last has one rollout), then 1 rollout (one
+    # minibatch: a fused step) on 2 ranks.
+    config = LearnerConfig(minibatches=4, ppo_epochs=2, whiten_advantages=True)
     trainer = PPOTrainer(shard(load_policy(model)), shard(load_critic(model)), config)
     for step in range(steps):
-        trainer.step(to_train_batch(synthetic_batch(rollouts=7, seed=step), True))
+        rollouts = 7 if step % 2 == 0 else 1
+        trainer.step(to_train_batch(synthetic_batch(rollouts=rollouts, seed=step), True))
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = {f"policy.{k}": v for k, v in get_model_state_dict(trainer.policy,
                                                                options=options).items()}

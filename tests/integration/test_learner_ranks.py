@@ -1,5 +1,6 @@
 """The same batches give the same update on 1 rank and on 2 ranks (FSDP2, gloo,
-torchrun): the loss is normalised by the global token count."""
+torchrun): the loss is normalised by the global token count, and whitening's
+statistics are global, with a rank whose share of a minibatch is empty."""
 
 from __future__ import annotations
 
