@@ -45,14 +45,21 @@ def quiet_vllm_logging() -> None:
 def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``vllm.AsyncEngineArgs``.
 
-    On CPU the KV cache size (GiB) and the cores of the engine's threads are
-    environment variables (``VLLM_CPU_KVCACHE_SPACE``,
-    ``VLLM_CPU_OMP_THREADS_BIND``) read when the engine starts: they are set
-    here from the configuration, which is the one place that decides them.
+    On CPU the KV cache size (GiB), the cores of the engine's threads and how
+    they wait are environment variables (``VLLM_CPU_KVCACHE_SPACE``,
+    ``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_WAIT_POLICY``) read when the engine
+    starts: they are set here, the one place that decides them.
     """
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # OpenMP threads that finished a kernel sleep instead of spinning, so an
+        # engine idle on credits leaves its cores to the learner, and a second
+        # engine on the same cores (an actor added by hand) is not starved
+        # while it starts. An explicit setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     return {
         "model": model,

@@ -171,7 +171,7 @@ class Up:
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
                                             f"{self.config.run.name}-actor-{i}",
                                             *self._bind_engine(actor_cores, i)],
-                             logs / f"actor-{i}.log", env=self._actor_env(),
+                             logs / f"actor-{i}.log",
                              cores=frozenset({actor_cores[i]}) if actor_cores else frozenset())
                        for i in range(self.config.actors.count)]
 
@@ -194,11 +194,6 @@ class Up:
     def _bind_engine(actor_cores: list[int], index: int) -> list[str]:
         """The engine's OpenMP threads on the actor's core."""
         return ["--actors.engine.cpu_threads_bind", str(actor_cores[index])] if actor_cores else []
-
-    def _actor_env(self) -> dict[str, str]:
-        """On CPU, OpenMP threads that finished a forward pass sleep instead of
-        spinning: an engine idle on credits then leaves the cores to the learner."""
-        return {} if self._on_gpu() else {"OMP_WAIT_POLICY": "PASSIVE"}
 
     def _learner_env(self, learner_cores: frozenset[int]) -> dict[str, str]:
         """The learner's ranks share its cores: one OpenMP thread each per core."""

@@ -214,8 +214,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         state.proxied = Background(
             ["actor", "--config", str(folder / "config.toml"), "--replay", replay_proxy.address,
              "--learner", control_proxy.address, "--actor-id", PROXIED, "--index", "1",
-             "--actors.engine.cpu_threads_bind", "1"], root / "proxied-actor.log",
-            env={"OMP_WAIT_POLICY": "PASSIVE"})
+             "--actors.engine.cpu_threads_bind", "1"], root / "proxied-actor.log")
         groups.add(state.proxied.process.pid)
         began = time.monotonic()
         state.wait(lambda: "loaded version" in state.log("actor-0")

@@ -92,9 +92,6 @@ def run(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict]:
         service.close()
 
 
-@pytest.mark.xfail(reason="regression of 2026-11-30, under investigation: on 2 cores the late "
-                   "joiner's engine now takes over 300 s to start and register (it took ~60 s "
-                   "before this session's learner and keyvault changes)", strict=False)
 def test_late_joiner_and_frozen_member(run: dict) -> None:
     """One run (engine starts are the cost): a late joiner gets the current
     weights at once, ends on the same version as the first actor and
