@@ -39,7 +39,8 @@ def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
         ablations, tmp_path: Path) -> None:
     variants = {}
     for name in ablations.VARIANTS:
-        entry = {"runs": [{}], "learner_steps": [40], "compacted": ablations.pooled(
+        entry = {"runs": [{"wall_seconds": 300.0}], "learner_steps": [40],
+                 "compacted": ablations.pooled(
             [evaluation(60 if name == "full" else 20)])}
         if name == "compaction=false":
             entry["single_window"] = ablations.pooled([evaluation(0)])
@@ -61,5 +62,6 @@ def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
     assert "**+40.0 points**" in page  # full vs train_summary=false
     assert "drop_fact_probability" in page and "python bench/ablations.py --quick" in page
     assert '"summary": 0.986' in page  # what bootstrap measured
+    assert "the 6 training runs alone took\n30 min" in page
     assert (tmp_path / "results.json").is_file()
     assert (tmp_path / "images" / "ablations.svg").read_text().startswith("<svg")
