@@ -13,7 +13,16 @@ batch), actor idle fraction (episode slots stalled on credits or weights),
 rollouts dropped stale, and held-out compacted success after training; and
 ``async_vs_sync_throughput``.
 
-    python bench/async.py [--steps 12] [--step-latency 0.3] [--episodes 200] [--json]
+Episode slots: both modes run ``(1 + max_staleness of the async mode) *
+rollouts_per_batch`` episodes at once per actor (``--concurrent-episodes``
+overrides), the most the async mode's credits ever admit. Fewer slots would
+cap the async mode below its staleness bound (with one batch of slots it can
+only overlap the next batch's generation with the current step); the sync
+mode's credits admit one batch whatever the slots, so its extra slots wait on
+credits and count as actor idle time.
+
+    python bench/async.py [--steps 12] [--step-latency 0.3] [--episodes 200]
+                          [--concurrent-episodes N] [--json]
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from deploy.config import load_config
+from deploy.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
@@ -55,14 +64,20 @@ def window(history: list[dict[str, Any]], steps: int) -> tuple[dict, dict]:
     return trained[0], last
 
 
+def episode_slots(config: RunConfig) -> int:
+    """Episodes per actor at once: as many as the async mode's credits admit."""
+    return (1 + MODES["async"]) * config.replay.rollouts_per_batch
+
+
 def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> dict[str, Any]:
     name = f"{mode}-staleness{MODES[mode]}"
     run_dir = out_dir / name
-    config = load_config(None, [])
     overrides = ["--run.out_dir", str(out_dir), "--run.name", name,
                  "--replay.max_staleness", str(MODES[mode]), "--learner.publish_every", "1",
                  "--learner.max_steps", str(args.steps),
+                 "--actors.concurrent_episodes", str(args.concurrent_episodes),
                  "--actors.environment.options.step_latency_s", str(args.step_latency)]
+    config = load_config(None, overrides)
     shutil.rmtree(run_dir, ignore_errors=True)  # this script's own output, from a last run
     run([COMPACTIONRL, "up", *overrides], log)
     history = [json.loads(line) for line in
@@ -94,9 +109,14 @@ def main() -> int:
     parser.add_argument("--step-latency", type=float, default=0.3,
                         help="seconds per environment step (a tool call)")
     parser.add_argument("--episodes", type=int, default=200, help="evaluation episodes")
+    parser.add_argument("--concurrent-episodes", type=int, default=None,
+                        help="episodes per actor at once in both modes "
+                        "(default: what the async mode's credits admit)")
     parser.add_argument("--out", default="runs/async-bench")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args()
+    if args.concurrent_episodes is None:
+        args.concurrent_episodes = episode_slots(load_config(None, []))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "async.log"
@@ -109,7 +129,8 @@ def main() -> int:
         "async_vs_sync_throughput": (results["async"]["learner_tokens_per_s"]
                                      / results["sync"]["learner_tokens_per_s"]),
         "success_sync": results["sync"]["success"], "success_async": results["async"]["success"],
-        "steps": args.steps, "step_latency_s": args.step_latency, "modes": results,
+        "steps": args.steps, "step_latency_s": args.step_latency,
+        "concurrent_episodes": args.concurrent_episodes, "modes": results,
     }
     print(f"async_vs_sync_throughput {summary['async_vs_sync_throughput']:.2f}")
     if args.json:
