@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import pytest
 
 from protocol.transport import CurveConfig, generate_keys
+from tests.processes import kept_environment
 
 T = TypeVar("T")
 
@@ -63,7 +64,8 @@ def tiny_llm_float32(tiny_model_dir: Path):
     quiet_vllm_logging()
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(str(tiny_model_dir), EngineConfig(dtype="float32")))
+    with kept_environment():
+        llm = LLM(**engine_kwargs(str(tiny_model_dir), EngineConfig(dtype="float32")))
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -85,7 +87,9 @@ def actor_engine(tiny_model_dir: Path, engine_loop: LoopThread):
     quiet_vllm_logging()
 
     config = ActorConfig()
-    engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine, config.sampling))
+    with kept_environment():
+        engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine,
+                                              config.sampling))
     yield engine
     engine_loop.run(engine.shutdown())
 
