@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from actors.config import ActorConfig
 from learner.config import LearnerConfig
-from protocol.transport import TransportConfig, is_loopback
+from protocol.transport import TransportConfig, bound_endpoint, is_loopback
 from replay.config import ReplayConfig
 
 DEFAULT_CONFIG = "local-cpu.toml"
@@ -132,19 +132,9 @@ class RunConfig:
         if self.learner.advantage == "grpo" and self.actors.group_size < 2:
             problems.append("learner.advantage = \"grpo\" needs groups of episodes on the same "
                             "task: set actors.group_size >= 2 (every advantage would be 0)")
-        if self.actors.metrics_port:
-            actor_ports = range(self.actors.metrics_port,
-                                self.actors.metrics_port + self.actors.count)
-            for name in ("replay", "learner"):
-                if getattr(self, name).metrics_port in actor_ports:
-                    problems.append(f"{name}.metrics_port = {getattr(self, name).metrics_port} "
-                                    f"collides with actor i's actors.metrics_port + i "
-                                    f"({actor_ports.start}..{actor_ports.stop - 1})")
+        problems += self._shared_ports()
         addresses = [self.replay.actor_address, self.replay.learner_address,
                      self.learner.control_address]
-        if len(set(addresses)) != len(addresses):
-            problems.append("replay.actor_address, replay.learner_address and "
-                            "learner.control_address must all differ")
         # Without CURVE, anyone who reaches a service port joins the run.
         exposed = [f"{name} = {address!r}" for name, address in zip(
             ("replay.actor_address", "replay.learner_address", "learner.control_address"),
@@ -156,6 +146,30 @@ class RunConfig:
                 "anyone who reaches the port can register, push segments and take batches; "
                 "enable CURVE (`compactionrl keys init DIR`) or, on a network you trust, set "
                 "transport.allow_insecure_network = true")
+        return problems
+
+    def _shared_ports(self) -> list[str]:
+        """Every port the run listens on must differ: ``compactionrl up`` runs
+        all its processes on one machine, where the second bind fails (and
+        the process would be restarted into the same failure)."""
+        listening = [(f"{name} = {address!r}", bound_endpoint(address)) for name, address in (
+            ("replay.actor_address", self.replay.actor_address),
+            ("replay.learner_address", self.replay.learner_address),
+            ("learner.control_address", self.learner.control_address),
+            ("learner.weight_store_address", self.learner.weight_store_address))]
+        for name in ("replay", "learner"):
+            if port := getattr(self, name).metrics_port:
+                listening.append((f"{name}.metrics_port = {port}", f"port {port}"))
+        if first := self.actors.metrics_port:
+            listening += [(f"actor {i}'s metrics port (actors.metrics_port + {i})",
+                           f"port {first + i}") for i in range(self.actors.count)]
+        owners: dict[str, str] = {}
+        problems = []
+        for setting, endpoint in listening:
+            if endpoint in owners:
+                problems.append(f"{setting} and {owners[endpoint]} both listen on {endpoint}: "
+                                "every endpoint a run listens on must differ")
+            owners.setdefault(endpoint, setting)
         return problems
 
 

@@ -104,6 +104,17 @@ class TransportConfig:
         return problems + self.curve.validate(section)
 
 
+def bound_endpoint(address: str) -> str:
+    """What binding ``address`` (``tcp://HOST:PORT``, ``HOST:PORT``, ``ipc://...``
+    or ``inproc://...``) takes on its machine: ``port N`` for TCP, whatever
+    the host (a wildcard bind takes the port on every interface), else the
+    address itself."""
+    scheme, separator, rest = address.partition("://")
+    if separator and scheme != "tcp":
+        return address
+    return f"port {(rest if separator else address).rpartition(':')[2]}"
+
+
 def is_loopback(address: str) -> bool:
     """Whether ``address`` (``tcp://HOST:PORT``, ``ipc://...`` or ``inproc://...``)
     can be reached only from this machine."""

@@ -1,21 +1,61 @@
-"""Free loopback ports for services that tests start."""
+"""Free loopback ports for services that tests start.
+
+A port is free when chosen and bound by the service a moment later, so two
+things can take it in between: another port this test process handed out
+(two calls in one test), and any process's ``bind(0)`` or ``connect()``,
+which the kernel serves from its ephemeral range (vLLM picks its internal
+ports so). Ports here are handed out once per test process and chosen below
+that range.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+#: Lowest port handed out: above the well-known and commonly configured ones.
+LOWEST_PORT = 20000
+#: Linux's default ephemeral range starts here (used if /proc cannot be read).
+DEFAULT_EPHEMERAL_START = 32768
+
+_handed_out: set[int] = set()
+_choice = random.Random()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_EPHEMERAL_START
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(length: int) -> range:
+    """``length`` consecutive ports free on 127.0.0.1 now, none handed out
+    before by this process (for actor i's ``actors.metrics_port + i``)."""
+    top = max(_ephemeral_start(), LOWEST_PORT + 1000) - length
+    for _ in range(1000):
+        start = _choice.randrange(LOWEST_PORT, top)
+        ports = range(start, start + length)
+        if not _handed_out.intersection(ports) and all(map(_bindable, ports)):
+            _handed_out.update(ports)
+            return ports
+    raise RuntimeError(f"no {length} consecutive free ports in {LOWEST_PORT}..{top}")
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 right now (held open together
-    while choosing, so they differ)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
+    """``count`` distinct ports free on 127.0.0.1 now, none handed out before
+    by this process."""
+    return [free_port_range(1).start for _ in range(count)]
 
 
 def loopback_addresses(count: int) -> list[str]:

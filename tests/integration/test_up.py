@@ -22,7 +22,7 @@ import pytest
 
 from ops.observability import promql_expressions, scrape_config
 from ops.summary import scrape
-from tests.ports import free_ports, loopback_addresses
+from tests.ports import free_port_range, free_ports, loopback_addresses
 from tests.processes import SMALL_EPISODES, VENV_BIN
 from tests.prometheus import PrometheusServer
 
@@ -52,7 +52,10 @@ def _active_rollouts(port: int) -> float:
 def _wait(condition, timeout: float, what: str, process: subprocess.Popen) -> None:
     end = time.monotonic() + timeout
     while not condition():
-        assert process.poll() is None, f"up exited with {process.returncode} before {what}"
+        if process.poll() is not None:
+            output = process.stdout.read() if process.stdout else ""
+            raise AssertionError(f"up exited with {process.returncode} before {what}:\n"
+                                 f"{output[-4000:]}")
         assert time.monotonic() < end, f"no {what} within {timeout} s"
         time.sleep(0.5)
 
@@ -60,7 +63,9 @@ def _wait(condition, timeout: float, what: str, process: subprocess.Popen) -> No
 def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
     actor_address, learner_address, control_address = loopback_addresses(3)
-    store, replay_metrics, learner_metrics, actor_metrics = free_ports(4)
+    store, replay_metrics, learner_metrics = free_ports(3)
+    actor_ports = free_port_range(2)  # actor i serves on actors.metrics_port + i
+    actor_metrics = actor_ports.start
     run = tmp_path / "runs" / "up-test"
     args = [str(VENV_BIN / "compactionrl"), "up", "--run.name", "up-test",
             "--run.out_dir", str(tmp_path / "runs"), "--run.model", str(tiny_model_dir),
@@ -74,7 +79,7 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
             "--actors.metrics_port", str(actor_metrics), "--actors.count", "2",
             *SMALL_EPISODES, "--transport.heartbeat_interval_s", "0.5"]
     prometheus = PrometheusServer(tmp_path / "prometheus", scrape_config(
-        replay_metrics, learner_metrics, [actor_metrics, actor_metrics + 1], interval_s=1),
+        replay_metrics, learner_metrics, list(actor_ports), interval_s=1),
         rules=ALERTS)
     began = time.time()
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -84,6 +84,24 @@ def test_services_beyond_loopback_need_curve_or_an_explicit_opt_in() -> None:
         assert load_config(None, ["--replay.actor_address", loopback])
 
 
+def test_two_settings_on_one_port_are_rejected_by_name() -> None:
+    """A second bind would fail, and `up` would restart the process into the
+    same failure until it gave up."""
+    [problem] = problems_of(["--learner.control_address", "tcp://127.0.0.1:7000",
+                             "--learner.metrics_port", "7000"])
+    assert "learner.metrics_port = 7000" in problem
+    assert "learner.control_address = 'tcp://127.0.0.1:7000'" in problem
+    # actor i serves on actors.metrics_port + i; a wildcard bind takes the port too
+    [problem] = problems_of(["--actors.count", "3", "--actors.metrics_port", "7000",
+                             "--learner.weight_store_address", "0.0.0.0:7002"])
+    assert "actor 2's metrics port" in problem and "weight_store_address" in problem
+    assert load_config(None, ["--replay.actor_address", "ipc:///tmp/actors",
+                              "--replay.learner_address", "ipc:///tmp/learner"])
+    [problem] = problems_of(["--replay.actor_address", "ipc:///tmp/replay",
+                             "--learner.control_address", "ipc:///tmp/replay"])
+    assert "learner.control_address = 'ipc:///tmp/replay'" in problem
+
+
 def test_each_run_keeps_its_replay_log_in_its_own_folder() -> None:
     """A log shared by runs would hand one run's leftover rollouts to the next."""
     first = load_config(None, ["--run.name", "a", "--run.out_dir", "/tmp/runs"])
