@@ -26,10 +26,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory vLLM may take (GPU only)."""
     cpu_threads_bind: str = "auto"
-    """CPU build only: cores the engine's OpenMP threads run on ("auto": all
-    of them; "nobind"; or a list such as "0-3"). Several engines on one
-    machine each binding every core thrash; `compactionrl up` gives each
-    local CPU actor its own core when this is "auto"."""
+    """CPU build only: cores the engine's OpenMP threads run on ("auto":
+    vLLM's choice, every core the process may use but the last, which it
+    keeps for its scheduler; "nobind"; or a list such as "0-3"). Engines on
+    one machine with "auto" all bind the same cores: they thrash, and an
+    engine started beside a busy one was starved there while it started.
+    `compactionrl up` gives each local CPU actor its own core when this is
+    "auto"; an actor started by hand beside others needs one named here."""
     cpu_kv_cache_gib: int = 1
     """KV cache size on CPU in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); small
     keeps 2-core machines usable."""

@@ -29,11 +29,10 @@ SMALL_EPISODES = ["--actors.environment.max_steps", "12",
 def kept_environment() -> Iterator[None]:
     """Start an engine in the test process inside this: vLLM's CPU platform
     edits ``os.environ`` as its engine starts (``LD_PRELOAD`` of torch's
-    libgomp, thread and cache settings), and every process a later test
-    starts inherits it. An actor started with that environment beside a
-    running engine hung while its own engine started (its engine core idle,
-    no worker spawned), though the same test passes alone. A user's shell
-    never has those settings, so tests start processes without them."""
+    libgomp, which switches vLLM's thread binding to GOMP's, thread and
+    cache settings), and every process a later test starts would inherit
+    it. A user's shell never has those settings, so tests start processes
+    without them."""
     saved = dict(os.environ)
     try:
         yield

@@ -40,7 +40,7 @@ import pytest
 from protocol import DEAD_INCARNATION, Segment, decode
 from replay.log import SEGMENT, read_records
 from tests.faults.proxy import FaultProxy
-from tests.ports import free_ports, loopback_addresses
+from tests.ports import free_port_range, free_ports, loopback_addresses
 from tests.processes import (
     SMALL_EPISODES,
     VENV_BIN,
@@ -178,7 +178,8 @@ def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
 def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     root = tmp_path_factory.mktemp("up-faults")
     actor_address, learner_address, control_address = loopback_addresses(3)
-    store, replay_metrics, learner_metrics, actor_metrics = free_ports(4)
+    store, replay_metrics, learner_metrics = free_ports(3)
+    actor_metrics = free_port_range(2).start  # actor-0, and the proxied actor (index 1)
     folder = root / "runs" / RUN_NAME
     args = [str(VENV_BIN / "compactionrl"), "up", "--run.name", RUN_NAME,
             "--run.out_dir", str(root / "runs"), "--run.model", str(tiny_model_dir),

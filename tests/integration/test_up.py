@@ -60,6 +60,12 @@ def _wait(condition, timeout: float, what: str, process: subprocess.Popen) -> No
         time.sleep(0.5)
 
 
+def _empty_panels(prometheus: PrometheusServer, since: float) -> list[str]:
+    """The dashboard's PromQL expressions without data since ``since``."""
+    return [where for where, expr in promql_expressions().items()
+            if not prometheus.query_range(expr, since, time.time())]
+
+
 def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
     actor_address, learner_address, control_address = loopback_addresses(3)
@@ -101,18 +107,20 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
               "weights at the restarted actor-0", process)
         _wait(lambda: f"step {STEPS}:" in learner_log.read_text(), 300,
               f"learner step {STEPS}", process)
+        # every panel has data while the run is up (a rate needs two scrapes
+        # after the first publication, which can come just before step 3)
+        deadline = time.monotonic() + 120
+        while empty := _empty_panels(prometheus, began):
+            assert time.monotonic() < deadline, f"PromQL without data over the run: {empty}"
+            assert process.poll() is None, "up exited while waiting for dashboard data"
+            time.sleep(2)
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
-        ended = time.time()
-        time.sleep(2)  # the last scrape and rule evaluation land
-        empty = [where for where, expr in promql_expressions().items()
-                 if not prometheus.query_range(expr, began, ended)]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         prometheus.stop()
-    assert not empty, f"PromQL without data over the run: {empty}"
     assert process.returncode == 130, output[-4000:]
     assert "interrupted (SIGINT): stopped cleanly" in output
     assert "resume with: compactionrl up --config" in output

@@ -10,6 +10,7 @@ next publication reaches the survivor."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -104,9 +105,15 @@ def test_late_joiner_and_frozen_member(run: dict) -> None:
     survivor.wait_for("loaded version 1", timeout=30)
 
     [late_metrics] = free_ports(1)
-    # index 0: its metrics port is exactly actors.metrics_port (actor i adds i)
+    # index 0: its metrics port is exactly actors.metrics_port (actor i adds i).
+    # Its own core: with "auto" vLLM pins every engine's worker to the same
+    # core (all allowed but the last), and there the newcomer's worker,
+    # migrated onto the core of the survivor's busy worker, was starved while
+    # it imported (0.1 % of the core for minutes; Linux 6.18). `up` gives each
+    # actor its core from birth; the faults test's second actor does this too.
     late = run["start"]("b", "actor", "--actor-id", "actor-b", "--index", "0",
-                        "--actors.metrics_port", str(late_metrics))
+                        "--actors.metrics_port", str(late_metrics),
+                        "--actors.engine.cpu_threads_bind", str(max(os.sched_getaffinity(0))))
     late.wait_for("loaded version", timeout=300)  # at once, not at its first episode
     joined_at = _versions(late.log(), r"loaded version (\d+)")[0]
     assert joined_at > 1
