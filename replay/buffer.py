@@ -84,7 +84,7 @@ class RolloutBuffer:
         (from the content check). ``late``: its rollout was already served or dropped.
         ``conflict``: another segment already holds this index, or a second
         final segment arrived: the rollout is inconsistent (the caller drops it)."""
-        if segment.rollout_id in self._released or segment.rollout_id in self.ready:
+        if self.settled(segment.rollout_id):
             return "late"
         entry = self.pending.get(segment.rollout_id)
         if entry is None:
@@ -103,6 +103,11 @@ class RolloutBuffer:
             entry.final_index = segment.index
         return "stored"
 
+    def settled(self, rollout_id: str) -> bool:
+        """Whether the rollout is complete, served or dropped: a segment of it
+        that arrives now is late."""
+        return rollout_id in self._released or rollout_id in self.ready
+
     def promote(self, rollout_id: str, now: float) -> RolloutEntry | None:
         """Move the rollout to ready if it is complete; returns it if so."""
         entry = self.pending.get(rollout_id)
@@ -114,11 +119,13 @@ class RolloutBuffer:
         return entry
 
     def remove(self, rollout_id: str) -> RolloutEntry | None:
-        """Drop a rollout wherever it is, remembering its id."""
+        """Drop a rollout wherever it is, remembering its id, also when none of
+        its segments is stored: its later segments are then late, not the
+        start of a rollout that could never complete."""
         entry = self.pending.pop(rollout_id, None) or self.ready.pop(rollout_id, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
-            self._remember(rollout_id)
+        self._remember(rollout_id)
         return entry
 
     def restore(self, entries: list[RolloutEntry]) -> None:

@@ -329,8 +329,15 @@ class ReplayService:
             self._reject(self.actor_socket, identity, exc.reason.value, str(exc), segment.seq)
             self.metrics.segments.labels("rejected").inc()
             return
-        if self.buffer.nbytes + len(frame) > self.config.max_buffer_bytes:
-            self._drop(segment.rollout_id, "full")
+        # a late segment takes no memory: the bound must not drop its complete rollout
+        if (not self.buffer.settled(segment.rollout_id)
+                and self.buffer.nbytes + len(frame) > self.config.max_buffer_bytes):
+            if segment.rollout_id in self.buffer.pending:
+                self._drop(segment.rollout_id, "full")
+            else:  # its first segment here: nothing stored, but its actor spent a credit
+                self.buffer.remove(segment.rollout_id)  # its later segments are late
+                self.metrics.dropped.labels("full").inc()
+                self.pacer.finished(segment.sender_id, accepted=False)
             self._reject(self.actor_socket, identity, "full",
                          "replay buffer at its memory bound: rollout dropped", segment.seq)
             self.metrics.segments.labels("rejected").inc()

@@ -62,11 +62,15 @@ class ActorClient:
     def send(self, message: Message) -> None:
         self.socket.send(encode(message))
 
-    def push_rollout(self, segments: int = 3, version: int = 0, tokens: int = 64) -> str:
+    def push_rollout(self, segments: int = 3, version: int = 0,
+                     tokens: int | list[int] = 64) -> str:
+        """Send a rollout's segments in order; ``tokens`` is each one's length,
+        or a list of lengths (one segment each, overriding ``segments``)."""
         rollout_id = f"{self.stamp.sender_id}-{self.stamp.incarnation}-{next(self._rollouts)}"
-        for index in range(segments):
-            segment = synthetic_segment(self.stamp, rollout_id, index, index == segments - 1,
-                                   version, tokens)
+        lengths = tokens if isinstance(tokens, list) else [tokens] * segments
+        for index, length in enumerate(lengths):
+            segment = synthetic_segment(self.stamp, rollout_id, index, index == len(lengths) - 1,
+                                        version, length)
             frame = encode(segment)
             self.unacked[segment.seq] = frame
             self.sent[segment.seq] = segment

@@ -153,6 +153,29 @@ def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
     assert batch is not None and all(r.staleness == 0 for r in batch.rollouts)
 
 
+@pytest.mark.parametrize("replay", [{"max_buffer_bytes": 2**20}], indirect=True)
+def test_a_rollout_dropped_at_the_memory_bound_leaves_no_ghost_and_returns_its_credit(
+        replay: Running) -> None:
+    """Its first segment does not fit: the rollout is dropped once. Its later
+    segments, fitting or not, are late: not a rollout that could never
+    complete, holding the actor's credit until it expired, nor a second drop."""
+    actor = replay.actor(capacity=2)
+    actor.hello()
+    assert actor.pump_until(lambda: actor.credits == 2)
+    actor.push_rollout(tokens=[60_000])  # ~780 KB of the 1 MiB
+    assert actor.pump_until(lambda: not actor.unacked)
+    actor.push_rollout(tokens=[30_000, 25_000, 1_000])  # the first two do not fit
+    assert actor.pump_until(lambda: not actor.unacked)
+    assert [e.code for e in actor.errors] == ["full"]
+    assert replay.metric("crl_replay_dropped_total", reason="full") == 1
+    # the gauges follow within a tick
+    assert actor.pump_until(lambda: replay.metric("crl_replay_rollouts", state="ready") == 1)
+    assert replay.metric("crl_replay_rollouts", state="pending") == 0
+    # its credit is back: with fewer ready rollouts than a batch and none
+    # running, the replay grants one (a ghost would keep it running)
+    assert actor.pump_until(lambda: actor.credits >= 1)
+
+
 @pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
 def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running) -> None:
     actor = replay.actor()
