@@ -56,9 +56,8 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
 
     if current_platform.is_cpu():
         # OpenMP threads that finished a kernel sleep instead of spinning, so an
-        # engine idle on credits leaves its cores to the learner, and a second
-        # engine on the same cores (an actor added by hand) is not starved
-        # while it starts. An explicit setting wins.
+        # engine idle on credits leaves its cores to the learner, whether `up`
+        # started it or a user did. An explicit setting wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     return {

@@ -332,12 +332,7 @@ class ReplayService:
         # a late segment takes no memory: the bound must not drop its complete rollout
         if (not self.buffer.settled(segment.rollout_id)
                 and self.buffer.nbytes + len(frame) > self.config.max_buffer_bytes):
-            if segment.rollout_id in self.buffer.pending:
-                self._drop(segment.rollout_id, "full")
-            else:  # its first segment here: nothing stored, but its actor spent a credit
-                self.buffer.remove(segment.rollout_id)  # its later segments are late
-                self.metrics.dropped.labels("full").inc()
-                self.pacer.finished(segment.sender_id, accepted=False)
+            self._drop(segment.rollout_id, "full", segment.sender_id)
             self._reject(self.actor_socket, identity, "full",
                          "replay buffer at its memory bound: rollout dropped", segment.seq)
             self.metrics.segments.labels("rejected").inc()
@@ -508,9 +503,17 @@ class ReplayService:
         if self.log is not None:
             self.log.append_released(entry.rollout_id, entry.nbytes)
 
-    def _drop(self, rollout_id: str, reason: str) -> None:
+    def _drop(self, rollout_id: str, reason: str, actor_id: str | None = None) -> None:
+        """Drop a rollout, counted, and free its place. With ``actor_id`` the
+        rollout may have nothing stored yet (its first segment was refused):
+        it is dropped all the same, its id remembered (its later segments are
+        late, not a rollout that could never complete) and the credit its
+        actor spent on it returned."""
         entry = self.buffer.remove(rollout_id)
         if entry is None:
+            if actor_id is not None:
+                self.metrics.dropped.labels(reason).inc()
+                self.pacer.finished(actor_id, accepted=False)
             return
         self.metrics.dropped.labels(reason).inc()
         if entry.ready_at is not None:

@@ -4,6 +4,7 @@ CURVE keys are made per test."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -12,9 +13,23 @@ from typing import Any, TypeVar
 import pytest
 
 from protocol.transport import CurveConfig, generate_keys
-from tests.processes import kept_environment
 
 T = TypeVar("T")
+
+#: The environment the session began with. vLLM's CPU platform edits
+#: ``os.environ`` when an engine starts in this process (``LD_PRELOAD`` of
+#: torch's libgomp, which switches vLLM's thread binding to GOMP's, thread
+#: and cache settings); a user's shell never has them, so no process a test
+#: starts may inherit them.
+SESSION_ENVIRONMENT = dict(os.environ)
+
+
+@pytest.fixture(autouse=True)
+def environment_of_the_session() -> None:
+    """Every test starts from the session's environment. Function-scoped, it
+    is set up after the session and module fixtures, the engines among them."""
+    os.environ.clear()
+    os.environ.update(SESSION_ENVIRONMENT)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -64,8 +79,7 @@ def tiny_llm_float32(tiny_model_dir: Path):
     quiet_vllm_logging()
     from vllm import LLM
 
-    with kept_environment():
-        llm = LLM(**engine_kwargs(str(tiny_model_dir), EngineConfig(dtype="float32")))
+    llm = LLM(**engine_kwargs(str(tiny_model_dir), EngineConfig(dtype="float32")))
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -87,9 +101,7 @@ def actor_engine(tiny_model_dir: Path, engine_loop: LoopThread):
     quiet_vllm_logging()
 
     config = ActorConfig()
-    with kept_environment():
-        engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine,
-                                              config.sampling))
+    engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine, config.sampling))
     yield engine
     engine_loop.run(engine.shutdown())
 

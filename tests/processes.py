@@ -8,8 +8,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from deploy.up import child_pids
@@ -23,22 +21,6 @@ VENV_BIN = Path(sys.executable).parent
 #: two at a time.
 SMALL_EPISODES = ["--actors.environment.max_steps", "12",
                   "--actors.concurrent_episodes", "2"]
-
-
-@contextmanager
-def kept_environment() -> Iterator[None]:
-    """Start an engine in the test process inside this: vLLM's CPU platform
-    edits ``os.environ`` as its engine starts (``LD_PRELOAD`` of torch's
-    libgomp, which switches vLLM's thread binding to GOMP's, thread and
-    cache settings), and every process a later test starts would inherit
-    it. A user's shell never has those settings, so tests start processes
-    without them."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def run_command(args: list[str], timeout: float, env: dict[str, str] | None = None

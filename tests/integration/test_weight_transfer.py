@@ -19,7 +19,6 @@ from actors.engine import Engine, quiet_vllm_logging
 from protocol import GroupInfo
 from protocol.weights import WeightGroup, host_store, manifest_of
 from tests.ports import free_ports
-from tests.processes import kept_environment
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +50,8 @@ def trained_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="module")
 def live_engine(tiny_model_dir: Path, engine_loop) -> Iterator[Engine]:
     quiet_vllm_logging()
-    with kept_environment():
-        engine = engine_loop.run(Engine.start(str(tiny_model_dir), EngineConfig(dtype="float32"),
-                                              ActorConfig().sampling, weight_transfer=True))
+    engine = engine_loop.run(Engine.start(str(tiny_model_dir), EngineConfig(dtype="float32"),
+                                          ActorConfig().sampling, weight_transfer=True))
     yield engine
     engine_loop.run(engine.shutdown())
 
