@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -46,8 +47,9 @@ from pathlib import Path
 from deploy.config import RunConfig, RunSection, to_toml
 from learner.checkpoint import latest_checkpoint
 from ops.files import atomic_write_text
-from ops.report import write_report
-from ops.summary import scrape_run, summarise
+from ops.lifetime import become_subreaper
+from ops.report import read_history, write_report
+from ops.summary import RunEnds, RunScraper, summarise
 
 #: Seconds before restarting a process after its n-th consecutive crash.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -65,6 +67,8 @@ PLAIN_EVERY_S = 15.0
 LEARNER_STOP_S = 120.0
 #: The replay's final log sync.
 REPLAY_STOP_S = 20.0
+#: How long to wait for the killed leftovers of a dead child to be reaped.
+ORPHAN_REAP_S = 10.0
 EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -83,6 +87,10 @@ class Child:
     """CPU cores it (and every process it starts) may run on; empty: any."""
     restart_args: list[str] | None = None
     """Arguments of a restart (the learner resumes); None: the same as the first start."""
+    leader_follows: bool = False
+    """Stopping signals only its direct children; it exits when they have
+    (torchrun: signalled itself, it logs a ``SignalException`` traceback even
+    when its ranks stop cleanly)."""
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -106,19 +114,49 @@ class Child:
         The direct children are signalled first: torchrun's ranks run in
         sessions of their own and torchrun gives them only a few seconds
         after forwarding a signal, too little for the final checkpoint and
-        export; signalled directly, they finish and torchrun exits with them."""
+        export; signalled directly, they finish and torchrun exits with them
+        (``leader_follows``)."""
         if self.process is None:
             return None
         if self.process.poll() is None:
-            for child in child_pids(self.process.pid):
+            children = child_pids(self.process.pid)
+            for child in children:
                 _signal(child, sig)
-            _signal_group(self.process.pid, sig)
+            if not (self.leader_follows and children):
+                _signal_group(self.process.pid, sig)
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
         _signal_group(self.process.pid, signal.SIGKILL)  # stragglers of the group
         return self.process.wait()
+
+
+def stop_leftovers(dead: int | None, keep: set[int]) -> list[int]:
+    """Kill and reap what dead children left behind: the process group of
+    ``dead`` (a child's pid: a vLLM engine's core, workers and resource
+    tracker stay in it), and every orphan reparented to this process (``up``
+    is a subreaper), such as torchrun's ranks, which run in sessions of their
+    own. ``keep``: the pids of the children in service (never touched).
+    Returns the orphans' pids."""
+    if dead is not None:
+        _signal_group(dead, signal.SIGKILL)
+    orphans = [pid for pid in child_pids(os.getpid()) if pid not in keep]
+    for pid in orphans:
+        _signal_group(pid, signal.SIGKILL)
+        _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + ORPHAN_REAP_S
+    waiting = set(orphans)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not ours (any more): gone
+                done = pid
+            if done:
+                waiting.discard(pid)
+        time.sleep(0.05)
+    return orphans
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -167,7 +205,8 @@ class Up:
         self.learner = Child("learner", ["learner", *common,
                                          *(["--resume"] if self.resume else [])],
                              logs / "learner.log", env=self._learner_env(learner_cores),
-                             cores=learner_cores, restart_args=["learner", *common, "--resume"])
+                             cores=learner_cores, restart_args=["learner", *common, "--resume"],
+                             leader_follows=True)
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
                                             f"{self.config.run.name}-actor-{i}",
                                             *self._bind_engine(actor_cores, i)],
@@ -222,28 +261,36 @@ class Up:
             return EXIT_FAILED
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(to_toml(self.config))
+        become_subreaper()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        # a resumed run's history goes on: its totals, restarts and wall time add up
+        self.history = read_history(self.history_path) if self.resume else []
+        self._first = len(self.history)  # this invocation's first snapshot
+        self._scraper = RunScraper(self._urls(), self.history)
         began = self._began = time.monotonic()
+        self._ends = RunEnds(self.config.learner.max_steps, self.config.run.max_minutes,
+                             started=time.time())
         for child in (self.replay, self.learner, *self.actors):
             child.start()
         self._write_state()
-        outcome = EXIT_FAILED
+        outcome, message = EXIT_FAILED, "up itself failed (see its output)"
         try:
             outcome, message = self._supervise(began)
         finally:
             self.learner.stop(LEARNER_STOP_S)  # first: it writes the final checkpoint
             self._snapshot(final=True)
             self._shutdown()
-            summary = self._summary()
+            summary = self._summary(ended=message)
             (self.run_dir / "summary.txt").write_text(
                 "\n".join(f"{k}: {v}" for k, v in summary.items()) + "\n")
             write_report(self.history_path, self.run_dir / "report.html",
                          self.config.run.name, summary)
-            self._write_state(finished=True)
+            self._write_state(ended={"message": message, "exit_code": outcome,
+                                     "wall_s": round(time.monotonic() - began, 1)})
         print(message)
         if outcome == EXIT_FAILED or outcome == EXIT_INTERRUPTED:
-            print(f"resume with: compactionrl up --config {self.config_path} --resume")
+            print(f"resume with: {resume_command(self.config_path)}")
         print(f"run folder: {self.run_dir} (report.html, metrics.jsonl, logs/)")
         return outcome
 
@@ -288,8 +335,12 @@ class Up:
             delay = RESTART_BACKOFF_S[min(child.crashes, len(RESTART_BACKOFF_S) - 1)]
             child.crashes += 1
             child.restart_at = now + delay
+            # before its successor starts: on a GPU, what it left holds the memory
+            orphans = stop_leftovers(child.process.pid, self._children_pids())
             print(f"{child.name} exited with code {code}; restarting in {delay:.0f} s "
-                  f"(see {child.log})", flush=True)
+                  f"(see {child.log})"
+                  + (f"; stopped {len(orphans)} processes it left" if orphans else ""),
+                  flush=True)
         elif child.restart_at is not None and now >= child.restart_at:
             child.restarts += 1
             if child.restart_args is not None:
@@ -306,6 +357,11 @@ class Up:
         for actor in self.actors:
             actor.stop(deadline)
         self.replay.stop(REPLAY_STOP_S)
+        stop_leftovers(None, set())
+
+    def _children_pids(self) -> set[int]:
+        return {child.process.pid for child in (self.replay, self.learner, *self.actors)
+                if child.process is not None}
 
     # ------------------------------------------------------------------ metrics
 
@@ -323,38 +379,37 @@ class Up:
         """Scrape into the history. The final one also takes the learner's
         version and step from its last checkpoint (a finished learner no
         longer serves metrics)."""
-        snapshot = scrape_run(self._urls(), self.history[-1] if self.history else None)
-        snapshot["actor_restarts"] = float(sum(a.restarts for a in self.actors))
-        snapshot["replay_restarts"] = float(self.replay.restarts)
-        snapshot["learner_restarts"] = float(self.learner.restarts)
+        snapshot = self._scraper.snapshot({
+            "actor_restarts": float(sum(a.restarts for a in self.actors)),
+            "replay_restarts": float(self.replay.restarts),
+            "learner_restarts": float(self.learner.restarts),
+            "up_invocations": 1.0, "run_seconds": time.monotonic() - self._began})
         checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if final else None
         if checkpoint is not None:
             meta = json.loads((checkpoint / "meta.json").read_text())
             snapshot["learner_version"] = float(meta["version"])
-            snapshot["learner_step_count"] = float(meta["step"])
+            snapshot["learner_step"] = float(meta["step"])
         self.history.append(snapshot)
         with self.history_path.open("a") as history:
             history.write(json.dumps(snapshot) + "\n")
 
-    def _summary(self) -> dict[str, str]:
-        if not self.history:
+    def _summary(self, ended: str | None = None) -> dict[str, str]:
+        if len(self.history) <= self._first:
             return {"run": "no metrics yet"}
-        before = self.history[-2] if len(self.history) > 1 else None
-        lines = summarise(self.history[-1], before, self.history[0],
-                          self.config.learner.max_steps)
-        lines["restarts"] = (f"actors {sum(a.restarts for a in self.actors)}, replay "
-                             f"{self.replay.restarts}, learner {self.learner.restarts}")
-        return lines
+        before = self.history[-2] if len(self.history) > self._first + 1 else None
+        return summarise(self.history[-1], before, self.history[self._first], self._ends,
+                         ended)
 
-    def _write_state(self, finished: bool = False) -> None:
+    def _write_state(self, ended: dict | None = None) -> None:
         """``RUN/up.json``: what ``compactionrl status`` reads; rewritten when
-        a child restarts, so that its pids are the live ones."""
-        began = self._began
+        a child restarts, so that its pids are the live ones, and at the end
+        with how the run ended."""
         atomic_write_text(self.run_dir / "up.json", json.dumps({
-            "pid": os.getpid(), "finished": finished, "max_steps": self.config.learner.max_steps,
+            "pid": os.getpid(), "finished": ended is not None, "ended": ended,
+            "max_steps": self._ends.max_steps, "max_minutes": self._ends.max_minutes,
             "children": {c.name: c.process.pid for c in (self.replay, self.learner, *self.actors)
                          if c.process is not None},
-            "started": time.time() - (time.monotonic() - began)}))
+            "started": self._ends.started}))
 
 
 class _View:
@@ -410,6 +465,14 @@ def prepare_model(config: RunConfig) -> None:
     bootstrap(model, config.actors, config.bootstrap)
 
 
+def resume_command(config_path: Path) -> str:
+    """The command that resumes a run, as it can be pasted into any shell
+    (the virtual environment need not be active)."""
+    script = Path(sys.executable).parent / "compactionrl"
+    program = [str(script)] if script.is_file() else [sys.executable, "-m", "deploy.cli"]
+    return shlex.join([*program, "up", "--config", str(config_path.resolve()), "--resume"])
+
+
 def status(run_dir: Path) -> int:
     """Print the summary of a running or finished run; 0 if it is running."""
     state_path = run_dir / "up.json"
@@ -418,15 +481,23 @@ def status(run_dir: Path) -> int:
         return 2
     state = json.loads(state_path.read_text())
     running = not state["finished"] and _alive(state["pid"])
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
-    print(f"run {run_dir}: {'running' if running else 'not running'}"
-          f"{' (finished)' if state['finished'] else ''}")
+    history = read_history(run_dir / "metrics.jsonl")
+    ended = state.get("ended")
+    if running:
+        print(f"run {run_dir}: running")
+    elif ended:
+        print(f"run {run_dir}: not running: {ended['message']} (exit code "
+              f"{ended['exit_code']}, after {ended['wall_s']:.0f} s)")
+    else:
+        print(f"run {run_dir}: not running: up (pid {state['pid']}) stopped without "
+              "finishing (killed?); resume it with --resume")
     if history:
+        # this invocation's snapshots: the ETA's pace is measured over them
+        first = next((s for s in history if s["time"] >= state["started"]), history[-1])
         before = history[-2] if len(history) > 1 else None
-        lines = summarise(history[-1], before, history[0], state["max_steps"])
-        if not running:  # the last snapshot's liveness and rates are history now
-            del lines["processes"], lines["throughput"]
+        ends = RunEnds(state["max_steps"], state.get("max_minutes", 0.0), state["started"])
+        lines = summarise(history[-1], before, first, ends, ended=None if running else (
+            ended["message"] if ended else "up stopped without finishing"))
         for key, value in lines.items():
             print(f"  {key}: {value}")
     return 0 if running else 1

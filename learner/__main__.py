@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -14,23 +11,12 @@ import torch.distributed as dist
 
 from learner.models import placement
 from learner.process import Learner, read_settings
-
-#: prctl option: the signal the kernel sends this process when its parent dies.
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """torchrun starts each rank in a session of its own, so killing
-    torchrun's process group misses the ranks; if torchrun dies without
-    stopping them (SIGKILL), the kernel kills them too (Linux)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            sys.exit(1)
+from ops.lifetime import die_with_parent
 
 
 def main() -> int:
+    # torchrun starts each rank in a session of its own, so stopping torchrun's
+    # process group misses the ranks; a torchrun killed outright takes them along
     die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m learner")
     parser.add_argument("--settings", required=True, type=Path,

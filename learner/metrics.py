@@ -24,7 +24,14 @@ class LearnerMetrics:
                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
                                       registry=r)
         self.tokens = Counter("crl_learner_tokens", "Trainable tokens trained on", registry=r)
-        self.policy_version = Gauge("crl_learner_policy_version", "Policy version", registry=r)
+        # Served from when the learner knows them (after resuming): a learner
+        # that has not resumed yet serves no version, not version 0.
+        self.policy_version = Gauge("crl_learner_policy_version", "Policy version",
+                                    registry=None)
+        self._position_served = False
+        self.step = Gauge("crl_learner_step",
+                          "Learner steps taken in the run (continues across restarts)",
+                          registry=None)
         self.reward = Gauge("crl_learner_reward", "Mean final reward of the last batch",
                             registry=r)
         self.success_rate = Gauge("crl_learner_success_rate",
@@ -60,11 +67,21 @@ class LearnerMetrics:
         self.gauges = {name: Gauge(name, f"PPO statistic {key}", registry=r)
                        for name, key in STEP_GAUGES.items()}
 
+    def resumed(self, version: int, step: int) -> None:
+        """The learner's position is known (a fresh start or a resumed
+        checkpoint): serve it from now on."""
+        self.policy_version.set(version)
+        self.step.set(step)
+        if not self._position_served:
+            self._position_served = True
+            self.registry.register(self.policy_version)
+            self.registry.register(self.step)
+
     def record(self, metrics: dict[str, float], rewards: list[float], successes: list[bool],
-               compactions: list[int], seconds: float, version: int) -> None:
+               compactions: list[int], seconds: float, version: int, step: int) -> None:
         self.step_seconds.observe(seconds)
         self.tokens.inc(metrics.get("tokens", 0.0))
-        self.policy_version.set(version)
+        self.resumed(version, step)
         for name, key in STEP_GAUGES.items():
             if key in metrics:
                 self.gauges[name].set(metrics[key])

@@ -161,6 +161,7 @@ class Learner:
                 log.info("weights of version %d labelled version %d: an earlier learner of "
                          "this run got to version %d", restored, self.version,
                          self.version - 1)
+            self.metrics.resumed(self.version, self.step)
             while self.step < self.config.max_steps:
                 if control:
                     control.version = self.version
@@ -222,7 +223,8 @@ class Learner:
         self.version += 1
         self.step += 1
         self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,
-                            batch.compactions, time.perf_counter() - began, self.version)
+                            batch.compactions, time.perf_counter() - began, self.version,
+                            self.step)
         if self.rank == 0:
             log.info("step %d: version %d, reward %.3f, %d tokens, policy loss %.4f",
                      self.step, self.version, float(batch.rewards.mean()), metrics["tokens"],

@@ -29,11 +29,13 @@ def _scale(values: list[float], low: float, high: float, out_low: float, out_hig
     return [out_low + (v - low) / span * (out_high - out_low) for v in values]
 
 
-def line_chart(title: str, x: list[float], series: dict[str, list[float]], x_label: str) -> str:
-    """An SVG line chart of ``series`` (name -> values aligned with ``x``)."""
-    if not x:
+def line_chart(title: str, x: list[float], series: dict[str, list[float | None]],
+               x_label: str) -> str:
+    """An SVG line chart of ``series`` (name -> values aligned with ``x``;
+    None where a value has no data: the line skips it)."""
+    values = [v for ys in series.values() for v in ys if v is not None]
+    if not x or not values:
         return f"<h3>{html.escape(title)}</h3><p>no data</p>"
-    values = [v for ys in series.values() for v in ys]
     low, high = min(values + [0.0]), max(values + [1e-9])
     xs = _scale(x, min(x), max(x), MARGIN, WIDTH - 10)
     parts = [f'<svg width="{WIDTH}" height="{HEIGHT}" xmlns="http://www.w3.org/2000/svg">',
@@ -46,8 +48,9 @@ def line_chart(title: str, x: list[float], series: dict[str, list[float]], x_lab
              f'<text x="2" y="{HEIGHT - MARGIN}" font-size="11">{low:.3g}</text>']
     for index, (name, ys) in enumerate(series.items()):
         colour = COLOURS[index % len(COLOURS)]
-        points = " ".join(f"{px:.1f},{py:.1f}" for px, py in zip(
-            xs, _scale(ys, low, high, HEIGHT - MARGIN, 10), strict=True))
+        known = [(px, y) for px, y in zip(xs, ys, strict=True) if y is not None]
+        points = " ".join(f"{px:.1f},{py:.1f}" for (px, _), py in zip(
+            known, _scale([y for _, y in known], low, high, HEIGHT - MARGIN, 10), strict=True))
         parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" '
                      f'points="{points}"/>')
         parts.append(f'<text x="{WIDTH - 200}" y="{16 + 14 * index}" font-size="11" '
@@ -79,9 +82,10 @@ def _per_step(history: list[dict]) -> list[dict]:
     """The first snapshot after each new learner step."""
     out, last = [], -1.0
     for snapshot in history:
-        if snapshot["learner_step_count"] > last:
+        step = snapshot.get("learner_step")
+        if step is not None and step > last:
             out.append(snapshot)
-            last = snapshot["learner_step_count"]
+            last = step
     return out
 
 
@@ -98,7 +102,7 @@ def _rates(history: list[dict], key: str) -> tuple[list[float], list[float]]:
 def write_report(history_path: Path, out: Path, title: str, summary: dict[str, str]) -> Path:
     history = read_history(history_path)
     steps = _per_step(history)
-    x = [s["learner_step_count"] for s in steps]
+    x = [s["learner_step"] for s in steps]
     last = history[-1] if history else {}
     bounds = sorted(float(k.removeprefix("staleness_le_")) for k in last
                     if k.startswith("staleness_le_"))
@@ -109,11 +113,11 @@ def write_report(history_path: Path, out: Path, title: str, summary: dict[str, s
     _, learner_rate = _rates(history, "learner_tokens")
     sections = [
         line_chart("Reward and success by learner step", x, {
-            "reward": [s["reward"] for s in steps],
-            "success (compacted)": [s["success_compacted"] for s in steps],
-            "success (uncompacted)": [s["success_uncompacted"] for s in steps]}, "step"),
+            "reward": [s.get("reward") for s in steps],
+            "success (compacted)": [s.get("success_compacted") for s in steps],
+            "success (uncompacted)": [s.get("success_uncompacted") for s in steps]}, "step"),
         line_chart("Compactions per rollout (batch mean)", x,
-                   {"compactions": [s["compactions_per_rollout"] for s in steps]}, "step"),
+                   {"compactions": [s.get("compactions_per_rollout") for s in steps]}, "step"),
         bar_chart("Actor stall by reason (seconds, whole run)", {
             reason: last.get(f"stall_{reason}_s", 0.0)
             for reason in ("weights", "credits", "summary")}),

@@ -1,20 +1,37 @@
-"""One snapshot of a run from its processes' ``/metrics``: what the live view,
+"""Snapshots of a run from its processes' ``/metrics``: what the live view,
 the metrics history, ``compactionrl status`` and the report all show.
 
-A snapshot is a flat dict of numbers (JSON-serialisable), named after what
-it shows; rates (tokens per second) come from two consecutive snapshots.
+A snapshot is a flat dict of numbers (JSON-serialisable; ``None`` where a
+figure has no data yet), named after what it shows. It describes the whole
+run, not the processes answering now:
+
+- totals (rollouts, tokens, drops, stall, staleness counts) add up over
+  process incarnations: a counter that went down is a process that
+  restarted, and its new count adds to the total (as PromQL's ``increase``);
+  a :class:`RunScraper` resumed from a run's history adds to that history's
+  totals (``up --resume`` starts every process afresh);
+- the learner's step, version and published version only go up within a
+  run; a learner that has not resumed yet serves none of them, and the last
+  known value stands;
+- the last batch's figures (reward, success, loss) stand while the learner is
+  away; a figure of a kind the batch did not hold (NaN) is ``None``.
+
+Rates (tokens per second) come from two consecutive snapshots.
 
 Usage::
 
-    snapshot = scrape_run({"replay": url, "learner": url, "actor-0": url})
-    summary = summarise(snapshot, previous)
+    scraper = RunScraper({"replay": url, "learner": url, "actor-0": url}, history)
+    snapshot = scraper.snapshot()
+    lines = summarise(snapshot, previous, first, RunEnds(max_steps=500))
 """
 
 from __future__ import annotations
 
+import math
 import time
 import urllib.request
 from collections import defaultdict
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,6 +40,43 @@ from prometheus_client.parser import text_string_to_metric_families
 SCRAPE_TIMEOUT_S = 2.5
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
+Snapshot = dict[str, float | None]
+
+#: Run totals: snapshot key -> (the processes that count it, counter, labels).
+#: "actor" sums over every actor process.
+TOTALS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "learner_tokens": ("learner", "crl_learner_tokens_total", {}),
+    "learner_idle_s": ("learner", "crl_learner_idle_seconds_total", {}),
+    "actor_rollouts": ("actor", "crl_actor_rollouts_total", {}),
+    "actor_compactions": ("actor", "crl_actor_compactions_total", {}),
+    "actor_generated_tokens": ("actor", "crl_actor_generated_tokens_total", {}),
+    "actor_summary_tokens": ("actor", "crl_actor_summary_tokens_total", {}),
+    "stall_weights_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "weights"}),
+    "stall_credits_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "credits"}),
+    "stall_summary_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "summary"}),
+    "expired_rollouts": ("replay", "crl_replay_dropped_total", {"reason": "expired"}),
+    "stale_rollouts": ("replay", "crl_replay_dropped_total", {"reason": "stale"}),
+    "batches": ("replay", "crl_replay_batches_total", {}),
+    "staleness_count": ("replay", "crl_replay_staleness_count", {}),
+}
+#: The learner's position: it only goes up within a run (snapshot key -> gauge).
+LEARNER_POSITION = {
+    "learner_step": "crl_learner_step",
+    "learner_version": "crl_learner_policy_version",
+    "published_version": "crl_learner_published_version",
+}
+#: The learner's last batch (snapshot key -> gauge, labels).
+LAST_BATCH: dict[str, tuple[str, dict[str, str]]] = {
+    "reward": ("crl_learner_reward", {}),
+    "success_compacted": ("crl_learner_success_rate", {"compacted": "true"}),
+    "success_uncompacted": ("crl_learner_success_rate", {"compacted": "false"}),
+    "compactions_per_rollout": ("crl_learner_compactions_per_rollout", {}),
+    "policy_loss": ("crl_learner_policy_loss", {}),
+}
+#: Run-level counts that ``up`` adds (restarts), summed over ``up`` invocations.
+UP_COUNTS = ("actor_restarts", "replay_restarts", "learner_restarts", "up_invocations",
+             "run_seconds")
+STALENESS_BUCKET = "staleness_le_"
 
 
 def scrape(url: str) -> Samples | None:
@@ -39,113 +93,185 @@ def scrape(url: str) -> Samples | None:
     return samples
 
 
-def _value(samples: Samples | None, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    if not samples:
-        return 0.0
-    return sum(value for found, value in samples.get(name, [])
-               if all(found.get(k) == x for k, x in labels.items()))
+def _value(samples: Samples | None, name: str, **labels: str) -> float | None:
+    """Sum of the samples of ``name`` whose labels include ``labels``; None
+    if there is none (the process does not answer or serves no such sample)."""
+    found = [value for sample_labels, value in (samples or {}).get(name, [])
+             if all(sample_labels.get(k) == x for k, x in labels.items())]
+    return sum(found) if found else None
 
 
-def _quantile(samples: Samples | None, name: str, q: float) -> float | None:
-    """Quantile of a histogram from its cumulative buckets (upper bound of the bucket)."""
-    buckets = sorted((float(found["le"]), value)
-                     for found, value in (samples or {}).get(f"{name}_bucket", []))
-    if not buckets or buckets[-1][1] == 0:
+def _counters(samples: Samples, source: str) -> dict[str, float]:
+    """The raw counters one process serves, by snapshot key."""
+    raw = {key: _value(samples, name, **labels) or 0.0
+           for key, (owner, name, labels) in TOTALS.items() if owner == source}
+    if source == "replay":
+        for labels, count in samples.get("crl_replay_staleness_bucket", []):
+            if labels["le"] != "+Inf":
+                raw[f"{STALENESS_BUCKET}{float(labels['le']):g}"] = count
+    return raw
+
+
+def staleness_quantile(snapshot: Snapshot, q: float) -> float | None:
+    """Quantile of the served rollouts' staleness from the run's cumulative
+    buckets (the upper bound of the bucket); None without data or beyond the
+    largest bound."""
+    total = snapshot.get("staleness_count") or 0.0
+    if total <= 0:
         return None
-    total = buckets[-1][1]
-    return next(bound for bound, count in buckets if count >= q * total)
+    bounds = sorted(float(k.removeprefix(STALENESS_BUCKET)) for k in snapshot
+                    if k.startswith(STALENESS_BUCKET))
+    return next((b for b in bounds if (snapshot[f"{STALENESS_BUCKET}{b:g}"] or 0.0) >= q * total),
+                None)
 
 
-def scrape_run(urls: dict[str, str], previous: dict | None = None) -> dict[str, float | None]:
-    """One snapshot: learner, replay and the sum over the actors that answer."""
-    scraped = {name: scrape(url) for name, url in urls.items()}
-    learner, replay = scraped.get("learner"), scraped.get("replay")
-    actors = [s for n, s in scraped.items() if n.startswith("actor") and s]
-    total = lambda name, **labels: sum(_value(a, name, **labels) for a in actors)  # noqa: E731
-    finished = total("crl_actor_rollouts_total")
-    generated = total("crl_actor_generated_tokens_total")
-    snapshot: dict[str, float | None] = {
-        "time": time.time(),
-        "learner_up": float(learner is not None),
-        "replay_up": float(replay is not None),
-        "actors_up": float(len(actors)),
-        "learner_step_count": _value(learner, "crl_learner_step_seconds_count"),
-        "learner_step_seconds_sum": _value(learner, "crl_learner_step_seconds_sum"),
-        "learner_version": _value(learner, "crl_learner_policy_version"),
-        "learner_tokens": _value(learner, "crl_learner_tokens_total"),
-        "learner_idle_s": _value(learner, "crl_learner_idle_seconds_total"),
-        "reward": _value(learner, "crl_learner_reward"),
-        "success_compacted": _value(learner, "crl_learner_success_rate", compacted="true"),
-        "success_uncompacted": _value(learner, "crl_learner_success_rate", compacted="false"),
-        "compactions_per_rollout": _value(learner, "crl_learner_compactions_per_rollout"),
-        "policy_loss": _value(learner, "crl_learner_policy_loss"),
-        "published_version": _value(learner, "crl_learner_published_version"),
-        "actor_rollouts": finished,
-        "actor_compactions": total("crl_actor_compactions_total"),
-        "actor_generated_tokens": generated,
-        "actor_summary_tokens": total("crl_actor_summary_tokens_total"),
-        "stall_weights_s": total("crl_actor_stall_seconds_total", reason="weights"),
-        "stall_credits_s": total("crl_actor_stall_seconds_total", reason="credits"),
-        "stall_summary_s": total("crl_actor_stall_seconds_total", reason="summary"),
-        "staleness_p50": _quantile(replay, "crl_replay_staleness", 0.5),
-        "staleness_p95": _quantile(replay, "crl_replay_staleness", 0.95),
-        "expired_rollouts": _value(replay, "crl_replay_dropped_total", reason="expired"),
-        "stale_rollouts": _value(replay, "crl_replay_dropped_total", reason="stale"),
-        "batches": _value(replay, "crl_replay_batches_total"),
-    }
-    for labels, count in (replay or {}).get("crl_replay_staleness_bucket", []):
-        if labels["le"] != "+Inf":
-            snapshot[f"staleness_le_{float(labels['le']):g}"] = count
-    if previous:
-        learner_keys = ("learner_step", "learner_version", "learner_tokens", "reward",
-                        "success_", "compactions_per_rollout", "policy_loss",
-                        "published_version")
-        silent = {"learner": learner is None, "replay": replay is None, "actors": not actors}
-        prefixes = {"learner": learner_keys,
-                    "replay": ("staleness_", "expired_", "stale_", "batches"),
-                    "actors": ("actor_", "stall_")}
-        for source, quiet in silent.items():
-            if quiet:
-                for key, value in previous.items():
-                    if key.startswith(prefixes[source]):
-                        snapshot[key] = value
-    return snapshot
+def _finite(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else value
 
 
-def summarise(now: dict, before: dict | None, first: dict | None, max_steps: int
-              ) -> dict[str, str]:
-    """Human-readable lines of the live view and of ``compactionrl status``:
-    rates since ``before``, the ETA from the pace since ``first``."""
+class RunScraper:
+    """Snapshots of one run across process restarts and ``up`` invocations.
+
+    Invariant, per total ``T`` and process ``p`` with raw counter ``c_p``::
+
+        T(now) = T(start) + sum_p sum_scrapes (c_p(now) - c_p(before)  if c_p(now) >= c_p(before)
+                                                c_p(now)               otherwise: p restarted)
+
+    where ``T(start)`` is the last snapshot of the history it resumes (0 for a
+    new run) and every process of this invocation starts from 0.
+    """
+
+    def __init__(self, urls: dict[str, str], history: list[Snapshot] | None = None) -> None:
+        self.urls = urls
+        self._last: Snapshot | None = dict(history[-1]) if history else None
+        self._raw: dict[str, dict[str, float]] = {}
+        #: what earlier ``up`` invocations counted
+        self._earlier = {key: float((self._last or {}).get(key) or 0.0) for key in UP_COUNTS}
+
+    def snapshot(self, counts: dict[str, float] | None = None) -> Snapshot:
+        """Scrape every process once. ``counts``: this invocation's figures of
+        :data:`UP_COUNTS` (restarts, its wall time); they add to the history's."""
+        scraped = {name: scrape(url) for name, url in self.urls.items()}
+        return self.fold(scraped, counts or {})
+
+    def fold(self, scraped: dict[str, Samples | None], counts: dict[str, float]) -> Snapshot:
+        """The snapshot after the scrapes ``scraped`` (process name -> samples,
+        None for a process that did not answer)."""
+        last = self._last or {}
+        learner = scraped.get("learner")
+        actors = [s for n, s in scraped.items() if n.startswith("actor") and s]
+        snapshot: Snapshot = {
+            "time": time.time(),
+            "learner_up": float(learner is not None),
+            "replay_up": float(scraped.get("replay") is not None),
+            "actors_up": float(len(actors)),
+        }
+        totals: dict[str, float] = {key: last.get(key) or 0.0 for key in TOTALS}
+        totals.update({k: v or 0.0 for k, v in last.items() if k.startswith(STALENESS_BUCKET)})
+        for name, samples in scraped.items():
+            if samples is None:
+                continue  # its counts stand; a restart shows as a decrease later
+            source = "actor" if name.startswith("actor") else name
+            raw = _counters(samples, source)
+            before = self._raw.get(name, {})
+            for key, value in raw.items():
+                previous = before.get(key, 0.0)
+                totals[key] = totals.get(key, 0.0) + (value - previous if value >= previous
+                                                      else value)
+            self._raw[name] = raw
+        snapshot.update(totals)
+        for key, gauge in LEARNER_POSITION.items():
+            values = [v for v in (last.get(key), _value(learner, gauge)) if v is not None]
+            snapshot[key] = max(values) if values else None
+        for key, (gauge, labels) in LAST_BATCH.items():
+            value = _value(learner, gauge, **labels)
+            snapshot[key] = _finite(value) if value is not None else last.get(key)
+        for key in UP_COUNTS:
+            snapshot[key] = self._earlier[key] + counts.get(key, 0.0)
+        self._last = snapshot
+        return snapshot
+
+
+@dataclass
+class RunEnds:
+    """Where a run stops: whichever comes first."""
+
+    max_steps: int
+    max_minutes: float = 0.0
+    """0: no wall-time limit."""
+    started: float = 0.0
+    """Wall-clock time (``time.time()``) this invocation of ``up`` started."""
+
+
+def _number(value: float | None, form: str = ".0f", missing: str = "no data") -> str:
+    return missing if value is None else format(value, form)
+
+
+def eta(now: Snapshot, first: Snapshot | None, ends: RunEnds) -> str:
+    """Seconds to the first end: ``max_steps`` at the pace since ``first`` (the
+    first snapshot of this invocation), or ``max_minutes`` of wall time."""
+    candidates: list[tuple[float, str]] = []
+    step, start = now.get("learner_step"), (first or {}).get("learner_step")
+    if step is not None and start is not None and step > start:
+        pace = (now["time"] - first["time"]) / (step - start)  # type: ignore[index,operator]
+        candidates.append((max(0.0, ends.max_steps - step) * pace, "max_steps"))
+    if ends.max_minutes:
+        candidates.append((max(0.0, ends.started + ends.max_minutes * 60 - now["time"]),
+                           "max_minutes"))
+    if not candidates:
+        return "no pace yet"
+    seconds, which = min(candidates)
+    return f"{seconds:.0f} s ({which})"
+
+
+def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, ends: RunEnds,
+              ended: str | None = None) -> dict[str, str]:
+    """Human-readable lines of the live view, ``summary.txt`` and ``compactionrl
+    status``: rates since ``before``; the ETA from the pace since ``first``.
+    ``ended``: how the run ended (then no ETA, rates or liveness: they would
+    describe processes that are gone)."""
     def rate(key: str) -> float:
         if not before or now["time"] <= before["time"]:
             return 0.0
-        # a counter that went down is a process that restarted or did not
-        # answer this time: no rate, rather than a negative one
-        return max(0.0, (now[key] - before[key]) / (now["time"] - before["time"]))
+        return max(0.0, ((now[key] or 0.0) - (before.get(key) or 0.0))
+                   / (now["time"] - before["time"]))
 
-    steps = now["learner_step_count"]
-    generated = now["actor_generated_tokens"]
-    share = now["actor_summary_tokens"] / generated if generated else 0.0
-    rollouts = now["actor_rollouts"]
-    done = steps - (first["learner_step_count"] if first else 0)
-    eta = "-" if not first or done <= 0 else (
-        f"{(max_steps - steps) * (now['time'] - first['time']) / done:.0f} s")
-    p50, p95 = now["staleness_p50"], now["staleness_p95"]
-    return {
-        "learner": f"step {steps:.0f}/{max_steps}, version {now['learner_version']:.0f} "
-                   f"(published {now['published_version']:.0f}), ETA {eta}",
-        "reward": f"{now['reward']:.3f}; success compacted {now['success_compacted']:.2f}, "
-                  f"uncompacted {now['success_uncompacted']:.2f}",
-        "compaction": f"{now['actor_compactions'] / rollouts if rollouts else 0:.2f} per "
-                      f"rollout ({rollouts:.0f} rollouts); summary-token share {share:.3f}",
-        "stall": f"weights {now['stall_weights_s']:.1f} s, credits "
-                 f"{now['stall_credits_s']:.1f} s, summary {now['stall_summary_s']:.1f} s",
-        "staleness": f"p50 {'-' if p50 is None else f'{p50:.0f}'}, "
-                     f"p95 {'-' if p95 is None else f'{p95:.0f}'}; expired rollouts "
-                     f"{now['expired_rollouts']:.0f}, stale {now['stale_rollouts']:.0f}",
-        "throughput": f"actors {rate('actor_generated_tokens'):.0f} tokens/s, learner "
-                      f"{rate('learner_tokens'):.0f} tokens/s",
-        "processes": f"replay {'up' if now['replay_up'] else 'DOWN'}, learner "
-                     f"{'up' if now['learner_up'] else 'DOWN'}, actors {now['actors_up']:.0f}",
+    generated = now["actor_generated_tokens"] or 0.0
+    share = (now["actor_summary_tokens"] or 0.0) / generated if generated else None
+    rollouts = now["actor_rollouts"] or 0.0
+    version = now.get("learner_version")
+    learner = (f"step {_number(now.get('learner_step'), missing='-')}/{ends.max_steps}, "
+               + (f"version {version:.0f}" if version is not None else "no version yet")
+               + f" (published {_number(now.get('published_version'), missing='none')})")
+    p50, p95 = staleness_quantile(now, 0.5), staleness_quantile(now, 0.95)
+    lines = {
+        "learner": learner if ended else f"{learner}, ETA {eta(now, first, ends)}",
+        "reward": f"{_number(now.get('reward'), '.3f')}; success compacted "
+                  f"{_number(now.get('success_compacted'), '.2f')}, uncompacted "
+                  f"{_number(now.get('success_uncompacted'), '.2f')}",
+        "compaction": (f"{(now['actor_compactions'] or 0.0) / rollouts:.2f} per rollout"
+                       if rollouts else "no rollouts yet")
+                      + f" ({rollouts:.0f} rollouts); summary-token share "
+                        f"{_number(share, '.3f')}",
+        "stall": f"weights {now['stall_weights_s'] or 0.0:.1f} s, credits "
+                 f"{now['stall_credits_s'] or 0.0:.1f} s, summary "
+                 f"{now['stall_summary_s'] or 0.0:.1f} s",
+        "staleness": f"p50 {_number(p50, missing='-')}, p95 {_number(p95, missing='-')}; "
+                     f"expired rollouts {now['expired_rollouts'] or 0.0:.0f}, "
+                     f"stale {now['stale_rollouts'] or 0.0:.0f}",
+        "restarts": f"actors {now.get('actor_restarts') or 0:.0f}, replay "
+                    f"{now.get('replay_restarts') or 0:.0f}, learner "
+                    f"{now.get('learner_restarts') or 0:.0f}",
     }
+    if ended:
+        invocations = now.get("up_invocations") or 1
+        lines["ended"] = (f"{ended}; wall time {now.get('run_seconds') or 0:.0f} s"
+                          + (f" over {invocations:.0f} invocations of up"
+                             if invocations > 1 else ""))
+    else:
+        lines["throughput"] = (f"actors {rate('actor_generated_tokens'):.0f} tokens/s, "
+                               f"learner {rate('learner_tokens'):.0f} tokens/s")
+        lines["processes"] = (f"replay {'up' if now['replay_up'] else 'DOWN'}, learner "
+                              f"{'up' if now['learner_up'] else 'DOWN'}, "
+                              f"actors {now['actors_up']:.0f}")
+    return lines

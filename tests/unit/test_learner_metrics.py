@@ -9,9 +9,10 @@ def test_a_step_is_recorded_under_the_design_names() -> None:
     metrics = LearnerMetrics()
     step = {"tokens": 120.0, **{key: 0.5 for key in STEP_GAUGES.values()}}
     metrics.record(step, rewards=[1.0, 0.0, 1.0], successes=[True, False, True],
-                   compactions=[2, 0, 1], seconds=1.5, version=7)
+                   compactions=[2, 0, 1], seconds=1.5, version=7, step=5)
     value = metrics.registry.get_sample_value
     assert value("crl_learner_policy_version") == 7
+    assert value("crl_learner_step") == 5
     assert value("crl_learner_tokens_total") == 120
     assert value("crl_learner_reward") == 2 / 3
     assert value("crl_learner_success_rate", {"compacted": "true"}) == 1.0
@@ -20,3 +21,17 @@ def test_a_step_is_recorded_under_the_design_names() -> None:
     assert value("crl_learner_idle_seconds_total") == 0
     for name in STEP_GAUGES:
         assert value(name) == 0.5
+
+
+def test_a_learner_serves_no_version_or_step_until_it_has_resumed() -> None:
+    """A restarted learner answering /metrics before it has loaded its
+    checkpoint must not report version 0 (the run's history would read
+    74 -> 0 -> 78)."""
+    metrics = LearnerMetrics()
+    value = metrics.registry.get_sample_value
+    assert value("crl_learner_policy_version") is None
+    assert value("crl_learner_step") is None
+    metrics.resumed(version=78, step=72)
+    metrics.resumed(version=78, step=72)  # idempotent
+    assert value("crl_learner_policy_version") == 78
+    assert value("crl_learner_step") == 72

@@ -1,0 +1,128 @@
+"""What a run's summary says (live view, ``summary.txt``, ``status``, report):
+the run's own figures across process restarts and ``up --resume``, never a
+number that is not one."""
+
+from __future__ import annotations
+
+import math
+
+from ops.summary import RunEnds, RunScraper, Samples, summarise
+
+
+def _samples(**metrics: float | dict[tuple[tuple[str, str], ...], float]) -> Samples:
+    """``name=value`` or ``name={(("label", "x"),): value, ...}``."""
+    out: Samples = {}
+    for name, value in metrics.items():
+        if isinstance(value, dict):
+            out[name] = [(dict(labels), v) for labels, v in value.items()]
+        else:
+            out[name] = [({}, value)]
+    return out
+
+
+def _replay(expired: float, stale: float) -> Samples:
+    return _samples(crl_replay_dropped_total={(("reason", "expired"),): expired,
+                                              (("reason", "stale"),): stale})
+
+
+def _learner(step: float, version: float, **extra: float) -> Samples:
+    return _samples(crl_learner_step=step, crl_learner_policy_version=version, **extra)
+
+
+def test_replay_totals_add_up_over_its_restarts() -> None:
+    """The issue's run: 1 expired and 380 stale rollouts over two replay
+    processes read 'expired 0, stale 201' from the last one alone."""
+    scraper = RunScraper({})
+    scraper.fold({"replay": _replay(expired=1, stale=150)}, {})
+    scraper.fold({"replay": _replay(expired=1, stale=179)}, {})
+    scraper.fold({"replay": None}, {})  # restarting: the totals stand
+    scraper.fold({"replay": _replay(expired=0, stale=120)}, {})  # a new process
+    last = scraper.fold({"replay": _replay(expired=0, stale=201)}, {})
+    assert (last["expired_rollouts"], last["stale_rollouts"]) == (1, 380)
+
+
+def test_each_actor_counts_on_its_own_when_one_restarts() -> None:
+    scraper = RunScraper({})
+    rollouts = lambda n: _samples(crl_actor_rollouts_total=n)  # noqa: E731
+    scraper.fold({"actor-0": rollouts(10), "actor-1": rollouts(10)}, {})
+    last = scraper.fold({"actor-0": rollouts(2), "actor-1": rollouts(15)}, {})
+    assert last["actor_rollouts"] == 10 + 2 + 15
+
+
+def test_a_learner_that_has_not_resumed_leaves_step_and_version_where_they_were() -> None:
+    """74 -> 0 -> 78 in the history, and 'step 2/500' beside version 78,
+    came from a restarted learner's per-process counts."""
+    scraper = RunScraper({})
+    versions, steps = [], []
+    for learner in (_learner(70, 74), None, _samples(crl_learner_tokens_total=0.0),
+                    _learner(72, 78)):
+        snapshot = scraper.fold({"learner": learner}, {})
+        versions.append(snapshot["learner_version"])
+        steps.append(snapshot["learner_step"])
+    assert versions == [74, 74, 74, 78]
+    assert steps == [70, 70, 70, 72]
+
+
+def test_before_any_learner_figure_the_summary_says_so_in_words() -> None:
+    snapshot = RunScraper({}).fold({"learner": _samples(crl_learner_reward=math.nan)}, {})
+    lines = summarise(snapshot, None, snapshot, RunEnds(max_steps=500))
+    text = "\n".join(lines.values())
+    assert "nan" not in text.lower()
+    assert "no version yet" in lines["learner"]
+    assert "no pace yet" in lines["learner"]
+    assert lines["reward"].startswith("no data;")
+
+
+def test_a_batch_without_uncompacted_rollouts_reads_no_data_not_nan() -> None:
+    learner = _learner(3, 3, crl_learner_success_rate=math.nan)
+    learner["crl_learner_success_rate"] = [({"compacted": "true"}, 0.5),
+                                           ({"compacted": "false"}, math.nan)]
+    snapshot = RunScraper({}).fold({"learner": learner}, {})
+    assert snapshot["success_uncompacted"] is None
+    lines = summarise(snapshot, None, snapshot, RunEnds(max_steps=10))
+    assert "compacted 0.50, uncompacted no data" in lines["reward"]
+
+
+def test_up_resume_continues_the_totals_restarts_and_wall_time_of_the_history() -> None:
+    first = RunScraper({})
+    first.fold({"replay": _replay(1, 10), "learner": _learner(40, 40)},
+               {"actor_restarts": 2, "up_invocations": 1, "run_seconds": 300})
+    earlier = [first.fold({"replay": _replay(1, 12), "learner": _learner(50, 50)},
+                          {"actor_restarts": 3, "up_invocations": 1, "run_seconds": 310})]
+    resumed = RunScraper({}, earlier)
+    snapshot = resumed.fold({"replay": _replay(0, 5), "learner": _learner(50, 51)},
+                            {"actor_restarts": 1, "up_invocations": 1, "run_seconds": 20})
+    assert snapshot["stale_rollouts"] == 17 and snapshot["expired_rollouts"] == 1
+    assert snapshot["actor_restarts"] == 4
+    assert snapshot["up_invocations"] == 2
+    assert snapshot["run_seconds"] == 330
+    assert snapshot["learner_step"] == 50 and snapshot["learner_version"] == 51
+    lines = summarise(snapshot, None, snapshot, RunEnds(max_steps=500),
+                      ended="interrupted (SIGINT): stopped cleanly")
+    assert lines["restarts"] == "actors 4, replay 0, learner 0"
+    assert lines["ended"] == ("interrupted (SIGINT): stopped cleanly; wall time 330 s "
+                              "over 2 invocations of up")
+
+
+def test_the_eta_is_to_whichever_end_comes_first() -> None:
+    scraper = RunScraper({})
+    first = scraper.fold({"learner": _learner(10, 10)}, {})
+    now = scraper.fold({"learner": _learner(20, 20)}, {})
+    now["time"] = first["time"] + 100  # 10 s a step: 480 steps to go
+    by_steps = summarise(now, first, first, RunEnds(max_steps=500))
+    assert by_steps["learner"].endswith("ETA 4800 s (max_steps)")
+    by_time = summarise(now, first, first, RunEnds(max_steps=500, max_minutes=5,
+                                                   started=first["time"]))
+    assert by_time["learner"].endswith("ETA 200 s (max_minutes)")
+
+
+def test_a_finished_run_shows_how_it_ended_not_liveness_or_an_eta() -> None:
+    """'learner DOWN' and 'ETA 400 s' described processes that had stopped."""
+    scraper = RunScraper({})
+    first = scraper.fold({"learner": _learner(1, 1)}, {"run_seconds": 1})
+    last = scraper.fold({"learner": None}, {"run_seconds": 301, "up_invocations": 1})
+    lines = summarise(last, first, first, RunEnds(max_steps=500, max_minutes=5),
+                      ended="wall time of 5 min reached")
+    assert "ETA" not in lines["learner"]
+    assert "processes" not in lines and "throughput" not in lines
+    assert lines["ended"] == "wall time of 5 min reached; wall time 301 s"
