@@ -125,6 +125,15 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for process {pid}")
 
 
+def running(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie (Linux /proc): a zombie has
+    exited, and its parent, not the test, reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def process_tree(root: int) -> list[int]:
     """``root`` and every process descended from it (Linux): an actor with its
     engine's processes, torchrun with its ranks (which run in sessions of their

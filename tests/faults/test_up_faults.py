@@ -48,6 +48,7 @@ from tests.processes import (
     metric,
     process_tree,
     rss_bytes,
+    running,
     tree_rss_bytes,
 )
 
@@ -115,6 +116,8 @@ class Run:
     control_proxy: FaultProxy
     proxied: Background | None = None
     notes: dict[str, float] = field(default_factory=dict)
+    dead_processes: list[int] = field(default_factory=list)
+    """The process trees of killed actor incarnations (engines included)."""
 
     # ------------------------------------------------------------------ reading
 
@@ -341,7 +344,8 @@ def test_actor_sigkilled_repeatedly_rejoins_with_current_weights(
         in_flight = int(run.actor("actor-0", "crl_actor_active_rollouts"))
         if not in_flight:
             continue  # they ended meanwhile
-        _kill_group(pid)
+        dead = process_tree(pid)
+        os.kill(pid, signal.SIGKILL)  # the actor alone: its engine must not outlive it
         killed_at = time.monotonic()
         kills += 1
         run.wait(lambda n=kills: run.output().count("actor-0 exited with code -9") == n,
@@ -351,6 +355,8 @@ def test_actor_sigkilled_repeatedly_rejoins_with_current_weights(
         run.wait(lambda at=offset: "loaded version" in run.log("actor-0")[at:],
                  "weights at the restarted actor-0")
         rejoin_s.append(time.monotonic() - killed_at)
+        assert [p for p in dead if running(p)] == [], "the dead incarnation's tree lives on"
+        run.dead_processes += dead
         # counted when the replay declares it dead or when its successor
         # registers, whichever comes first
         counted = lambda floor=expired: int(  # noqa: E731
@@ -665,3 +671,5 @@ def test_clean_shutdown_after_the_faults(run: Run) -> None:
     assert max(keys.values()) == 1
     leftovers = subprocess.run(["pgrep", "-f", str(run.folder)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout
+    # engines renamed themselves (VLLM::EngineCore): pgrep -f cannot find them
+    assert run.dead_processes and [p for p in run.dead_processes if running(p)] == []

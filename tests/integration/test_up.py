@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -23,7 +24,7 @@ import pytest
 from ops.observability import promql_expressions, scrape_config
 from ops.summary import scrape
 from tests.ports import free_port_range, free_ports, loopback_addresses
-from tests.processes import SMALL_EPISODES, VENV_BIN
+from tests.processes import SMALL_EPISODES, VENV_BIN, compactionrl, process_tree, running
 from tests.prometheus import PrometheusServer
 
 ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
@@ -32,16 +33,6 @@ pytestmark = pytest.mark.slow
 
 #: Learner steps the run must reach (after the restart) before it is stopped.
 STEPS = 3
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie of a child this test does not own counts as gone
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.is_file() and stat.read_text().split(")")[-1].split()[0] != "Z"
 
 
 def _active_rollouts(port: int) -> float:
@@ -100,11 +91,16 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
         _wait(lambda: _active_rollouts(actor_metrics) > 0, 60,
               "episodes still in flight at actor-0", process)
         children = json.loads((run / "up.json").read_text())["children"]
-        os.killpg(children["actor-0"], signal.SIGKILL)
+        # the actor alone, as a crash or the OOM killer would: its engine's
+        # processes must not outlive it
+        dead_tree = process_tree(children["actor-0"])
+        os.kill(children["actor-0"], signal.SIGKILL)
         killed_at = len(actor_log.read_text())
         # restarted, it rejoins and loads the learner's current weights
         _wait(lambda: "loaded version" in actor_log.read_text()[killed_at:], 300,
               "weights at the restarted actor-0", process)
+        left = [pid for pid in dead_tree if running(pid)]
+        assert left == [], f"the killed actor's processes outlived its restart: {left}"
         _wait(lambda: f"step {STEPS}:" in learner_log.read_text(), 300,
               f"learner step {STEPS}", process)
         # every panel has data while the run is up (a rate needs two scrapes
@@ -123,9 +119,16 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
         prometheus.stop()
     assert process.returncode == 130, output[-4000:]
     assert "interrupted (SIGINT): stopped cleanly" in output
-    assert "resume with: compactionrl up --config" in output
+    # the resume command can be pasted as it is: its program is a path
+    [resume] = [line.removeprefix("resume with: ") for line in output.splitlines()
+                if line.startswith("resume with: ")]
+    program, *resume_args = shlex.split(resume)
+    assert os.access(program, os.X_OK), resume
+    assert resume_args == ["up", "--config", str((run / "config.toml").resolve()), "--resume"]
     assert "actor-0 exited with code -9; restarting" in output
     assert learner_log.read_text().count("actor up-test-actor-0 joined") >= 2
+    # a clean stop logs a clean stop: torchrun is not signalled, its ranks are
+    assert "SignalException" not in learner_log.read_text()
     assert "loaded version" in (run / "logs" / "actor-1.log").read_text()
 
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -144,8 +147,16 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
     assert report.count("<svg") >= 4
     state = json.loads((run / "up.json").read_text())
     assert state["finished"]
+    assert state["ended"]["message"] == "interrupted (SIGINT): stopped cleanly"
+    summary = (run / "summary.txt").read_text()
+    assert "ended: interrupted (SIGINT): stopped cleanly; wall time" in summary
+    assert f"step {checkpoint['step']}/1000" in summary  # the checkpoint's step, not a count
+    assert "nan" not in summary and "DOWN" not in summary and "ETA" not in summary
+    status = compactionrl("status", "--run", str(run), timeout=60)
+    assert status.returncode == 1
+    assert "not running: interrupted (SIGINT): stopped cleanly" in status.stdout
     # nothing left: the processes up started, nor their process groups
-    for pid in state["children"].values():
-        assert not _alive(pid)
+    for pid in [*state["children"].values(), *dead_tree]:
+        assert not running(pid)
     leftovers = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout

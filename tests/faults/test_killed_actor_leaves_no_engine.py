@@ -1,0 +1,57 @@
+"""An actor started by hand and SIGKILLed takes its vLLM engine with it:
+the engine core, its worker and multiprocessing's resource tracker, which in a
+chaos run outlived the actor for minutes (on a GPU they hold the memory the
+restarted actor's engine needs). ``up``'s case is in tests/integration/test_up.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ports import loopback_addresses
+from tests.processes import Background, process_tree, running
+
+pytestmark = pytest.mark.slow
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_sigkilled_actor_leaves_no_engine_process(tiny_model_dir: Path,
+                                                    tmp_path: Path) -> None:
+    # nothing listens there: the actor starts its engine, then waits for a replay
+    [replay] = loopback_addresses(1)
+    actor = Background(["actor", "--run.model", str(tiny_model_dir), "--no-learner",
+                        "--replay", replay, "--actors.engine.cpu_threads_bind", "nobind"],
+                       tmp_path / "actor.log")
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Worker" in _command_line(p) for p in process_tree(actor.process.pid)):
+            assert actor.process.poll() is None, actor.log()[-4000:]
+            assert time.monotonic() < deadline, f"no engine worker:\n{actor.log()[-4000:]}"
+            time.sleep(0.5)
+        tree = process_tree(actor.process.pid)
+        engine = [p for p in tree if "EngineCore" in _command_line(p)]
+        assert engine, [_command_line(p) for p in tree]
+        os.kill(actor.process.pid, signal.SIGKILL)  # the actor alone, not its group
+        actor.process.wait()
+        deadline = time.monotonic() + 30
+        while (left := [p for p in tree if running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [], {p: _command_line(p) for p in left}
+    finally:
+        actor.stop()
+        for pid in tree:  # the group's kill misses nothing that escaped it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

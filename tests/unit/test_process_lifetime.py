@@ -1,0 +1,148 @@
+"""Processes die with what started them, and ``up`` stops what a dead child
+left behind: a vLLM engine outliving its SIGKILLed actor held the memory and
+cores its restarted actor needed (found in a chaos run)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ops.lifetime import die_with_multiprocessing_parent
+from tests.processes import running
+
+ROOT = Path(__file__).parents[2]
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="parent-death signals and subreapers are Linux's")
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _run_parent(tmp_path: Path, script: str, expected: int) -> tuple[subprocess.Popen, list[int]]:
+    """Start ``script`` (it prints the pids of the processes it started, one
+    per line) and return it with those pids once all are printed."""
+    path = tmp_path / "parent.py"
+    path.write_text(textwrap.dedent(script))
+    parent = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              start_new_session=True)
+    assert parent.stdout is not None
+    pids = [int(parent.stdout.readline()) for _ in range(expected)]
+    return parent, pids
+
+
+def _kill_all(parent: subprocess.Popen, pids: list[int]) -> None:
+    for pid in [parent.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    parent.wait()
+
+
+def test_a_process_that_asked_dies_when_its_parent_is_sigkilled(tmp_path: Path) -> None:
+    parent, [child] = _run_parent(tmp_path, """
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c",
+            "import sys, time; from ops.lifetime import die_with_parent; die_with_parent(); "
+            "print('armed', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
+        print(child.pid, flush=True)
+        time.sleep(120)
+    """, expected=1)
+    try:
+        assert running(child)
+        parent.kill()
+        assert _gone_within([child], 10) == []
+    finally:
+        _kill_all(parent, [child])
+
+
+def test_an_engine_like_multiprocessing_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """The vLLM plugin's case: the engine core and its workers are spawned
+    ``multiprocessing`` children of the actor."""
+    parent, [child] = _run_parent(tmp_path, """
+        import multiprocessing, time
+        from ops.lifetime import die_with_multiprocessing_parent
+
+        def engine(ready):
+            die_with_multiprocessing_parent()
+            ready.set()
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            context = multiprocessing.get_context("spawn")
+            ready = context.Event()
+            process = context.Process(target=engine, args=(ready,))
+            process.start()
+            ready.wait(60)
+            print(process.pid, flush=True)
+            time.sleep(120)
+    """, expected=1)
+    try:
+        assert running(child)
+        parent.kill()
+        assert _gone_within([child], 10) == []
+    finally:
+        _kill_all(parent, [child])
+
+
+def test_a_process_that_no_multiprocessing_parent_started_is_left_alone() -> None:
+    """The plugin also runs in the actor itself: that one must not die with
+    the shell or launcher that started it."""
+    die_with_multiprocessing_parent()
+    armed = ctypes.c_int(-1)
+    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(armed), 0, 0, 0)  # PR_GET_PDEATHSIG
+    assert armed.value == 0
+
+
+def test_stop_leftovers_kills_a_dead_childs_group_and_its_orphans(tmp_path: Path) -> None:
+    """A supervisor (subreaper) whose child died outright: the child's process
+    group (an engine) and a grandchild in a session of its own (a torchrun
+    rank) are killed and reaped; the live child is untouched."""
+    parent, pids = _run_parent(tmp_path, """
+        import os, subprocess, sys, time
+        from deploy.up import stop_leftovers
+        from ops.lifetime import become_subreaper
+
+        assert become_subreaper()
+        sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+        live = subprocess.Popen(sleeper, start_new_session=True)
+        dead = subprocess.Popen([sys.executable, "-c", (
+            "import subprocess, sys, time\\n"
+            f"cmd = {sleeper!r}\\n"
+            "group = subprocess.Popen(cmd)\\n"
+            "session = subprocess.Popen(cmd, start_new_session=True)\\n"
+            "print(group.pid, session.pid, flush=True)\\n"
+            "time.sleep(120)")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        group, session = map(int, dead.stdout.readline().split())
+        print(live.pid, flush=True)
+        print(group, flush=True)
+        print(session, flush=True)
+        dead.kill()
+        dead.wait()
+        time.sleep(0.5)  # the orphans are reparented to this process
+        orphans = stop_leftovers(dead.pid, {live.pid})
+        print(int(session in orphans), flush=True)
+        time.sleep(120)
+    """, expected=4)
+    live, group, session, session_was_an_orphan = pids
+    try:
+        assert _gone_within([group, session], 15) == []
+        assert session_was_an_orphan == 1
+        assert running(live)
+    finally:
+        _kill_all(parent, [live, group, session])
