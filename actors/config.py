@@ -48,7 +48,10 @@ class SamplingConfig:
     processed distribution, because the learner's importance weights divide by them."""
 
     temperature: float = 1.0
+    """Sampling temperature of the behaviour policy (the learner's importance
+    weights divide by the processed distribution it defines)."""
     top_p: float = 1.0
+    """Nucleus sampling mass (1 = the full distribution)."""
     max_turn_tokens: int = 128
     """Cap on one assistant turn (further capped by the room left in the window)."""
 

@@ -11,16 +11,35 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.config import ConfigError, load_config, to_toml
+from deploy.config import ConfigError, describe_fields, load_config, to_toml
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None,
-                        help="TOML file (default: the embedded deploy/configs/local-cpu.toml)")
+    parser.add_argument("--config", action="append", default=None, metavar="FILE",
+                        help="TOML file (default: the embedded deploy/configs/local-cpu.toml); "
+                             "repeat to compose: later files override earlier ones, then the "
+                             "--section.field overrides")
 
 
 def _cmd_config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     print(to_toml(load_config(args.config, overrides)), end="")
+    return 0
+
+
+def _cmd_config_fields(args: argparse.Namespace, overrides: list[str]) -> int:
+    fields = describe_fields()
+    if args.section:
+        fields = [f for f in fields if f.name == args.section
+                  or f.name.startswith(f"{args.section}.")]
+        if not fields:
+            sections = sorted({f.name.rsplit(".", 1)[0] for f in describe_fields()})
+            print(f"compactionrl: no section or field {args.section!r}; sections: "
+                  f"{', '.join(sections)}", file=sys.stderr)
+            return 2
+    for f in fields:
+        print(f"{f.name}: {f.type} = {f.default}")
+        for line in f.doc.splitlines():
+            print(f"    {line}")
     return 0
 
 
@@ -224,9 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser("config", help="inspect the configuration")
     config_sub = config.add_subparsers(dest="action", required=True)
-    show = config_sub.add_parser("show", help="print the effective configuration as TOML")
+    show = config_sub.add_parser(
+        "show", help="print the effective configuration as TOML",
+        epilog="Overrides: --section.field VALUE (every field: compactionrl config fields).")
     _config_args(show)
     show.set_defaults(handler=_cmd_config_show)
+    fields = config_sub.add_parser(
+        "fields", help="list every configuration field with its type, default and meaning")
+    fields.add_argument("section", nargs="?", default=None,
+                        help="only this section or field, e.g. learner or actors.engine")
+    fields.set_defaults(handler=_cmd_config_fields)
 
     model = commands.add_parser("model", help="build and try models")
     model_sub = model.add_subparsers(dest="action", required=True)

@@ -2,19 +2,25 @@
 
 Each component owns the dataclass of its section; this module composes them
 into :class:`RunConfig`, reads TOML (the embedded default is
-``deploy/configs/local-cpu.toml``), applies overrides such as
+``deploy/configs/local-cpu.toml``; several files compose, later ones
+overriding earlier ones table by table), applies overrides such as
 ``--learner.lr 1e-5`` and rejects incoherent settings with messages that name
-the field and the fix.
+the field and the fix. :func:`describe_fields` lists every field with its
+docstring (``compactionrl config fields``).
 
 Usage::
 
     config = load_config("my.toml", ["--learner.lr", "1e-5", "--actors.count", "4"])
+    config = load_config(["base.toml", "gpu.toml"])   # gpu.toml's values win
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
+import textwrap
 import tomllib
 import types
 import typing
@@ -190,22 +196,19 @@ def max_rollout_bytes(actors: ActorConfig) -> int:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read ``path`` (the embedded default when None), apply ``--a.b value``
-    overrides, validate. Raises :class:`ConfigError` listing every problem."""
-    if path is None:
-        text = resources.files("deploy").joinpath("configs", DEFAULT_CONFIG).read_text()
-        source = f"<embedded {DEFAULT_CONFIG}>"
-    else:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError([f"cannot read config file {path}: {exc.strerror}"]) from None
-        source = str(path)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+ConfigPaths = str | Path | list[str | Path] | None
+
+
+def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read the TOML file(s) ``paths`` (the embedded default when None or
+    empty; several compose, later files overriding earlier ones field by
+    field), apply ``--a.b value`` overrides, validate. Raises
+    :class:`ConfigError` listing every problem."""
+    if paths is None or isinstance(paths, str | Path):
+        paths = [] if paths is None else [paths]
+    data: dict[str, Any] = {}
+    for path in paths or [None]:
+        _merge(data, _read_toml(path))
     problems: list[str] = []
     config = _build(RunConfig, data, "", problems)
     for dotted, raw in _pair_overrides(overrides or [], problems):
@@ -219,6 +222,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _read_toml(path: str | Path | None) -> dict[str, Any]:
+    if path is None:
+        text = resources.files("deploy").joinpath("configs", DEFAULT_CONFIG).read_text()
+        source = f"<embedded {DEFAULT_CONFIG}>"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([f"cannot read config file {path}: {exc.strerror}"]) from None
+        source = str(path)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+
+
+def _merge(into: dict[str, Any], later: dict[str, Any]) -> None:
+    """``later``'s values over ``into``'s; tables merge key by key."""
+    for key, value in later.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def _pair_overrides(args: list[str], problems: list[str]) -> list[tuple[str, str]]:
@@ -387,3 +415,60 @@ def _toml_value(value: Any) -> str:
         return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}"
                                 for k, v in value.items()) + " }"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+# --------------------------------------------------------------------------- describing
+
+
+@dataclass
+class FieldDoc:
+    """One configuration field, as ``compactionrl config fields`` lists it."""
+
+    name: str
+    """Dotted name, as in overrides: ``learner.lr``."""
+    type: str
+    default: str
+    """The default as TOML."""
+    doc: str
+
+
+def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[FieldDoc]:
+    """Every field under ``cls`` with its type, default and docstring (the
+    string literal under the field in the dataclass's source)."""
+    docs = _attribute_docs(cls)
+    defaults = cls()
+    out = []
+    for name, hint in _fields(cls).items():
+        dotted = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            out += describe_fields(hint, f"{dotted}.")
+            continue
+        out.append(FieldDoc(dotted, _type_name(hint), _toml_value(getattr(defaults, name)),
+                            docs.get(name, "")))
+    return out
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring under it, for ``cls`` and its bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, following in zip(body, body[1:], strict=False):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(repr(choice) for choice in typing.get_args(hint))
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "")

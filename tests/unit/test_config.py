@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import main
-from deploy.config import ConfigError, RunConfig, load_config, to_toml
+from deploy.config import ConfigError, RunConfig, describe_fields, load_config, to_toml
 
 CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
 
@@ -158,3 +158,37 @@ def test_a_dotted_override_reaches_into_free_form_tables() -> None:
     options = config.actors.environment.options
     assert options["step_latency_s"] == 0.25 and options["rooms"] == 16
     assert options["codes"] == 1  # the rest of the table is kept
+
+
+def test_config_files_compose_later_over_earlier_then_overrides(tmp_path: Path) -> None:
+    """``--config A --config B`` kept only B."""
+    base, gpu = tmp_path / "base.toml", tmp_path / "gpu.toml"
+    base.write_text('[run]\nname = "base"\nseed = 3\n[learner]\nlr = 2e-5\nmax_steps = 50\n')
+    gpu.write_text('[learner]\nlr = 1e-6\n[actors]\ncount = 4\n')
+    config = load_config([base, gpu], ["--learner.max_steps", "70"])
+    assert (config.run.name, config.run.seed) == ("base", 3)  # A's, where B is silent
+    assert config.learner.lr == 1e-6 and config.actors.count == 4  # B's over A's
+    assert config.learner.max_steps == 70  # the override over both
+    assert load_config([gpu, base]).learner.lr == 2e-5  # order decides
+
+
+def test_the_cli_composes_repeated_config_files(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text('[replay]\nmax_staleness = 3\nrollouts_per_batch = 8\n')
+    second.write_text('[replay]\nmax_staleness = 4\n')
+    assert main(["config", "show", "--config", str(first), "--config", str(second)]) == 0
+    shown = capsys.readouterr().out
+    assert "max_staleness = 4" in shown and "rollouts_per_batch = 8" in shown
+
+
+def test_every_field_is_listed_with_its_meaning(capsys: pytest.CaptureFixture[str]) -> None:
+    fields = describe_fields()
+    assert {f.name for f in fields} >= {"learner.lr", "actors.engine.dtype", "run.max_minutes"}
+    undocumented = [f.name for f in fields if not f.doc]
+    assert undocumented == []
+    assert main(["config", "fields", "actors.engine"]) == 0
+    listed = capsys.readouterr().out
+    assert "actors.engine.dtype: " in listed and "learner.lr" not in listed
+    assert main(["config", "fields", "nonsense"]) == 2
+    assert "sections: actors" in capsys.readouterr().err
