@@ -197,6 +197,10 @@ class Learner:
             save_checkpoint(checkpoints, self.trainer, self.version, self.step)
             export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export")
             dist.barrier()  # rank 0 writes the export; nobody leaves the group before it ends
+            if self.rank == 0:
+                log.info("stopped cleanly (%s) at step %d, version %d: checkpoint and export "
+                         "written", "signal" if self.stopping else "max_steps", self.step,
+                         self.version)
         finally:
             if link:
                 link.close()

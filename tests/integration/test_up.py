@@ -129,6 +129,7 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
     assert learner_log.read_text().count("actor up-test-actor-0 joined") >= 2
     # a clean stop logs a clean stop: torchrun is not signalled, its ranks are
     assert "SignalException" not in learner_log.read_text()
+    assert "stopped cleanly (signal)" in learner_log.read_text()
     assert "loaded version" in (run / "logs" / "actor-1.log").read_text()
 
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
