@@ -13,25 +13,39 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from learner.batch import to_train_batch
+from learner.batch import TrainBatch, to_train_batch
 from learner.config import LearnerConfig
 from learner.models import load_critic, load_policy, shard
 from learner.ppo import PPOTrainer
 from protocol.synthetic import synthetic_batch
+
+#: Whitening's all-reduce is joined by a rank with an empty share: 7 rollouts
+#: in 4 minibatches (the last has one rollout), then 1 rollout (one
+#: minibatch: a fused step) on 2 ranks.
+CONFIG = LearnerConfig(minibatches=4, ppo_epochs=2, whiten_advantages=True)
+
+
+def batches(steps: int) -> list[TrainBatch]:
+    return [to_train_batch(synthetic_batch(rollouts=7 if step % 2 == 0 else 1, seed=step), True)
+            for step in range(steps)]
 
 
 def main() -> None:
     model, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    # Whitening's all-reduce is joined by a rank with an empty share: 7 rollouts
-    # in 4 minibatches (the last has one rollout), then 1 rollout (one
-    # minibatch: a fused step) on 2 ranks.
-    config = LearnerConfig(minibatches=4, ppo_epochs=2, whiten_advantages=True)
-    trainer = PPOTrainer(shard(load_policy(model)), shard(load_critic(model)), config)
-    for step in range(steps):
-        rollouts = 7 if step % 2 == 0 else 1
-        trainer.step(to_train_batch(synthetic_batch(rollouts=rollouts, seed=step), True))
+    # Double, and plain SGD in place of AdamW: the test compares parameters,
+    # which SGD moves by lr times the gradient, so two runs differ by lr times
+    # their gradients' rounding differences; AdamW's m / (sqrt(v) + 1e-8)
+    # would turn rounding noise in a near-zero gradient element into a step
+    # of up to lr. The optimizer is elementwise on each shard: the gradients
+    # are what 1 and 2 ranks may compute differently.
+    trainer = PPOTrainer(shard(load_policy(model, torch.float64)),
+                         shard(load_critic(model, torch.float64)), CONFIG)
+    trainer.policy_optimizer = torch.optim.SGD(trainer.policy.parameters(), lr=CONFIG.lr)
+    trainer.critic_optimizer = torch.optim.SGD(trainer.critic.parameters(), lr=CONFIG.critic_lr)
+    for batch in batches(steps):
+        trainer.step(batch)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = {f"policy.{k}": v for k, v in get_model_state_dict(trainer.policy,
                                                                options=options).items()}

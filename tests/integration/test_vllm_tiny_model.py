@@ -28,12 +28,16 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_model_dir: Path,
                                         use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         completion = list(output.outputs[0].token_ids)
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                      eos_token_id=None)[0, len(prompt):].tolist()
-        assert completion == expected
+        assert len(completion) == 24
         logprobs = [output.outputs[0].logprobs[i][t].logprob for i, t in enumerate(completion)]
         agreement = compare(reference, prompt, completion, logprobs,
                             FLOAT32_LOGPROB_TOLERANCE, temperature=0.0)
+        # Every engine token is the reference's argmax given the tokens before
+        # it, up to ties within the tolerance: where two logits lie that close,
+        # which one wins depends on the kernels' summation order (vLLM's and
+        # transformers' differ, and vary by CPU), so comparing whole greedy
+        # sequences token for token could fail on a tie and diverge after it.
+        assert agreement.greedy_mismatches == 0
         assert agreement.max_logprob_error <= FLOAT32_LOGPROB_TOLERANCE
 
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.advantages import cross_trajectory_gae
+from tests.tolerances import rounding_tolerance
 
 
 def loop_reference(values, lengths, rollout_of, rewards, gamma, lam, mode, token_rewards=None):
@@ -67,8 +68,19 @@ def test_matches_the_loop_reference(batch, gamma: float, lam: float, mode: str) 
         None if per_token is None else torch.tensor(per_token, dtype=torch.float64))
     want_a, want_r = loop_reference(values, lengths, rollout_of, rewards, gamma, lam, mode,
                                     per_token)
-    torch.testing.assert_close(got_a, want_a, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got_r, want_r, rtol=1e-12, atol=1e-12)
+    # The same float64 sums A_loc_i = sum_l (gamma lam)^l delta_{i+l} in another
+    # order (a doubling scan, Horner's rule in the loop), over at most `longest`
+    # terms of size <= max|delta|. Horner's rounding is bounded like a sum of
+    # 2n terms (Higham §5.1), the scan's powers of gamma lam by squaring
+    # likewise; +2: the discount factor and + V.
+    longest = max(lengths, default=0)
+    largest_value = max(map(abs, values), default=0.0)
+    largest_delta = (max(map(abs, rewards)) + max(map(abs, per_token or [0.0]))
+                     + (1 + gamma) * largest_value)
+    tolerance = rounding_tolerance(longest * largest_delta + largest_value, 2 * longest + 2,
+                                   torch.float64)
+    torch.testing.assert_close(got_a, want_a, rtol=0, atol=tolerance)
+    torch.testing.assert_close(got_r, want_r, rtol=0, atol=tolerance)
 
 
 def test_hand_computed_two_segments() -> None:
