@@ -8,7 +8,9 @@ and ``max_tokens`` = the recorded count, so both generate the same tokens for
 the same prompts. The ratio is what the agent machinery (chat format,
 compaction bookkeeping, environment, asyncio) costs on top of generation.
 
-    python bench/actor.py [--json] [--episodes 16] [--concurrency 8]
+    python bench/actor.py [--json] [--quick] [--episodes 16] [--concurrency 8]
+
+``--quick``: 4 episodes, 2 at a time (a smoke test of the same code).
 """
 
 from __future__ import annotations
@@ -131,9 +133,15 @@ async def main(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--episodes", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--quick", action="store_true",
+                        help="4 episodes, 2 at a time, unless given (smoke test)")
+    parser.add_argument("--episodes", type=int, default=None, help="16 (--quick: 4)")
+    parser.add_argument("--concurrency", type=int, default=None, help="8 (--quick: 2)")
     arguments = parser.parse_args()
+    if arguments.episodes is None:
+        arguments.episodes = 4 if arguments.quick else 16
+    if arguments.concurrency is None:
+        arguments.concurrency = 2 if arguments.quick else 8
     quiet_vllm_logging()
     report = asyncio.run(main(arguments))
     print(f"agent loop {report['agent_tokens_per_s']} tokens/s, raw vLLM "

@@ -22,22 +22,21 @@ mode's credits admit one batch whatever the slots, so its extra slots wait on
 credits and count as actor idle time.
 
     python bench/async.py [--steps 12] [--step-latency 0.3] [--episodes 200]
-                          [--concurrent-episodes N] [--json]
+                          [--concurrent-episodes N] [--json] [--dry-run]
+
+``--dry-run`` checks the commands of both modes (the command line's parser and
+the configuration loader), prints them and trains nothing.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# Keep bench/ off the import path (its files are named after packages).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
 import argparse
 import json
 import shlex
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from deploy.config import RunConfig, load_config
@@ -69,14 +68,44 @@ def episode_slots(config: RunConfig) -> int:
     return (1 + MODES["async"]) * config.replay.rollouts_per_batch
 
 
+def run_dir_of(mode: str, out_dir: Path) -> Path:
+    return out_dir / f"{mode}-staleness{MODES[mode]}"
+
+
+def overrides_of(mode: str, args: argparse.Namespace, out_dir: Path) -> list[str]:
+    """The configuration overrides of one mode's ``compactionrl up``."""
+    return ["--run.out_dir", str(out_dir), "--run.name", run_dir_of(mode, out_dir).name,
+            "--replay.max_staleness", str(MODES[mode]), "--learner.publish_every", "1",
+            "--learner.max_steps", str(args.steps),
+            "--actors.concurrent_episodes", str(args.concurrent_episodes),
+            "--actors.environment.options.step_latency_s", str(args.step_latency)]
+
+
+def eval_command(run_dir: Path, episodes: int) -> list[str]:
+    return [COMPACTIONRL, "eval", "--model", str(run_dir / "export"), "--episodes",
+            str(episodes), "--out", str(run_dir / "eval-compacted.json")]
+
+
+def dry_run(args: argparse.Namespace, out_dir: Path) -> list[str]:
+    """Check and print both modes' commands, as ``compactionrl`` would parse
+    and configure them; run none."""
+    from deploy.cli import build_parser
+
+    checked = []
+    for mode in MODES:
+        for command in ([COMPACTIONRL, "up", *overrides_of(mode, args, out_dir)],
+                        eval_command(run_dir_of(mode, out_dir), args.episodes)):
+            parsed, overrides = build_parser().parse_known_args(command[1:])
+            load_config(getattr(parsed, "config", None), overrides)
+            print("  $ " + shlex.join(command), flush=True)
+            checked.append(shlex.join(command))
+    print("dry run: the commands of both modes checked, none run")
+    return checked
+
+
 def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> dict[str, Any]:
-    name = f"{mode}-staleness{MODES[mode]}"
-    run_dir = out_dir / name
-    overrides = ["--run.out_dir", str(out_dir), "--run.name", name,
-                 "--replay.max_staleness", str(MODES[mode]), "--learner.publish_every", "1",
-                 "--learner.max_steps", str(args.steps),
-                 "--actors.concurrent_episodes", str(args.concurrent_episodes),
-                 "--actors.environment.options.step_latency_s", str(args.step_latency)]
+    run_dir = run_dir_of(mode, out_dir)
+    overrides = overrides_of(mode, args, out_dir)
     config = load_config(None, overrides)
     shutil.rmtree(run_dir, ignore_errors=True)  # this script's own output, from a last run
     run([COMPACTIONRL, "up", *overrides], log)
@@ -87,10 +116,8 @@ def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> di
     slots = config.actors.count * config.actors.concurrent_episodes
     stalled = ((last["stall_credits_s"] - first["stall_credits_s"])
                + (last["stall_weights_s"] - first["stall_weights_s"]))
-    evaluation = run_dir / "eval-compacted.json"
-    run([COMPACTIONRL, "eval", "--model", str(run_dir / "export"), "--episodes",
-         str(args.episodes), "--out", str(evaluation)], log)
-    report = json.loads(evaluation.read_text())
+    run(eval_command(run_dir, args.episodes), log)
+    report = json.loads((run_dir / "eval-compacted.json").read_text())
     return {
         "max_staleness": MODES[mode],
         "steps_timed": last["learner_step_count"] - first["learner_step_count"],
@@ -114,10 +141,17 @@ def main() -> int:
                         "(default: what the async mode's credits admit)")
     parser.add_argument("--out", default="runs/async-bench")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check and print both modes' commands; train nothing")
     args = parser.parse_args()
     if args.concurrent_episodes is None:
         args.concurrent_episodes = episode_slots(load_config(None, []))
     out_dir = Path(args.out)
+    if args.dry_run:
+        commands = dry_run(args, out_dir)
+        if args.json:
+            print(json.dumps({"dry_run": True, "commands": commands}))
+        return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "async.log"
     results = {mode: measure(mode, args, out_dir, log) for mode in MODES}

@@ -8,7 +8,11 @@ same tensors, cut the same way, between plain processes that only receive
 generation stall per push against the load time, and where a push's time
 goes (phases of ``Engine.load_weights``).
 
-    python bench/weights.py [--json] [--big-params 1e8] [--engines 1 2] [--pushes 3]
+    python bench/weights.py [--json] [--quick] [--big-params 1e8] [--engines 1 2] [--pushes 3]
+
+``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters), one
+engine, one timed push: a smoke test of the same code, whose ``big_*`` and
+``*_100m`` keys then describe that model.
 """
 
 from __future__ import annotations
@@ -18,21 +22,18 @@ import asyncio
 import json
 import multiprocessing
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+import torch
 
-import torch  # noqa: E402
-
-from actors.config import EngineConfig, SamplingConfig  # noqa: E402
-from actors.engine import Engine, LoadTimes, quiet_vllm_logging  # noqa: E402
-from deploy.tiny_model import TinyModelConfig, build_tiny_model  # noqa: E402
-from protocol import GroupInfo, WeightManifest  # noqa: E402
-from protocol.weights import WeightGroup, connect_store, host_store, manifest_of  # noqa: E402
+from actors.config import EngineConfig, SamplingConfig
+from actors.engine import Engine, LoadTimes, quiet_vllm_logging
+from deploy.tiny_model import TinyModelConfig, build_tiny_model
+from protocol import GroupInfo, WeightManifest
+from protocol.weights import WeightGroup, connect_store, host_store, manifest_of
 
 #: Shape of the larger model: Qwen2 layers 768 wide; the layer count is
 #: chosen to reach the requested parameter count.
@@ -163,12 +164,22 @@ async def main(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--big-params", type=float, default=1e8,
-                        help="parameters of the larger model (its JSON keys say big_*)")
-    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2],
-                        help="engine counts to push into")
-    parser.add_argument("--pushes", type=int, default=3, help="timed pushes per case")
+    parser.add_argument("--quick", action="store_true",
+                        help="--big-params 2e6 --engines 1 --pushes 1 unless given (smoke test)")
+    parser.add_argument("--big-params", type=float, default=None,
+                        help="parameters of the larger model (its JSON keys say big_*): "
+                        "1e8 (--quick: 2e6)")
+    parser.add_argument("--engines", type=int, nargs="+", default=None,
+                        help="engine counts to push into: 1 2 (--quick: 1)")
+    parser.add_argument("--pushes", type=int, default=None,
+                        help="timed pushes per case: 3 (--quick: 1)")
     arguments = parser.parse_args()
+    if arguments.big_params is None:
+        arguments.big_params = 2e6 if arguments.quick else 1e8
+    if arguments.engines is None:
+        arguments.engines = [1] if arguments.quick else [1, 2]
+    if arguments.pushes is None:
+        arguments.pushes = 1 if arguments.quick else 3
     quiet_vllm_logging()
     result = asyncio.run(main(arguments))
     for label in ("tiny", "big"):

@@ -1,32 +1,53 @@
-"""The benchmarks run and end with the JSON object of the ratios they quote
-(no speed is asserted: speed is the benchmarks' business)."""
+"""The benchmarks' layout. ``python bench/NAME.py`` puts ``bench/`` first on
+the import path, so a file there named after a module shadows it for every
+benchmark: ``bench/learner.py`` once made ``bench/actor.py`` fail with "No
+module named 'learner.advantages'; 'learner' is not a package". No file in
+``bench/`` may take a module's name, and none edits the import path instead.
+
+The benchmarks themselves run, as the README documents them, in
+tests/integration/test_documented_commands.py."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import sys
+import tomllib
 from pathlib import Path
 
-import pytest
-
-from tests.processes import run_command
-
-BENCH = Path(__file__).parents[2] / "bench"
+ROOT = Path(__file__).parents[2]
+BENCH = ROOT / "bench"
 
 
-@pytest.mark.parametrize("script, arguments, keys", [
-    ("codec.py", ["--quick"], ("vs_pickle_32k", "vs_memcpy_32k", "vs_pickle_1k")),
-    ("replay.py", ["--senders", "2", "--segments", "40"],
-     ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
-    ("learner.py", ["--quick"], ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
-    pytest.param("weights.py", ["--big-params", "2e6", "--engines", "1", "--pushes", "1"],
-                 ("push_vs_raw_100m", "stall_vs_load"), marks=pytest.mark.slow),
-])
-def test_benchmark_reports_its_ratios_as_json(script: str, arguments: list[str],
-                                              keys: tuple[str, ...]) -> None:
-    result = run_command([sys.executable, str(BENCH / script), "--json", *arguments],
-                         timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    for key in keys:
-        assert report[key] > 0, key
+def top_level_packages() -> set[str]:
+    """The project's top-level packages: the folders at the root with an
+    ``__init__.py``, and what pyproject.toml's package finder includes."""
+    folders = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    included = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    return folders | {pattern.rstrip("*").rstrip(".") for pattern in included}
+
+
+def benchmarks() -> list[Path]:
+    return sorted(BENCH.glob("*.py"))
+
+
+def test_the_package_list_is_what_the_project_has() -> None:
+    packages = top_level_packages()
+    assert {"protocol", "actors", "replay", "learner", "ops", "deploy", "tests"} <= packages
+    assert "bench" not in packages  # bench/ is scripts, not a package
+    assert benchmarks()
+
+
+def test_no_benchmark_is_named_after_a_module() -> None:
+    """Not a package of ours, not the standard library's, nothing installed."""
+    clashes = {path.name: reason for path in benchmarks() for reason in (
+        "a package of this project" if path.stem in top_level_packages() else None,
+        "a standard-library module" if path.stem in sys.stdlib_module_names else None,
+        "an installed module" if importlib.util.find_spec(path.stem) else None,
+    ) if reason}
+    assert not clashes, f"bench/ files that shadow a module: {clashes}"
+
+
+def test_no_benchmark_edits_the_import_path() -> None:
+    edits = [path.name for path in benchmarks() if "sys.path" in path.read_text()]
+    assert not edits, f"bench/ files editing sys.path: {edits}"

@@ -16,21 +16,16 @@ prefixes against separate sequences.
     sequence of the window it summarises) and with separate sequences
     (``shared_vs_separate``, and the fraction of tokens left).
 
-    python bench/learner.py [--json] [--quick]
+    python bench/ppo_step.py [--json] [--quick]
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# This file is named after the package it measures: keep bench/ off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
 import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 

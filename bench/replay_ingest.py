@@ -10,16 +10,12 @@ rollout) over loopback and wait until every one is acknowledged:
 Then a learner asks for batches of ready rollouts; the time from request to
 batch is the serving latency. Ratios are the figures to quote.
 
-    python bench/replay.py [--json] [--senders 3] [--segments 1000]
+    python bench/replay_ingest.py [--json] [--quick] [--senders 3] [--segments 1000]
+
+``--quick``: 2 senders of 40 segments (a smoke test of the same code).
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# This file is named after the package it measures: keep bench/ off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
 import argparse
 import json
@@ -28,6 +24,7 @@ import statistics
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import zmq
 
@@ -133,9 +130,16 @@ def serve_batches(address: str, batches: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--senders", type=int, default=3)
-    parser.add_argument("--segments", type=int, default=1000, help="per sender")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 senders of 40 segments unless given (smoke test)")
+    parser.add_argument("--senders", type=int, default=None, help="3 (--quick: 2)")
+    parser.add_argument("--segments", type=int, default=None,
+                        help="per sender: 1000 (--quick: 40)")
     args = parser.parse_args()
+    if args.senders is None:
+        args.senders = 2 if args.quick else 3
+    if args.segments is None:
+        args.segments = 40 if args.quick else 1000
 
     holder: list[str] = []
     stop = threading.Event()

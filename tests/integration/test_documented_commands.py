@@ -1,0 +1,662 @@
+"""Every command that README.md and docs/*.md show in a shell block is
+checked, so that a documented command cannot break unnoticed.
+
+Commands are read from the fenced ``sh``/``bash`` blocks (continuation lines
+joined, trailing ``# comments`` dropped, here-documents attached to their
+command). Each one must be classified in ``COMMANDS``, and only once:
+
+- ``Run``: run exactly as written, through bash, from the repository root
+  (with ``.venv/bin`` first on PATH, as in an activated venv, for a bare
+  ``python`` or ``compactionrl``), with its quick flag appended where it has
+  one (the benchmarks' ``--quick``; ``--dry-run`` for the two that train for
+  minutes to hours). It must exit 0 and, with ``--json``, end with a JSON
+  object holding the keys the benchmark documents.
+- ``Elsewhere``: run by another test, which is named, and which holds the
+  command's arguments.
+- ``Offline``: it cannot run here (a cluster, a registry, Slurm, placeholders
+  such as ``my.toml`` or ``HOST``, or an hour of training): the reason is
+  given, and what can be checked offline is (files it reads, manifests it
+  refers to, and, for a ``compactionrl`` command, its arguments through the
+  real parser and configuration loader with placeholders made real).
+
+A documented command missing from ``COMMANDS`` fails
+``test_every_documented_command_is_classified``; a shell command written
+outside a shell block fails ``test_no_command_outside_a_shell_block``. The
+README's command table (syntax, with [brackets]) is checked through each
+subcommand's ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.cli import build_parser, main
+from deploy.config import RunConfig, load_config, to_toml
+from tests.processes import VENV_BIN, run_command
+
+ROOT = Path(__file__).parents[2]
+README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+K8S = ROOT / "deploy" / "k8s"
+LOCAL_CPU_TOML = ROOT / "deploy" / "configs" / "local-cpu.toml"
+#: Fenced blocks that hold commands.
+SHELL_LANGUAGES = {"sh", "bash", "shell", "console"}
+#: Fenced blocks that hold data or code, never commands.
+DATA_LANGUAGES = {"json", "toml", "yaml", "yml", "python", "py"}
+#: A line that begins like a command.
+COMMAND_START = re.compile(
+    r"^\s*(?:\$\s+)?(?:\.venv/bin/\S+|python3?|compactionrl|make|pytest|kubectl|docker|"
+    r"sbatch|srun|source|bash|pip|torchrun|helm)(?:\s|$)")
+FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
+HEREDOC = re.compile(r"<<-?\s*(['\"]?)(\w+)\1")
+
+
+# -- reading the documentation -------------------------------------------------
+
+@dataclass(frozen=True)
+class Documented:
+    """One command as the documentation shows it."""
+
+    #: The command, whitespace collapsed: the key of ``COMMANDS``.
+    command: str
+    #: What bash is given: continuations joined, the comment dropped.
+    shell: str
+    #: ``docs/running.md:6``
+    where: str
+    #: The body of its here-document, if it has one.
+    heredoc: str = ""
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _blocks(text: str) -> Iterator[tuple[str, int, list[str]]]:
+    """(language, line number of its first line, lines) of each fenced block."""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        fence, language = opening.group(1), opening.group(2).lower()
+        end = i + 1
+        while end < len(lines) and not (lines[end].strip().startswith(fence)
+                                        and set(lines[end].strip()) == {fence[0]}):
+            end += 1
+        yield language, i + 2, lines[i + 1:end]
+        i = end + 1
+
+
+def _without_comment(line: str) -> str:
+    """``line`` without a trailing shell comment (a ``#`` in quotes stays)."""
+    quote = None
+    escaped = False
+    for i, char in enumerate(line):
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def _commands_of(lines: list[str], first_line: int, document: str) -> Iterator[Documented]:
+    i = 0
+    while i < len(lines):
+        where = f"{document}:{first_line + i}"
+        logical = lines[i]
+        i += 1
+        while logical.rstrip().endswith("\\") and i < len(lines):
+            logical = logical.rstrip()[:-1] + " " + lines[i].strip()
+            i += 1
+        shell = _without_comment(logical).strip()
+        if not shell:
+            continue
+        heredoc = ""
+        if marker := HEREDOC.search(shell):
+            body = []
+            while i < len(lines) and lines[i].strip() != marker.group(2):
+                body.append(lines[i])
+                i += 1
+            i += 1  # the terminator
+            heredoc = "\n".join(body) + "\n"
+        yield Documented(" ".join(shell.split()), shell, where, heredoc)
+
+
+def documented_commands() -> list[Documented]:
+    """Every command of every shell block in README.md and docs/*.md."""
+    found = []
+    for path in DOCUMENTS:
+        for language, first_line, lines in _blocks(path.read_text()):
+            if language in SHELL_LANGUAGES:
+                found += _commands_of(lines, first_line, _relative(path))
+    return found
+
+
+def _documented(command: str) -> Documented:
+    (match,) = [d for d in documented_commands() if d.command == command]
+    return match
+
+
+def _yaml_block(first_line: str) -> str:
+    """The fenced YAML block of the docs that begins with ``first_line``."""
+    for path in DOCUMENTS:
+        for language, _, lines in _blocks(path.read_text()):
+            if language in ("yaml", "yml") and lines and lines[0].strip() == first_line:
+                return "\n".join(lines) + "\n"
+    raise AssertionError(f"no YAML block beginning with {first_line!r} in the docs")
+
+
+# -- what the checks use -----------------------------------------------------------
+
+@dataclass
+class Check:
+    """What an offline check gets."""
+
+    documented: Documented
+    tmp_path: Path
+    request: pytest.FixtureRequest
+
+    def tiny_model(self) -> Path:
+        return self.request.getfixturevalue("tiny_model_dir")
+
+    def argv(self, **placeholders: str) -> list[str]:
+        """The command's words after ``compactionrl``, placeholders replaced
+        (each key, wherever it occurs in a word, by its value)."""
+        words = shlex.split(self.documented.shell)
+        assert words[0] == "compactionrl", words
+        for old, new in placeholders.items():
+            words = [word.replace(old, new) for word in words]
+        return words[1:]
+
+
+def cli(argv: list[str]) -> tuple[argparse.Namespace, RunConfig | None]:
+    """What ``compactionrl ARGV`` does before it runs anything: parse the
+    arguments as ``deploy.cli.main`` does and load the configuration
+    (validation included)."""
+    try:
+        args, overrides = build_parser().parse_known_args(argv)
+    except SystemExit as exit_:
+        raise AssertionError(f"compactionrl {shlex.join(argv)}: arguments rejected "
+                             f"({exit_.code})") from None
+    if not hasattr(args, "config"):
+        assert not overrides, f"unrecognised arguments: {overrides}"
+        return args, None
+    return args, load_config(args.config, overrides)
+
+
+def k8s_documents() -> list[dict]:
+    return [doc for path in sorted(K8S.glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def k8s_names(kind: str) -> set[str]:
+    return {doc["metadata"]["name"] for doc in k8s_documents() if doc["kind"] == kind}
+
+
+def _walk(node: object) -> Iterator[dict]:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value)
+
+
+def make_dry_run(target: str) -> list[str]:
+    """The commands ``make TARGET`` would run (``make -n``), continuations joined."""
+    result = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+# -- the offline checks ----------------------------------------------------------
+
+def check_make_demo(check: Check) -> None:
+    """Each ``compactionrl`` command of the target parses and configures."""
+    commands = [shlex.split(line, comments=True) for line in make_dry_run("demo")
+                if "bin/compactionrl " in line]
+    subcommands = []
+    for words in commands:
+        args, _ = cli(words[1:])
+        subcommands.append(args.command)
+    assert subcommands == ["up", "eval"], commands
+
+
+def check_make_test(check: Check) -> None:
+    assert any(line.split()[-3:] == ["-m", "pytest", "tests"] for line in make_dry_run("test"))
+
+
+def check_dockerfile(check: Check) -> None:
+    """The Dockerfile exists and what it copies from the context (``.``) does."""
+    words = shlex.split(check.documented.shell)
+    dockerfile = ROOT / words[words.index("-f") + 1]
+    assert words[-1] == "."
+    copied = [word for line in dockerfile.read_text().splitlines() if line.startswith("COPY ")
+              for word in line.split()[1:-1] if not word.startswith("--")]
+    assert copied and all((ROOT / source).exists() for source in copied), copied
+
+
+def check_pushed_tag_is_built(check: Check) -> None:
+    (build,) = [d for d in documented_commands() if d.command.startswith("docker build ")]
+    words = shlex.split(build.shell)
+    assert shlex.split(check.documented.shell)[-1] == words[words.index("-t") + 1]
+
+
+def check_secret_keys(check: Check) -> None:
+    """``--from-file=keys/`` takes the files directly in keys/ (not its
+    subfolders): each key the manifests mount from the Secret must be one of
+    those that ``compactionrl keys init keys --clients 1`` writes there."""
+    folder = check.tmp_path / "keys"
+    assert main(["keys", "init", str(folder), "--clients", "1"]) == 0
+    files = {path.name for path in folder.iterdir() if path.is_file()}
+    secret = re.search(r"secret generic (\S+)", check.documented.command).group(1)
+    mounted = {item["key"] for node in _walk(k8s_documents())
+               if isinstance(node.get("secret"), dict) and node["secret"].get("name") == secret
+               for item in node["secret"].get("items", [])}
+    assert mounted, f"no manifest mounts the Secret {secret}"
+    assert mounted <= files, f"mounted but not in keys/: {mounted - files}"
+
+
+def _fill_pod() -> dict:
+    return yaml.safe_load(_documented("kubectl apply -f - <<'EOF'").heredoc)
+
+
+def _run_model() -> str:
+    return tomllib.loads((K8S / "run.toml").read_text())["run"]["model"]
+
+
+def check_fill_pod(check: Check) -> None:
+    """The pod mounts the manifests' model claim where run.model lives."""
+    pod = yaml.safe_load(check.documented.heredoc)
+    assert pod["kind"] == "Pod"
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] in k8s_names("PersistentVolumeClaim")
+    (mount,) = pod["spec"]["containers"][0]["volumeMounts"]
+    assert _run_model().startswith(mount["mountPath"] + "/")
+
+
+def check_copy_into_pod(check: Check) -> None:
+    destination = shlex.split(check.documented.shell)[-1]
+    assert destination == f"{_fill_pod()['metadata']['name']}:{_run_model()}"
+
+
+def check_delete_pod(check: Check) -> None:
+    assert shlex.split(check.documented.shell)[-1] == _fill_pod()["metadata"]["name"]
+
+
+def check_overlay_renders(check: Check) -> None:
+    """The documented overlay, beside a copy of deploy/k8s, renders with
+    kustomize and sets the image, namespace and replicas it says."""
+    overlay = yaml.safe_load(_yaml_block("# my-cluster/kustomization.yaml"))
+    assert check.documented.command.split()[-1] == "my-cluster"
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: cannot render the overlay offline")
+    shutil.copytree(K8S, check.tmp_path / "deploy" / "k8s")
+    (check.tmp_path / "my-cluster").mkdir()
+    (check.tmp_path / "my-cluster" / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    result = subprocess.run(["kubectl", "kustomize", str(check.tmp_path / "my-cluster")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert {doc["metadata"].get("namespace") for doc in rendered
+            if doc["kind"] != "Namespace"} == {overlay["namespace"]}
+    replicas = {doc["metadata"]["name"]: doc["spec"].get("replicas") for doc in rendered
+                if doc["kind"] in ("Deployment", "StatefulSet")}
+    for wanted in overlay["replicas"]:
+        assert replicas[wanted["name"]] == wanted["count"], (wanted, replicas)
+    (image,) = overlay["images"]
+    images = {node["image"] for node in _walk(rendered) if "image" in node}
+    assert images == {f"{image['newName']}:{image['newTag']}"}
+
+
+def check_workload(kind: str) -> Callable[[Check], None]:
+    def check_(check: Check) -> None:
+        name = re.search(r"\b\w+/([\w-]+)", check.documented.command).group(1)
+        assert name in k8s_names(kind), f"no {kind} {name} in deploy/k8s"
+    return check_
+
+
+def check_sbatch_overrides(check: Check) -> None:
+    words = shlex.split(check.documented.shell)
+    assert (ROOT / words[1]).is_file()
+    load_config(None, words[2:])
+
+
+def check_actor_on_cluster(check: Check) -> None:
+    args, config = cli(check.argv(**{"run.toml": str(K8S / "run.toml"),
+                                     "REPLAY_HOST": "127.0.0.1", "LEARNER_HOST": "127.0.0.1"}))
+    assert args.command == "actor" and args.index == 0 and args.actor_id.endswith("-gpu0")
+    assert (args.replay, args.learner) == ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5557")
+
+
+def check_up_parses(check: Check) -> None:
+    args, config = cli(check.argv())
+    assert args.command == "up"
+
+
+def check_up_with_my_toml(check: Check) -> None:
+    args, config = cli(check.argv(**{"my.toml": str(LOCAL_CPU_TOML)}))
+    assert args.command == "up"
+    if "--learner.max_steps" in check.documented.command:
+        assert config.learner.max_steps == 200
+    if "--resume" in check.documented.command:
+        assert args.resume
+
+
+def check_actor_beside_up(check: Check) -> None:
+    """RUN/config.toml is what ``up`` writes: the effective configuration."""
+    run_config = check.tmp_path / "config.toml"
+    run_config.write_text(to_toml(load_config(None, [])))
+    args, _ = cli(check.argv(**{"RUN/config.toml": str(run_config), "HOST": "127.0.0.1"}))
+    assert args.command == "actor" and args.actor_id == "my-gpu-box-0" and args.index == 0
+
+
+def check_eval_parses(check: Check) -> None:
+    args, config = cli(check.argv(**{"runs/local-cpu/export": str(check.tiny_model())}))
+    assert (args.command, args.episodes, args.compaction, args.max_compactions) == (
+        "eval", 200, "on", 3)
+
+
+def run_eval_against_baseline(check: Check) -> None:
+    """Run it, both folders the tiny model, on 2 episodes instead of 200."""
+    model = str(check.tiny_model())
+    argv = check.argv(**{"runs/local-cpu/export": model, "runs/base-model": model})
+    result = run_command([str(VENV_BIN / "compactionrl"), *argv, "--episodes", "2"],
+                         timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "success compacted:" in result.stdout, result.stdout[-2000:]
+
+
+# -- the registry --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """Run as written from the repository root (``in_tmp``: from an empty
+    folder, for a command that writes into the current one), ``extra``
+    appended."""
+
+    extra: tuple[str, ...] = ()
+    #: The last line of stdout is a JSON object with these keys (each > 0 or non-empty).
+    json_keys: tuple[str, ...] = ()
+    exit_codes: tuple[int, ...] = (0,)
+    #: Text that stdout must contain.
+    prints: tuple[str, ...] = ()
+    in_tmp: bool = False
+    slow: bool = False
+    timeout: float = 300
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """Run by ``test``, whose text holds each of ``argv`` as a Python string."""
+
+    test: str
+    argv: tuple[str, ...]
+    why: str
+    check: Callable[[Check], None] | None = None
+    slow: bool = False
+
+
+@dataclass(frozen=True)
+class Offline:
+    why: str
+    check: Callable[[Check], None]
+    slow: bool = False
+
+
+CLUSTER = "needs a Kubernetes cluster"
+BENCH_DRY_RUN = ("--dry-run",)
+
+#: Every documented command, by its text (whitespace collapsed, comment dropped).
+COMMANDS: dict[str, Run | Elsewhere | Offline] = {
+    # README.md
+    "make demo": Offline(
+        "bootstraps the base policy (~5 min), trains 5 min and evaluates 400 episodes; "
+        "`compactionrl up` is run by tests/integration/test_up.py and `compactionrl eval "
+        "--baseline` below; here: each compactionrl command of `make -n demo` parses and "
+        "loads its configuration", check_make_demo),
+    "make test": Offline(
+        "the whole suite, this test included (hours on 2 cores); here: the target runs "
+        "pytest on tests/", check_make_test),
+    ".venv/bin/python bench/codec.py --json": Run(
+        ("--quick",), ("vs_pickle_32k", "vs_memcpy_32k", "vs_pickle_1k")),
+    ".venv/bin/python bench/actor.py --json": Run(
+        ("--quick",), ("vs_raw_vllm", "summary_token_share", "compactions"), slow=True),
+    ".venv/bin/python bench/replay_ingest.py --json": Run(
+        ("--quick",), ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
+    ".venv/bin/python bench/ppo_step.py --json": Run(
+        ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
+    ".venv/bin/python bench/weights.py --json": Run(
+        ("--quick",), ("push_vs_raw_100m", "stall_vs_load"), slow=True),
+    ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
+    ".venv/bin/python bench/ablations.py --quick": Run(BENCH_DRY_RUN, prints=("dry run:",)),
+    # docs/deploy.md
+    "docker build -f deploy/Dockerfile -t registry.example.com/compactionrl:latest .": Offline(
+        "needs a Docker daemon and the network (base image, vLLM); here: the Dockerfile and "
+        "what it copies exist", check_dockerfile),
+    "docker push registry.example.com/compactionrl:latest": Offline(
+        "needs a registry; here: it pushes the tag the build step makes",
+        check_pushed_tag_is_built),
+    "compactionrl keys init keys --clients 1": Run(
+        in_tmp=True, prints=("authorized client keys: keys/authorized",)),
+    "kubectl create secret generic compactionrl-keys --from-file=keys/": Offline(
+        f"{CLUSTER}; here: every key the manifests mount from the Secret is a file "
+        "directly in the keys/ that `keys init` writes", check_secret_keys),
+    "kubectl apply -f - <<'EOF'": Offline(
+        f"{CLUSTER}; here: the pod mounts the manifests' model claim at run.model's folder",
+        check_fill_pod),
+    "kubectl cp ./Qwen2.5-7B-Instruct models-fill:/models/Qwen2.5-7B-Instruct": Offline(
+        f"{CLUSTER} and the 7B weights; here: it copies into that pod, at run.model",
+        check_copy_into_pod),
+    "kubectl delete pod models-fill": Offline(
+        f"{CLUSTER}; here: it names that pod", check_delete_pod),
+    "kubectl apply -k my-cluster": Offline(
+        f"{CLUSTER}; here: the documented overlay renders with kustomize (the base itself "
+        "is validated by tests/unit/test_deploy_manifests.py)", check_overlay_renders),
+    "kubectl logs -f statefulset/learner": Offline(
+        f"{CLUSTER}; here: the StatefulSet exists", check_workload("StatefulSet")),
+    "kubectl scale deployment/actors-h100 --replicas 16": Offline(
+        f"{CLUSTER}; here: the Deployment exists", check_workload("Deployment")),
+    "source .venv/bin/activate": Run(),
+    "sbatch deploy/slurm/compactionrl.sbatch --run.out_dir /shared/runs": Elsewhere(
+        "tests/unit/test_deploy_manifests.py", ("--run.out_dir",),
+        "no Slurm here: that test runs the script with stand-ins for srun, scontrol and "
+        "hostname and the same override; here: the script exists, the override loads",
+        check_sbatch_overrides),
+    "compactionrl actor --config run.toml --replay tcp://REPLAY_HOST:5555 --learner "
+    "tcp://LEARNER_HOST:5557 --actor-id \"$(hostname -s)-gpu0\" --index 0": Offline(
+        "placeholders (the hosts, the cluster's run.toml) and a GPU with the 7B model; "
+        "actors run for real in tests/integration/test_actor_process.py; here: the "
+        "arguments parse and deploy/k8s/run.toml loads", check_actor_on_cluster),
+    # docs/design.md
+    "compactionrl config show --learner.advantage independent "
+    "--actors.compaction.keep_steps 1": Run(
+        prints=('advantage = "independent"', "keep_steps = 1")),
+    # docs/running.md
+    "compactionrl up": Elsewhere(
+        "tests/integration/test_up.py", ("compactionrl", "up"),
+        "as written it bootstraps (~5 min) and trains 5 min; that test runs it on the tiny "
+        "model with test-sized overrides; here: the arguments parse and configure",
+        check_up_parses),
+    "compactionrl up --config my.toml --learner.max_steps 200": Offline(
+        "my.toml stands for your configuration; here: with the shipped local-cpu.toml, the "
+        "arguments parse and configure", check_up_with_my_toml),
+    "compactionrl up --config my.toml --resume": Offline(
+        "my.toml stands for your configuration, resuming a run that has checkpoints; here: "
+        "with the shipped local-cpu.toml, the arguments parse and configure",
+        check_up_with_my_toml),
+    # 0: a run is up; 1: the run folder holds a finished run; 2: there is none yet
+    "compactionrl status": Run(exit_codes=(0, 1, 2)),
+    "compactionrl actor --config RUN/config.toml --replay tcp://HOST:5555 --learner "
+    "tcp://HOST:5557 --actor-id my-gpu-box-0 --index 0": Elsewhere(
+        "tests/faults/test_up_faults.py",
+        ("actor", "--config", "config.toml", "--replay", "--learner", "--actor-id", "--index"),
+        "joins a running `up` (RUN and HOST are placeholders): that test starts this command "
+        "beside one; here: with a run's config.toml, the arguments parse and configure",
+        check_actor_beside_up),
+    "compactionrl eval --model runs/local-cpu/export --episodes 200 --compaction on "
+    "--max-compactions 3": Offline(
+        "evaluates the policy `make demo` trains; the next command runs eval; here: with "
+        "the tiny model, the arguments parse and configure", check_eval_parses),
+    "compactionrl eval --model runs/local-cpu/export --baseline runs/base-model": Offline(
+        "compares the policy `make demo` trains with the base: run with the tiny model as "
+        "both, on 2 episodes", run_eval_against_baseline, slow=True),
+    "python bench/async.py --json --steps 12 --step-latency 0.3 --episodes 200": Run(
+        BENCH_DRY_RUN, ("commands",)),
+    # docs/results.md (written by bench/ablations.py)
+    "python bench/ablations.py --json": Run(BENCH_DRY_RUN, ("commands",)),
+}
+
+
+def _params(kind: type) -> list:
+    return [pytest.param(command, entry, id=command,
+                         marks=[pytest.mark.slow] if entry.slow else [])
+            for command, entry in COMMANDS.items() if isinstance(entry, kind)]
+
+
+# -- the tests -------------------------------------------------------------------------
+
+def test_every_documented_command_is_classified() -> None:
+    documented = documented_commands()
+    assert len(documented) > 20  # the reader found the blocks
+    unclassified = [f"{d.where}: {d.command}" for d in documented if d.command not in COMMANDS]
+    assert not unclassified, ("documented commands missing from COMMANDS in "
+                              f"{_relative(Path(__file__))}:\n" + "\n".join(unclassified))
+    stale = set(COMMANDS) - {d.command for d in documented}
+    assert not stale, f"COMMANDS lists commands that no document shows: {sorted(stale)}"
+
+
+def test_no_command_outside_a_shell_block() -> None:
+    """Commands go in ```sh blocks, where the test above finds them: not in
+    untagged or other blocks, nor in indented code blocks."""
+    misplaced = []
+    for path in DOCUMENTS:
+        lines = path.read_text().splitlines()
+        in_blocks: set[int] = set()
+        for language, first_line, block in _blocks(path.read_text()):
+            numbers = range(first_line, first_line + len(block))
+            in_blocks.update(numbers)
+            if language not in SHELL_LANGUAGES | DATA_LANGUAGES:
+                misplaced += [f"{_relative(path)}:{n}"
+                              for n, line in zip(numbers, block, strict=True)
+                              if COMMAND_START.match(line)]
+        misplaced += [f"{_relative(path)}:{n}" for n, line in enumerate(lines, start=1)
+                      if n not in in_blocks and line.startswith("    ")
+                      and COMMAND_START.match(line)]
+    assert not misplaced, f"commands outside a ```sh block: {misplaced}"
+
+
+def test_every_benchmark_is_run_as_documented() -> None:
+    ran = " ".join(command for command, entry in COMMANDS.items() if isinstance(entry, Run))
+    missing = [path.name for path in sorted((ROOT / "bench").glob("*.py"))
+               if f"bench/{path.name}" not in ran]
+    assert not missing, f"benchmarks no documented command runs: {missing}"
+
+
+def test_paths_named_in_the_docs_exist() -> None:
+    pattern = re.compile(r"\b(?:bench|tests|deploy|ops|actors|replay|learner|protocol)/"
+                         r"[\w./-]+\.(?:py|toml|yaml|yml|sbatch|json)\b")
+    missing = sorted({f"{_relative(path)}: {name}" for path in DOCUMENTS
+                      for name in pattern.findall(path.read_text())
+                      if not (ROOT / name).exists()})
+    assert not missing, f"paths the docs name that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("command, entry", _params(Run))
+def test_documented_command_runs(command: str, entry: Run, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path if entry.in_tmp else ROOT)
+    shell = _documented(command).shell
+    if entry.extra:
+        shell += " " + shlex.join(entry.extra)
+    result = run_command(["bash", "-c", shell], timeout=entry.timeout,
+                         env={"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"})
+    output = f"{shell}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    assert result.returncode in entry.exit_codes, output
+    assert "Traceback" not in result.stderr, output
+    for text in entry.prints:
+        assert text in result.stdout, output
+    if entry.json_keys:
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        for key in entry.json_keys:
+            value = report[key]
+            assert (len(value) > 0 if isinstance(value, list) else value > 0), (key, value)
+
+
+@pytest.mark.parametrize("command, entry", _params(Elsewhere))
+def test_documented_command_is_run_elsewhere(command: str, entry: Elsewhere, tmp_path: Path,
+                                             request: pytest.FixtureRequest) -> None:
+    text = (ROOT / entry.test).read_text()
+    absent = [word for word in entry.argv if f'"{word}"' not in text]
+    assert not absent, f"{entry.test} does not run {command!r}: no {absent}"
+    if entry.check:
+        entry.check(Check(_documented(command), tmp_path, request))
+
+
+@pytest.mark.parametrize("command, entry", _params(Offline))
+def test_documented_command_checked_offline(command: str, entry: Offline, tmp_path: Path,
+                                            request: pytest.FixtureRequest) -> None:
+    entry.check(Check(_documented(command), tmp_path, request))
+
+
+def command_table() -> list[tuple[list[str], list[str]]]:
+    """(subcommand words, flags) of each command in the README's table."""
+    rows = []
+    for line in README.read_text().splitlines():
+        if not line.startswith("| `compactionrl "):
+            continue
+        cell = re.split(r"(?<!\\)\|", line)[1]
+        top = None
+        for span in re.findall(r"`([^`]*)`", cell):
+            words = span.replace("\\|", "|").split()
+            if words[0] == "compactionrl":
+                words = words[1:]
+                top = words[0]
+            else:  # `push --url ...` beside `compactionrl dashboards export ...`
+                words = [top, *words]
+            subcommand = []
+            for word in words:
+                if not re.fullmatch(r"[a-z]+", word):
+                    break
+                subcommand.append(word)
+            rows.append((subcommand, re.findall(r"--[a-z][a-z-]*(?![\w.])", span)))
+    return rows
+
+
+def test_the_command_table_is_read() -> None:
+    table = {" ".join(subcommand) for subcommand, _ in command_table()}
+    assert {"up", "eval", "dashboards export", "dashboards push", "keys init"} <= table
+
+
+@pytest.mark.parametrize("subcommand, flags", [
+    pytest.param(subcommand, flags, id=" ".join(subcommand))
+    for subcommand, flags in command_table()])
+def test_command_table_entry_has_help(subcommand: list[str], flags: list[str]) -> None:
+    """``compactionrl SUBCOMMAND --help`` exits 0 and lists each flag the table shows."""
+    result = run_command([str(VENV_BIN / "compactionrl"), *subcommand, "--help"], timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    absent = [flag for flag in flags if not re.search(rf"{flag}(?![\w-])", result.stdout)]
+    assert not absent, f"compactionrl {' '.join(subcommand)} --help lacks {absent}"
