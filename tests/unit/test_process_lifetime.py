@@ -53,6 +53,16 @@ def _kill_all(parent: subprocess.Popen, pids: list[int]) -> None:
     parent.wait()
 
 
+def _assert_dies_with(parent: subprocess.Popen, child: int) -> None:
+    """SIGKILL ``parent``: ``child`` is gone within seconds."""
+    try:
+        assert running(child)
+        parent.kill()
+        assert _gone_within([child], 10) == []
+    finally:
+        _kill_all(parent, [child])
+
+
 def test_a_process_that_asked_dies_when_its_parent_is_sigkilled(tmp_path: Path) -> None:
     parent, [child] = _run_parent(tmp_path, """
         import subprocess, sys, time
@@ -63,12 +73,7 @@ def test_a_process_that_asked_dies_when_its_parent_is_sigkilled(tmp_path: Path) 
         print(child.pid, flush=True)
         time.sleep(120)
     """, expected=1)
-    try:
-        assert running(child)
-        parent.kill()
-        assert _gone_within([child], 10) == []
-    finally:
-        _kill_all(parent, [child])
+    _assert_dies_with(parent, child)
 
 
 def test_an_engine_like_multiprocessing_child_dies_with_its_parent(tmp_path: Path) -> None:
@@ -92,12 +97,7 @@ def test_an_engine_like_multiprocessing_child_dies_with_its_parent(tmp_path: Pat
             print(process.pid, flush=True)
             time.sleep(120)
     """, expected=1)
-    try:
-        assert running(child)
-        parent.kill()
-        assert _gone_within([child], 10) == []
-    finally:
-        _kill_all(parent, [child])
+    _assert_dies_with(parent, child)
 
 
 def test_a_process_that_no_multiprocessing_parent_started_is_left_alone() -> None:
