@@ -44,8 +44,10 @@ def test_every_expression_names_metrics_the_processes_export() -> None:
     from learner.metrics import LearnerMetrics
     from replay.metrics import ReplayMetrics
 
+    learner = LearnerMetrics()
+    learner.resumed(version=0, step=0)  # its position is served once it has resumed
     exported = set()
-    for metrics in (ActorMetrics(), LearnerMetrics(), ReplayMetrics()):
+    for metrics in (ActorMetrics(), learner, ReplayMetrics()):
         for family in metrics.registry.collect():
             exported |= {family.name, f"{family.name}_total", f"{family.name}_bucket",
                          f"{family.name}_sum", f"{family.name}_count"}
