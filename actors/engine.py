@@ -8,7 +8,8 @@ configuration here.
 Weights can be replaced while requests run (:meth:`Engine.load_weights`):
 generation pauses, keeping its requests, only while the weights are swapped.
 Each sampled token carries the policy version it was sampled under, so a
-request that spans an update carries both versions.
+request that spans an update carries both versions. What happens to the KV
+cache of the requests in flight is ``actors.kv_on_update`` (:func:`kv_plan`).
 
 Usage::
 
@@ -27,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from actors.config import EngineConfig, SamplingConfig
 from actors.context import Generation
@@ -66,7 +67,7 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         "max_model_len": config.max_model_len,
         "tensor_parallel_size": config.tensor_parallel,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "enforce_eager": config.enforce_eager,
+        "enforce_eager": config.eager(on_gpu=not current_platform.is_cpu()),
         "seed": config.seed + seed_offset,
         # The processed distribution (temperature, top-p) is the behaviour
         # policy the learner's importance weights divide by.
@@ -90,6 +91,8 @@ class Engine:
         self.version = 0
         """Policy version of the loaded weights (0 = the starting model)."""
         self._request_ids = itertools.count()
+        self._cache_epoch = 0
+        # new requests' prefix-cache salt is f"weights-{epoch}" (kv_plan)
 
     @classmethod
     async def start(cls, model: str, config: EngineConfig, sampling: SamplingConfig,
@@ -120,6 +123,11 @@ class Engine:
         """The underlying ``AsyncLLM`` (benchmarks compare against it raw)."""
         return self._llm
 
+    def dtype(self) -> str:
+        """The dtype the engine runs (``bfloat16``; resolved where the config
+        says ``auto``): the learner sends floating-point weights in it."""
+        return str(self._llm.model_config.dtype).removeprefix("torch.")
+
     def device(self) -> str:
         from vllm.platforms import current_platform
 
@@ -144,7 +152,8 @@ class Engine:
         # only after that), so the version current on arrival is the one each
         # token was sampled under. vLLM merges deltas the caller has not yet
         # read, so a busy loop sees few, larger chunks.
-        async for output in self._llm.generate({"prompt_token_ids": prompt}, params,
+        prompt_input = {"prompt_token_ids": prompt, "cache_salt": f"weights-{self._cache_epoch}"}
+        async for output in self._llm.generate(prompt_input, params,
                                                request_id=f"turn-{next(self._request_ids)}"):
             completion = output.outputs[0]
             token_ids += completion.token_ids
@@ -166,19 +175,30 @@ class Engine:
             "generation": group.generation, "backend": group.backend,
             "timeout_s": group.timeout_s}))
 
-    async def load_weights(self, version: int, manifest: WeightManifest) -> LoadTimes:
+    async def load_weights(self, version: int, manifest: WeightManifest,
+                           kv_on_update: KVOnUpdate = "keep") -> LoadTimes:
         """Receive a publication from the joined group into the running model.
 
-        Generation is paused (requests kept; the prefix cache cleared, or
-        prompts would reuse keys computed with the old weights) from the
-        start of the update to its end. If the broadcast fails the engine
-        stays paused and keeps its old version: its weights are a mix until
-        the next full publication, which must not be generated from.
+        Generation is paused, its requests kept, from the start of the update
+        to its end. ``kv_on_update`` (:func:`kv_plan`) decides what the
+        running requests continue on: the KV their earlier tokens were
+        computed with by the old weights ("keep"), or KV recomputed with the
+        new ones on resume ("recompute"). Either way no request submitted
+        after the pause reuses a prefix-cache block of the old weights.
+
+        If the broadcast fails the engine stays paused and keeps its old
+        version: its weights are a mix until the next full publication, which
+        must not be generated from.
         """
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        plan = kv_plan(kv_on_update)
         marks = [("start", time.perf_counter())]
-        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        await self._llm.pause_generation(mode="keep", clear_cache=plan.clear_cache)
+        if plan.new_cache_salt:
+            # From here on nothing is scheduled until the resume, so every
+            # block under the new salt is computed with the new weights.
+            self._cache_epoch += 1
         await asyncio.sleep(0)  # let readers take the deltas delivered before the pause
         marks.append(("pause", time.perf_counter()))
         await self._llm.start_weight_update()
@@ -200,6 +220,36 @@ class Engine:
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+KVOnUpdate = Literal["keep", "recompute"]
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """What a weight update does to vLLM's KV cache."""
+
+    clear_cache: bool
+    """``pause_generation(clear_cache=True)``: vLLM preempts every running
+    request (its blocks freed, ``num_computed_tokens`` = 0), resets the whole
+    prefix cache, and on resume prefills each request again, prompt and
+    sampled tokens, with the new weights."""
+    new_cache_salt: bool
+    """Requests submitted from the pause on hash their blocks under a new
+    ``cache_salt``, so none finds a block computed with older weights, while
+    the running requests keep theirs (vLLM cannot reset the prefix cache while
+    requests hold blocks: ``BlockPool.reset_prefix_cache`` returns False)."""
+
+
+def kv_plan(kv_on_update: KVOnUpdate) -> KVPlan:
+    """The KV handling of ``actors.kv_on_update``: "keep" continues running
+    requests on the KV the old weights computed (no re-prefill) and salts new
+    requests away from old blocks; "recompute" preempts and re-prefills them."""
+    if kv_on_update == "keep":
+        return KVPlan(clear_cache=False, new_cache_salt=True)
+    if kv_on_update == "recompute":
+        return KVPlan(clear_cache=True, new_cache_salt=False)
+    raise ValueError(f"kv_on_update = {kv_on_update!r}: expected 'keep' or 'recompute'")
 
 
 @dataclass

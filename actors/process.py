@@ -201,7 +201,7 @@ class Actor:
             metrics.close()
 
     async def _serve(self) -> int:
-        engine_info = EngineInfo(device=self.engine.device(), dtype=self.config.engine.dtype,
+        engine_info = EngineInfo(device=self.engine.device(), dtype=self.engine.dtype(),
                                  tensor_parallel=self.config.engine.tensor_parallel,
                                  model=self.settings.model)
         self.metrics.set_engine(engine_info)
@@ -523,7 +523,8 @@ class Actor:
                     self.state.group_key = None
                     await self.engine.join_weight_group(announce.group)
                     self.state.group_key = group
-                times = await self.engine.load_weights(announce.version, announce.manifest)
+                times = await self.engine.load_weights(announce.version, announce.manifest,
+                                                       self.config.kv_on_update)
             except Exception as exc:  # a member died, a timeout: wait for the next one
                 self.state.group_key = None
                 self.metrics.weight_failures.inc()

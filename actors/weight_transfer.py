@@ -9,13 +9,17 @@ vLLM's spawned worker processes know it; selected with
 generation), then ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` per publication.
 
-Weights arrive in checkpoint format, in the learner's dtype, and are converted
-to the engine's dtype here. They are loaded through vLLM's layerwise reload,
-which re-runs each layer's post-load processing (the CPU build repacks linear
-weights). A broadcast that fails part-way (a member died, a timeout) still
-finalises the reload, so the model stays well-formed (old and new weights
-mixed) for the next full publication; the caller must not generate with it
-until then.
+Weights arrive in checkpoint format, in the wire dtype the manifest names (the
+engine's own, converted by the learner; :mod:`protocol.weights`), so the
+conversion here is a no-op unless the learner could not tell the engine's
+dtype. Every worker of a tensor-parallel engine joins the group with a rank of
+its own (the announced base rank plus its rank within the engine) and receives
+the full tensors; vLLM's loader takes each worker's shard. They are loaded
+through vLLM's layerwise reload, which re-runs each layer's post-load
+processing (the CPU build repacks linear weights). A broadcast that fails
+part-way (a member died, a timeout) still finalises the reload, so the model
+stays well-formed (old and new weights mixed) for the next full publication;
+the caller must not generate with it until then.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def _engine_class() -> type:
     )
 
     from protocol.messages import TensorSpec, WeightManifest
-    from protocol.weights import WeightGroup, connect_store
+    from protocol.weights import WeightGroup, connect_store, worker_rank
 
     class BroadcastWeightTransferEngine(WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
         init_info_cls = GroupInitInfo
@@ -69,8 +73,10 @@ def _engine_class() -> type:
             self.group = None  # leave the previous generation first
             store = connect_store(init_info.master_addr, init_info.master_port,
                                   init_info.timeout_s)
+            # every worker of a tensor-parallel engine holds a rank of its own
+            rank = worker_rank(init_info.rank, self.parallel_config.rank)
             self.group = WeightGroup(store, init_info.generation, init_info.world_size,
-                                     init_info.rank, init_info.backend, init_info.timeout_s)
+                                     rank, init_info.backend, init_info.timeout_s)
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)

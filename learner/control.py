@@ -16,7 +16,7 @@ Usage::
                            late_joiner="immediate", metrics=metrics,
                            announced_record=run_dir / "checkpoints" / "announced.json")
     members = control.members()
-    control.announce(members, version, manifest, group_for_rank)
+    control.announce(version, [(member, manifest, group_info), ...])
     if control.publication_wanted(version): ...
     control.close()
 """
@@ -29,7 +29,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -144,19 +143,20 @@ class ControlPlane:
         with self._lock:
             return self._announced
 
-    def announce(self, members: list[Member], version: int, manifest: WeightManifest,
-                 group_for_rank: Callable[[int], GroupInfo]) -> None:
-        """Send ``WeightsAnnounce`` to each member (rank i+1 of the group)."""
+    def announce(self, version: int,
+                 announcements: list[tuple[Member, WeightManifest, GroupInfo]]) -> None:
+        """Send ``WeightsAnnounce`` to each member with its manifest (its wire
+        dtype) and its group (generation, ranks)."""
         if self._record is not None and version > self.announced:
             self._record.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self._record, json.dumps({"version": version}))
         with self._lock:
             self._announced = max(self._announced, version)
-            for member in members:
+            for member, _, _ in announcements:
                 member.fresh = False
-        for rank, member in enumerate(members, start=1):
+        for member, manifest, group in announcements:
             frame = encode(WeightsAnnounce(**self._stamp.next(), version=version,
-                                           manifest=manifest, group=group_for_rank(rank)))
+                                           manifest=manifest, group=group))
             self._outbox.send_multipart([member.identity, frame])
 
     def close(self) -> None:

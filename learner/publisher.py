@@ -4,17 +4,22 @@ Every learner rank calls :meth:`WeightPublisher.publish` at the same point
 (gathering a full tensor is a collective). Rank 0 then:
 
 1. takes the live members from the control plane; none -> nothing to do;
-2. forms a new group generation if the member set changed (or the last
+2. splits them into *lanes*, one per engine dtype (:func:`plan_lanes`): a
+   lane is one broadcast group whose tensors travel in that dtype, converted
+   once per tensor on the sender (bf16 to bf16 engines, never fp32 master
+   weights); a tensor-parallel engine holds one rank per worker;
+3. forms new group generations if the member set changed (or the last
    publication failed), announcing ``WeightsAnnounce`` to each member first,
    since members join when they read it;
-3. gathers the policy's parameters one at a time and broadcasts them in
-   manifest order (one bucket at most held beyond the tensor being gathered).
+4. gathers the policy's parameters one at a time and feeds each to every
+   lane (one bucket at most held per lane beyond the tensor being gathered).
 
-A member that dies or stalls makes the join or a broadcast fail after the
-group's timeout; rank 0 keeps taking part in the remaining gathers (the
-other ranks are in them), counts the failure, and the next publication forms
-a new generation with the members still alive. The learner never hangs on an
-actor.
+A member that dies or stalls makes the join or a broadcast of its lane fail
+within ``weight_timeout_s`` (an explicit completion wait, then the group is
+aborted: :class:`protocol.weights.TransferFailed`); rank 0 keeps feeding the
+other lanes and taking part in the remaining gathers (the other ranks are in
+them), counts the failure, and the next publication forms a new generation
+with the members still alive. The learner never hangs on an actor.
 
 Gathering and broadcasting are pipelined per tensor; the publication itself
 runs between optimiser steps (training resumes when the last bucket is sent;
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,8 +40,15 @@ from torch import nn
 from learner.config import LearnerConfig
 from learner.control import ControlPlane, Member
 from learner.metrics import LearnerMetrics
-from protocol import GroupInfo
-from protocol.weights import WeightGroup, host_store, manifest_of
+from protocol import GroupInfo, WeightManifest
+from protocol.weights import (
+    BucketSender,
+    TransferFailed,
+    WeightGroup,
+    host_store,
+    manifest_of,
+    member_ranks,
+)
 
 log = logging.getLogger("compactionrl.learner.publisher")
 
@@ -45,13 +58,49 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def wire_dtype(engine_dtype: str, trained: torch.dtype) -> torch.dtype:
+    """The dtype floating-point weights travel in to an engine that runs
+    ``engine_dtype`` (as it reports it: ``bfloat16``, ``float16``,
+    ``float32``); an engine that names none (``auto``, an older actor) gets the
+    learner's own."""
+    dtype = getattr(torch, engine_dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else trained
+
+
+@dataclass
+class Lane:
+    """The members that receive in one wire dtype, and their broadcast group."""
+
+    dtype: torch.dtype
+    members: list[Member]
+    bases: list[int]
+    """Each member's first group rank (one rank per engine worker)."""
+    world_size: int
+    generation: int = 0
+    group: WeightGroup | None = None
+    sender: BucketSender | None = field(default=None, repr=False)
+
+
+def plan_lanes(members: list[Member], trained: torch.dtype) -> list[Lane]:
+    """One lane per distinct wire dtype, members in the control plane's order;
+    ranks count every tensor-parallel worker."""
+    by_dtype: dict[torch.dtype, list[Member]] = {}
+    for member in members:
+        by_dtype.setdefault(wire_dtype(member.engine.dtype, trained), []).append(member)
+    lanes = []
+    for dtype, group in by_dtype.items():
+        bases, world_size = member_ranks([max(1, m.engine.tensor_parallel) for m in group])
+        lanes.append(Lane(dtype, group, bases, world_size))
+    return lanes
+
+
 class WeightPublisher:
     def __init__(self, policy: nn.Module, config: LearnerConfig, rank: int,
                  control: ControlPlane | None, metrics: LearnerMetrics,
                  agree: Callable[[int], int]) -> None:
         """``agree(value)`` broadcasts rank 0's ``value`` to every rank."""
         self.parameters = list(policy.named_parameters())  # tied weights once
-        self.manifest = manifest_of(self.parameters, config.weight_bucket_bytes)
+        self.trained_dtype = self.parameters[0][1].dtype
         self.config = config
         self.rank = rank
         self.control = control
@@ -62,9 +111,17 @@ class WeightPublisher:
         self.host, self.port = split_address(config.weight_store_address)
         self.store = host_store(self.port, config.weight_timeout_s) if rank == 0 else None
         self.generation = 0
-        self.group: WeightGroup | None = None
-        self.group_members: tuple[tuple[str, int], ...] = ()
+        self.lanes: list[Lane] = []
+        self.lane_key: tuple = ()
+        self._manifests: dict[torch.dtype, WeightManifest] = {}
         self._gather_seconds = 0.0
+
+    def manifest(self, dtype: torch.dtype) -> WeightManifest:
+        """The manifest of a lane: the policy's tensors in ``dtype`` on the wire."""
+        if dtype not in self._manifests:
+            self._manifests[dtype] = manifest_of(self.parameters, self.config.weight_bucket_bytes,
+                                                 dtype)
+        return self._manifests[dtype]
 
     def publish(self, version: int) -> bool:
         """Publish ``version`` to the current members. On rank 0, True if the
@@ -72,9 +129,8 @@ class WeightPublisher:
         members = self.control.members() if self.control else []
         if not self.agree(len(members)):
             return False
-        if self.rank == 0:
-            self._form_group(members, version)
-        if not self.agree(1 if self.group is not None else 0):
+        formed = self._form_lanes(members, version) if self.rank == 0 else []
+        if not self.agree(len(formed)):
             self.metrics.publications.labels("failed").inc()
             return False
         self._gather_seconds = 0.0
@@ -84,49 +140,71 @@ class WeightPublisher:
                 pass
             return True
         began = time.perf_counter()
-        try:
-            self.group.send(self.manifest, gathered)
-        except RuntimeError as exc:  # a member died or timed out (torch's DistError)
-            log.warning("publication of version %d failed: %s", version, exc)
-            for _ in gathered:  # the other ranks are still gathering
-                pass
-            self.group, self.group_members = None, ()
-            self.metrics.publications.labels("failed").inc()
-            return False
-        self.control.delivered(members, version)
+        for lane in formed:
+            lane.sender = lane.group.sender(self.manifest(lane.dtype))
+        for index, tensor in enumerate(gathered):
+            for lane in formed:  # a failed lane ignores the rest; the others go on
+                lane.sender.add(index, tensor)
+        reached: list[Member] = []
+        for lane in formed:
+            try:
+                lane.sender.finish()
+                reached += lane.members
+            except (TransferFailed, ValueError) as exc:
+                log.warning("publication of version %d to the %s lane (generation %d) "
+                            "failed: %s", version, lane.dtype, lane.generation, exc)
+                lane.group = None
+            lane.sender = None
+        # a broadcast has completed at every receiver when its wait returns
         seconds = self.metrics.weight_sync_seconds
         seconds.labels("gather").observe(self._gather_seconds)
         seconds.labels("broadcast").observe(time.perf_counter() - began - self._gather_seconds)
+        self.control.delivered(reached, version)
+        if len(reached) < len(members):
+            self.lane_key = ()  # the next publication forms new generations
+            self.metrics.publications.labels("failed").inc()
+            return False
         self.metrics.publications.labels("ok").inc()
         self.metrics.published_version.set(version)
         log.info("published version %d to %d actors (generation %d)", version,
                  len(members), self.generation)
         return True
 
-    def _form_group(self, members: list[Member], version: int) -> None:
-        """Rank 0: announce, and join a new generation if the member set changed."""
-        key = tuple((m.actor_id, m.incarnation) for m in members)
-        new = self.group is None or key != self.group_members
+    def _form_lanes(self, members: list[Member], version: int) -> list[Lane]:
+        """Rank 0: announce to every member, joining new group generations if
+        the member set changed. Returns the lanes whose group formed."""
+        key = tuple((m.actor_id, m.incarnation, m.engine.dtype, m.engine.tensor_parallel)
+                    for m in members)
+        if key != self.lane_key or any(lane.group is None for lane in self.lanes):
+            self.lanes = plan_lanes(members, self.trained_dtype)
+            for lane in self.lanes:
+                self.generation += 1
+                lane.generation = self.generation
+            self.lane_key = key
+            new = True
+        else:
+            new = False
+        announcements = []
+        for lane in self.lanes:
+            manifest = self.manifest(lane.dtype)
+            for member, base in zip(lane.members, lane.bases, strict=True):
+                announcements.append((member, manifest, GroupInfo(
+                    generation=lane.generation, master_addr=self.host, master_port=self.port,
+                    world_size=lane.world_size, rank=base, backend=self.backend,
+                    timeout_s=self.config.weight_timeout_s)))
+        self.control.announce(version, announcements)
         if new:
-            self.generation += 1
-            self.group = None
-
-        def group_for_rank(rank: int) -> GroupInfo:
-            return GroupInfo(generation=self.generation, master_addr=self.host,
-                             master_port=self.port,
-                             world_size=len(members) + 1, rank=rank, backend=self.backend,
-                             timeout_s=self.config.weight_timeout_s)
-
-        self.control.announce(members, version, self.manifest, group_for_rank)
-        if not new:
-            return
-        try:
-            self.group = WeightGroup(self.store, self.generation, len(members) + 1, 0,
-                                     self.backend, self.config.weight_timeout_s)
-            self.group_members = key
-        except RuntimeError as exc:  # a member never joined
-            log.warning("group generation %d did not form: %s", self.generation, exc)
-            self.group_members = ()
+            for lane in self.lanes:
+                try:
+                    lane.group = WeightGroup(self.store, lane.generation, lane.world_size, 0,
+                                             self.backend, self.config.weight_timeout_s)
+                except RuntimeError as exc:  # a member never joined
+                    log.warning("group generation %d did not form: %s", lane.generation, exc)
+                    lane.group = None
+        formed = [lane for lane in self.lanes if lane.group is not None]
+        if len(formed) < len(self.lanes):
+            self.lane_key = ()
+        return formed
 
     def _gathered(self) -> Iterator[torch.Tensor]:
         """Full tensors, one at a time, in manifest order (a collective per

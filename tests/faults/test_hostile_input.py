@@ -391,10 +391,10 @@ def test_the_control_socket_rejects_and_counts_bad_frames_through_a_flood(contro
         actor.send(Hello, engine=ENGINE, capacity=1)
         assert isinstance(actor.receive(), Welcome)
         members = [m for m in plane.members() if m.actor_id == "actor-good"]
-        plane.announce(members, 3, WeightManifest(tensors=[TensorSpec("w", "float32", (2,))],
-                                                  bucket_bytes=0),
-                       lambda rank: GroupInfo(generation=1, master_addr="h", master_port=1,
-                                              world_size=2, rank=rank, backend="gloo"))
+        manifest = WeightManifest(tensors=[TensorSpec("w", "float32", (2,))], bucket_bytes=0)
+        plane.announce(3, [(member, manifest, GroupInfo(
+            generation=1, master_addr="h", master_port=1, world_size=2, rank=rank,
+            backend="gloo")) for rank, member in enumerate(members, start=1)])
         assert isinstance(actor.receive(), WeightsAnnounce)
         actor.send(WeightsLoaded, version=3, seconds=0.5)
         end = time.monotonic() + 10

@@ -62,9 +62,9 @@ def test_members_register_get_announcements_and_report_loads(control) -> None:
         assert welcome.max_staleness == 2
         [member] = plane.members()
         assert plane.publication_wanted(5)  # 5 versions behind: it cannot contribute
-        plane.announce([member], 5, MANIFEST, lambda rank: GroupInfo(
-            generation=1, master_addr="h", master_port=1, world_size=2, rank=rank,
-            backend="gloo"))
+        plane.announce(5, [(member, MANIFEST, GroupInfo(
+            generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
+            backend="gloo"))])
         announce = actor.receive()
         assert isinstance(announce, WeightsAnnounce) and announce.group.rank == 1
         actor.send(WeightsLoaded, version=5, seconds=0.25)
@@ -135,7 +135,7 @@ def test_the_newest_announced_version_outlives_the_learner(tmp_path) -> None:
     try:
         assert first.announced == 0
         for version in (3, 7, 5):
-            first.announce([], version, MANIFEST, lambda rank: None)
+            first.announce(version, [])
         assert first.announced == 7
     finally:
         first.close()

@@ -1,0 +1,93 @@
+"""A plain weight receiver: an actor of the learner's control socket that
+joins each announced group generation and receives every publication
+through the project's own transfer code (``protocol.weights``), without a
+vLLM engine. With ``--die-in`` it SIGKILLs itself after the first bucket of
+that version: a receiver dying in the middle of a bucketed broadcast.
+
+    python -m tests.faults.weight_receiver --control ADDR --actor-id ID
+        [--dtype bfloat16] [--die-in VERSION]
+
+Prints one line per publication: ``received VERSION TENSORS DTYPES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import zmq
+
+from protocol import (
+    DEAD_INCARNATION,
+    EngineInfo,
+    Error,
+    Heartbeat,
+    Hello,
+    WeightsAnnounce,
+    WeightsLoaded,
+    Welcome,
+)
+from protocol.weights import WeightGroup, connect_store, dtype_name
+from tests.protocol_clients import ControlClient
+
+HEARTBEAT_S = 0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--control", required=True)
+    parser.add_argument("--actor-id", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--die-in", type=int, default=None)
+    args = parser.parse_args()
+    client = ControlClient(zmq.Context(), args.control, args.actor_id)
+    engine = EngineInfo(device="cpu", dtype=args.dtype, tensor_parallel=1, model="receiver")
+    client.send(Hello, engine=engine, capacity=1)
+    group: WeightGroup | None = None
+    joined = -1
+    last_beat = 0.0
+    while True:
+        if time.monotonic() - last_beat > HEARTBEAT_S:
+            client.send(Heartbeat, active_rollouts=0, stall_seconds={}, credit_ledger=0,
+                        credits_seen=0)
+            last_beat = time.monotonic()
+        if not client.socket.poll(100):
+            continue
+        message = client.receive()
+        if isinstance(message, Welcome):
+            print(f"registered at version {message.policy_version}", flush=True)
+            continue
+        if isinstance(message, Error) and message.code != DEAD_INCARNATION:
+            client.send(Hello, engine=engine, capacity=1)  # a restarted learner
+            continue
+        if not isinstance(message, WeightsAnnounce):
+            continue
+        info = message.group
+        began = time.perf_counter()
+        try:
+            if info.generation != joined:
+                group = WeightGroup(connect_store(info.master_addr, info.master_port,
+                                                  info.timeout_s), info.generation,
+                                    info.world_size, info.rank, info.backend, info.timeout_s)
+                joined = info.generation
+            dtypes = set()
+            count = 0
+            for _, tensor in group.receive(message.manifest):
+                count += 1
+                dtypes.add(dtype_name(tensor.dtype))
+                if message.version == args.die_in:
+                    print(f"dying in version {message.version}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+        except RuntimeError as exc:  # TransferFailed, or a generation that did not form
+            print(f"failed {message.version}: {exc}", flush=True)
+            joined = -1
+            continue
+        print(f"received {message.version} {count} {','.join(sorted(dtypes))}", flush=True)
+        client.send(WeightsLoaded, version=message.version,
+                    seconds=time.perf_counter() - began)
+
+
+if __name__ == "__main__":
+    main()

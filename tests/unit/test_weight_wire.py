@@ -1,0 +1,140 @@
+"""What travels in a weight publication and to whom: the engines' dtype on
+the wire (never fp32 master weights to a bf16 engine), one group per dtype of
+a mixed fleet, one rank per tensor-parallel worker, and a broadcast that
+cannot outlive its timeout. Real gloo groups between threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+from learner.control import Member
+from learner.publisher import plan_lanes, wire_dtype
+from protocol import EngineInfo, WeightManifest
+from protocol.weights import (
+    TransferFailed,
+    WeightGroup,
+    connect_store,
+    host_store,
+    manifest_of,
+    member_ranks,
+    nbytes_of,
+    wait_within,
+    worker_rank,
+)
+from tests.ports import free_ports
+
+TENSORS = [("embed.weight", torch.randn(64, 8)), ("layer.weight", torch.randn(8, 8)),
+           ("layer.bias", torch.randn(8)), ("steps", torch.arange(3))]
+
+
+def _member(name: str, dtype: str, tensor_parallel: int = 1) -> Member:
+    return Member(name, 1, name.encode(), EngineInfo(device="cpu", dtype=dtype,
+                                                     tensor_parallel=tensor_parallel,
+                                                     model="m"), version=0)
+
+
+def test_each_tensor_parallel_worker_holds_a_rank_of_its_own() -> None:
+    """Every worker of a TP engine joined with the engine's rank before."""
+    bases, world_size = member_ranks([1, 2, 4])
+    assert (bases, world_size) == ([1, 2, 4], 8)
+    ranks = [worker_rank(base, w) for base, workers in zip(bases, [1, 2, 4], strict=True)
+             for w in range(workers)]
+    assert ranks == list(range(1, 8))  # each once, none the sender's 0
+    with pytest.raises(ValueError):
+        member_ranks([1, 0])
+
+
+def test_engines_get_weights_in_their_own_dtype() -> None:
+    assert wire_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert wire_dtype("float16", torch.float32) == torch.float16
+    # an engine that names no dtype gets the learner's, unconverted
+    assert wire_dtype("auto", torch.float32) == torch.float32
+    assert wire_dtype("int8", torch.float32) == torch.float32
+    manifest = manifest_of(TENSORS, 0, torch.bfloat16)
+    assert [s.dtype for s in manifest.tensors] == ["bfloat16"] * 3 + ["int64"]
+    fp32 = manifest_of(TENSORS, 0)
+    wire = sum(nbytes_of(s) for s in manifest.tensors[:3])
+    assert wire * 2 == sum(nbytes_of(s) for s in fp32.tensors[:3])
+
+
+def test_a_mixed_fleet_is_split_into_one_lane_per_dtype() -> None:
+    members = [_member("a", "bfloat16", 2), _member("b", "float16"), _member("c", "bfloat16")]
+    lanes = plan_lanes(members, torch.float32)
+    assert [(lane.dtype, [m.actor_id for m in lane.members], lane.bases, lane.world_size)
+            for lane in lanes] == [(torch.bfloat16, ["a", "c"], [1, 3], 4),
+                                   (torch.float16, ["b"], [1], 2)]
+
+
+def _member_process(port: int, manifest: WeightManifest, timeout_s: float,
+                    results: multiprocessing.Queue) -> None:
+    """Rank 1 in a process of its own (two gloo groups forming in one process
+    hold each other up): what it received, or the error it ended with."""
+    try:
+        group = WeightGroup(connect_store("127.0.0.1", port), 1, 2, 1, timeout_s=timeout_s)
+        began = time.monotonic()
+        try:
+            # as bytes: a shared tensor would need this process alive to be read
+            results.put([(name, str(tensor.dtype), tuple(tensor.shape),
+                          tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                         for name, tensor in group.receive(manifest)])
+        except TransferFailed as exc:
+            results.put((type(exc).__name__, time.monotonic() - began))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        results.put(repr(exc))
+
+
+def _start_member(port: int, manifest: WeightManifest, timeout_s: float
+                  ) -> tuple[multiprocessing.Process, multiprocessing.Queue]:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_member_process, args=(port, manifest, timeout_s, results))
+    process.start()
+    return process, results
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 256])
+def test_a_receiver_gets_exactly_the_sender_tensors_in_the_wire_dtype(bucket_bytes: int
+                                                                      ) -> None:
+    [port] = free_ports(1)
+    store = host_store(port, timeout_s=60)
+    manifest = manifest_of(TENSORS, bucket_bytes, torch.bfloat16)
+    process, results = _start_member(port, manifest, 60)
+    try:
+        WeightGroup(store, 1, 2, 0, timeout_s=60).send(manifest, (t for _, t in TENSORS))
+        received = [(name, torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                     .view(getattr(torch, dtype.removeprefix("torch."))).reshape(shape))
+                    for name, dtype, shape, data in results.get(timeout=60)]
+    finally:
+        process.join(timeout=30)
+        process.kill()
+    assert [name for name, _ in received] == [name for name, _ in TENSORS], received
+    for (_, got), (_, sent) in zip(received, TENSORS, strict=True):
+        expected = sent.to(torch.bfloat16) if sent.is_floating_point() else sent
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_a_broadcast_that_never_completes_fails_within_its_timeout() -> None:
+    """A member waits for a bucket the sender never sends (the sender froze,
+    or its NCCL work never finishes): it gives up after the timeout instead
+    of hanging, having aborted the group."""
+    [port] = free_ports(1)
+    store = host_store(port, timeout_s=60)
+    manifest = manifest_of(TENSORS, 0)
+    process, results = _start_member(port, manifest, 1.0)
+    try:
+        sender = WeightGroup(store, 1, 2, 0, timeout_s=60)  # joins, then sends nothing
+        outcome = results.get(timeout=60)
+    finally:
+        process.join(timeout=30)
+        process.kill()
+    assert outcome[0] == "TransferFailed", outcome
+    assert outcome[1] < 10
+    # and the sender's own wait is bounded the same way: nobody receives this
+    work = sender._group.broadcast(torch.zeros(4), 0)
+    with pytest.raises((RuntimeError, TimeoutError)):
+        wait_within(work, 2.0)
+    sender.abort()
