@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 DEFAULT_SUMMARY_INSTRUCTION = (
     "stop . write a summary of the history for your successor : the goal , every fact found "
@@ -11,6 +13,26 @@ DEFAULT_SUMMARY_INSTRUCTION = (
     "short .")
 DEFAULT_RESUME_TEMPLATE = (
     "{task}\n\nsummary of your earlier progress :\n{summary}\n\ncontinue the task from here .")
+#: RoPE types whose max_position_embeddings vLLM 0.32 takes as already
+#: scaled (it multiplies the others' by their factor itself).
+PRESCALED_ROPE_TYPES = ("yarn", "longrope", "llama3", "su", "deepseek_yarn",
+                        "deepseek_llama_scaling")
+
+
+def read_model_config(model: str | Path) -> dict[str, Any] | None:
+    """The model folder's config.json, or None where there is none (a model
+    on another machine: checked where the engine starts)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _text_config(model_config: dict[str, Any]) -> dict[str, Any]:
+    """Where the language model's settings are (multimodal configs nest them)."""
+    if "max_position_embeddings" not in model_config:
+        return model_config.get("text_config") or model_config
+    return model_config
 
 
 @dataclass
@@ -36,10 +58,76 @@ class EngineConfig:
     cpu_kv_cache_gib: int = 1
     """KV cache size on CPU in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); small
     keeps 2-core machines usable."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation: fast start, the safe default on CPU."""
+    enforce_eager: bool | None = None
+    """No CUDA graphs / compilation: fast start, slower decoding. Unset: off on
+    GPU (CUDA graphs decode faster), on on CPU (nothing to capture)."""
+    rope_scaling: dict[str, int | float | str | bool] = field(default_factory=dict)
+    """RoPE scaling given to vLLM (as hf_overrides) so that max_model_len may
+    exceed the model's max_position_embeddings, e.g. { rope_type = "yarn",
+    factor = 4.0, original_max_position_embeddings = 32768 }: the window is
+    then factor x original_max_position_embeddings (default: the model's
+    max_position_embeddings). Empty: the model's own positions. The learner
+    scores tokens with the model's config.json: give it the same scaling
+    there, or the importance weights compare two different policies."""
     seed: int = 0
     """Engine sampling seed (each actor adds its index)."""
+
+    def eager(self, on_gpu: bool) -> bool:
+        """``enforce_eager`` for vLLM: as set, else off on GPU (CUDA graphs
+        decode faster) and on on CPU (no graphs to capture; starts faster)."""
+        return (not on_gpu) if self.enforce_eager is None else self.enforce_eager
+
+    def window(self, model_config: dict[str, Any]) -> int | None:
+        """The longest max_model_len the model allows: its max_position_embeddings,
+        or factor x original_max_position_embeddings with rope_scaling. None:
+        its config.json states no max_position_embeddings."""
+        positions = _text_config(model_config).get("max_position_embeddings")
+        if not self.rope_scaling:
+            return positions
+        original = self.rope_scaling.get("original_max_position_embeddings", positions)
+        if not isinstance(original, int | float) or isinstance(original, bool):
+            return None
+        return int(float(self.rope_scaling.get("factor", 1.0)) * original)
+
+    def window_problems(self, model_config: dict[str, Any], model: str,
+                        section: str = "actors.engine") -> list[str]:
+        """max_model_len against the model's config.json (``model`` names the
+        folder in the message): vLLM refuses to start beyond the model's
+        positions unless rope scaling stretches them."""
+        window = self.window(model_config)
+        if window is None or self.max_model_len <= window:
+            return []
+        if self.rope_scaling:
+            return [f"{section}.max_model_len = {self.max_model_len} exceeds the "
+                    f"{window} positions {section}.rope_scaling gives {model}: lower "
+                    f"max_model_len to {window}, or raise the scaling factor"]
+        factor = -(-self.max_model_len // window)  # the whole factor that reaches it
+        return [f"{section}.max_model_len = {self.max_model_len} exceeds {model}'s "
+                f"max_position_embeddings = {window} (vLLM refuses to start): lower "
+                f"max_model_len (and compaction.context_tokens) to {window}, or set "
+                f"{section}.rope_scaling = {{ rope_type = \"yarn\", factor = {factor}.0, "
+                f"original_max_position_embeddings = {window} }}"]
+
+    def hf_overrides(self, model_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``hf_overrides`` for ``rope_scaling`` (empty without it).
+        vLLM 0.32 takes rope_parameters whole (set on the loaded config, not
+        merged: the model's rope_theta is carried over here) and, for YaRN-like
+        types, reads max_position_embeddings as the already scaled length
+        (vllm/config/model.py, _get_and_verify_max_len), so it is raised too."""
+        if not self.rope_scaling:
+            return {}
+        text = _text_config(model_config)
+        rope = dict(text.get("rope_parameters") or {})
+        if "rope_theta" not in rope and "rope_theta" in text:
+            rope["rope_theta"] = text["rope_theta"]
+        rope.update(self.rope_scaling)
+        overrides: dict[str, Any] = {"rope_parameters": rope}
+        window = self.window(model_config)
+        if window is not None and rope.get("rope_type") in PRESCALED_ROPE_TYPES:
+            rope.setdefault("original_max_position_embeddings",
+                            text.get("max_position_embeddings"))
+            overrides["max_position_embeddings"] = window
+        return overrides
 
 
 @dataclass
@@ -107,8 +195,20 @@ class ActorConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     count: int = 2
     """Actor processes `compactionrl up` starts on this machine."""
+    gpus: list[int] = field(default_factory=list)
+    """GPUs of the actors `compactionrl up` starts, engine.tensor_parallel
+    consecutive ones per actor (count x tensor_parallel in all). Empty:
+    the GPUs after the learner's; on one GPU, one actor shares it with the
+    learner (co-location). A learner GPU listed here co-locates that actor."""
     concurrent_episodes: int = 8
     """Episodes one actor runs at once on its engine."""
+    kv_on_update: Literal["keep", "recompute"] = "keep"
+    """What requests in flight during a weight update continue on. "keep":
+    the KV the old weights computed (no re-prefill; tokens sampled after the
+    update see it for the rest of the request, their log-probabilities still
+    recorded as sampled); "recompute": vLLM preempts them and prefills prompt
+    and sampled tokens again with the new weights. Either way no later request
+    reuses a prefix-cache block computed by old weights."""
     group_size: int = 1
     """Consecutive episodes that play the same task (environment seed) with
     different sampling seeds: the groups of learner.advantage = "grpo"."""
@@ -157,6 +257,14 @@ class ActorConfig:
             problems.append(f"{section}.engine.tensor_parallel must be >= 1")
         if not 0 < e.gpu_memory_utilization <= 1:
             problems.append(f"{section}.engine.gpu_memory_utilization must be in (0, 1]")
+        if e.rope_scaling and not isinstance(e.rope_scaling.get("factor"), int | float):
+            problems.append(f"{section}.engine.rope_scaling = {e.rope_scaling} has no numeric "
+                            "factor: give rope_type and factor, e.g. { rope_type = \"yarn\", "
+                            "factor = 4.0, original_max_position_embeddings = 32768 }")
+        if e.rope_scaling and "rope_type" not in e.rope_scaling:
+            problems.append(f"{section}.engine.rope_scaling = {e.rope_scaling} has no rope_type "
+                            "(vLLM reads rope_type, not the older type): add rope_type = "
+                            "\"yarn\" (or the type the model documents)")
         if e.cpu_kv_cache_gib < 1:
             problems.append(f"{section}.engine.cpu_kv_cache_gib must be >= 1 (whole GiB)")
         s = self.sampling

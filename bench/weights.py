@@ -6,9 +6,16 @@ receive, load, repack, resume, as the actors do it) against a broadcast of the
 same tensors, cut the same way, between plain processes that only receive
 (the same ``WeightGroup`` code, nothing loaded) — in the same run. Also the
 generation stall per push against the load time, and where a push's time
-goes (phases of ``Engine.load_weights``).
+goes (phases of ``Engine.load_weights``). And the generation stall of a
+publication into an engine with ``--stall-requests`` requests in flight
+(prompts of ``--stall-prompt-tokens``), with ``actors.kv_on_update = "keep"``
+against ``"recompute"``: for each request, the time from the start of the
+publication to its first token after it (a recomputed request is prefilled
+again first); ``stall_keep_vs_recompute`` is the ratio of their means, on the
+larger model.
 
     python bench/weights.py [--json] [--quick] [--big-params 1e8] [--engines 1 2] [--pushes 3]
+        [--stall-requests 16] [--stall-prompt-tokens 1024]
 
 ``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters), one
 engine, one timed push: a smoke test of the same code, whose ``big_*`` and
@@ -21,6 +28,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import random
 import statistics
 import tempfile
 import threading
@@ -120,6 +128,67 @@ async def push_into_engines(engines: list[Engine], tensors: list[tuple[str, torc
     return statistics.median(times), loads
 
 
+async def _join(engine: Engine, store, port: int, generation: int) -> WeightGroup:
+    """Form a group of learner rank 0 (returned) and ``engine``."""
+    joined: list[WeightGroup] = []
+    learner = threading.Thread(target=lambda: joined.append(WeightGroup(store, generation, 2, 0)))
+    learner.start()
+    await engine.join_weight_group(GroupInfo(generation=generation, master_addr="127.0.0.1",
+                                             master_port=port, world_size=2, rank=1,
+                                             backend="gloo"))
+    learner.join()
+    return joined[0]
+
+
+async def _timed_request(engine: Engine, prompt: list[int], params, request_id: str,
+                         arrivals: list[float]) -> None:
+    """Run one request on the raw engine, noting when each output arrives."""
+    async for _ in engine.llm.generate({"prompt_token_ids": prompt}, params,
+                                       request_id=request_id):
+        arrivals.append(time.perf_counter())
+
+
+async def stall_in_flight(engine: Engine, tensors: list[tuple[str, torch.Tensor]], store,
+                          port: int, generation: int, requests: int, prompt_tokens: int
+                          ) -> dict[str, dict[str, float]]:
+    """Per kv_on_update mode: the mean and the longest stall of ``requests``
+    requests in flight (publication start to each one's first token after it),
+    and the engine's own pause (``LoadTimes.stall_seconds``)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    group = await _join(engine, store, port, generation)
+    manifest = manifest_of(tensors, 0)
+    vocabulary = len(engine.tokenizer)
+    max_tokens = engine.config.max_model_len - prompt_tokens - 1
+    results = {}
+    rng = random.Random(0)
+    for mode in ("recompute", "keep"):
+        arrivals: list[list[float]] = [[] for _ in range(requests)]
+        tasks = [asyncio.ensure_future(_timed_request(
+            engine, [rng.randrange(vocabulary) for _ in range(prompt_tokens)],
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i,
+                           output_kind=RequestOutputKind.DELTA),
+            f"stall-{mode}-{i}", arrivals[i])) for i in range(requests)]
+        while not all(len(a) >= 3 for a in arrivals):  # all prefilled and decoding
+            await asyncio.sleep(0.01)
+        began = time.perf_counter()
+        sender = threading.Thread(target=lambda: group.send(manifest, (t for _, t in tensors)))
+        sender.start()
+        times = await engine.load_weights(engine.version + 1, manifest, mode)
+        loaded = time.perf_counter()
+        sender.join()
+        while not all(a[-1] > loaded for a in arrivals):
+            await asyncio.sleep(0.001)
+        stalls = [next(t for t in a if t > loaded) - began for a in arrivals]
+        for task in tasks:
+            task.cancel()  # aborts the request
+        await asyncio.gather(*tasks, return_exceptions=True)
+        results[mode] = {"mean": statistics.mean(stalls), "max": max(stalls),
+                         "pause": times.stall_seconds}
+    return results
+
+
 async def main(args: argparse.Namespace) -> dict:
     store = host_store(0)  # any free port
     port = store.port
@@ -151,6 +220,12 @@ async def main(args: argparse.Namespace) -> dict:
                         t.load_seconds for t in loads), 4)
                     report[f"{key}_phases_s"] = {name: round(statistics.mean(
                         t.phases[name] for t in loads), 4) for name in loads[0].phases}
+                stalls = await stall_in_flight(engines[0], tensors, store, port,
+                                               next(generations), args.stall_requests,
+                                               args.stall_prompt_tokens)
+                for mode, figures in stalls.items():
+                    for name, seconds in figures.items():
+                        report[f"{label}_in_flight_{mode}_{name}_s"] = round(seconds, 4)
             finally:
                 for engine in engines:
                     await engine.shutdown()
@@ -158,6 +233,10 @@ async def main(args: argparse.Namespace) -> dict:
     report["push_vs_raw_100m"] = report[f"big_{first}_push_vs_raw"]
     report["stall_vs_load"] = round(report[f"big_{first}_stall_s"]
                                     / report[f"big_{first}_load_s"], 3)
+    report["stall_requests"] = args.stall_requests
+    report["stall_prompt_tokens"] = args.stall_prompt_tokens
+    report["stall_keep_vs_recompute"] = round(report["big_in_flight_keep_mean_s"]
+                                              / report["big_in_flight_recompute_mean_s"], 3)
     return report
 
 
@@ -173,6 +252,10 @@ if __name__ == "__main__":
                         help="engine counts to push into: 1 2 (--quick: 1)")
     parser.add_argument("--pushes", type=int, default=None,
                         help="timed pushes per case: 3 (--quick: 1)")
+    parser.add_argument("--stall-requests", type=int, default=16,
+                        help="requests in flight for the keep-vs-recompute stall: 16")
+    parser.add_argument("--stall-prompt-tokens", type=int, default=1024,
+                        help="prompt length of each of them: 1024")
     arguments = parser.parse_args()
     if arguments.big_params is None:
         arguments.big_params = 2e6 if arguments.quick else 1e8
@@ -189,5 +272,13 @@ if __name__ == "__main__":
                   f"{result[f'{key}_push_s']} s vs raw broadcast {result[f'{key}_raw_s']} s "
                   f"= {result[f'{key}_push_vs_raw']}x; stall {result[f'{key}_stall_s']} s, "
                   f"load {result[f'{key}_load_s']} s; phases {result[f'{key}_phases_s']}")
+        figures = {mode: [result[f"{label}_in_flight_{mode}_{name}_s"]
+                          for name in ("mean", "max", "pause")] for mode in ("keep", "recompute")}
+        print(f"{label}, {arguments.stall_requests} requests of {arguments.stall_prompt_tokens} "
+              f"prompt tokens in flight: stall mean/max (engine paused) keep "
+              f"{figures['keep'][0]}/{figures['keep'][1]} s ({figures['keep'][2]} s), recompute "
+              f"{figures['recompute'][0]}/{figures['recompute'][1]} s "
+              f"({figures['recompute'][2]} s)")
+    print(f"stall_keep_vs_recompute = {result['stall_keep_vs_recompute']}")
     if arguments.json:
         print(json.dumps(result))
