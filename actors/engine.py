@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from actors.config import EngineConfig, SamplingConfig
+from actors.config import EngineConfig, SamplingConfig, read_model_config
 from actors.context import Generation
 from protocol import GroupInfo, WeightManifest
 
@@ -68,6 +68,7 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         "tensor_parallel_size": config.tensor_parallel,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "enforce_eager": config.eager(on_gpu=not current_platform.is_cpu()),
+        "hf_overrides": config.hf_overrides(read_model_config(model) or {}),
         "seed": config.seed + seed_offset,
         # The processed distribution (temperature, top-p) is the behaviour
         # policy the learner's importance weights divide by.

@@ -1,10 +1,16 @@
 """Pushing weights into running vLLM engines, against a raw broadcast.
 
-For the tiny model (float32) and a larger one (``--big-params``, bf16, 100M by
-default), into one and into two running engines: the end-to-end push (pause,
-receive, load, repack, resume, as the actors do it) against a broadcast of the
-same tensors, cut the same way, between plain processes that only receive
-(the same ``WeightGroup`` code, nothing loaded) — in the same run. Also the
+For the tiny model (float32) and a larger one (``--big-params``, 100M by
+default, whose engines run bf16 while the learner holds fp32 master weights),
+into one and into two running engines: the end-to-end push (conversion to the
+engines' dtype on the sender, pause, receive, load, repack, resume, as the
+learner and the actors do it) against a broadcast of the same wire bytes, cut
+the same way, between plain processes that only receive (the same
+``WeightGroup`` code, nothing converted or loaded), and against one flat
+buffer of those bytes (the transport's limit here) — in the same run.
+``wire_bytes_vs_fp32`` is the bytes sent over what fp32 master weights would
+be; ``push_seconds_by_receivers`` the sender's push of the larger model
+(conversion included) to 1, 2 and 4 plain receiving processes. Also the
 generation stall per push against the load time, and where a push's time
 goes (phases of ``Engine.load_weights``). And the generation stall of a
 publication into an engine with ``--stall-requests`` requests in flight
@@ -15,6 +21,7 @@ again first); ``stall_keep_vs_recompute`` is the ratio of their means, on the
 larger model.
 
     python bench/weights.py [--json] [--quick] [--big-params 1e8] [--engines 1 2] [--pushes 3]
+        [--receivers 1 2 4]
         [--stall-requests 16] [--stall-prompt-tokens 1024]
 
 ``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters), one
@@ -48,13 +55,13 @@ from protocol.weights import WeightGroup, connect_store, host_store, manifest_of
 BIG_HIDDEN, BIG_INTERMEDIATE, BIG_HEADS = 768, 3072, 12
 
 
-def build_models(folder: Path, big_params: float) -> dict[str, tuple[Path, str]]:
+def build_models(folder: Path, big_params: float) -> dict[str, Path]:
     per_layer = 4 * BIG_HIDDEN ** 2 + 3 * BIG_HIDDEN * BIG_INTERMEDIATE
     layers = max(1, round(big_params / per_layer))
     big = build_tiny_model(folder / "big", TinyModelConfig(
         hidden_size=BIG_HIDDEN, intermediate_size=BIG_INTERMEDIATE, num_layers=layers,
         num_heads=BIG_HEADS, num_kv_heads=BIG_HEADS, init_std=0.02))
-    return {"tiny": (build_tiny_model(folder / "tiny"), "float32"), "big": (big, "bfloat16")}
+    return {"tiny": build_tiny_model(folder / "tiny"), "big": big}
 
 
 def load_tensors(model: Path, dtype: str) -> list[tuple[str, torch.Tensor]]:
@@ -62,6 +69,10 @@ def load_tensors(model: Path, dtype: str) -> list[tuple[str, torch.Tensor]]:
 
     loaded = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     return [(name, p.detach().contiguous()) for name, p in loaded.named_parameters()]
+
+
+#: Engine dtype of each model: the tiny one's tests run float32.
+ENGINE_DTYPES = {"tiny": "float32", "big": "bfloat16"}
 
 
 def _plain_receiver(port: int, generation: int, world: int, rank: int,
@@ -76,11 +87,12 @@ def _plain_receiver(port: int, generation: int, world: int, rank: int,
 
 
 def raw_broadcast(tensors: list[tuple[str, torch.Tensor]], receivers: int, rounds: int,
-                  store, port: int, generation: int) -> float:
-    """Median seconds to broadcast the tensors to plain receiving processes."""
+                  store, port: int, generation: int, wire: torch.dtype | None = None) -> float:
+    """Median seconds to broadcast the tensors (in ``wire`` dtype, converted
+    by the sender as it goes) to plain receiving processes."""
     import msgspec
 
-    manifest = manifest_of(tensors, 0)
+    manifest = manifest_of(tensors, 0, wire)
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=_plain_receiver, args=(
         port, generation, receivers + 1, rank, msgspec.msgpack.encode(manifest), rounds + 1))
@@ -100,8 +112,8 @@ def raw_broadcast(tensors: list[tuple[str, torch.Tensor]], receivers: int, round
 
 
 async def push_into_engines(engines: list[Engine], tensors: list[tuple[str, torch.Tensor]],
-                            rounds: int, store, port: int, generation: int
-                            ) -> tuple[float, list[LoadTimes]]:
+                            rounds: int, store, port: int, generation: int,
+                            wire: torch.dtype) -> tuple[float, list[LoadTimes]]:
     """Median end-to-end push seconds, and every engine's load times."""
     world = len(engines) + 1
     joined: list[WeightGroup] = []
@@ -112,7 +124,7 @@ async def push_into_engines(engines: list[Engine], tensors: list[tuple[str, torc
         generation=generation, master_addr="127.0.0.1", master_port=port, world_size=world,
         rank=rank, backend="gloo")) for rank, engine in enumerate(engines, start=1)))
     learner.join()
-    manifest = manifest_of(tensors, 0)
+    manifest = manifest_of(tensors, 0, wire)
     times, loads = [], []
     for round_ in range(rounds + 1):  # the first is a warm-up
         began = time.perf_counter()
@@ -196,24 +208,32 @@ async def main(args: argparse.Namespace) -> dict:
     report: dict = {"pushes": args.pushes, "engines": args.engines}
     with tempfile.TemporaryDirectory() as folder:
         models = build_models(Path(folder), args.big_params)
-        for label, (model, dtype) in models.items():
-            tensors = load_tensors(model, dtype)
-            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        for label, model in models.items():
+            tensors = load_tensors(model, "float32")  # the learner's master weights
+            wire = getattr(torch, ENGINE_DTYPES[label])
+            on_wire = [(name, t.to(wire) if t.is_floating_point() else t) for name, t in tensors]
+            nbytes = sum(t.numel() * t.element_size() for _, t in on_wire)
             report[f"{label}_params"] = sum(t.numel() for _, t in tensors)
             report[f"{label}_megabytes"] = round(nbytes / 1e6, 1)
-            engines = [await Engine.start(str(model), EngineConfig(dtype=dtype),
+            report[f"{label}_wire_bytes_vs_fp32"] = round(
+                nbytes / sum(t.numel() * t.element_size() for _, t in tensors), 3)
+            flat = [("flat", torch.zeros(nbytes, dtype=torch.uint8))]
+            engines = [await Engine.start(str(model), EngineConfig(dtype=ENGINE_DTYPES[label]),
                                           SamplingConfig(), seed_offset=i, weight_transfer=True)
                        for i in range(max(args.engines))]
             try:
                 for n in args.engines:
-                    raw_s = raw_broadcast(tensors, n, args.pushes, store, port,
+                    raw_s = raw_broadcast(on_wire, n, args.pushes, store, port,
                                           next(generations))
+                    flat_s = raw_broadcast(flat, n, args.pushes, store, port, next(generations))
                     push_s, loads = await push_into_engines(engines[:n], tensors, args.pushes,
-                                                            store, port, next(generations))
+                                                            store, port, next(generations), wire)
                     key = f"{label}_{n}"
                     report[f"{key}_push_s"] = round(push_s, 4)
                     report[f"{key}_raw_s"] = round(raw_s, 4)
+                    report[f"{key}_flat_s"] = round(flat_s, 4)
                     report[f"{key}_push_vs_raw"] = round(push_s / raw_s, 2)
+                    report[f"{key}_push_vs_flat"] = round(push_s / flat_s, 2)
                     report[f"{key}_stall_s"] = round(statistics.mean(
                         t.stall_seconds for t in loads), 4)
                     report[f"{key}_load_s"] = round(statistics.mean(
@@ -229,8 +249,16 @@ async def main(args: argparse.Namespace) -> dict:
             finally:
                 for engine in engines:
                     await engine.shutdown()
+            if label == "big":
+                # engines do not fit beside each other here: plain receivers
+                report["push_seconds_by_receivers"] = {
+                    str(n): round(raw_broadcast(tensors, n, args.pushes, store, port,
+                                                next(generations), wire), 4)
+                    for n in args.receivers}
     first = min(args.engines)
     report["push_vs_raw_100m"] = report[f"big_{first}_push_vs_raw"]
+    report["push_vs_flat_100m"] = report[f"big_{first}_push_vs_flat"]
+    report["wire_bytes_vs_fp32"] = report["big_wire_bytes_vs_fp32"]
     report["stall_vs_load"] = round(report[f"big_{first}_stall_s"]
                                     / report[f"big_{first}_load_s"], 3)
     report["stall_requests"] = args.stall_requests
@@ -252,6 +280,8 @@ if __name__ == "__main__":
                         help="engine counts to push into: 1 2 (--quick: 1)")
     parser.add_argument("--pushes", type=int, default=None,
                         help="timed pushes per case: 3 (--quick: 1)")
+    parser.add_argument("--receivers", type=int, nargs="+", default=None,
+                        help="plain receiver counts of the push curve: 1 2 4 (--quick: 1 2)")
     parser.add_argument("--stall-requests", type=int, default=16,
                         help="requests in flight for the keep-vs-recompute stall: 16")
     parser.add_argument("--stall-prompt-tokens", type=int, default=1024,
@@ -263,6 +293,8 @@ if __name__ == "__main__":
         arguments.engines = [1] if arguments.quick else [1, 2]
     if arguments.pushes is None:
         arguments.pushes = 1 if arguments.quick else 3
+    if arguments.receivers is None:
+        arguments.receivers = [1, 2] if arguments.quick else [1, 2, 4]
     quiet_vllm_logging()
     result = asyncio.run(main(arguments))
     for label in ("tiny", "big"):

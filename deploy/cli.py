@@ -184,11 +184,36 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+    import os
+
+    from deploy.device_plan import plan_devices
     from deploy.up import Up, prepare_model
 
     config = load_config(args.config, overrides)
+    gpus = args.gpus if args.gpus is not None else Up._gpus_present()
+    plan = plan_devices(config, gpus)
+    if args.plan:  # starts nothing
+        # this machine's plan counts within up's own CUDA_VISIBLE_DEVICES; a preview's, not
+        inherited = os.environ.get("CUDA_VISIBLE_DEVICES") if args.gpus is None else None
+        if args.json:
+            print(json.dumps(plan.to_json(inherited)))
+        else:
+            print(plan.table(inherited))
+        for problem in plan.problems:
+            print(f"compactionrl: refused: {problem}", file=sys.stderr)
+        return 2 if plan.problems else 0
+    if args.gpus is not None and args.gpus != Up._gpus_present():
+        print("compactionrl: --gpus only previews a plan (with --plan); up uses the GPUs "
+              "present", file=sys.stderr)
+        return 2
+    if plan.problems:  # before the model is bootstrapped
+        raise ConfigError(list(plan.problems))
     prepare_model(config)
-    return Up(config, Path(config.run.out_dir) / config.run.name, resume=args.resume).run()
+    if problems := config.model_problems():  # a model bootstrapped just now
+        raise ConfigError(problems)
+    return Up(config, Path(config.run.out_dir) / config.run.name, resume=args.resume,
+              plan=plan).run()
 
 
 def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -314,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(up)
     up.add_argument("--resume", action="store_true",
                     help="continue from the newest checkpoint in the run folder")
+    up.add_argument("--plan", action="store_true",
+                    help="print which GPUs, ports and weight transport each process would get, "
+                         "and start nothing (exit 2 if the plan is refused)")
+    up.add_argument("--gpus", type=int, default=None, metavar="N",
+                    help="with --plan: plan for a machine with N GPUs (default: this one's)")
+    up.add_argument("--json", action="store_true", help="with --plan: one JSON object")
     up.set_defaults(handler=_cmd_up)
 
     status = commands.add_parser("status", help="summary of a running or finished run")

@@ -29,7 +29,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from actors.config import ActorConfig
+from actors.config import ActorConfig, read_model_config
+from deploy.device_plan import static_device_problems
 from learner.config import LearnerConfig
 from protocol.transport import TransportConfig, bound_endpoint, is_loopback
 from replay.config import ReplayConfig
@@ -139,6 +140,8 @@ class RunConfig:
             problems.append("learner.advantage = \"grpo\" needs groups of episodes on the same "
                             "task: set actors.group_size >= 2 (every advantage would be 0)")
         problems += self._shared_ports()
+        problems += static_device_problems(self.learner, self.actors)
+        problems += self.model_problems()
         addresses = [self.replay.actor_address, self.replay.learner_address,
                      self.learner.control_address]
         # Without CURVE, anyone who reaches a service port joins the run.
@@ -153,6 +156,20 @@ class RunConfig:
                 "enable CURVE (`compactionrl keys init DIR`) or, on a network you trust, set "
                 "transport.allow_insecure_network = true")
         return problems
+
+    def model_problems(self) -> list[str]:
+        """The engine's settings against run.model's config.json, where the
+        folder is on this machine (on a launcher without the model, the
+        actor's own load, beside its engine, checks it; ``up`` checks again
+        after bootstrapping the default model)."""
+        try:
+            model = read_model_config(self.run.model)
+        except (OSError, ValueError) as exc:
+            return [f"run.model = {self.run.model!r}: its config.json cannot be read ({exc}): "
+                    "point run.model at an HF-format model folder"]
+        if model is None:
+            return []
+        return self.actors.engine.window_problems(model, repr(self.run.model))
 
     def _shared_ports(self) -> list[str]:
         """Every port the run listens on must differ: ``compactionrl up`` runs
@@ -397,6 +414,8 @@ def _write_table(obj: Any, name: str, lines: list[str]) -> None:
     if name and scalars:
         lines.append(f"\n[{name}]")
     for key, value in scalars:
+        if value is None:  # TOML has no null: unset fields (default None) are left out
+            continue
         lines.append(f"{key} = {_toml_value(value)}")
     for key, value in tables:
         _write_table(value, f"{name}.{key}" if name else key, lines)
@@ -443,7 +462,9 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[FieldDoc]:
         if dataclasses.is_dataclass(hint):
             out += describe_fields(hint, f"{dotted}.")
             continue
-        out.append(FieldDoc(dotted, _type_name(hint), _toml_value(getattr(defaults, name)),
+        default = getattr(defaults, name)
+        out.append(FieldDoc(dotted, _type_name(hint),
+                            "unset" if default is None else _toml_value(default),
                             docs.get(name, "")))
     return out
 

@@ -4,6 +4,14 @@ Starts the replay, the learner (under torchrun) and ``actors.count`` actors
 as separate process groups, each logging to ``RUN/logs/NAME.log``, with the
 effective configuration written once to ``RUN/config.toml`` and read by all.
 
+Devices come from the plan (:mod:`deploy.device_plan`): each process gets its
+GPUs as ``CUDA_VISIBLE_DEVICES`` and the learner and the actors the weight
+transport it chose. With co-location (an engine on a learner rank's GPU) that
+engine starts first, at the plan's ``gpu_memory_utilization``, and the learner
+once the engine answers on its metrics port: vLLM measures free memory while
+it starts and fails if another process allocates or frees meanwhile. On a
+CPU-only machine the plan sets no devices and local actors get a core each.
+
 Supervision:
 
 - a process that exits is restarted with backoff (``RESTART_BACKOFF_S``;
@@ -44,7 +52,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.config import RunConfig, RunSection, to_toml
+from deploy.config import ConfigError, RunConfig, RunSection, to_toml
+from deploy.device_plan import DevicePlan, plan_devices
 from learner.checkpoint import latest_checkpoint
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
@@ -69,6 +78,8 @@ LEARNER_STOP_S = 120.0
 REPLAY_STOP_S = 20.0
 #: How long to wait for the killed leftovers of a dead child to be reaped.
 ORPHAN_REAP_S = 10.0
+#: How often a learner waiting for a co-located engine asks whether it is up.
+READY_POLL_S = 2.0
 EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -192,27 +203,57 @@ class Up:
     run_dir: Path
     resume: bool = False
     interactive: bool = field(default_factory=lambda: sys.stdout.isatty())
+    plan: DevicePlan | None = None
+    """Which GPUs each process gets (None: planned for this machine's GPUs)."""
     history: list[dict] = field(default_factory=list)
     _stop_reason: str | None = None
 
     def __post_init__(self) -> None:
+        if self.plan is None:
+            self.plan = plan_devices(self.config, self._gpus_present())
+        if self.plan.problems:
+            raise ConfigError(list(self.plan.problems))
         self.config_path = self.run_dir / "config.toml"
         self.history_path = self.run_dir / "metrics.jsonl"
         logs = self.run_dir / "logs"
         common = ["--config", str(self.config_path)]
         self.replay = Child("replay", ["replay", *common], logs / "replay.log")
         actor_cores, learner_cores = self._cpu_cores()
-        self.learner = Child("learner", ["learner", *common,
+        inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+        learner_plan = self.plan.process("learner")
+        transport = self._transport_args()
+        learner_env = {**self._learner_env(learner_cores), **learner_plan.env(inherited)}
+        self.learner = Child("learner", ["learner", *common, *transport,
                                          *(["--resume"] if self.resume else [])],
-                             logs / "learner.log", env=self._learner_env(learner_cores),
-                             cores=learner_cores, restart_args=["learner", *common, "--resume"],
+                             logs / "learner.log", env=learner_env,
+                             cores=learner_cores,
+                             restart_args=["learner", *common, *transport, "--resume"],
                              leader_follows=True)
         self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
                                             f"{self.config.run.name}-actor-{i}",
-                                            *self._bind_engine(actor_cores, i)],
+                                            *self._bind_engine(actor_cores, i),
+                                            *transport, *self._engine_memory(i)],
                              logs / f"actor-{i}.log",
+                             env=self.plan.process(f"actor-{i}").env(inherited),
                              cores=frozenset({actor_cores[i]}) if actor_cores else frozenset())
                        for i in range(self.config.actors.count)]
+        self._waiting = {self.learner.name: learner_plan.waits_for} if learner_plan.waits_for \
+            else {}
+        self._last_ready_poll = 0.0
+
+    def _transport_args(self) -> list[str]:
+        """The plan's weight transport for learner and actors ("auto" resolved
+        here: only the plan knows of co-location). Nothing on the CPU plan."""
+        if not self.plan.gpus_present:
+            return []
+        return ["--learner.weight_transport", self.plan.weight_transport]
+
+    def _engine_memory(self, index: int) -> list[str]:
+        """A co-located engine's lowered share of its GPU."""
+        memory = self.plan.process(f"actor-{index}").gpu_memory_utilization
+        if memory is None or memory == self.config.actors.engine.gpu_memory_utilization:
+            return []
+        return ["--actors.engine.gpu_memory_utilization", str(memory)]
 
     def _cpu_cores(self) -> tuple[list[int], frozenset[int]]:
         """On a CPU-only machine (engine binding "auto"): the core of each local
@@ -221,7 +262,7 @@ class Up:
         Engines that each spin OpenMP threads on every core starve each other
         and the learner, and a learner on an engine's core slows both. Empty
         (no placement) on GPU machines or with an explicit binding."""
-        if self._on_gpu() or self.config.actors.engine.cpu_threads_bind != "auto":
+        if self.plan.gpus_present or self.config.actors.engine.cpu_threads_bind != "auto":
             return [], frozenset()
         cores = sorted(os.sched_getaffinity(0))
         # at least one core is the learner's whenever there are two
@@ -245,6 +286,15 @@ class Up:
         import torch
 
         return torch.cuda.is_available()
+
+    @staticmethod
+    def _gpus_present() -> int:
+        """GPUs this process sees (within its own CUDA_VISIBLE_DEVICES)."""
+        if not Up._on_gpu():
+            return 0
+        import torch
+
+        return torch.cuda.device_count()
 
     # ------------------------------------------------------------------ the run
 
@@ -271,8 +321,7 @@ class Up:
         began = self._began = time.monotonic()
         self._ends = RunEnds(self.config.learner.max_steps, self.config.run.max_minutes,
                              started=time.time())
-        for child in (self.replay, self.learner, *self.actors):
-            child.start()
+        self._start_first()
         self._write_state()
         outcome, message = EXIT_FAILED, "up itself failed (see its output)"
         try:
@@ -316,6 +365,7 @@ class Up:
                         return EXIT_FAILED, (
                             f"the {service.name} exited with code {service.exit_code()} "
                             f"{service.crashes} times in a row; see {service.log}")
+                self._start_waiting(now)
                 for child in (self.replay, self.learner, *self.actors):
                     self._tend(child, now)
                 if now - last_scrape >= SCRAPE_INTERVAL_S:
@@ -325,6 +375,35 @@ class Up:
                 time.sleep(0.2)
         finally:
             view.close()
+
+    def _start_first(self) -> None:
+        """Every process the plan does not hold back (a learner waits for the
+        engines on its GPUs: ``_start_waiting``)."""
+        for child in (self.replay, self.learner, *self.actors):
+            if child.name in self._waiting:
+                print(f"{child.name} starts once {', '.join(self._waiting[child.name])} "
+                      "answers: they share GPUs, and vLLM measures free memory while it "
+                      "starts", flush=True)
+            else:
+                child.start()
+
+    def _start_waiting(self, now: float) -> None:
+        """Start a process held back by the plan once all it waits for are ready."""
+        if not self._waiting or now - self._last_ready_poll < READY_POLL_S:
+            return
+        self._last_ready_poll = now
+        for name, awaited in list(self._waiting.items()):
+            if all(self._engine_ready(actor) for actor in awaited):
+                del self._waiting[name]
+                child = next(c for c in (self.replay, self.learner, *self.actors)
+                             if c.name == name)
+                print(f"{', '.join(awaited)} ready: starting the {name}", flush=True)
+                child.start()
+                self._write_state()
+
+    def _engine_ready(self, actor: str) -> bool:
+        """An actor serves metrics once its engine has started (actors/process.py)."""
+        return engine_ready(self._urls()[actor])
 
     def _tend(self, child: Child, now: float) -> None:
         """Schedule the restart of a child that exited, or restart it when due."""
@@ -440,6 +519,18 @@ class _View:
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
+
+
+def engine_ready(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether an actor's metrics endpoint answers (it opens after its engine started)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
 
 
 def prepare_model(config: RunConfig) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -15,6 +15,21 @@ class LearnerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: one GPU per rank (LOCAL_RANK) with NCCL when CUDA is there, else
     the CPU with gloo."""
+    gpus: list[int] = field(default_factory=list)
+    """GPUs of the ranks `compactionrl up` starts, one per rank (it sets
+    their CUDA_VISIBLE_DEVICES). Empty: the first nproc GPUs. Elsewhere
+    (torchrun by hand, a pod) the visible GPUs decide."""
+    weight_transport: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
+    """How weights reach the engines. auto chooses from the device plan
+    (deploy/device_plan.py): gloo when the learner is on the CPU, ipc when a
+    learner rank and an engine share a GPU, nccl otherwise. A configuration
+    that would put two NCCL ranks on one GPU is refused at load time, naming
+    the fix."""
+    gpu_memory_fraction: float = 0.5
+    """Co-location only (a learner rank and an engine on one GPU): the share
+    of that GPU's memory kept for the learner rank. The engine there gets
+    gpu_memory_utilization = 1 - this (or actors.engine's, if lower), and
+    starts first: vLLM measures free memory while it starts."""
     mixed_precision: Literal["bf16", "off"] = "bf16"
     """On GPU, FSDP2 computes in bf16 and reduces gradients in fp32 (master
     weights stay fp32). Ignored on CPU, which trains in fp32."""
@@ -105,6 +120,9 @@ class LearnerConfig:
             problems.append(f"{section}.weight_bucket_bytes must be >= 0")
         if self.weight_timeout_s <= 0:
             problems.append(f"{section}.weight_timeout_s must be > 0")
+        if not 0 < self.gpu_memory_fraction < 1:
+            problems.append(f"{section}.gpu_memory_fraction = {self.gpu_memory_fraction} must be "
+                            "in (0, 1): it splits a shared GPU between the learner and an engine")
         if self.publish_every < 1:
             problems.append(f"{section}.publish_every must be >= 1")
         host, _, port = self.weight_store_address.rpartition(":")

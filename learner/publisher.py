@@ -58,6 +58,23 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def weight_backend(configured: str, learner_backend: str) -> str:
+    """The process-group backend weights travel on: ``learner.weight_transport``,
+    where ``auto`` (outside a device plan) follows the learner's own backend."""
+    if configured == "auto":
+        return learner_backend
+    if configured == "ipc":
+        # vLLM's ipc engine (CUDA IPC handles, co-located learner and engine)
+        # is not wired into the publisher yet: refuse rather than fall back
+        raise ValueError("learner.weight_transport = 'ipc' (a learner rank and an engine on "
+                         "one GPU) is not implemented yet: put the actors on GPUs of their own "
+                         "(nccl), see docs/weights.md")
+    if configured == "nccl" and learner_backend != "nccl":
+        raise ValueError("learner.weight_transport = 'nccl' needs a learner on GPUs "
+                         f"(its backend is {learner_backend}): use 'gloo' or 'auto'")
+    return configured
+
+
 def wire_dtype(engine_dtype: str, trained: torch.dtype) -> torch.dtype:
     """The dtype floating-point weights travel in to an engine that runs
     ``engine_dtype`` (as it reports it: ``bfloat16``, ``float16``,
@@ -106,8 +123,7 @@ class WeightPublisher:
         self.control = control
         self.metrics = metrics
         self.agree = agree
-        # actors join with the learner's own backend (placement chose it)
-        self.backend = dist.get_backend()
+        self.backend = weight_backend(config.weight_transport, dist.get_backend())
         self.host, self.port = split_address(config.weight_store_address)
         self.store = host_store(self.port, config.weight_timeout_s) if rank == 0 else None
         self.generation = 0

@@ -450,8 +450,10 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     ".venv/bin/python bench/ppo_step.py --json": Run(
         ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
     ".venv/bin/python bench/weights.py --json": Run(
-        ("--quick",), ("push_vs_raw_100m", "stall_vs_load"), slow=True),
+        ("--quick",), ("push_vs_raw_100m", "stall_vs_load", "stall_keep_vs_recompute"),
+        slow=True),
     ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
+    ".venv/bin/python bench/gpu_check.py --json": Run(BENCH_DRY_RUN, ("ipc_push", "seconds")),
     ".venv/bin/python bench/ablations.py --quick": Run(BENCH_DRY_RUN, prints=("dry run:",)),
     # docs/deploy.md
     "docker build -f deploy/Dockerfile -t registry.example.com/compactionrl:latest .": Offline(
@@ -495,6 +497,9 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     "compactionrl config show --learner.advantage independent "
     "--actors.compaction.keep_steps 1": Run(
         prints=('advantage = "independent"', "keep_steps = 1")),
+    # docs/deploy.md: starts nothing, whatever the machine
+    "compactionrl up --plan --gpus 8 --config deploy/configs/gpu-8xh100.toml": Run(
+        prints=("weights over nccl", "0,1,2,3")),
     # docs/running.md
     "compactionrl up": Elsewhere(
         "tests/integration/test_up.py", ("compactionrl", "up"),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from actors.config import EngineConfig
 from deploy.cli import main
 from deploy.config import ConfigError, RunConfig, describe_fields, load_config, to_toml
 
@@ -192,3 +194,61 @@ def test_every_field_is_listed_with_its_meaning(capsys: pytest.CaptureFixture[st
     assert "actors.engine.dtype: " in listed and "learner.lr" not in listed
     assert main(["config", "fields", "nonsense"]) == 2
     assert "sections: actors" in capsys.readouterr().err
+
+
+def model_folder(tmp_path: Path, **config: object) -> str:
+    """A model folder holding only a config.json (what the checks read)."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_a_window_beyond_the_models_positions_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """vLLM refuses to start an engine whose max_model_len exceeds the
+    model's max_position_embeddings; the run is refused before that."""
+    model = model_folder(tmp_path, max_position_embeddings=32768, rope_theta=1e6)
+    longer = ["--run.model", model, "--actors.engine.max_model_len", "65536"]
+    [problem] = problems_of(longer)
+    assert "max_model_len = 65536 exceeds" in problem
+    assert "max_position_embeddings = 32768" in problem and "lower max_model_len" in problem
+    assert "rope_scaling" in problem and "factor = 2.0" in problem
+    assert load_config(None, ["--run.model", model, "--actors.engine.max_model_len", "32768"])
+    # scaling set explicitly stretches the window, up to factor x original positions
+    yarn = '{ rope_type = "yarn", factor = 2.0, original_max_position_embeddings = 32768 }'
+    config = load_config(None, [*longer, "--actors.engine.rope_scaling", yarn])
+    assert config.actors.engine.window(json.loads((tmp_path / "config.json").read_text())) == 65536
+    [beyond] = problems_of([*longer[:-1], "70000", "--actors.engine.rope_scaling", yarn])
+    assert "65536 positions" in beyond and "raise the scaling factor" in beyond
+    [untyped] = problems_of([*longer, "--actors.engine.rope_scaling",
+                             '{ type = "yarn", factor = 2 }'])
+    assert "add rope_type" in untyped
+
+
+def test_without_the_models_config_json_the_window_is_checked_where_the_engine_runs(
+        tmp_path: Path) -> None:
+    assert load_config(None, ["--run.model", str(tmp_path / "elsewhere"),
+                              "--actors.engine.max_model_len", "1000000"])
+
+
+def test_rope_scaling_reaches_vllm_as_hf_overrides() -> None:
+    """vLLM 0.32 sets a dict override whole (rope_theta carried over) and
+    reads a YaRN model's max_position_embeddings as already scaled."""
+    qwen = {"max_position_embeddings": 32768, "rope_theta": 1000000.0}
+    engine = load_config(None, ["--actors.engine.rope_scaling",
+                                '{ rope_type = "yarn", factor = 4.0 }']).actors.engine
+    assert engine.hf_overrides(qwen) == {
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 32768},
+        "max_position_embeddings": 131072}
+    assert load_config().actors.engine.hf_overrides(qwen) == {}
+
+
+def test_enforce_eager_unset_is_off_on_gpu_and_on_on_cpu() -> None:
+    engine = EngineConfig()
+    assert engine.enforce_eager is None
+    assert engine.eager(on_gpu=True) is False and engine.eager(on_gpu=False) is True
+    assert EngineConfig(enforce_eager=False).eager(on_gpu=False) is False
+    assert EngineConfig(enforce_eager=True).eager(on_gpu=True) is True
+    # unset is left out of the TOML and reads back unset
+    config = load_config(None, [])
+    config.actors.engine.enforce_eager = None
+    assert "enforce_eager" not in to_toml(config)

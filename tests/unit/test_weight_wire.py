@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from learner.control import Member
-from learner.publisher import plan_lanes, wire_dtype
+from learner.publisher import plan_lanes, weight_backend, wire_dtype
 from protocol import EngineInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
@@ -138,3 +138,13 @@ def test_a_broadcast_that_never_completes_fails_within_its_timeout() -> None:
     with pytest.raises((RuntimeError, TimeoutError)):
         wait_within(work, 2.0)
     sender.abort()
+
+
+def test_the_weight_backend_follows_the_config_or_the_learner() -> None:
+    assert weight_backend("auto", "gloo") == "gloo"
+    assert weight_backend("auto", "nccl") == "nccl"
+    assert weight_backend("gloo", "nccl") == "gloo"  # allowed: through the host
+    with pytest.raises(ValueError, match="needs a learner on GPUs"):
+        weight_backend("nccl", "gloo")
+    with pytest.raises(ValueError, match="not implemented yet"):
+        weight_backend("ipc", "nccl")
