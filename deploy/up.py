@@ -58,7 +58,7 @@ from learner.checkpoint import latest_checkpoint
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
 from ops.report import read_history, write_report
-from ops.summary import RunEnds, RunScraper, summarise
+from ops.summary import RunEnds, RunScraper, scrape, summarise
 
 #: Seconds before restarting a process after its n-th consecutive crash.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -403,7 +403,7 @@ class Up:
 
     def _engine_ready(self, actor: str) -> bool:
         """An actor serves metrics once its engine has started (actors/process.py)."""
-        return engine_ready(self._urls()[actor])
+        return scrape(self._urls()[actor]) is not None
 
     def _tend(self, child: Child, now: float) -> None:
         """Schedule the restart of a child that exited, or restart it when due."""
@@ -519,18 +519,6 @@ class _View:
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
-
-
-def engine_ready(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether an actor's metrics endpoint answers (it opens after its engine started)."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
 
 
 def prepare_model(config: RunConfig) -> None:

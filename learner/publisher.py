@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,6 @@ from learner.control import ControlPlane, Member
 from learner.metrics import LearnerMetrics
 from protocol import GroupInfo, WeightManifest
 from protocol.weights import (
-    BucketSender,
     TransferFailed,
     WeightGroup,
     host_store,
@@ -95,7 +94,6 @@ class Lane:
     world_size: int
     generation: int = 0
     group: WeightGroup | None = None
-    sender: BucketSender | None = field(default=None, repr=False)
 
 
 def plan_lanes(members: list[Member], trained: torch.dtype) -> list[Lane]:
@@ -156,21 +154,19 @@ class WeightPublisher:
                 pass
             return True
         began = time.perf_counter()
-        for lane in formed:
-            lane.sender = lane.group.sender(self.manifest(lane.dtype))
+        senders = [lane.group.sender(self.manifest(lane.dtype)) for lane in formed]
         for index, tensor in enumerate(gathered):
-            for lane in formed:  # a failed lane ignores the rest; the others go on
-                lane.sender.add(index, tensor)
+            for sender in senders:  # a failed lane ignores the rest; the others go on
+                sender.add(index, tensor)
         reached: list[Member] = []
-        for lane in formed:
+        for lane, sender in zip(formed, senders, strict=True):
             try:
-                lane.sender.finish()
+                sender.finish()
                 reached += lane.members
             except (TransferFailed, ValueError) as exc:
                 log.warning("publication of version %d to the %s lane (generation %d) "
                             "failed: %s", version, lane.dtype, lane.generation, exc)
                 lane.group = None
-            lane.sender = None
         # a broadcast has completed at every receiver when its wait returns
         seconds = self.metrics.weight_sync_seconds
         seconds.labels("gather").observe(self._gather_seconds)
