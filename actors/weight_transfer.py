@@ -1,6 +1,7 @@
-"""A vLLM weight-transfer engine of the project's own: broadcasts from learner
-rank 0 (gloo on CPU, NCCL on GPU, :mod:`protocol.weights`) straight into the
-running engine's model.
+"""A vLLM weight-transfer engine of the project's own: publications from
+learner rank 0 straight into the running engine's model, on the transport the
+announcement names (a gloo or NCCL broadcast, or ipc staging buffers:
+:mod:`protocol.weights`).
 
 Registered through the ``vllm.general_plugins`` entry point (pyproject), so
 vLLM's spawned worker processes know it; selected with
@@ -62,7 +63,7 @@ def _engine_class() -> type:
     )
 
     from protocol.messages import TensorSpec, WeightManifest
-    from protocol.weights import WeightGroup, connect_store, worker_rank
+    from protocol.weights import connect_store, join_channel, worker_rank
 
     class BroadcastWeightTransferEngine(WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
         init_info_cls = GroupInitInfo
@@ -75,8 +76,8 @@ def _engine_class() -> type:
                                   init_info.timeout_s)
             # every worker of a tensor-parallel engine holds a rank of its own
             rank = worker_rank(init_info.rank, self.parallel_config.rank)
-            self.group = WeightGroup(store, init_info.generation, init_info.world_size,
-                                     rank, init_info.backend, init_info.timeout_s)
+            self.group = join_channel(store, init_info.generation, init_info.world_size,
+                                      rank, init_info.backend, init_info.timeout_s)
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
@@ -98,7 +99,7 @@ def _engine_class() -> type:
 
         def update_weights(self, update_info: dict) -> None:
             # The base class ends with torch.accelerator.synchronize(), which
-            # raises on CPU-only torch; gloo broadcasts have completed here.
+            # raises on CPU-only torch; every bucket has been received here.
             try:
                 self.receive_weights(self.parse_update_info(update_info))
             except BaseException:

@@ -10,12 +10,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from deploy.config import ConfigError, describe_fields, load_config, to_toml
-
-if TYPE_CHECKING:
-    from deploy.device_plan import DevicePlan
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -206,8 +202,6 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
             print(plan.table(inherited))
         for problem in plan.problems:
             print(f"compactionrl: refused: {problem}", file=sys.stderr)
-        if unbuilt := _unbuilt_transport(plan):
-            print(f"compactionrl: this plan cannot run yet: {unbuilt}", file=sys.stderr)
         return 2 if plan.problems else 0
     if args.gpus is not None and args.gpus != Up._gpus_present():
         print("compactionrl: --gpus only previews a plan (with --plan); up uses the GPUs "
@@ -215,24 +209,11 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     if plan.problems:  # before the model is bootstrapped
         raise ConfigError(list(plan.problems))
-    if unbuilt := _unbuilt_transport(plan):  # not after starting an engine
-        raise ConfigError([unbuilt])
     prepare_model(config)
     if problems := config.model_problems():  # a model bootstrapped just now
         raise ConfigError(problems)
     return Up(config, Path(config.run.out_dir) / config.run.name, resume=args.resume,
               plan=plan).run()
-
-
-def _unbuilt_transport(plan: DevicePlan) -> str | None:
-    """Why the learner would refuse the plan's weight transport, if it would."""
-    from learner.publisher import weight_backend
-
-    try:
-        weight_backend(plan.weight_transport, "nccl" if plan.gpus_present else "gloo")
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -254,14 +254,16 @@ def _transport(learner: LearnerConfig, actors: ActorConfig, learner_on_gpu: bool
                learner_gpus: tuple[int, ...], actor_gpus: list[tuple[int, ...]],
                colocated: list[int], problems: list[str]) -> Transport:
     """What ``learner.weight_transport`` is on this plan: gloo when the
-    learner is on the CPU, ipc when an engine shares learner rank 0's GPU,
-    nccl otherwise; an explicit choice the plan cannot carry is refused."""
+    learner is on the CPU (ipc there if asked: shared memory), ipc when an
+    engine shares learner rank 0's GPU, nccl otherwise; an explicit choice
+    the plan cannot carry is refused."""
     requested = learner.weight_transport
     if not learner_on_gpu:
-        if requested in ("nccl", "ipc"):
-            problems.append(f"learner.weight_transport = \"{requested}\" needs the learner on a "
+        if requested == "nccl":
+            problems.append("learner.weight_transport = \"nccl\" needs the learner on a "
                             "GPU, and it runs on the CPU here: set it to \"auto\" (gloo)")
-        return "gloo"
+        # ipc on the CPU: staging files in this host's memory (up runs one host)
+        return "ipc" if requested == "ipc" else "gloo"
     if colocated:
         shared = sorted(set(learner_gpus) & {g for i in colocated for g in actor_gpus[i]})
         if requested == "nccl":

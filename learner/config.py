@@ -22,9 +22,10 @@ class LearnerConfig:
     weight_transport: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
     """How weights reach the engines. auto chooses from the device plan
     (deploy/device_plan.py): gloo when the learner is on the CPU, ipc when a
-    learner rank and an engine share a GPU, nccl otherwise. A configuration
-    that would put two NCCL ranks on one GPU is refused at load time, naming
-    the fix."""
+    learner rank and an engine share a GPU, nccl otherwise; ipc on the CPU
+    stages weights in shared memory (every engine on the learner's host). A
+    configuration that would put two NCCL ranks on one GPU is refused at load
+    time, naming the fix."""
     gpu_memory_fraction: float = 0.5
     """Co-location only (a learner rank and an engine on one GPU): the share
     of that GPU's memory kept for the learner rank. The engine there gets

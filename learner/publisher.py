@@ -43,8 +43,9 @@ from learner.metrics import LearnerMetrics
 from protocol import GroupInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
-    WeightGroup,
+    WeightChannel,
     host_store,
+    join_channel,
     manifest_of,
     member_ranks,
 )
@@ -58,16 +59,11 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def weight_backend(configured: str, learner_backend: str) -> str:
-    """The process-group backend weights travel on: ``learner.weight_transport``,
-    where ``auto`` (outside a device plan) follows the learner's own backend."""
+    """The transport weights travel on: ``learner.weight_transport``, where
+    ``auto`` (outside a device plan) follows the learner's own backend; ``ipc``
+    stages buffers the engines map (on the learner's GPU, or its host's memory)."""
     if configured == "auto":
         return learner_backend
-    if configured == "ipc":
-        # vLLM's ipc engine (CUDA IPC handles, co-located learner and engine)
-        # is not wired into the publisher yet: refuse rather than fall back
-        raise ValueError("learner.weight_transport = 'ipc' (a learner rank and an engine on "
-                         "one GPU) is not implemented yet: put the actors on GPUs of their own "
-                         "(nccl), see docs/weights.md")
     if configured == "nccl" and learner_backend != "nccl":
         raise ValueError("learner.weight_transport = 'nccl' needs a learner on GPUs "
                          f"(its backend is {learner_backend}): use 'gloo' or 'auto'")
@@ -85,7 +81,7 @@ def wire_dtype(engine_dtype: str, trained: torch.dtype) -> torch.dtype:
 
 @dataclass
 class Lane:
-    """The members that receive in one wire dtype, and their broadcast group."""
+    """The members that receive in one wire dtype, and their channel."""
 
     dtype: torch.dtype
     members: list[Member]
@@ -93,7 +89,7 @@ class Lane:
     """Each member's first group rank (one rank per engine worker)."""
     world_size: int
     generation: int = 0
-    group: WeightGroup | None = None
+    group: WeightChannel | None = None
 
 
 def plan_lanes(members: list[Member], trained: torch.dtype) -> list[Lane]:
@@ -208,8 +204,8 @@ class WeightPublisher:
         if new:
             for lane in self.lanes:
                 try:
-                    lane.group = WeightGroup(self.store, lane.generation, lane.world_size, 0,
-                                             self.backend, self.config.weight_timeout_s)
+                    lane.group = join_channel(self.store, lane.generation, lane.world_size, 0,
+                                              self.backend, self.config.weight_timeout_s)
                 except RuntimeError as exc:  # a member never joined
                     log.warning("group generation %d did not form: %s", lane.generation, exc)
                     lane.group = None

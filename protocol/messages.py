@@ -292,7 +292,9 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     master_port: int
     world_size: int
     rank: int
-    backend: Literal["gloo", "nccl"]
+    backend: Literal["gloo", "nccl", "ipc"]
+    """The weight transport (protocol/weights.py): a broadcast, or staging
+    buffers mapped by the engine (ipc: the engine on learner rank 0's host or GPU)."""
     timeout_s: float = 30.0
     """Bound on joining and on each broadcast: a dead member fails the
     publication after this long instead of hanging it."""

@@ -1,44 +1,52 @@
-"""How a weight broadcast travels, shared by the learner and the actors.
+"""How weights travel from learner rank 0 to the actors' engines: the one
+interface every transport implements, and what all of them share.
 
 Learner rank 0 hosts a ``TCPStore``. Every publication goes to one *group
-generation*: a process group (gloo on CPU, NCCL on GPU) made of rank 0 (rank 0
-of the group) and the current actors, formed under the store prefix
-``weights/<generation>``, beside the learner's own default group. A new
-generation is formed whenever the member set changes.
+generation* made of rank 0 (the sender) and the current actors' engine
+workers, formed under the store prefix ``weights/<generation>``; a new
+generation is formed whenever the member set changes or a publication failed.
+A :class:`WeightChannel` is one member's end of one generation; the transport
+(``GroupInfo.backend``) says how the bytes move, one file per backend:
+
+- ``gloo`` / ``nccl``: a process-group broadcast
+  (:mod:`protocol.weights_collective`): any hosts, any devices;
+- ``ipc``: rank 0 stages each bucket in memory the receivers map, and the
+  store carries the handles and the receivers' acknowledgements
+  (:mod:`protocol.weights_ipc`): CUDA IPC when an engine shares learner rank
+  0's GPU, shared files on the CPU (its twin, same code but the mapping).
 
 Tensors go in manifest order, in the manifest's dtypes: the *wire* dtype,
 which for floating-point tensors is the receiving engines' own (bf16 to a
 bf16 engine), converted once per tensor by the sender, never fp32 master
-weights to a bf16 engine. With ``bucket_bytes == 0`` each tensor is one
-broadcast (fastest on gloo, where packing only adds copies); otherwise
-consecutive tensors are packed into flat byte buffers of at most
-``bucket_bytes`` (the norm on NCCL), a tensor larger than a bucket travelling
-alone. Both sides cut buckets with :func:`buckets` from the announced manifest,
-never from a value of their own.
+weights to a bf16 engine. With ``bucket_bytes == 0`` each tensor is its own
+bucket; otherwise consecutive tensors are packed into flat byte buffers of at
+most ``bucket_bytes``, a tensor larger than a bucket travelling alone. Both
+sides cut buckets with :func:`buckets` from the announced manifest, never
+from a value of their own.
 
 Ranks: the sender is rank 0; each member engine holds as many consecutive
 ranks as it has workers (tensor parallel), every worker receiving the full
 tensors (vLLM's loader takes each worker's shard): :func:`member_ranks`,
 :func:`worker_rank`.
 
-Every broadcast completes within ``timeout_s`` or the group is aborted and
-:class:`TransferFailed` raised (:func:`wait_within`): the same explicit wait
-on gloo and NCCL, whose ``wait()`` does not block the host.
+Every bucket completes within ``timeout_s`` on every transport, or the
+channel is aborted and :class:`TransferFailed` raised: a dead or stalled
+member fails that publication, never the sender's process.
 
 Usage (rank 0, then every actor with its rank)::
 
     store = host_store(port)
-    group = WeightGroup(store, generation=3, world_size=3, rank=0, backend="gloo")
-    group.send(manifest, (p.full_tensor() for p in params))
+    channel = join_channel(store, generation=3, world_size=3, rank=0, backend="gloo")
+    channel.send(manifest, (p.full_tensor() for p in params))
     ...
-    group = WeightGroup(connect_store(host, port), 3, 3, rank=1, backend="gloo")
-    for name, tensor in group.receive(manifest, device):
+    channel = join_channel(connect_store(host, port), 3, 3, rank=1, backend="gloo")
+    for name, tensor in channel.receive(manifest):
         ...
 """
 
 from __future__ import annotations
 
-import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 
@@ -57,7 +65,7 @@ GROUP_TIMEOUT_S = 30.0
 
 
 class TransferFailed(RuntimeError):
-    """A broadcast failed or did not complete in time; the group is aborted."""
+    """A bucket failed or did not complete in time; the channel is aborted."""
 
 
 def member_ranks(workers: Sequence[int]) -> tuple[list[int], int]:
@@ -77,20 +85,6 @@ def worker_rank(base: int, worker: int) -> int:
     """The group rank of an engine's ``worker`` (its rank within the engine,
     vLLM's ``parallel_config.rank``) when the engine's base rank is ``base``."""
     return base + worker
-
-
-def wait_within(work: dist.Work, timeout_s: float) -> None:
-    """Until ``work`` completes; raises :class:`TimeoutError` after
-    ``timeout_s`` (and the op's own error if it failed). Polls: an NCCL work's
-    ``wait()`` only orders streams, it neither blocks the host nor times out."""
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"a broadcast did not complete in {timeout_s:g} s")
-        time.sleep(pause)
-        pause = min(0.001, pause + 0.0001)
-    work.wait()
 
 
 def host_store(port: int, timeout_s: float = GROUP_TIMEOUT_S) -> dist.TCPStore:
@@ -151,48 +145,81 @@ def manifest_of(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
         bucket_bytes=bucket_bytes)
 
 
-class WeightGroup:
-    """One generation of the broadcast group, as seen by one member."""
+def join_channel(store: dist.Store, generation: int, world_size: int, rank: int,
+                 backend: str, timeout_s: float = GROUP_TIMEOUT_S) -> WeightChannel:
+    """This member's end of ``generation`` on ``backend`` (``gloo``, ``nccl``
+    or ``ipc``); returns once every member has joined, or raises after
+    ``timeout_s``."""
+    if backend == "ipc":
+        from protocol.weights_ipc import IpcChannel
 
-    def __init__(self, store: dist.Store, generation: int, world_size: int, rank: int,
-                 backend: str = "gloo", timeout_s: float = GROUP_TIMEOUT_S) -> None:
-        """Join; returns when every member has joined (or raises after ``timeout_s``)."""
-        timeout = timedelta(seconds=timeout_s)
-        prefixed = dist.PrefixStore(f"weights/{generation}", store)
-        if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self._group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-            self.device = torch.device("cpu")
-        self.rank = rank
+        return IpcChannel(store, generation, world_size, rank, timeout_s)
+    if backend in ("gloo", "nccl"):
+        from protocol.weights_collective import WeightGroup
+
+        return WeightGroup(store, generation, world_size, rank, backend, timeout_s)
+    raise ValueError(f"unknown weight transport {backend!r} (gloo, nccl or ipc)")
+
+
+class WeightChannel(ABC):
+    """One member's end of one group generation. Rank 0 sends, the others
+    receive; a transport implements how one bucket moves (a flat ``uint8``
+    buffer, or a tensor travelling alone) and how the channel is aborted."""
+
+    device: torch.device
+    """Where received tensors are (and where rank 0 packs buckets)."""
+
+    def __init__(self, generation: int, world_size: int, rank: int, timeout_s: float) -> None:
         self.generation = generation
+        self.world_size = world_size
+        self.rank = rank
         self.timeout_s = timeout_s
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        try:
-            wait_within(self._group.broadcast(tensor, 0), self.timeout_s)
-        except (RuntimeError, TimeoutError) as exc:  # torch's DistError is a RuntimeError
-            self.abort()
-            raise TransferFailed(f"generation {self.generation}: {exc}") from exc
+    # ------------------------------------------------------------ transport
+    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
+        """Rank 0: a ``uint8`` buffer of ``nbytes`` to pack the next bucket into."""
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
+    @abstractmethod
+    def _send_bucket(self, flat: torch.Tensor) -> None:
+        """Rank 0: move the buffer from :meth:`_bucket_buffer` to every
+        member; raises :class:`TransferFailed` (the channel aborted)."""
+
+    @abstractmethod
+    def _receive_bucket(self, nbytes: int) -> torch.Tensor:
+        """Members: the next bucket's ``nbytes`` as a ``uint8`` tensor of
+        their own on :attr:`device`; raises :class:`TransferFailed`."""
+
+    def _send_tensor(self, tensor: torch.Tensor) -> None:
+        """Rank 0: a tensor that is a bucket of its own (in its wire dtype)."""
+        flat = self._bucket_buffer(tensor.nbytes)
+        flat.copy_(tensor.reshape(-1).view(torch.uint8))
+        self._send_bucket(flat)
+
+    def _receive_tensor(self, spec: TensorSpec) -> torch.Tensor:
+        return self._receive_bucket(nbytes_of(spec)).view(dtype_of(spec)).view(spec.shape)
+
+    def _begin(self) -> None:  # noqa: B027 - most transports need no hook
+        """A publication starts (both sides)."""
+
+    def _finish_send(self) -> None:  # noqa: B027 - a broadcast is complete when sent
+        """Rank 0: returns once every member holds every bucket; raises
+        :class:`TransferFailed`."""
+
+    @abstractmethod
     def abort(self) -> None:
-        """Abort the communicator (NCCL: ``ncclCommAbort``; the process stays
-        healthy); the group is unusable afterwards."""
-        try:
-            self._group.abort()
-        except RuntimeError:
-            pass
+        """Abort the channel, leaving the process healthy; it is unusable
+        afterwards. Never raises."""
 
+    # ------------------------------------------------------------ publications
     def sender(self, manifest: WeightManifest) -> BucketSender:
-        """Rank 0: a publication fed tensor by tensor (several groups can be fed
-        the same tensors in lockstep, each in its own wire dtype)."""
+        """Rank 0: a publication fed tensor by tensor (several channels can be
+        fed the same tensors in lockstep, each in its own wire dtype)."""
+        self._begin()
         return BucketSender(self, manifest)
 
     def send(self, manifest: WeightManifest, tensors: Iterable[torch.Tensor]) -> None:
-        """Rank 0: broadcast ``tensors`` (in manifest order, consumed lazily so
+        """Rank 0: send ``tensors`` (in manifest order, consumed lazily so
         that at most one bucket is held); raises :class:`TransferFailed`."""
         sender = self.sender(manifest)
         for index, tensor in enumerate(tensors):
@@ -200,18 +227,14 @@ class WeightGroup:
         sender.finish()
 
     def receive(self, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
-        """Members: the manifest's tensors as they arrive, on this group's device."""
+        """Members: the manifest's tensors as they arrive, on :attr:`device`."""
+        self._begin()
         for indices in buckets(manifest):
             specs = [manifest.tensors[i] for i in indices]
             if len(specs) == 1:
-                tensor = torch.empty(specs[0].shape, dtype=dtype_of(specs[0]),
-                                     device=self.device)
-                self._broadcast(tensor)
-                yield specs[0].name, tensor
+                yield specs[0].name, self._receive_tensor(specs[0])
                 continue
-            flat = torch.empty(sum(_aligned(nbytes_of(s)) for s in specs),
-                               dtype=torch.uint8, device=self.device)
-            self._broadcast(flat)
+            flat = self._receive_bucket(sum(_aligned(nbytes_of(s)) for s in specs))
             offset = 0
             for spec in specs:
                 size = nbytes_of(spec)
@@ -220,15 +243,15 @@ class WeightGroup:
 
 
 class BucketSender:
-    """One publication into one group, fed tensor by tensor in manifest order.
+    """One publication into one channel, fed tensor by tensor in manifest order.
 
     Each tensor is converted to its wire dtype as it is packed (once per
-    group); a bucket is broadcast when its last tensor arrives, so at most
-    one bucket is held. After a failure it ignores the rest (``error`` says
-    why), so that the caller can go on feeding the other groups."""
+    channel); a bucket is sent when its last tensor arrives, so at most one
+    bucket is held. After a failure it ignores the rest (``error`` says why),
+    so that the caller can go on feeding the other channels."""
 
-    def __init__(self, group: WeightGroup, manifest: WeightManifest) -> None:
-        self.group = group
+    def __init__(self, channel: WeightChannel, manifest: WeightManifest) -> None:
+        self.channel = channel
         self.manifest = manifest
         self.error: TransferFailed | None = None
         self._cuts = buckets(manifest)
@@ -243,20 +266,20 @@ class BucketSender:
         if index not in indices:
             raise ValueError(f"tensor {index} out of manifest order (bucket {indices})")
         spec = self.manifest.tensors[index]
-        wire = tensor.to(self.group.device, dtype_of(spec)).contiguous()
+        wire = tensor.to(self.channel.device, dtype_of(spec)).contiguous()
         try:
             if len(indices) == 1:
-                self.group._broadcast(wire)
+                self.channel._send_tensor(wire)
             else:
                 if self._flat is None:
-                    size = sum(_aligned(nbytes_of(self.manifest.tensors[i])) for i in indices)
-                    self._flat = torch.zeros(size, dtype=torch.uint8, device=self.group.device)
+                    self._flat = self.channel._bucket_buffer(
+                        sum(_aligned(nbytes_of(self.manifest.tensors[i])) for i in indices))
                     self._offset = 0
                 nbytes = nbytes_of(spec)
                 self._flat[self._offset: self._offset + nbytes] = wire.view(-1).view(torch.uint8)
                 self._offset += _aligned(nbytes)
                 if index == indices[-1]:
-                    self.group._broadcast(self._flat)
+                    self.channel._send_bucket(self._flat)
                     self._flat = None
         except TransferFailed as exc:
             self.error = exc
@@ -265,7 +288,13 @@ class BucketSender:
             self._bucket += 1
 
     def finish(self) -> None:
-        """Raises the failure, if any, or if tensors are missing."""
+        """Returns once every member holds the publication; raises the
+        failure, if any, or if tensors are missing."""
+        if self.error is None and self._bucket == len(self._cuts):
+            try:
+                self.channel._finish_send()
+            except TransferFailed as exc:
+                self.error = exc
         if self.error is not None:
             raise self.error
         if self._bucket != len(self._cuts):

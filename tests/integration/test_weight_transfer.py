@@ -1,8 +1,9 @@
-"""Weights broadcast over gloo into a running vLLM CPU engine, through the
-project's transfer engine (registered by its vllm.general_plugins entry point
-in vLLM's spawned workers): afterwards the engine generates exactly as a fresh
-engine started from the same weights on disk, and a request in flight across
-the update carries both versions."""
+"""Weights pushed into a running vLLM CPU engine over gloo and over ipc
+(shared staging files, the CPU twin of CUDA IPC), through the project's
+transfer engine (registered by its vllm.general_plugins entry point in vLLM's
+spawned workers): afterwards the engine generates exactly as a fresh engine
+started from the same weights on disk, and a request in flight across the
+update carries both versions."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from actors.config import ActorConfig, EngineConfig
 from actors.engine import Engine, quiet_vllm_logging
 from protocol import GroupInfo
-from protocol.weights import WeightGroup, host_store, manifest_of, member_ranks
+from protocol.weights import WeightChannel, host_store, join_channel, manifest_of, member_ranks
 from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow
@@ -72,18 +73,20 @@ class _Learner:
         [self.port] = free_ports(1)
         self.store = host_store(self.port)
         self.generation = 0
-        self.group: WeightGroup | None = None
+        self.backend = "gloo"
+        self.group: WeightChannel | None = None
         [self.base], self.world_size = member_ranks([workers])
 
     def group_info(self) -> GroupInfo:
         return GroupInfo(generation=self.generation, master_addr="127.0.0.1",
                          master_port=self.port, world_size=self.world_size, rank=self.base,
-                         backend="gloo")
+                         backend=self.backend)
 
-    def join(self, engine_loop, engine: Engine) -> None:
+    def join(self, engine_loop, engine: Engine, backend: str = "gloo") -> None:
         self.generation += 1
-        thread = threading.Thread(target=lambda: setattr(
-            self, "group", WeightGroup(self.store, self.generation, self.world_size, 0)))
+        self.backend = backend
+        thread = threading.Thread(target=lambda: setattr(self, "group", join_channel(
+            self.store, self.generation, self.world_size, 0, backend)))
         thread.start()
         engine_loop.run(engine.join_weight_group(self.group_info()))
         thread.join(timeout=60)
@@ -124,6 +127,14 @@ def test_pushed_weights_generate_exactly_as_the_same_weights_from_disk(
     # bucketed (the NCCL layout) in the same group, back to the original weights
     engine_loop.run(learner.push(live_engine, _tensors(tiny_model_dir), version=2,
                                  bucket_bytes=64 * 1024))
+    assert [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS] == before
+
+    # a new generation on the ipc transport: bucketed, then a tensor per bucket
+    learner.join(engine_loop, live_engine, backend="ipc")
+    engine_loop.run(learner.push(live_engine, _tensors(trained_dir), version=3,
+                                 bucket_bytes=64 * 1024))
+    assert [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS] == from_disk
+    engine_loop.run(learner.push(live_engine, _tensors(tiny_model_dir), version=4))
     assert [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS] == before
 
 

@@ -1,7 +1,8 @@
 """What travels in a weight publication and to whom: the engines' dtype on
 the wire (never fp32 master weights to a bf16 engine), one group per dtype of
-a mixed fleet, one rank per tensor-parallel worker, and a broadcast that
-cannot outlive its timeout. Real gloo groups between threads."""
+a mixed fleet, one rank per tensor-parallel worker, and a publication that
+cannot outlive its timeout, on the gloo and ipc transports. Real gloo groups
+and shared files between processes."""
 
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ from learner.publisher import plan_lanes, weight_backend, wire_dtype
 from protocol import EngineInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
-    WeightGroup,
     connect_store,
     host_store,
+    join_channel,
     manifest_of,
     member_ranks,
     nbytes_of,
-    wait_within,
     worker_rank,
 )
 from tests.ports import free_ports
@@ -69,12 +69,16 @@ def test_a_mixed_fleet_is_split_into_one_lane_per_dtype() -> None:
                                    (torch.float16, ["b"], [1], 2)]
 
 
-def _member_process(port: int, manifest: WeightManifest, timeout_s: float,
-                    results: multiprocessing.Queue) -> None:
+def _member_process(port: int, backend: str, manifest: WeightManifest | None,
+                    timeout_s: float, results: multiprocessing.Queue) -> None:
     """Rank 1 in a process of its own (two gloo groups forming in one process
-    hold each other up): what it received, or the error it ended with."""
+    hold each other up): what it received, or the error it ended with; with
+    no manifest it joins and then stalls."""
     try:
-        group = WeightGroup(connect_store("127.0.0.1", port), 1, 2, 1, timeout_s=timeout_s)
+        group = join_channel(connect_store("127.0.0.1", port, timeout_s), 1, 2, 1, backend,
+                             timeout_s)
+        if manifest is None:
+            time.sleep(3600)
         began = time.monotonic()
         try:
             # as bytes: a shared tensor would need this process alive to be read
@@ -87,24 +91,26 @@ def _member_process(port: int, manifest: WeightManifest, timeout_s: float,
         results.put(repr(exc))
 
 
-def _start_member(port: int, manifest: WeightManifest, timeout_s: float
+def _start_member(port: int, backend: str, manifest: WeightManifest | None, timeout_s: float
                   ) -> tuple[multiprocessing.Process, multiprocessing.Queue]:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    process = context.Process(target=_member_process, args=(port, manifest, timeout_s, results))
+    process = context.Process(target=_member_process,
+                              args=(port, backend, manifest, timeout_s, results))
     process.start()
     return process, results
 
 
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
 @pytest.mark.parametrize("bucket_bytes", [0, 256])
-def test_a_receiver_gets_exactly_the_sender_tensors_in_the_wire_dtype(bucket_bytes: int
-                                                                      ) -> None:
+def test_a_receiver_gets_exactly_the_sender_tensors_in_the_wire_dtype(bucket_bytes: int,
+                                                                      backend: str) -> None:
     [port] = free_ports(1)
     store = host_store(port, timeout_s=60)
     manifest = manifest_of(TENSORS, bucket_bytes, torch.bfloat16)
-    process, results = _start_member(port, manifest, 60)
+    process, results = _start_member(port, backend, manifest, 60)
     try:
-        WeightGroup(store, 1, 2, 0, timeout_s=60).send(manifest, (t for _, t in TENSORS))
+        join_channel(store, 1, 2, 0, backend, 60).send(manifest, (t for _, t in TENSORS))
         received = [(name, torch.frombuffer(bytearray(data), dtype=torch.uint8)
                      .view(getattr(torch, dtype.removeprefix("torch."))).reshape(shape))
                     for name, dtype, shape, data in results.get(timeout=60)]
@@ -117,27 +123,43 @@ def test_a_receiver_gets_exactly_the_sender_tensors_in_the_wire_dtype(bucket_byt
         assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
-def test_a_broadcast_that_never_completes_fails_within_its_timeout() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_bucket_never_sent_fails_the_receiver_within_its_timeout(backend: str) -> None:
     """A member waits for a bucket the sender never sends (the sender froze,
     or its NCCL work never finishes): it gives up after the timeout instead
-    of hanging, having aborted the group."""
+    of hanging, having aborted the channel."""
     [port] = free_ports(1)
     store = host_store(port, timeout_s=60)
     manifest = manifest_of(TENSORS, 0)
-    process, results = _start_member(port, manifest, 1.0)
+    process, results = _start_member(port, backend, manifest, 1.0)
     try:
-        sender = WeightGroup(store, 1, 2, 0, timeout_s=60)  # joins, then sends nothing
+        sender = join_channel(store, 1, 2, 0, backend, 60)  # joins, then sends nothing
         outcome = results.get(timeout=60)
     finally:
         process.join(timeout=30)
         process.kill()
     assert outcome[0] == "TransferFailed", outcome
     assert outcome[1] < 10
-    # and the sender's own wait is bounded the same way: nobody receives this
-    work = sender._group.broadcast(torch.zeros(4), 0)
-    with pytest.raises((RuntimeError, TimeoutError)):
-        wait_within(work, 2.0)
     sender.abort()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_member_that_stalls_fails_the_sender_within_its_timeout(backend: str) -> None:
+    """The member joins, then never takes a bucket: the sender's publication
+    raises TransferFailed after its timeout instead of hanging."""
+    [port] = free_ports(1)
+    store = host_store(port, timeout_s=60)
+    big = [("w", torch.zeros(4 << 20))]  # 16 MB: more than any socket buffer holds
+    process, _ = _start_member(port, backend, None, 60)
+    try:
+        sender = join_channel(store, 1, 2, 0, backend, 2.0)
+        began = time.monotonic()
+        with pytest.raises(TransferFailed):
+            sender.send(manifest_of(big, 0), (t for _, t in big))
+        assert time.monotonic() - began < 10
+    finally:
+        process.kill()
+        process.join(timeout=30)
 
 
 def test_the_weight_backend_follows_the_config_or_the_learner() -> None:
@@ -146,5 +168,5 @@ def test_the_weight_backend_follows_the_config_or_the_learner() -> None:
     assert weight_backend("gloo", "nccl") == "gloo"  # allowed: through the host
     with pytest.raises(ValueError, match="needs a learner on GPUs"):
         weight_backend("nccl", "gloo")
-    with pytest.raises(ValueError, match="not implemented yet"):
-        weight_backend("ipc", "nccl")
+    assert weight_backend("ipc", "nccl") == "ipc"  # CUDA IPC on the learner's GPU
+    assert weight_backend("ipc", "gloo") == "ipc"  # shared memory on its host
