@@ -3,8 +3,9 @@ publication fails within ``learner.weight_timeout_s``, the learner (under
 torchrun) lives, takes its next step, and its next publication, to a new
 group generation, reaches the survivor in full, in the survivor's dtype.
 
-The same code path as on a GPU but for the backend: gloo here, NCCL there
-(docs/weights.md says what was not run)."""
+On both transports: gloo (the same code path as NCCL on a GPU) and ipc (the
+CPU twin of CUDA IPC: staging files, acknowledgements through the store);
+docs/weights.md says what was not run."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def _wait(condition, timeout: float, what: str, logs: dict[str, Path]) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
 def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
-        tiny_model_dir: Path, tmp_path: Path) -> None:
+        transport: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     actor_address, learner_address, control = loopback_addresses(3)
     [store] = free_ports(1)
     service = ReplayService(ReplayConfig(
@@ -80,6 +82,7 @@ def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
              "--learner.max_steps", "20", "--learner.publish_every", "1",
              "--learner.weight_bucket_bytes", str(64 * 1024),  # several buckets
              "--learner.weight_timeout_s", str(TIMEOUT_S),
+             "--learner.weight_transport", transport,
              "--transport.heartbeat_interval_s", "0.5"], logs["learner"])
         survivor = _receiver(control, "survivor", logs["survivor"], "--dtype", "bfloat16")
         doomed = _receiver(control, "doomed", logs["doomed"], "--dtype", "bfloat16",

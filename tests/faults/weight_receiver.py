@@ -1,6 +1,6 @@
 """A plain weight receiver: an actor of the learner's control socket that
-joins each announced group generation and receives every publication
-through the project's own transfer code (``protocol.weights``), without a
+joins each announced group generation and receives every publication, on
+the transport announced, through the project's own transfer code (``protocol.weights``), without a
 vLLM engine. With ``--die-in`` it SIGKILLs itself after the first bucket of
 that version: a receiver dying in the middle of a bucketed broadcast.
 
@@ -29,7 +29,7 @@ from protocol import (
     WeightsLoaded,
     Welcome,
 )
-from protocol.weights import WeightGroup, connect_store, dtype_name
+from protocol.weights import WeightChannel, connect_store, dtype_name, join_channel
 from tests.protocol_clients import ControlClient
 
 HEARTBEAT_S = 0.5
@@ -45,7 +45,7 @@ def main() -> None:
     client = ControlClient(zmq.Context(), args.control, args.actor_id)
     engine = EngineInfo(device="cpu", dtype=args.dtype, tensor_parallel=1, model="receiver")
     client.send(Hello, engine=engine, capacity=1)
-    group: WeightGroup | None = None
+    group: WeightChannel | None = None
     joined = -1
     last_beat = 0.0
     while True:
@@ -68,9 +68,9 @@ def main() -> None:
         began = time.perf_counter()
         try:
             if info.generation != joined:
-                group = WeightGroup(connect_store(info.master_addr, info.master_port,
-                                                  info.timeout_s), info.generation,
-                                    info.world_size, info.rank, info.backend, info.timeout_s)
+                group = join_channel(connect_store(info.master_addr, info.master_port,
+                                                   info.timeout_s), info.generation,
+                                     info.world_size, info.rank, info.backend, info.timeout_s)
                 joined = info.generation
             dtypes = set()
             count = 0
