@@ -31,6 +31,10 @@ import torch
 
 BACKEND = "compactionrl"
 
+#: Tensors received ahead of the loader: the next ones travel while vLLM loads
+#: and repacks this one (bench/weights.py: push/raw 2.65 -> 1.5-1.85 here).
+RECEIVE_AHEAD = 4
+
 
 @dataclass
 class GroupInitInfo:
@@ -90,7 +94,7 @@ def _engine_class() -> type:
             dtype = self.model_config.dtype
 
             def converted():
-                for name, tensor in self.group.receive(manifest):
+                for name, tensor in self.group.receive(manifest, ahead=RECEIVE_AHEAD):
                     # the learner may train in another precision than this engine runs
                     yield name, tensor.to(self.device, dtype if tensor.is_floating_point()
                                           else tensor.dtype)

@@ -9,7 +9,9 @@ the same way, between plain processes that only receive (the same
 ``WeightGroup`` code, nothing converted or loaded), and against one flat
 buffer of those bytes (the transport's limit here) — in the same run.
 ``wire_bytes_vs_fp32`` is the bytes sent over what fp32 master weights would
-be; ``push_seconds_by_receivers`` the sender's push of the larger model
+be; ``ipc_push_vs_raw_100m`` the same push into one engine over the ipc
+transport (staging files, the CPU twin of CUDA IPC) against the raw gloo
+broadcast; ``push_seconds_by_receivers`` the sender's push of the larger model
 (conversion included) to 1, 2 and 4 plain receiving processes. Also the
 generation stall per push against the load time, and where a push's time
 goes (phases of ``Engine.load_weights``). And the generation stall of a
@@ -48,7 +50,8 @@ from actors.config import EngineConfig, SamplingConfig
 from actors.engine import Engine, LoadTimes, quiet_vllm_logging
 from deploy.tiny_model import TinyModelConfig, build_tiny_model
 from protocol import GroupInfo, WeightManifest
-from protocol.weights import WeightGroup, connect_store, host_store, manifest_of
+from protocol.weights import WeightChannel, connect_store, host_store, join_channel, manifest_of
+from protocol.weights_collective import WeightGroup
 
 #: Shape of the larger model: Qwen2 layers 768 wide; the layer count is
 #: chosen to reach the requested parameter count.
@@ -113,16 +116,17 @@ def raw_broadcast(tensors: list[tuple[str, torch.Tensor]], receivers: int, round
 
 async def push_into_engines(engines: list[Engine], tensors: list[tuple[str, torch.Tensor]],
                             rounds: int, store, port: int, generation: int,
-                            wire: torch.dtype) -> tuple[float, list[LoadTimes]]:
+                            wire: torch.dtype, transport: str = "gloo"
+                            ) -> tuple[float, list[LoadTimes]]:
     """Median end-to-end push seconds, and every engine's load times."""
     world = len(engines) + 1
-    joined: list[WeightGroup] = []
+    joined: list[WeightChannel] = []
     learner = threading.Thread(target=lambda: joined.append(
-        WeightGroup(store, generation, world, 0)))
+        join_channel(store, generation, world, 0, transport)))
     learner.start()
     await asyncio.gather(*(engine.join_weight_group(GroupInfo(
         generation=generation, master_addr="127.0.0.1", master_port=port, world_size=world,
-        rank=rank, backend="gloo")) for rank, engine in enumerate(engines, start=1)))
+        rank=rank, backend=transport)) for rank, engine in enumerate(engines, start=1)))
     learner.join()
     manifest = manifest_of(tensors, 0, wire)
     times, loads = [], []
@@ -240,6 +244,13 @@ async def main(args: argparse.Namespace) -> dict:
                         t.load_seconds for t in loads), 4)
                     report[f"{key}_phases_s"] = {name: round(statistics.mean(
                         t.phases[name] for t in loads), 4) for name in loads[0].phases}
+                if 1 in args.engines:  # the same push over ipc (staging files, this host)
+                    ipc_s, _ = await push_into_engines(engines[:1], tensors, args.pushes,
+                                                       store, port, next(generations), wire,
+                                                       "ipc")
+                    report[f"{label}_1_ipc_push_s"] = round(ipc_s, 4)
+                    report[f"{label}_1_ipc_push_vs_raw"] = round(
+                        ipc_s / report[f"{label}_1_raw_s"], 2)
                 stalls = await stall_in_flight(engines[0], tensors, store, port,
                                                next(generations), args.stall_requests,
                                                args.stall_prompt_tokens)
@@ -258,6 +269,8 @@ async def main(args: argparse.Namespace) -> dict:
     first = min(args.engines)
     report["push_vs_raw_100m"] = report[f"big_{first}_push_vs_raw"]
     report["push_vs_flat_100m"] = report[f"big_{first}_push_vs_flat"]
+    if 1 in args.engines:
+        report["ipc_push_vs_raw_100m"] = report["big_1_ipc_push_vs_raw"]
     report["wire_bytes_vs_fp32"] = report["big_wire_bytes_vs_fp32"]
     report["stall_vs_load"] = round(report[f"big_{first}_stall_s"]
                                     / report[f"big_{first}_load_s"], 3)

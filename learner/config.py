@@ -34,6 +34,21 @@ class LearnerConfig:
     mixed_precision: Literal["bf16", "off"] = "bf16"
     """On GPU, FSDP2 computes in bf16 and reduces gradients in fp32 (master
     weights stay fp32). Ignored on CPU, which trains in fp32."""
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Keep only each decoder layer's input for backward and recompute the
+    layer there (policy and critic): activation memory of one layer instead
+    of all, for a second forward pass of each layer. auto: on on GPU, off on
+    the CPU."""
+    logprob_chunk_tokens: int = 0
+    """Token positions whose [positions, vocabulary] logits exist at once when
+    computing log-probabilities; backward recomputes them chunk by chunk. The
+    values are those of the whole-share pass (0 = that pass: all logits of a
+    forward at once, in float32)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one forward pass, padding included: each rank's share
+    of a minibatch is cut into micro-batches of whole sequences within it
+    (a longer sequence alone), their gradients accumulated into one update
+    that equals the update without the cut (0 = off: the whole share at once)."""
     lr: float = 1e-4
     """Policy learning rate (AdamW)."""
     critic_lr: float = 1e-4
@@ -117,8 +132,9 @@ class LearnerConfig:
         for name in ("ppo_epochs", "minibatches", "max_steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{section}.{name} must be >= 1")
-        if self.weight_bucket_bytes < 0:
-            problems.append(f"{section}.weight_bucket_bytes must be >= 0")
+        for name in ("weight_bucket_bytes", "logprob_chunk_tokens", "max_tokens_per_microbatch"):
+            if getattr(self, name) < 0:
+                problems.append(f"{section}.{name} must be >= 0")
         if self.weight_timeout_s <= 0:
             problems.append(f"{section}.weight_timeout_s must be > 0")
         if not 0 < self.gpu_memory_fraction < 1:

@@ -46,9 +46,11 @@ Usage (rank 0, then every actor with its rank)::
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
+from queue import Full, Queue
 
 import torch
 import torch.distributed as dist
@@ -226,8 +228,16 @@ class WeightChannel(ABC):
             sender.add(index, tensor)
         sender.finish()
 
-    def receive(self, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
-        """Members: the manifest's tensors as they arrive, on :attr:`device`."""
+    def receive(self, manifest: WeightManifest, ahead: int = 0
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Members: the manifest's tensors as they arrive, on :attr:`device`.
+        With ``ahead > 0`` a thread receives up to ``ahead`` tensors ahead of
+        the consumer, so that the next bucket travels while the engine loads
+        this one (a failure is raised where the consumer reaches it)."""
+        received = self._received(manifest)
+        return received if ahead == 0 else received_ahead(received, ahead)
+
+    def _received(self, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
         self._begin()
         for indices in buckets(manifest):
             specs = [manifest.tensors[i] for i in indices]
@@ -240,6 +250,46 @@ class WeightChannel(ABC):
                 size = nbytes_of(spec)
                 yield spec.name, flat[offset: offset + size].view(dtype_of(spec)).view(spec.shape)
                 offset += _aligned(size)
+
+
+def received_ahead(tensors: Iterator[tuple[str, torch.Tensor]], ahead: int
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors``, drawn by a thread of its own up to ``ahead`` items before
+    the consumer; its exception, if any, is raised in the consumer. A consumer
+    that stops early stops the thread at its next item."""
+    queue: Queue = Queue(maxsize=ahead)
+    stop = threading.Event()
+    end = object()
+
+    def put(item: object) -> bool:
+        """Queue ``item`` unless the consumer has stopped."""
+        while not stop.is_set():
+            try:
+                queue.put(item, timeout=0.1)
+                return True
+            except Full:
+                continue
+        return False
+
+    def draw() -> None:
+        try:
+            for item in tensors:
+                if not put(item):
+                    return
+            put(end)
+        except BaseException as exc:  # noqa: BLE001 - raised in the consumer
+            put(exc)
+
+    thread = threading.Thread(target=draw, name="weights-receive", daemon=True)
+    thread.start()
+    try:
+        while (item := queue.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 class BucketSender:

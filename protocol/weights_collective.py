@@ -1,5 +1,8 @@
 """The ``gloo`` / ``nccl`` weight transport: each bucket is one process-group
-broadcast from rank 0 (gloo on the CPU, NCCL between GPUs, any hosts).
+broadcast from rank 0 (gloo on the CPU, NCCL between GPUs, any hosts). Rank 0
+keeps one broadcast in flight while it converts and packs the next bucket;
+members receive one at a time (the engine's loader may draw ahead:
+:func:`protocol.weights.received_ahead`).
 
 Every broadcast is waited for explicitly with a deadline (:func:`wait_within`):
 an NCCL work's ``wait()`` only orders streams, it neither blocks the host nor
@@ -50,17 +53,38 @@ class WeightGroup(WeightChannel):
         else:
             self._group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
             self.device = torch.device("cpu")
+        # rank 0: the broadcast in flight, and its tensor (kept alive until it completes)
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast and wait for completion (members: the tensor is filled)."""
+        self._start(tensor)
+        self._wait()
+
+    def _start(self, tensor: torch.Tensor) -> None:
+        """Start a broadcast of ``tensor`` after the previous one completes;
+        returns while it travels (rank 0 converts and packs the next)."""
+        self._wait()
         try:
-            wait_within(self._group.broadcast(tensor, 0), self.timeout_s)
+            self._pending = (self._group.broadcast(tensor, 0), tensor)
+        except RuntimeError as exc:
+            self.abort()
+            raise TransferFailed(f"generation {self.generation}: {exc}") from exc
+
+    def _wait(self) -> None:
+        if self._pending is None:
+            return
+        work, _ = self._pending
+        self._pending = None  # the tensor may be freed once the work has completed
+        try:
+            wait_within(work, self.timeout_s)
         except (RuntimeError, TimeoutError) as exc:  # torch's DistError is a RuntimeError
             self.abort()
             raise TransferFailed(f"generation {self.generation}: {exc}") from exc
 
     # a tensor travelling alone is broadcast as it is: packing would only add a copy
     def _send_tensor(self, tensor: torch.Tensor) -> None:
-        self._broadcast(tensor)
+        self._start(tensor)
 
     def _receive_tensor(self, spec: TensorSpec) -> torch.Tensor:
         tensor = torch.empty(spec.shape, dtype=dtype_of(spec), device=self.device)
@@ -68,7 +92,10 @@ class WeightGroup(WeightChannel):
         return tensor
 
     def _send_bucket(self, flat: torch.Tensor) -> None:
-        self._broadcast(flat)
+        self._start(flat)
+
+    def _finish_send(self) -> None:
+        self._wait()
 
     def _receive_bucket(self, nbytes: int) -> torch.Tensor:
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -450,7 +450,8 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     ".venv/bin/python bench/ppo_step.py --json": Run(
         ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
     ".venv/bin/python bench/weights.py --json": Run(
-        ("--quick",), ("push_vs_raw_100m", "stall_vs_load", "stall_keep_vs_recompute"),
+        ("--quick",), ("push_vs_raw_100m", "ipc_push_vs_raw_100m", "stall_vs_load",
+                       "stall_keep_vs_recompute"),
         slow=True),
     ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
     ".venv/bin/python bench/gpu_check.py --json": Run(BENCH_DRY_RUN, ("ipc_push", "seconds")),

@@ -7,6 +7,7 @@ and shared files between processes."""
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from protocol.weights import (
     manifest_of,
     member_ranks,
     nbytes_of,
+    received_ahead,
     worker_rank,
 )
 from tests.ports import free_ports
@@ -160,6 +162,36 @@ def test_a_member_that_stalls_fails_the_sender_within_its_timeout(backend: str) 
     finally:
         process.kill()
         process.join(timeout=30)
+
+
+def test_received_ahead_keeps_order_and_raises_where_the_consumer_reaches_it() -> None:
+    def tensors(fail_at: int | None):
+        for i in range(10):
+            if i == fail_at:
+                raise TransferFailed("member died")
+            yield f"t{i}", torch.full((2,), i)
+
+    assert [n for n, _ in received_ahead(tensors(None), 3)] == [f"t{i}" for i in range(10)]
+    got = []
+    with pytest.raises(TransferFailed, match="member died"):
+        for name, _ in received_ahead(tensors(6), 2):
+            got.append(name)
+    assert got == [f"t{i}" for i in range(6)]
+
+
+def test_a_consumer_that_stops_early_stops_the_receiving_thread() -> None:
+    drawn = []
+
+    def tensors():
+        for i in range(1000):
+            drawn.append(i)
+            yield f"t{i}", torch.zeros(1)
+
+    ahead = received_ahead(tensors(), 2)
+    assert next(ahead)[0] == "t0"
+    ahead.close()  # joins the thread
+    assert len(drawn) <= 5
+    assert not any(t.name == "weights-receive" for t in threading.enumerate())
 
 
 def test_the_weight_backend_follows_the_config_or_the_learner() -> None:
