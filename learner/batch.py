@@ -83,6 +83,22 @@ class TrainBatch:
         return [sorted(share) for share in shares]
 
 
+def microbatches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of the sequences of these lengths per micro-batch, so that
+    each micro-batch padded to its longest sequence (rows x longest tokens)
+    fits in ``budget`` tokens; a sequence longer than that goes alone.
+    Longest first, each filled before the next is opened: similar lengths
+    share a micro-batch, so little of it is padding."""
+    groups: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        # the first of a micro-batch is its longest
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
 def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = True
                    ) -> TrainBatch:
     """Convert and check: every rollout ends with a final segment carrying a

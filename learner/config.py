@@ -40,10 +40,10 @@ class LearnerConfig:
     of all, for a second forward pass of each layer. auto: on on GPU, off on
     the CPU."""
     logprob_chunk_tokens: int = 0
-    """Token positions whose [positions, vocabulary] logits exist at once when
-    computing log-probabilities; backward recomputes them chunk by chunk. The
-    values are those of the whole-share pass (0 = that pass: all logits of a
-    forward at once, in float32)."""
+    """Positions whose [positions, vocabulary] float32 logits exist at once
+    when computing log-probabilities; backward computes each chunk's again.
+    The same values as without (0 = off: the logits of a whole forward pass
+    at once)."""
     max_tokens_per_microbatch: int = 0
     """Token budget of one forward pass, padding included: each rank's share
     of a minibatch is cut into micro-batches of whole sequences within it

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from types import MethodType
+from typing import Literal
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ def checkpoint_layers(model: nn.Module) -> None:
 
 
 def shard(model: nn.Module, device: torch.device | None = None, bf16: bool = False,
-          activation_checkpointing: str = "off") -> nn.Module:
+          activation_checkpointing: Literal["auto", "on", "off"] = "off") -> nn.Module:
     """FSDP2 on ``device``: each transformer layer its own unit, then the rest;
     with ``bf16``, parameters are cast to bf16 for compute and gradients
     reduced in fp32. FSDP averages gradients over ranks; the trainer
@@ -136,30 +137,30 @@ def _chunked_token_logprobs(policy: nn.Module, ids: torch.Tensor, chunk_tokens: 
     ``chunked_token_logprobs`` (see load_policy). For causal LMs whose logits
     are ``lm_head(last hidden state)`` with no bias or scaling (Qwen2, Llama)."""
     hidden = policy.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
-    targets = ids[:, 1:]
-    chosen = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]),
-                                    policy.get_output_embeddings().weight,
-                                    targets.reshape(-1), chunk_tokens)
-    return chosen.view(targets.shape)
+    return _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]),
+                                  policy.get_output_embeddings().weight, ids[:, 1:],
+                                  chunk_tokens)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """log_softmax(hidden @ weight.T)[target] per row of ``hidden`` [N, H],
-    ``chunk`` rows at a time. Forward keeps nothing of a chunk but its [chunk]
-    results; backward computes each chunk's logits again. Per chunk the
-    operations are those of the whole pass (the logits in the weights'
-    dtype, then float32; autograd's log-softmax gradient, rounded back to
-    the weights' dtype), so values and gradients differ from it by the order
-    of the sums over rows only."""
+    ``chunk`` rows at a time, in the shape of ``targets`` (N elements; a
+    tensor of its own, not a view, as FSDP2 wants a module's output).
+    Forward keeps nothing of a chunk but its results; backward computes the
+    chunk's logits again. Per chunk the operations are those of the whole
+    pass (logits in the weights' dtype, then float32; the log-softmax
+    gradient, rounded back to the weights' dtype), so values and gradients
+    differ from it by rounding only: sums over rows in another order."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor,
                 weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+        flat_out, targets = out.view(-1), targets.reshape(-1)
         for start in range(0, len(targets), chunk):
             rows = slice(start, start + chunk)
-            logits = F.linear(hidden[rows], weight).float()
-            out[rows] = torch.log_softmax(logits, dim=-1).gather(-1, targets[rows, None])[:, 0]
+            logp = torch.log_softmax(F.linear(hidden[rows], weight).float(), dim=-1)
+            flat_out[rows] = logp.gather(-1, targets[rows, None])[:, 0]
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk = chunk
         return out
@@ -168,14 +169,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         hidden, weight, targets = ctx.saved_tensors
+        grad = grad.reshape(-1)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight)
         for start in range(0, len(targets), ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            logits = F.linear(hidden[rows], weight).float()
             # d log_softmax(x)_t / dx = onehot(t) - softmax(x); softmax as
             # exp(log_softmax), as autograd's log-softmax backward takes it
-            grad_logits = torch.log_softmax(logits, dim=-1).exp_().mul_(-grad[rows, None])
+            grad_logits = torch.log_softmax(F.linear(hidden[rows], weight).float(), dim=-1)
+            grad_logits.exp_().mul_(-grad[rows, None])
             grad_logits.scatter_add_(1, targets[rows, None], grad[rows, None])
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[rows] = grad_logits @ weight

@@ -5,15 +5,23 @@
 2. With the weights at the step's start: log pi_prox of every token and the
    critic's values (no gradient). With one minibatch (the default) its first
    update already runs at those weights, so they are taken from that update's
-   own forward passes instead: one forward pass per model less each step.
+   own forward passes instead: one forward pass per model less each step
+   (the policy's only, when the share is cut into micro-batches: the
+   advantages need every old value before the first value loss).
 3. Advantages (cross-trajectory GAE, independent GAE, or group-relative) and
    value targets, per rollout.
 4. ``ppo_epochs`` passes over the minibatches: policy loss normalised by the
    minibatch's trainable tokens over all ranks (or per segment, for the
    ablation), clipped value loss, one optimizer step each.
 
-Every rank runs one forward and one backward per model and minibatch (with
-a dummy sequence if it has none), so FSDP's collectives always match.
+With ``max_tokens_per_microbatch``, each rank's share of a minibatch goes
+through the models in micro-batches of whole sequences within that budget,
+their gradients accumulated: every loss term is already divided by the
+minibatch's global count, so the sum over micro-batches is the update of the
+whole share. Every rank runs the same number of forward and backward passes
+per model and minibatch (ranks agree on the largest count of micro-batches;
+one with fewer, or none, runs dummy sequences), so FSDP's collectives always
+match.
 
 Usage::
 
@@ -24,14 +32,14 @@ Usage::
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from learner.advantages import cross_trajectory_gae
-from learner.batch import Sequence, TrainBatch
+from learner.batch import Sequence, TrainBatch, microbatches
 from learner.config import LearnerConfig
 from learner.losses import policy_loss, value_loss
 from learner.models import Critic, pad, token_logprobs, token_values
@@ -43,16 +51,21 @@ GRPO_EPSILON = 1e-6
 @dataclass
 class _Prepared:
     """One rank's share of one minibatch, with what the step start fixed.
-    In a fused step the lists start empty and ``fixed`` false: the first
-    update fills them from its own forward passes (on every rank, an empty
-    share too, since computing advantages can be collective)."""
+    In a fused step ``logp_prox`` starts empty and ``prox_fixed`` false, and
+    with one micro-batch the values, advantages and returns as well: the
+    first update fills them from its own forward passes (on every rank, an
+    empty share too, since computing advantages can be collective)."""
 
     sequences: list[Sequence]
-    logp_prox: list[torch.Tensor]
-    old_values: list[torch.Tensor]
-    advantages: list[torch.Tensor]
-    returns: list[torch.Tensor]
-    fixed: bool = True
+    groups: list[list[int]]
+    """Indices into ``sequences`` of each micro-batch; as many on every rank
+    (an empty one runs a dummy sequence)."""
+    logp_prox: list[torch.Tensor] = field(default_factory=list)
+    old_values: list[torch.Tensor] = field(default_factory=list)
+    advantages: list[torch.Tensor] = field(default_factory=list)
+    returns: list[torch.Tensor] = field(default_factory=list)
+    prox_fixed: bool = True
+    values_fixed: bool = True
 
 
 def _world() -> tuple[int, int]:
@@ -68,10 +81,10 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _all_sum(values: list[float]) -> list[float]:
+def _all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     if _world()[1] > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op)
     return tensor.tolist()
 
 
@@ -93,16 +106,36 @@ class PPOTrainer:
                  ) -> _Prepared:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
-        if fused:
-            return _Prepared(sequences, [], [], [], [], fixed=False)
-        ids = pad([s.tokens for s in sequences]).to(self.device)
-        # advantages are computed on the CPU (small, sequential per rollout)
-        logp = token_logprobs(self.policy, ids).cpu()
-        values = token_values(self.critic, ids).cpu()
-        prox = [logp[row, : len(s.tokens)] for row, s in enumerate(sequences)]
-        old = [values[row, : len(s.tokens)] for row, s in enumerate(sequences)]
-        advantages, returns = self._advantages(batch, sequences, old)
-        return _Prepared(sequences, prox, old, advantages, returns)
+        groups = self._microbatches(sequences)
+        part = _Prepared(sequences, groups, prox_fixed=not fused,
+                         values_fixed=not fused or len(groups) > 1)
+        logp, values = [], []
+        for group in groups:
+            ids = self._ids(sequences, group)
+            if part.prox_fixed:
+                logp.append(token_logprobs(self.policy, ids, self.config.logprob_chunk_tokens))
+            if part.values_fixed:
+                values.append(token_values(self.critic, ids))
+        if part.prox_fixed:
+            part.logp_prox = _unpad(sequences, groups, logp)
+        if part.values_fixed:
+            # advantages are computed on the CPU (small, sequential per rollout)
+            part.old_values = _unpad(sequences, groups, values)
+            part.advantages, part.returns = self._advantages(batch, sequences, part.old_values)
+        return part
+
+    def _microbatches(self, sequences: list[Sequence]) -> list[list[int]]:
+        """Micro-batches of ``sequences`` within the token budget, as many as
+        on the rank with the most (FSDP's collectives run once per pass)."""
+        budget = self.config.max_tokens_per_microbatch
+        if budget == 0:
+            return [list(range(len(sequences)))]  # one pass everywhere, no need to agree
+        groups = microbatches([len(s.tokens) for s in sequences], budget)
+        count = int(_all_reduce([len(groups)], dist.ReduceOp.MAX)[0])
+        return groups + [[] for _ in range(count - len(groups))]
+
+    def _ids(self, sequences: list[Sequence], group: list[int]) -> torch.Tensor:
+        return pad([sequences[i].tokens for i in group]).to(self.device)
 
     def _advantages(self, batch: TrainBatch, sequences: list[Sequence],
                     values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -145,7 +178,8 @@ class PPOTrainer:
                 ) -> list[torch.Tensor]:
         picked = [a[s.trainable].double() for s, a in zip(sequences, advantages, strict=True)]
         flat = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
-        count, total, squares = _all_sum([len(flat), flat.sum().item(), (flat ** 2).sum().item()])
+        count, total, squares = _all_reduce([len(flat), flat.sum().item(),
+                                             (flat ** 2).sum().item()])
         mean = total / max(count, 1)
         std = max((squares / max(count, 1) - mean ** 2), 0.0) ** 0.5 + 1e-8
         return [torch.where(s.trainable, (a - mean) / std, a)
@@ -163,7 +197,7 @@ class PPOTrainer:
             for part in prepared:
                 self._update(part, sums, batch)
         names = sorted(sums)
-        totals = dict(zip(names, _all_sum([sums[n] for n in names]), strict=True))
+        totals = dict(zip(names, _all_reduce([sums[n] for n in names]), strict=True))
         updates = max(totals.pop("updates", 1.0) / self.world_size, 1.0)
         tokens = totals.pop("tokens", 0.0)
         metrics = {name: value / max(tokens, 1.0) for name, value in totals.items()
@@ -192,42 +226,57 @@ class PPOTrainer:
         config = self.config
         local_tokens = sum(int(s.trainable.sum()) for s in part.sequences)
         local_segments = sum(n > 0 for s in part.sequences for n in s.segment_lengths)
-        global_tokens, global_segments = _all_sum([local_tokens, local_segments])
+        global_tokens, global_segments = _all_reduce([local_tokens, local_segments])
         if global_tokens == 0:
             return
-        ids = pad([s.tokens for s in part.sequences]).to(self.device)
-        lengths = [len(s.tokens) for s in part.sequences]  # none for an empty share's dummy
-        # The critic first: a fused first update takes the old values (and so
-        # the advantages) from this forward pass.
-        values = token_values(self.critic, ids)
-        if not part.fixed:
-            part.old_values = [row[:n].detach().cpu()
-                               for row, n in zip(values, lengths, strict=False)]
-            part.advantages, part.returns = self._advantages(batch, part.sequences,
-                                                             part.old_values)
-        trainable, behaviour, advantages, old_values, returns = (
-            _stack(rows, ids.shape).to(self.device) for rows in (
-                [s.trainable for s in part.sequences],
-                [s.behaviour_logprobs for s in part.sequences],
-                self._weighted(part, global_tokens, global_segments), part.old_values,
-                part.returns))
-        trainable = trainable.bool()
-        v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
-                                     config.value_clip)
-        # losses are already divided by the global count; FSDP averages over ranks
-        (v_loss * self.world_size).backward()
+        weighted: list[torch.Tensor] | None = None
+        logp_prox: list[torch.Tensor] = []
+        for group in part.groups:
+            ids = self._ids(part.sequences, group)
+            # The critic first: a fused first update with one micro-batch
+            # takes the old values (and so the advantages) from this pass.
+            values = token_values(self.critic, ids)
+            if not part.values_fixed:
+                part.old_values = _unpad(part.sequences, part.groups, [values.detach()])
+                part.advantages, part.returns = self._advantages(batch, part.sequences,
+                                                                 part.old_values)
+                part.values_fixed = True
+            if weighted is None:
+                weighted = self._weighted(part, global_tokens, global_segments)
+            trainable, behaviour, advantages, old_values, returns = (
+                _stack([rows[i] for i in group], ids.shape).to(self.device) for rows in (
+                    [s.trainable for s in part.sequences],
+                    [s.behaviour_logprobs for s in part.sequences],
+                    weighted, part.old_values, part.returns))
+            trainable = trainable.bool()
+            v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
+                                         config.value_clip)
+            # losses are already divided by the global count; FSDP averages over ranks
+            (v_loss * self.world_size).backward()
 
-        logp = token_logprobs(self.policy, ids)
-        if not part.fixed:
-            part.logp_prox = [row[:n].detach().cpu() for row, n in zip(logp, lengths, strict=False)]
-            part.fixed = True
-        prox = _stack(part.logp_prox, ids.shape).to(self.device)
-        # The normalisation is folded into the advantages (l is linear in A for
-        # A scaled by a positive weight), so the loss is a plain sum.
-        p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
-                                      config.clip_low, config.clip_high, config.is_cap,
-                                      config.is_mode)
-        (p_loss * self.world_size).backward()
+            logp = token_logprobs(self.policy, ids, config.logprob_chunk_tokens)
+            if part.prox_fixed:
+                prox = _stack([part.logp_prox[i] for i in group], ids.shape).to(self.device)
+            else:  # the policy is at the step's start weights until this update's step
+                logp_prox.append(logp.detach())
+                prox = logp.detach()
+            # The normalisation is folded into the advantages (l is linear in A for
+            # A scaled by a positive weight), so the loss is a plain sum.
+            p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
+                                          config.clip_low, config.clip_high, config.is_cap,
+                                          config.is_mode)
+            (p_loss * self.world_size).backward()
+
+            n = float(trainable.sum())
+            sums["tokens"] += n
+            sums["losses/policy_loss"] += p_loss.item()
+            sums["losses/value_loss"] += v_loss.item()
+            for name, value in {**p_stats,
+                                **{f"value_{k}": v for k, v in v_stats.items()}}.items():
+                sums[f"token_losses/{name}"] += float(value) * n
+        if not part.prox_fixed:
+            part.logp_prox = _unpad(part.sequences, part.groups, logp_prox)
+            part.prox_fixed = True
         if config.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -236,14 +285,16 @@ class PPOTrainer:
         for optimizer in (self.policy_optimizer, self.critic_optimizer):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-
-        n = float(trainable.sum())
-        sums["tokens"] += n
         sums["updates"] += 1
-        sums["losses/policy_loss"] += p_loss.item()
-        sums["losses/value_loss"] += v_loss.item()
-        for name, value in {**p_stats, **{f"value_{k}": v for k, v in v_stats.items()}}.items():
-            sums[f"token_losses/{name}"] += float(value) * n
+
+
+def _unpad(sequences: list[Sequence], groups: list[list[int]], outputs: list[torch.Tensor]
+           ) -> list[torch.Tensor]:
+    """Per sequence, in order, its [L] row of its micro-batch's [B, L'] output, on the CPU."""
+    rows = {index: output[row, : len(sequences[index].tokens)]
+            for group, output in zip(groups, (o.cpu() for o in outputs), strict=True)
+            for row, index in enumerate(group)}
+    return [rows[index] for index in range(len(sequences))]
 
 
 def _stack(rows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:

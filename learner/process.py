@@ -132,8 +132,9 @@ class Learner:
         signal.signal(signal.SIGINT, self._on_signal)
         torch.manual_seed(0)
         bf16 = self.device.type == "cuda" and self.config.mixed_precision == "bf16"
-        policy = shard(load_policy(self.settings.model), self.device, bf16)
-        critic = shard(load_critic(self.settings.model), self.device, bf16)
+        checkpointing = self.config.activation_checkpointing
+        policy = shard(load_policy(self.settings.model), self.device, bf16, checkpointing)
+        critic = shard(load_critic(self.settings.model), self.device, bf16, checkpointing)
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:

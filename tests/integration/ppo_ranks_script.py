@@ -1,11 +1,15 @@
 """Run by torchrun in tests: PPO steps on the tiny model with FSDP2 over gloo,
 then rank 0 writes the full policy and critic parameters.
 
-    torchrun --nproc_per_node N tests/integration/ppo_ranks_script.py MODEL OUT STEPS
+    torchrun --nproc_per_node N tests/integration/ppo_ranks_script.py MODEL OUT STEPS [CHANGES]
+
+CHANGES: JSON of learner settings that replace those of ``CONFIG``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 
 import torch
@@ -32,6 +36,7 @@ def batches(steps: int) -> list[TrainBatch]:
 
 def main() -> None:
     model, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    config = dataclasses.replace(CONFIG, **json.loads(sys.argv[4] if len(sys.argv) > 4 else "{}"))
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     # Double, and plain SGD in place of AdamW: the test compares parameters,
@@ -40,10 +45,13 @@ def main() -> None:
     # would turn rounding noise in a near-zero gradient element into a step
     # of up to lr. The optimizer is elementwise on each shard: the gradients
     # are what 1 and 2 ranks may compute differently.
-    trainer = PPOTrainer(shard(load_policy(model, torch.float64)),
-                         shard(load_critic(model, torch.float64)), CONFIG)
-    trainer.policy_optimizer = torch.optim.SGD(trainer.policy.parameters(), lr=CONFIG.lr)
-    trainer.critic_optimizer = torch.optim.SGD(trainer.critic.parameters(), lr=CONFIG.critic_lr)
+    checkpointing = config.activation_checkpointing
+    trainer = PPOTrainer(shard(load_policy(model, torch.float64),
+                               activation_checkpointing=checkpointing),
+                         shard(load_critic(model, torch.float64),
+                               activation_checkpointing=checkpointing), config)
+    trainer.policy_optimizer = torch.optim.SGD(trainer.policy.parameters(), lr=config.lr)
+    trainer.critic_optimizer = torch.optim.SGD(trainer.critic.parameters(), lr=config.critic_lr)
     for batch in batches(steps):
         trainer.step(batch)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

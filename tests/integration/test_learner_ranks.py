@@ -1,9 +1,12 @@
 """The same batches give the same update on 1 rank and on 2 ranks (FSDP2, gloo,
 torchrun): the loss is normalised by the global token count, and whitening's
-statistics are global, with a rank whose share of a minibatch is empty."""
+statistics are global, with a rank whose share of a minibatch is empty. The
+memory switches (activation checkpointing, chunked log-probabilities, a token
+budget per micro-batch) leave that update as it is."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from learner.batch import microbatches
 from tests.integration.ppo_ranks_script import CONFIG, batches
 from tests.processes import VENV_BIN, run_command
 from tests.tolerances import rounding_tolerance
@@ -21,24 +25,35 @@ SCRIPT = Path(__file__).with_name("ppo_ranks_script.py")
 ROOT = Path(__file__).parents[2]
 #: Learner steps of each run.
 STEPS = 2
+#: Every memory switch on. Within 100 tokens, rank 0's share of the first
+#: minibatch (sequences of 52 and 27 tokens) makes 2 micro-batches and rank
+#: 1's (50 and 24) one; a rank with an empty share makes none.
+MEMORY = {"activation_checkpointing": "on", "logprob_chunk_tokens": 16,
+          "max_tokens_per_microbatch": 100}
 
 
-def train(model: Path, out: Path, ranks: int) -> dict[str, torch.Tensor]:
+def train(model: Path, out: Path, ranks: int, changes: dict | None = None
+          ) -> dict[str, torch.Tensor]:
     result = run_command(
         [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc_per_node={ranks}",
-         str(SCRIPT), str(model), str(out), str(STEPS)],
+         str(SCRIPT), str(model), str(out), str(STEPS), json.dumps(changes or {})],
         timeout=300, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                           "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     return load_file(out)
 
 
-def test_one_rank_and_two_ranks_give_the_same_parameters(tiny_model_dir: Path,
-                                                         tmp_path: Path) -> None:
-    one = train(tiny_model_dir, tmp_path / "one.safetensors", 1)
-    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2)
-    assert one.keys() == two.keys()
-    start = load_file(tiny_model_dir / "model.safetensors")
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[str, torch.Tensor]:
+    """The parameters after training on 1 rank, no memory switch on."""
+    return train(tiny_model_dir, tmp_path_factory.mktemp("one-rank") / "one.safetensors", 1)
+
+
+def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                         model: Path) -> None:
+    assert got.keys() == expected.keys()
+    start = load_file(model / "model.safetensors")
     # The script trains in double with SGD: each update moves a parameter by lr
     # times its gradient, clipped to a norm of max_grad_norm, which bounds every
     # element. 2 ranks sum that gradient's per-token contributions (one per
@@ -53,9 +68,29 @@ def test_one_rank_and_two_ranks_give_the_same_parameters(tiny_model_dir: Path,
     tolerance = (max(CONFIG.lr, CONFIG.critic_lr) * updates
                  * rounding_tolerance(CONFIG.max_grad_norm, positions + 2))
     moved = 0
-    for name, tensor in one.items():
-        torch.testing.assert_close(two[name], tensor, rtol=0, atol=tolerance, msg=name)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=tolerance, msg=name)
         key = name.removeprefix("policy.")
         if key in start and not torch.equal(start[key].to(tensor.dtype), tensor):
             moved += 1
     assert moved > 0, "training changed nothing"
+
+
+def test_one_rank_and_two_ranks_give_the_same_parameters(
+        tiny_model_dir: Path, tmp_path: Path, one_rank: dict[str, torch.Tensor]) -> None:
+    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2)
+    assert_same_training(two, one_rank, tiny_model_dir)
+
+
+def test_two_ranks_within_a_memory_budget_give_the_parameters_of_one_rank_without(
+        tiny_model_dir: Path, tmp_path: Path, one_rank: dict[str, torch.Tensor]) -> None:
+    """Ranks that cut their shares into different numbers of micro-batches
+    (one of them into none) still run matching FSDP passes."""
+    counts = [[len(microbatches([len(s.tokens) for s in batch.sequences if s.rollout in share],
+                                MEMORY["max_tokens_per_microbatch"]))
+               for share in batch.assign(minibatch, 2)]
+              for batch in batches(STEPS) for minibatch in batch.minibatches(CONFIG.minibatches)]
+    assert any(min(c) > 0 and c[0] != c[1] for c in counts), counts
+    assert any(min(c) == 0 for c in counts), counts
+    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2, MEMORY)
+    assert_same_training(two, one_rank, tiny_model_dir)

@@ -114,6 +114,13 @@ def test_each_run_keeps_its_replay_log_in_its_own_folder() -> None:
     assert chosen.replay.log_path == "/data/log"
 
 
+def test_memory_budgets_must_not_be_negative() -> None:
+    problems = problems_of(["--learner.logprob_chunk_tokens", "-1",
+                            "--learner.max_tokens_per_microbatch", "-1"])
+    assert any("learner.logprob_chunk_tokens must be >= 0" in p for p in problems)
+    assert any("learner.max_tokens_per_microbatch must be >= 0" in p for p in problems)
+
+
 def test_literal_choices_are_listed() -> None:
     [problem] = problems_of(["--learner.is_mode", "clamp"])
     assert "'truncate', 'mask', 'off'" in problem

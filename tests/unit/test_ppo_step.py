@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from learner.batch import BatchError, to_train_batch
+from learner.batch import BatchError, microbatches, to_train_batch
 from learner.config import LearnerConfig
-from learner.models import load_critic, load_policy
+from learner.models import (
+    checkpoint_layers,
+    load_critic,
+    load_policy,
+    pad,
+    token_logprobs,
+    token_values,
+)
 from learner.ppo import PPOTrainer
 from protocol import Batch, Rollout
 from protocol.synthetic import synthetic_batch
@@ -161,6 +169,126 @@ def test_without_summary_training_summary_tokens_leave_the_loss(tiny_model_dir: 
     assert all(torch.equal(a, b) for a, b in zip(before, ppo.policy.parameters(), strict=True))
 
 
+def test_chunked_log_probabilities_equal_those_of_all_logits_at_once(tiny_model_dir: Path
+                                                                    ) -> None:
+    policy = load_policy(str(tiny_model_dir))
+    ids = pad([s.tokens for s in to_train_batch(synthetic_batch(), True).sequences])
+    upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0))
+    results = []
+    for chunk in (0, 1, 7, ids.numel()):
+        policy.zero_grad()
+        logp = token_logprobs(policy, ids, chunk)
+        (logp * upstream).sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in policy.parameters()]))
+    # Only rounding differs. A logit sums hidden_size products, and the
+    # log-softmax moves an error in its logits by at most twice that, plus its
+    # own rounding over the vocabulary (each exp(x - max) at most 1). A
+    # gradient element sums one contribution per position; its largest
+    # element stands for their size (test_shared_prefixes_leave_the_update_unchanged).
+    with torch.no_grad():
+        hidden = policy.model(input_ids=ids).last_hidden_state
+        products = (hidden.abs() @ policy.lm_head.weight.abs().T).max().item()
+    config = policy.config
+    value_tolerance = (2 * rounding_tolerance(products, config.hidden_size)
+                       + 2 * rounding_tolerance(1.0, config.vocab_size))
+    (expected_logp, expected_grads), *chunked = results
+    for logp, grads in chunked:
+        torch.testing.assert_close(logp, expected_logp, rtol=0, atol=value_tolerance)
+        for a, b in zip(grads, expected_grads, strict=True):
+            tolerance = rounding_tolerance(b.abs().max().item(), ids.numel())
+            torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+
+
+def saved_for_backward(compute: Callable[[], torch.Tensor]) -> list[torch.Size]:
+    """Shapes of the tensors autograd keeps for backward while ``compute`` runs
+    (under a non-reentrant checkpoint, its own hooks take those inside)."""
+    shapes = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tensor.shape)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compute()
+    return shapes
+
+
+def test_memory_switches_keep_no_logits_and_no_layer_activations_for_backward(
+        tiny_model_dir: Path) -> None:
+    policy, critic = load_policy(str(tiny_model_dir)), load_critic(str(tiny_model_dir))
+    ids = pad([s.tokens for s in to_train_batch(synthetic_batch(), True).sequences])
+    logits = ids[:, 1:].numel() * policy.config.vocab_size
+    mlp_width = policy.config.intermediate_size
+
+    def kept(chunk: int = 0) -> list[torch.Size]:
+        return (saved_for_backward(lambda: token_logprobs(policy, ids, chunk))
+                + saved_for_backward(lambda: token_values(critic, ids)))
+
+    whole = kept()
+    assert any(shape.numel() >= logits for shape in whole)
+    assert any(shape[-1] == mlp_width for shape in whole)
+    assert all(shape.numel() < logits for shape in kept(chunk=16))
+    checkpoint_layers(policy)
+    checkpoint_layers(critic)
+    assert all(shape[-1] != mlp_width for shape in kept())
+
+
+#: (settings, memory switches): an update with the switches on is the update
+#: without. Gradient clipping is off: it would scale away a bug that scales
+#: the whole gradient (a loss divided by the number of micro-batches).
+MEMORY_SWITCHES = [
+    ({}, {"logprob_chunk_tokens": 16}),
+    ({}, {"activation_checkpointing": "on"}),
+    ({}, {"max_tokens_per_microbatch": 56}),
+    ({"minibatches": 2, "ppo_epochs": 2}, {"max_tokens_per_microbatch": 56}),
+]
+
+
+@pytest.mark.parametrize("settings, switches", MEMORY_SWITCHES, ids=[
+    "chunked-logprobs", "activation-checkpointing", "token-budget", "token-budget-minibatches"])
+def test_a_memory_switch_leaves_the_update_unchanged(tiny_model_dir: Path, settings: dict,
+                                                     switches: dict) -> None:
+    """With a token budget and one minibatch, the old values come from
+    passes without gradients before the first update (its advantages need
+    all of them), log pi_prox from the update's own passes."""
+    wire = synthetic_batch(rollouts=8)
+    lengths = [len(s.tokens) for s in to_train_batch(wire, True).sequences]
+    if budget := switches.get("max_tokens_per_microbatch"):
+        # several sequences in a micro-batch, and one longer than the budget alone
+        groups = microbatches(lengths, budget)
+        assert max(map(len, groups)) > 1 and max(lengths) > budget
+    runs, received = [], []
+    for changes in ({**settings, "max_grad_norm": 0.0},
+                    {**settings, "max_grad_norm": 0.0, **switches}):
+        ppo = plain_sgd(trainer(tiny_model_dir, torch.float64, **changes))
+        if ppo.config.activation_checkpointing == "on":  # shard() does this under FSDP2
+            checkpoint_layers(ppo.policy)
+            checkpoint_layers(ppo.critic)
+        received.append(record_gradients(ppo))
+        ppo.step(to_train_batch(wire, True))
+        runs.append(ppo)
+    # The first update starts from the same weights: its gradients (the
+    # policy's, then the critic's) differ by rounding only, in float32 as in
+    # test_shared_prefixes_leave_the_update_unchanged. Each SGD update moves
+    # a parameter by lr times its gradient, so after all of them the two runs
+    # lie within lr times that rounding per update.
+    positions = sum(lengths)
+    (plain, switched), config = received, runs[0].config
+    updates = config.minibatches * config.ppo_epochs
+    assert len(plain) == len(switched) == 2 * updates
+    for got, expected in zip(switched[:2], plain[:2], strict=True):
+        for a, b in zip(got, expected, strict=True):
+            tolerance = rounding_tolerance(b.abs().max().item(), positions)
+            torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+    largest = max(g.abs().max().item() for step in plain for g in step)
+    tolerance = (max(config.lr, config.critic_lr) * updates
+                 * rounding_tolerance(largest, positions))
+    for name in ("policy", "critic"):
+        for a, b in zip(getattr(runs[1], name).parameters(), getattr(runs[0], name).parameters(),
+                        strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+
+
 def _without_final(batch: Batch) -> Batch:
     rollout = batch.rollouts[0]
     batch.rollouts[0] = Rollout(rollout_id=rollout.rollout_id, staleness=0,
@@ -176,6 +304,18 @@ def _without_final(batch: Batch) -> Batch:
 def test_bad_batches_are_refused_before_any_update(damage, message: str) -> None:
     with pytest.raises(BatchError, match=message):
         to_train_batch(damage(synthetic_batch()), train_summary=True)
+
+
+def test_micro_batches_hold_each_sequence_once_within_the_token_budget() -> None:
+    lengths = [62, 13, 27, 50, 19, 27, 38, 24, 52, 26, 37]
+    groups = microbatches(lengths, 56)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:  # padded to its longest; a sequence over the budget alone
+        assert len(group) == 1 or len(group) * max(lengths[i] for i in group) <= 56
+    assert [[lengths[i] for i in group] for group in groups] == [
+        [62], [52], [50], [38], [37], [27, 27], [26, 24], [19, 13]]
+    assert microbatches(lengths, 11 * 62) == [sorted(range(11), key=lambda i: -lengths[i])]
+    assert microbatches([], 56) == []
 
 
 def test_minibatches_and_rank_shares_are_the_same_cut_for_any_world_size() -> None:
