@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from deploy.config import ConfigError, describe_fields, load_config, to_toml
+from learner.config import LearnerConfig
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -175,12 +176,29 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
                                transport=config.transport, resume=args.resume,
                                run_id=config.run.name,
                                max_staleness=config.replay.max_staleness)
-    path = run_dir / "learner-settings.json"
+    # a file per node: several nodes may share the run folder
+    path = run_dir / (f"learner-settings-node{config.learner.node_rank}.json"
+                      if config.learner.nnodes > 1 else "learner-settings.json")
     path.write_bytes(msgspec.json.encode(settings))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={config.learner.nproc}", "-m", "learner",
-               "--settings", str(path)]
-    os.execv(sys.executable, command)  # torchrun takes over this process (and its signals)
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(config.learner),
+               "-m", "learner", "--settings", str(path)]
+    os.execv(command[0], command)  # torchrun takes over this process (and its signals)
+
+
+def torchrun_args(learner: LearnerConfig) -> list[str]:
+    """torchrun's options for the learner: ``--standalone`` on one node; on
+    ``learner.nnodes`` nodes, a static rendezvous at node 0
+    (``learner.rdzv_endpoint``) with this node's ``learner.node_rank``, so
+    that global rank 0, which binds the control socket and the weight store
+    the actors dial, is on node 0. (c10d's dynamic rendezvous ranks nodes in
+    the order of their descriptors, which would put rank 0 on any of them.)"""
+    if learner.nnodes == 1:
+        where = ["--standalone"]
+    else:
+        host, _, port = learner.rdzv_endpoint.rpartition(":")
+        where = [f"--nnodes={learner.nnodes}", f"--node_rank={learner.node_rank}",
+                 f"--master_addr={host.strip('[]')}", f"--master_port={port}"]
+    return [*where, f"--nproc_per_node={learner.nproc}"]
 
 
 def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -209,6 +227,11 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     if plan.problems:  # before the model is bootstrapped
         raise ConfigError(list(plan.problems))
+    if config.learner.nnodes > 1:
+        print(f"compactionrl: the learner spans {config.learner.nnodes} nodes; up starts node "
+              f"0 here. On node K of the others run: compactionrl learner --config "
+              f"{Path(config.run.out_dir) / config.run.name / 'config.toml'} "
+              "--learner.node_rank K", file=sys.stderr)
     prepare_model(config)
     if problems := config.model_problems():  # a model bootstrapped just now
         raise ConfigError(problems)

@@ -11,7 +11,20 @@ class LearnerConfig:
     """PPO with a critic, cross-trajectory GAE, token-level normalisation."""
 
     nproc: int = 1
-    """Ranks torchrun starts on this machine (FSDP2 shards over all of them)."""
+    """Ranks torchrun starts on each node (FSDP2 shards over all ranks of all
+    nodes)."""
+    nnodes: int = 1
+    """Nodes of the learner, each running `compactionrl learner` with the same
+    configuration but learner.node_rank. 1: torchrun --standalone."""
+    node_rank: int = 0
+    """This node's place, 0 .. nnodes - 1. Node 0 holds global rank 0, which
+    binds the control socket and the weight store the actors dial, and the
+    rendezvous: pass it per node (--learner.node_rank; Slurm's SLURM_NODEID,
+    a StatefulSet pod's ordinal)."""
+    rdzv_endpoint: str = ""
+    """HOST:PORT of the rendezvous on node 0, reachable from every node
+    (torchrun's static rendezvous: master address and port). Needed when
+    nnodes > 1."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: one GPU per rank (LOCAL_RANK) with NCCL when CUDA is there, else
     the CPU with gloo."""
@@ -142,6 +155,17 @@ class LearnerConfig:
                             "in (0, 1): it splits a shared GPU between the learner and an engine")
         if self.publish_every < 1:
             problems.append(f"{section}.publish_every must be >= 1")
+        if self.nnodes < 1:
+            problems.append(f"{section}.nnodes must be >= 1")
+        elif not 0 <= self.node_rank < self.nnodes:
+            problems.append(f"{section}.node_rank = {self.node_rank} must be in 0 .. "
+                            f"{self.nnodes - 1} (nnodes = {self.nnodes})")
+        if self.nnodes > 1:
+            rdzv_host, _, rdzv_port = self.rdzv_endpoint.rpartition(":")
+            if not rdzv_host or not rdzv_port.isdigit() or not 0 < int(rdzv_port) < 65536:
+                problems.append(f"{section}.rdzv_endpoint = {self.rdzv_endpoint!r}: a learner on "
+                                f"{self.nnodes} nodes needs node 0's HOST:PORT, reachable from "
+                                "every node")
         host, _, port = self.weight_store_address.rpartition(":")
         if not host or not port.isdigit():
             problems.append(f"{section}.weight_store_address = {self.weight_store_address!r} "

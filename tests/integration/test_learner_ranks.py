@@ -1,5 +1,6 @@
 """The same batches give the same update on 1 rank and on 2 ranks (FSDP2, gloo,
-torchrun): the loss is normalised by the global token count, and whitening's
+torchrun), and bit for bit on 2 ranks of one node and on two nodes of one
+rank each: the loss is normalised by the global token count, and whitening's
 statistics are global, with a rank whose share of a minibatch is empty. The
 memory switches (activation checkpointing, chunked log-probabilities, a token
 budget per micro-batch) leave that update as it is."""
@@ -8,14 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from deploy.cli import torchrun_args
 from learner.batch import microbatches
+from learner.config import LearnerConfig
 from tests.integration.ppo_ranks_script import CONFIG, batches
+from tests.ports import free_ports
 from tests.processes import VENV_BIN, run_command
 from tests.tolerances import rounding_tolerance
 
@@ -32,14 +37,23 @@ MEMORY = {"activation_checkpointing": "on", "logprob_chunk_tokens": 16,
           "max_tokens_per_microbatch": 100}
 
 
-def train(model: Path, out: Path, ranks: int, changes: dict | None = None
-          ) -> dict[str, torch.Tensor]:
-    result = run_command(
-        [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc_per_node={ranks}",
-         str(SCRIPT), str(model), str(out), str(STEPS), json.dumps(changes or {})],
-        timeout=300, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                          "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-4000:]
+def train(model: Path, out: Path, ranks: int, changes: dict | None = None,
+          nodes: int = 1) -> dict[str, torch.Tensor]:
+    """Train on ``nodes`` torchrun agents of ``ranks`` ranks each, started
+    with the options ``compactionrl learner`` gives torchrun (two agents on
+    this machine act as two nodes, their rendezvous on loopback)."""
+    [port] = free_ports(1)
+    commands = [[str(VENV_BIN / "torchrun"), *torchrun_args(LearnerConfig(
+        nproc=ranks, nnodes=nodes, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}")),
+        str(SCRIPT), str(model), str(out), str(STEPS), json.dumps(changes or {})]
+        for node in range(nodes)]
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(nodes) as pool:
+        results = list(pool.map(lambda command: run_command(command, timeout=300, env=env),
+                                commands))
+    for result in results:
+        assert result.returncode == 0, result.stderr[-4000:]
     return load_file(out)
 
 
@@ -76,10 +90,27 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
     assert moved > 0, "training changed nothing"
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, torch.Tensor]:
+    """The parameters after training on 2 ranks of one node."""
+    return train(tiny_model_dir, tmp_path_factory.mktemp("two-ranks") / "two.safetensors", 2)
+
+
 def test_one_rank_and_two_ranks_give_the_same_parameters(
-        tiny_model_dir: Path, tmp_path: Path, one_rank: dict[str, torch.Tensor]) -> None:
-    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2)
-    assert_same_training(two, one_rank, tiny_model_dir)
+        tiny_model_dir: Path, one_rank: dict[str, torch.Tensor],
+        two_ranks: dict[str, torch.Tensor]) -> None:
+    assert_same_training(two_ranks, one_rank, tiny_model_dir)
+
+
+def test_two_nodes_of_one_rank_train_bit_for_bit_as_one_node_of_two(
+        tiny_model_dir: Path, tmp_path: Path, two_ranks: dict[str, torch.Tensor]) -> None:
+    """The same global ranks, on two torchrun agents with a static rendezvous
+    (node 0 holding rank 0), run the same collectives in the same order."""
+    nodes = train(tiny_model_dir, tmp_path / "nodes.safetensors", 1, nodes=2)
+    assert nodes.keys() == two_ranks.keys()
+    different = [name for name, tensor in two_ranks.items() if not torch.equal(nodes[name], tensor)]
+    assert not different, different
 
 
 def test_two_ranks_within_a_memory_budget_give_the_parameters_of_one_rank_without(

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from actors.config import EngineConfig
-from deploy.cli import main
+from deploy.cli import main, torchrun_args
 from deploy.config import ConfigError, RunConfig, describe_fields, load_config, to_toml
+from learner.config import LearnerConfig
 
 CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
 
@@ -259,3 +260,21 @@ def test_enforce_eager_unset_is_off_on_gpu_and_on_on_cpu() -> None:
     config = load_config(None, [])
     config.actors.engine.enforce_eager = None
     assert "enforce_eager" not in to_toml(config)
+
+
+def test_a_learner_on_several_nodes_needs_node_0s_rendezvous_and_a_rank_within_them() -> None:
+    assert LearnerConfig(nnodes=2, rdzv_endpoint="node0:29400").validate() == []
+    assert "rdzv_endpoint" in " ".join(LearnerConfig(nnodes=2).validate())
+    assert "rdzv_endpoint" in " ".join(LearnerConfig(nnodes=2, rdzv_endpoint="node0").validate())
+    assert "node_rank = 2" in " ".join(LearnerConfig(nnodes=2, node_rank=2,
+                                                     rdzv_endpoint="h:1").validate())
+    assert "nnodes must be >= 1" in " ".join(LearnerConfig(nnodes=0).validate())
+
+
+def test_torchrun_runs_one_node_standalone_and_several_on_node_0s_static_rendezvous() -> None:
+    assert torchrun_args(LearnerConfig(nproc=4)) == ["--standalone", "--nproc_per_node=4"]
+    assert torchrun_args(LearnerConfig(nproc=8, nnodes=2, node_rank=1,
+                                       rdzv_endpoint="learner-0.learner:29400")) == [
+        "--nnodes=2", "--node_rank=1", "--master_addr=learner-0.learner", "--master_port=29400",
+        "--nproc_per_node=8"]
+    assert "--master_addr=::1" in torchrun_args(LearnerConfig(nnodes=2, rdzv_endpoint="[::1]:5"))

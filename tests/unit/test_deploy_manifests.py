@@ -66,12 +66,25 @@ def run_toml(rendered: list[dict], tmp_path_factory: pytest.TempPathFactory) -> 
     return path
 
 
+#: What the downward API gives a pod (a Deployment's pod name; a StatefulSet
+#: pod's ordinal).
+POD_ENV = {"POD_NAME": "actors-h100-5d8f7c9b4-x7k2p", "POD_INDEX": "0"}
+
+
 def effective(workload: dict, run_toml: Path) -> tuple[object, RunConfig]:
     """What `compactionrl ARGS` would run with: the CLI's own parser, then the
     configuration loader on the ConfigMap's file (validation included)."""
     c = container(workload)
     assert c["command"] == ["compactionrl"]
-    args = [a.replace("$(POD_NAME)", "actors-h100-5d8f7c9b4-x7k2p") for a in c["args"]]
+    # Kubernetes expands $(VAR) in args from the container's env, which must define it
+    defined = {e["name"] for e in c.get("env", [])}
+    args = []
+    for arg in c["args"]:
+        for name, value in POD_ENV.items():
+            if f"$({name})" in arg:
+                assert name in defined, name
+                arg = arg.replace(f"$({name})", value)
+        args.append(arg)
     args[args.index("--config") + 1] = str(run_toml)
     assert CONFIG_IN_POD in c["args"]
     parsed, overrides = build_parser().parse_known_args(args)
@@ -91,8 +104,8 @@ def test_every_rendered_document_matches_the_api_schema(rendered: list[dict],
                                                         version: str) -> None:
     kinds = sorted(d["kind"] for d in rendered)
     assert kinds == ["ConfigMap", "Deployment", "Deployment", "Deployment", "NetworkPolicy",
-                     "PersistentVolumeClaim", "PersistentVolumeClaim", "Service", "Service",
-                     "StatefulSet"]
+                     "PersistentVolumeClaim", "PersistentVolumeClaim", "PersistentVolumeClaim",
+                     "Service", "Service", "StatefulSet"]
     for doc in rendered:
         # strict: unknown fields (a misspelt key) fail too
         kubernetes_validate.validate(doc, version, strict=True)
@@ -222,6 +235,25 @@ def test_config_map_and_claims_referenced_by_pods_exist(rendered: list[dict]) ->
         assert mounted <= {v["name"] for v in volumes} | templates, name
 
 
+def test_each_learner_pod_is_the_node_of_its_ordinal_on_one_shared_run_folder(
+        rendered: list[dict]) -> None:
+    learner = workloads(rendered)["learner"]
+    c = container(learner)
+    args = c["args"]
+    assert args[args.index("--learner.node_rank") + 1] == "$(POD_INDEX)"
+    [index] = [e for e in c["env"] if e["name"] == "POD_INDEX"]
+    assert index["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert learner["spec"]["podManagementPolicy"] == "Parallel"
+    # checkpoint shards of every pod in one folder
+    [runs] = [v for v in learner["spec"]["template"]["spec"]["volumes"] if v["name"] == "runs"]
+    claim = by_kind(rendered, "PersistentVolumeClaim")[runs["persistentVolumeClaim"]["claimName"]]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert "volumeClaimTemplates" not in learner["spec"]
+    rdzv = service_port(rendered, "learner", "rdzv")
+    assert {"name": "rdzv", "containerPort": rdzv} in c["ports"]
+
+
 # --------------------------------------------------------------------------- Slurm
 
 
@@ -305,9 +337,9 @@ def test_slurm_dry_run_wires_every_process(tmp_path: Path) -> None:
                PATH=f"{fakes}:{Path(sys.executable).parent}:{os.environ['PATH']}",
                REAL_PYTHON=sys.executable, REAL_COMPACTIONRL=str(real),
                PYTHONPATH=str(ROOT), FAKE_RECORD=str(record), FAKE_LOG=str(tmp_path / "srun"),
-               FAKE_NODES_0="head1", FAKE_NODES_1="gpu1,gpu2",
+               FAKE_NODES_0="head1,head2", FAKE_NODES_1="gpu1,gpu2",
                SLURM_JOB_ID="42", SLURM_SUBMIT_DIR=str(ROOT),
-               SLURM_JOB_NODELIST_HET_GROUP_0="head1",
+               SLURM_JOB_NODELIST_HET_GROUP_0="head1,head2",
                SLURM_JOB_NODELIST_HET_GROUP_1="gpu1,gpu2",
                ACTOR_GPUS_PER_NODE="2")
     result = subprocess.run(["bash", str(SBATCH), "--run.out_dir", str(runs)], env=env,
@@ -317,7 +349,14 @@ def test_slurm_dry_run_wires_every_process(tmp_path: Path) -> None:
     by_command: dict[str, list[dict]] = {}
     for p in processes:
         by_command.setdefault(p["command"], []).append(p)
-    (replay,), (learner,) = by_command["replay"], by_command["learner"]
+    (replay,), learners = by_command["replay"], by_command["learner"]
+    # a learner on both nodes of component 0, node 0 on the first (rank 0, beside the replay)
+    assert [(p["host"], p["config"]["learner"]["node_rank"]) for p in learners] == [
+        ("head1", 0), ("head2", 1)]
+    assert {(p["config"]["learner"]["nnodes"], p["config"]["learner"]["rdzv_endpoint"])
+            for p in learners} == {(2, "head1:29400")}
+    assert replay["host"] == "head1"
+    learner = learners[0]
     actors = by_command["actor"]
     assert len(actors) == 4  # 2 nodes x ACTOR_GPUS_PER_NODE
 

@@ -186,3 +186,22 @@ def test_up_refuses_a_plan_with_problems(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as refused:
         Up(config, tmp_path, interactive=False, plan=plan_devices(config, 2))
     assert "lower actors.count" in refused.value.problems[0]
+
+
+def test_up_starts_node_0_of_a_learner_on_several_nodes_and_names_the_others_command(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    import deploy.up
+
+    started: list[Up] = []
+    monkeypatch.setattr(Up, "_gpus_present", staticmethod(lambda: 0))
+    monkeypatch.setattr(deploy.up, "prepare_model", lambda config: None)
+    monkeypatch.setattr(Up, "run", lambda self: started.append(self) or 0)
+    assert main(["up", "--run.out_dir", str(tmp_path), "--learner.nnodes", "2",
+                 "--learner.rdzv_endpoint", "10.0.0.1:29400"]) == 0
+    [up] = started
+    assert up.config.learner.node_rank == 0 and up.config.learner.nnodes == 2
+    told = capsys.readouterr().err
+    assert "spans 2 nodes" in told
+    assert f"compactionrl learner --config {tmp_path}/" in told
+    assert "--learner.node_rank K" in told
