@@ -13,7 +13,7 @@ import zmq
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import ReplayService
-from tests.ports import loopback_addresses
+from tests.ports import free_ports, loopback_addresses
 from tests.processes import compactionrl
 from tests.protocol_clients import ActorClient
 
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
-    actor_address, learner_address = loopback_addresses(2)
+    actor_address, learner_address, control = loopback_addresses(3)
+    [store] = free_ports(1)
     service = ReplayService(ReplayConfig(
         actor_address=actor_address, learner_address=learner_address, rollouts_per_batch=2,
         max_staleness=8, durable_log=False, metrics_port=0), TransportConfig(), vocab_size=1054)
@@ -34,7 +35,10 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
     common = ["--run.model", str(tiny_model_dir), "--run.out_dir", str(tmp_path),
               "--run.name", "learn", "--replay.learner_address", learner_address,
               "--replay.actor_address", actor_address, "--learner.nproc", "2",
-              "--learner.metrics_port", "0", "--learner.checkpoint_every", "1"]
+              "--learner.metrics_port", "0", "--learner.checkpoint_every", "1",
+              # ports of its own: not the defaults another run on this machine may hold
+              "--learner.control_address", control,
+              "--learner.weight_store_address", f"127.0.0.1:{store}"]
     try:
         actor.hello()
         for _ in range(8):
