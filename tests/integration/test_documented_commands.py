@@ -449,6 +449,8 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         ("--quick",), ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
     ".venv/bin/python bench/ppo_step.py --json": Run(
         ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
+    ".venv/bin/python bench/learner_memory.py --json": Run(
+        ("--quick",), ("peak_vs_today_8k", "tokens_per_s_vs_today_8k", "table")),
     ".venv/bin/python bench/weights.py --json": Run(
         ("--quick",), ("push_vs_raw_100m", "ipc_push_vs_raw_100m", "stall_vs_load",
                        "stall_keep_vs_recompute"),

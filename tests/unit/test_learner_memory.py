@@ -1,0 +1,90 @@
+"""bench/learner_memory.py: its model shapes, batch, paths, the estimate that
+skips a case too large for the machine, and the ratios. The benchmark itself
+runs (``--quick``) in tests/integration/test_documented_commands.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from learner.config import LearnerConfig
+
+SCRIPT = Path(__file__).parents[2] / "bench" / "learner_memory.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("learner_memory_bench", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_models_have_the_documented_sizes(bench: ModuleType) -> None:
+    from transformers import Qwen2ForCausalLM
+
+    counts = {}
+    for name, sizes in (("full", bench.FULL), ("quick", bench.QUICK)):
+        with torch.device("meta"):  # shapes only, no memory
+            model = Qwen2ForCausalLM(bench.qwen2_config(sizes.model))
+        counts[name] = sum(p.numel() for p in model.parameters())
+        assert sizes.reference in sizes.lengths
+    assert 20e6 <= counts["full"] <= 50e6 and 4e6 <= counts["quick"] <= 8e6, counts
+    assert bench.FULL.lengths == (2048, 8192, 16_384) and bench.FULL.reference == 8192
+
+
+def test_the_batch_is_one_sequence_of_the_length(bench: ModuleType) -> None:
+    (sequence,) = bench.one_sequence_batch(300).sequences
+    assert len(sequence.tokens) == 300 and int(sequence.trainable.sum()) == 150
+
+
+def test_the_paths_differ_in_the_memory_switches_only(bench: ModuleType) -> None:
+    today, switches = (bench.learner_config(path, bench.FULL) for path in bench.PATHS)
+    assert not today.validate() and not switches.validate()
+    changed = {field.name for field in dataclasses.fields(LearnerConfig)
+               if getattr(today, field.name) != getattr(switches, field.name)}
+    assert changed == {"activation_checkpointing", "logprob_chunk_tokens",
+                       "max_tokens_per_microbatch"}
+    assert (today.activation_checkpointing, today.logprob_chunk_tokens,
+            today.max_tokens_per_microbatch) == ("off", 0, 0)
+    assert (switches.activation_checkpointing, switches.logprob_chunk_tokens,
+            switches.max_tokens_per_microbatch) == ("on", 1024, 4096)
+
+
+def test_a_case_is_estimated_from_its_path_s_longest_run(bench: ModuleType) -> None:
+    assert bench.estimate_mib({}, 8192) is None
+    done = {1024: {"loaded_mib": 1000.0, "step_mib": 400.0},
+            2048: {"loaded_mib": 1000.0, "step_mib": 500.0}}
+    assert bench.estimate_mib(done, 8192) == pytest.approx(1.1 * (1000 + 4 * 500))
+
+
+def test_a_case_that_would_not_fit_is_skipped(bench: ModuleType,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Today's path needs 2 MiB per token, the switches' 0.1: with 3,000 MiB
+    available, today's runs at 2k only."""
+    ran = []
+
+    def run(target: object, folder: str, tokens: int, config: LearnerConfig
+            ) -> tuple[dict, str]:
+        ran.append((tokens, config.activation_checkpointing))
+        step = tokens * (2.0 if config.activation_checkpointing == "off" else 0.1)
+        return {"loaded_mib": 500.0, "peak_mib": 500.0 + step, "step_mib": step,
+                "seconds": 1.0, "cpu_seconds": 2.0, "tokens_per_s": float(tokens)}, ""
+
+    monkeypatch.setattr(bench, "spawned", run)
+    monkeypatch.setattr(bench, "proc_mib", lambda path, field: 3000.0)
+    rows = bench.measure(bench.FULL, "unused")
+    assert ran == [(2048, "off"), (2048, "on"), (8192, "on"), (16_384, "on")]
+    assert [row["status"] for row in rows] == ["ok", "ok", "skipped", "ok", "skipped", "ok"]
+    assert "linear from 2048 tokens" in rows[2]["reason"]
+    assert bench.ratio(rows, 2048, "step_mib") == 0.05
+    assert bench.ratio(rows, 8192, "step_mib") is None  # today's did not run
+    assert bench.table_line(rows[4]).endswith(rows[4]["reason"])
