@@ -3,33 +3,37 @@
 A checkpoint folder ``step-N`` holds the sharded state of the policy, the
 critic and both optimizers (every rank writes its shards) and ``meta.json``
 (version, step). Resuming loads the newest complete one (``meta.json`` is
-written last). The export is a plain HF folder (safetensors, config,
-tokenizer) that transformers and vLLM load.
+written last). The export is a plain HF folder (safetensors in the training
+dtype, config, and every other file of the source model's folder: tokenizer,
+chat template, generation config) that transformers and vLLM load.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
+from learner.config import LearnerConfig
 from learner.ppo import PPOTrainer
 from ops.files import atomic_write_text
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json", "generation_config.json", "vocab.json",
-                   "merges.txt")
+#: Files of a model folder that hold weights, in any format, or index them:
+#: the export writes its own weights in their place.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
+                   ".index.json")
 
 
 def _is_rank0() -> bool:
@@ -78,19 +82,64 @@ def load_checkpoint(path: Path, trainer: PPOTrainer) -> tuple[int, int]:
     return meta["version"], meta["step"]
 
 
-def export_hf(policy: torch.nn.Module, source_model: str, out: Path) -> Path | None:
-    """Write the policy as an HF folder (rank 0 writes; every rank must call)."""
-    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
-    if not _is_rank0():
-        return None
+def export_hf(policy: torch.nn.Module, source_model: str, out: Path, dtype: torch.dtype,
+              timeout_s: float = LearnerConfig.export_timeout_s) -> Path | None:
+    """Write ``policy`` to ``out`` as an HF folder, its floating-point
+    weights in ``dtype`` (the dtype it trains in); returns ``out`` on rank 0,
+    None elsewhere. Every rank must call it; it returns once the folder is
+    written.
+
+    The full tensors are gathered one at a time, each shard cast to ``dtype``
+    first; only rank 0 keeps them (on the CPU), so the other ranks never hold
+    more than one full tensor. Rank 0 then writes the folder while the others
+    wait in a barrier of a gloo group made for that wait, whose timeout is
+    ``timeout_s``: the default group's (10 minutes on NCCL) is shorter than
+    writing a large model can take. (The others do not leave before rank 0
+    is done: a gloo rank that exits while its peers still run can abort at
+    exit.) A tied output layer is saved as transformers saves it, once. The
+    source folder's other files, whatever they are (tokenizer files,
+    SentencePiece models, chat template, generation config), are copied as
+    they are."""
+    rank0 = _is_rank0()
+    state: dict[str, torch.Tensor] = {}
+    first_name: dict[int, str] = {}
+    # keep_vars: the parameters themselves, so that tied names share one tensor
+    for name, tensor in policy.state_dict(keep_vars=True).items():
+        if id(tensor) in first_name:  # tied: gathered under its first name already
+            if rank0:
+                state[name] = state[first_name[id(tensor)]]
+            continue
+        first_name[id(tensor)] = name
+        full = tensor.detach()
+        if full.is_floating_point():
+            full = full.to(dtype)
+        if isinstance(full, DTensor):
+            full = full.full_tensor()  # a collective: every rank, in the same order
+        if rank0:
+            state[name] = full.cpu()
+    waiting = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+               if dist.is_available() and dist.is_initialized() else None)
+    if rank0:
+        _write_hf(state, source_model, out, dtype)
+    if waiting is not None:
+        dist.barrier(group=waiting)
+        dist.destroy_process_group(waiting)
+    return out if rank0 else None
+
+
+def _write_hf(state: dict[str, torch.Tensor], source_model: str, out: Path,
+              dtype: torch.dtype) -> None:
+    """``state`` (full tensors in ``dtype``) as an HF folder at ``out``, with
+    every file of ``source_model``'s folder but its weights and config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(source_model)
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(full)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (Path(source_model) / name).is_file():
-            shutil.copy(Path(source_model) / name, out / name)
-    return out
+    # the skeleton that save_pretrained writes the weights and config of (the
+    # config naming ``dtype``, which vLLM and transformers load by default)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source_model),
+                                                    dtype=dtype)
+    skeleton.save_pretrained(out, state_dict=state)
+    for path in Path(source_model).iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(
+                WEIGHT_SUFFIXES):
+            shutil.copy(path, out / path.name)

@@ -104,6 +104,12 @@ class LearnerConfig:
     """Learner steps (policy versions) of a run."""
     checkpoint_every: int = 10
     """Steps between checkpoints (and one at shutdown)."""
+    export_timeout_s: float = 3600.0
+    """How long the other ranks wait for rank 0 to write the HF export at the
+    end (on a process group of its own: the usual collective timeout, 10
+    minutes on NCCL, does not apply). A rank 0 that dies ends the wait at
+    once; this bounds a hung one. An hour writes a 70B model's 140 GB of bf16
+    at 40 MB/s."""
     control_address: str = "tcp://127.0.0.1:5557"
     """Rank 0's ROUTER for actor membership and weight announcements."""
     weight_store_address: str = "127.0.0.1:5558"
@@ -148,8 +154,9 @@ class LearnerConfig:
         for name in ("weight_bucket_bytes", "logprob_chunk_tokens", "max_tokens_per_microbatch"):
             if getattr(self, name) < 0:
                 problems.append(f"{section}.{name} must be >= 0")
-        if self.weight_timeout_s <= 0:
-            problems.append(f"{section}.weight_timeout_s must be > 0")
+        for name in ("weight_timeout_s", "export_timeout_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{section}.{name} must be > 0")
         if not 0 < self.gpu_memory_fraction < 1:
             problems.append(f"{section}.gpu_memory_fraction = {self.gpu_memory_fraction} must be "
                             "in (0, 1): it splits a shared GPU between the learner and an engine")

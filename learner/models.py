@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from types import MethodType
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -20,6 +22,10 @@ class Critic(nn.Module):
         super().__init__()
         self.body = body
         self.head = nn.Linear(hidden_size, 1)
+        self.reset_head()
+
+    def reset_head(self) -> None:
+        """A zero head: the first values are 0 whatever the body."""
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -29,20 +35,108 @@ class Critic(nn.Module):
         return self.head(hidden).squeeze(-1).clone()
 
 
-def load_policy(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+@dataclass(frozen=True)
+class Sharding:
+    """How :func:`load_policy` and :func:`load_critic` shard a model (the
+    arguments of :func:`shard`)."""
 
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    device: torch.device
+    bf16: bool = False
+    activation_checkpointing: Literal["auto", "on", "off"] = "off"
+
+
+def load_policy(path: str, dtype: torch.dtype = torch.float32,
+                sharding: Sharding | None = None) -> nn.Module:
+    """The causal LM in the HF folder ``path``, its parameters in ``dtype``.
+    Without ``sharding``, this process holds the whole model. With it, the
+    model is built on the meta device, sharded, and each rank reads only its
+    shards from the safetensors files (:func:`_load_shards`): no rank ever
+    holds a full copy."""
+    if sharding is None:
+        from transformers import AutoModelForCausalLM
+
+        return _with_chunked_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+    return _load_shards(_policy_on_meta(path, dtype), path, sharding)
+
+
+def load_critic(path: str, dtype: torch.dtype = torch.float32,
+                sharding: Sharding | None = None) -> Critic:
+    """A critic whose body starts from the policy's weights in ``path`` (its
+    own copy) and whose head starts at zero; ``sharding`` as for
+    :func:`load_policy`."""
+    if sharding is None:
+        policy = load_policy(path, dtype)
+        return Critic(policy.model, policy.config.hidden_size).to(dtype)
+    policy = _policy_on_meta(path, dtype)
+    with torch.device("meta"):
+        critic = Critic(policy.model, policy.config.hidden_size).to(dtype)
+    return _load_shards(critic, path, sharding)
+
+
+def _with_chunked_logprobs(policy: nn.Module) -> nn.Module:
     # a method of the model, so that shard() can have FSDP2 gather the
     # parameters for it as it does for forward
     policy.chunked_token_logprobs = MethodType(_chunked_token_logprobs, policy)
     return policy
 
 
-def load_critic(path: str, dtype: torch.dtype = torch.float32) -> Critic:
-    """A critic initialised from the policy's weights (its own copy)."""
-    policy = load_policy(path, dtype)
-    return Critic(policy.model, policy.config.hidden_size).to(dtype)
+def _policy_on_meta(path: str, dtype: torch.dtype) -> nn.Module:
+    """The policy of ``path``'s config with every parameter and buffer on the
+    meta device: shapes only, no memory, no initialisation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    # the mode from_pretrained leaves a model in, as the unsharded load does
+    # (the trainer never switches it: PPO trains the policy it sampled with)
+    return _with_chunked_logprobs(policy.eval())
+
+
+def _load_shards(model: nn.Module, path: str, sharding: Sharding) -> nn.Module:
+    """Shard ``model`` (on the meta device), give each rank memory for its
+    shards only, and fill them from the safetensors files of ``path``.
+
+    The files are read with torch.distributed.checkpoint's Hugging Face
+    reader: every rank reads just the slices of its shards (safetensors
+    slices of a memory-mapped file) and converts them to the parameters'
+    dtype as it copies them in; nothing passes through rank 0 or the
+    network. A tied output layer is the embedding's parameter, read once.
+    Parameters must be named in the files as in the model (Qwen2, Llama:
+    transformers renames nothing for them); a name missing from the files is
+    an error, except the critic's head, which starts at zero."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    shard(model, sharding.device, sharding.bf16, sharding.activation_checkpointing)
+    model.to_empty(device=sharding.device)
+    # Non-persistent buffers (the rotary embedding's inverse frequencies) are
+    # in no file and to_empty left them uninitialised: transformers computes
+    # them in its own weight initialisation, which from_pretrained runs too.
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            _body(model)._init_weights(module)
+    if isinstance(model, Critic):
+        model.reset_head()
+    dcp.load(_file_tensors(model), storage_reader=HuggingFaceStorageReader(path))
+    return model
+
+
+def _file_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` that the HF files hold, under their names
+    there: the critic's body is the policy's ``model``, its head is in no
+    file; tied parameters appear once, under their first name."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if isinstance(model, Critic):
+            if not name.startswith("body."):
+                continue
+            name = "model." + name.removeprefix("body.")
+        tensors[name] = tensor
+    return tensors
 
 
 def _body(model: nn.Module) -> nn.Module:
@@ -66,26 +160,35 @@ def shard(model: nn.Module, device: torch.device | None = None, bf16: bool = Fal
           activation_checkpointing: Literal["auto", "on", "off"] = "off") -> nn.Module:
     """FSDP2 on ``device``: each transformer layer its own unit, then the rest;
     with ``bf16``, parameters are cast to bf16 for compute and gradients
-    reduced in fp32. FSDP averages gradients over ranks; the trainer
+    reduced in fp32 (the parameters, FSDP2's master weights, stay in their
+    dtype). FSDP averages gradients over ranks; the trainer
     multiplies its losses by the world size to turn that into the sum it needs
     (gloo has no pre-multiplied reduce for ``set_gradient_divide_factor``).
-    ``activation_checkpointing``: "on", "off", or "auto" (on on a GPU)."""
+    ``activation_checkpointing``: "on", "off", or "auto" (on on a GPU).
+    A model on the meta device stays there (sharded shapes only), for
+    :func:`_load_shards` to materialise."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,
         fully_shard,
         register_fsdp_forward_method,
     )
 
-    if device is not None:
+    if device is None:
+        device = next(model.parameters()).device
+    elif not next(model.parameters()).is_meta:
         model.to(device)
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    if activation_checkpointing == "on" or (activation_checkpointing == "auto" and on_gpu):
+    if activation_checkpointing == "on" or (activation_checkpointing == "auto"
+                                            and device.type == "cuda"):
         checkpoint_layers(model)
+    # the mesh on the device asked for (FSDP2's default is CUDA whenever CUDA
+    # is present): a meta model is materialised there
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 else MixedPrecisionPolicy())
     for layer in _body(model).layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     if hasattr(model, "chunked_token_logprobs"):
         register_fsdp_forward_method(model, "chunked_token_logprobs")
     return model

@@ -51,7 +51,7 @@ from learner.checkpoint import export_hf, latest_checkpoint, load_checkpoint, sa
 from learner.config import LearnerConfig
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
-from learner.models import load_critic, load_policy, shard
+from learner.models import Sharding, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from learner.publisher import WeightPublisher
 from ops.metrics import MetricsServer
@@ -132,9 +132,12 @@ class Learner:
         signal.signal(signal.SIGINT, self._on_signal)
         torch.manual_seed(0)
         bf16 = self.device.type == "cuda" and self.config.mixed_precision == "bf16"
-        checkpointing = self.config.activation_checkpointing
-        policy = shard(load_policy(self.settings.model), self.device, bf16, checkpointing)
-        critic = shard(load_critic(self.settings.model), self.device, bf16, checkpointing)
+        # the dtype the models compute in, and so the export's; their
+        # parameters (the master weights) stay float32
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        sharding = Sharding(self.device, bf16, self.config.activation_checkpointing)
+        policy = load_policy(self.settings.model, sharding=sharding)
+        critic = load_critic(self.settings.model, sharding=sharding)
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
@@ -196,8 +199,8 @@ class Learner:
                 if self.step % self.config.publish_every == 0:
                     publisher.publish(self.version)
             save_checkpoint(checkpoints, self.trainer, self.version, self.step)
-            export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export")
-            dist.barrier()  # rank 0 writes the export; nobody leaves the group before it ends
+            export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export", dtype,
+                      self.config.export_timeout_s)
             if self.rank == 0:
                 log.info("stopped cleanly (%s) at step %d, version %d: checkpoint and export "
                          "written", "signal" if self.stopping else "max_steps", self.step,

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from learner.batch import TrainBatch, to_train_batch
 from learner.config import LearnerConfig
-from learner.models import load_critic, load_policy, shard
+from learner.models import Sharding, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from protocol.synthetic import synthetic_batch
 
@@ -45,11 +45,10 @@ def main() -> None:
     # would turn rounding noise in a near-zero gradient element into a step
     # of up to lr. The optimizer is elementwise on each shard: the gradients
     # are what 1 and 2 ranks may compute differently.
-    checkpointing = config.activation_checkpointing
-    trainer = PPOTrainer(shard(load_policy(model, torch.float64),
-                               activation_checkpointing=checkpointing),
-                         shard(load_critic(model, torch.float64),
-                               activation_checkpointing=checkpointing), config)
+    sharding = Sharding(torch.device("cpu"),
+                        activation_checkpointing=config.activation_checkpointing)
+    trainer = PPOTrainer(load_policy(model, torch.float64, sharding),
+                         load_critic(model, torch.float64, sharding), config)
     trainer.policy_optimizer = torch.optim.SGD(trainer.policy.parameters(), lr=config.lr)
     trainer.critic_optimizer = torch.optim.SGD(trainer.critic.parameters(), lr=config.critic_lr)
     for batch in batches(steps):

@@ -30,23 +30,20 @@ PROMPTS = [list(range(10, 200)), list(range(300, 460)), [7, 8, 9] * 50]
 
 @pytest.fixture(scope="module")
 def trained_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model, perturbed (as if trained), saved as an HF folder."""
+    """The tiny model, perturbed (as if trained), exported as the learner
+    exports its policy: the engines below load an export."""
     from transformers import AutoModelForCausalLM
 
-    from learner.checkpoint import TOKENIZER_FILES
+    from learner.checkpoint import export_hf
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    out = tmp_path_factory.mktemp("trained")
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tiny_model_dir / name).is_file():
-            (out / name).write_bytes((tiny_model_dir / name).read_bytes())
     assert model.config.tie_word_embeddings
-    return out
+    return export_hf(model, str(tiny_model_dir), tmp_path_factory.mktemp("trained") / "export",
+                     torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,23 @@
-"""Checkpoints resume exactly, and the export loads in transformers."""
+"""Checkpoints resume exactly; the export is in the training dtype, carries
+every other file of the source folder, and loads in transformers."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from learner.batch import to_train_batch
-from learner.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import (
+    WEIGHT_SUFFIXES,
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from learner.config import LearnerConfig
 from learner.models import load_critic, load_policy
 from learner.ppo import PPOTrainer
@@ -56,8 +66,34 @@ def test_export_loads_in_transformers(tiny_model_dir: Path, tmp_path: Path) -> N
 
     trainer = fresh(tiny_model_dir)
     run(trainer, range(1))
-    out = export_hf(trainer.policy, str(tiny_model_dir), tmp_path / "export")
+    out = export_hf(trainer.policy, str(tiny_model_dir), tmp_path / "export", torch.float32)
     loaded = AutoModelForCausalLM.from_pretrained(out)
     for (name, a), b in zip(trainer.policy.named_parameters(), loaded.parameters(), strict=True):
         torch.testing.assert_close(b, a, msg=name)
     assert AutoTokenizer.from_pretrained(out).chat_template
+
+
+def test_export_is_in_the_training_dtype_with_every_file_of_the_source(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A SentencePiece model, which the tiny model lacks, goes along: the
+    export takes the source's files as they are, not a list of names."""
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_model_dir, source)
+    (source / "tokenizer.model").write_bytes(b"\x0a\x0bnot a real SentencePiece model")
+    trainer = fresh(source)
+    run(trainer, range(1))
+    out = export_hf(trainer.policy, str(source), tmp_path / "export", torch.bfloat16)
+
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    weights = load_file(out / "model.safetensors")
+    for name, parameter in trainer.policy.named_parameters():
+        assert weights[name].dtype == torch.bfloat16, name
+        assert torch.equal(weights[name], parameter.detach().to(torch.bfloat16)), name
+    others = [path.name for path in source.iterdir()
+              if path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES)]
+    assert {"tokenizer.model", "tokenizer.json", "chat_template.jinja"} <= set(others)
+    for name in others:
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert AutoModelForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.bfloat16
