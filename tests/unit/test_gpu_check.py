@@ -5,7 +5,6 @@ happens only on a machine with a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Iterator
@@ -16,18 +15,14 @@ import pytest
 import torch
 
 from tests.processes import run_command
+from tests.scripts import import_script
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gpu_check() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check_bench", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return import_script(SCRIPT, "gpu_check_bench")
 
 
 def test_manifests_have_the_published_parameter_counts(gpu_check: ModuleType) -> None:

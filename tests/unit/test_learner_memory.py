@@ -5,8 +5,6 @@ runs (``--quick``) in tests/integration/test_documented_commands.py."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -14,18 +12,14 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
+from tests.scripts import import_script
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "learner_memory.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("learner_memory_bench", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return import_script(SCRIPT, "learner_memory_bench")
 
 
 def test_the_models_have_the_documented_sizes(bench: ModuleType) -> None:
