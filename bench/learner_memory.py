@@ -17,12 +17,13 @@ critic losses, backward, AdamW) on a batch of one sequence of that length.
   budget goes alone), so here the savings are the other two switches'.
 
 Memory, per case (MiB): ``loaded`` is the process's RSS (``VmRSS``) after
-the models, the trainer and the batch are there; then the kernel's RSS
-high-water mark is reset to it (``/proc/self/clear_refs``, so that loading's
-transients do not count) and ``peak`` is ``ru_maxrss`` after the step. The
-step's memory is ``step = peak - loaded``: activations, logits, gradients
-and the optimizer's state, which AdamW allocates in this, the process's first
-step (gradients and state: ~0.8 GiB of both paths' ``step`` at full size).
+the models and the trainer are there and have taken one short step (256
+tokens: AdamW's state then exists, as in a running learner, instead of being
+allocated inside the measured step), and the batch is built; then the
+kernel's RSS high-water mark is reset to it (``/proc/self/clear_refs``, so
+that loading's transients do not count) and ``peak`` is ``ru_maxrss`` after
+the step. The step's memory is ``step = peak - loaded``: activations, logits
+and gradients.
 ``peak_vs_today_8k`` is the ratio of ``step`` (switches over today, 8k
 tokens; goal <= 0.25), ``peak_rss_vs_today_8k`` that of the whole process's
 ``peak``. ``tokens_per_s_vs_today_8k``: the sequence's tokens over the
@@ -157,6 +158,10 @@ def proc_mib(path: str, field: str) -> float:
     raise RuntimeError(f"no {field} in {path}")
 
 
+#: The short step each case takes before the measured one.
+WARM_UP_TOKENS = 256
+
+
 def reset_peak_rss() -> bool:
     """Set the kernel's RSS high-water mark (``ru_maxrss``) to the current RSS."""
     try:
@@ -184,6 +189,8 @@ def run_case(folder: str, tokens: int, config: LearnerConfig, out: Connection) -
     cpu, checkpointing = torch.device("cpu"), config.activation_checkpointing
     trainer = PPOTrainer(shard(load_policy(folder), cpu, False, checkpointing),
                          shard(load_critic(folder), cpu, False, checkpointing), config)
+    # a running learner has taken steps before: AdamW's state exists
+    trainer.step(one_sequence_batch(WARM_UP_TOKENS))
     batch = one_sequence_batch(tokens)
     gc.collect()
     loaded = proc_mib(STATUS, "VmRSS")
