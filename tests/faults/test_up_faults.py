@@ -341,10 +341,12 @@ def test_actor_sigkilled_repeatedly_rejoins_with_current_weights(
         expired = run.replay("crl_replay_dropped_total", reason="expired")
         version_at_kill = run.learner("crl_learner_policy_version")
         pid = run.children()["actor-0"]
+        dead = process_tree(pid)
+        # read last, just before the kill: an episode that ends in between
+        # is not lost, and would make this count one too many
         in_flight = int(run.actor("actor-0", "crl_actor_active_rollouts"))
         if not in_flight:
             continue  # they ended meanwhile
-        dead = process_tree(pid)
         os.kill(pid, signal.SIGKILL)  # the actor alone: its engine must not outlive it
         killed_at = time.monotonic()
         kills += 1
