@@ -456,7 +456,11 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
                        "stall_keep_vs_recompute"),
         slow=True),
     ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
-    ".venv/bin/python bench/gpu_check.py --json": Run(BENCH_DRY_RUN, ("ipc_push", "seconds")),
+    # the dry run's two learner models share one tiny shape: one of them is enough
+    # here (tests/unit/test_gpu_check.py runs both)
+    ".venv/bin/python bench/gpu_check.py --json": Run(
+        (*BENCH_DRY_RUN, "--learner-models", "qwen2.5-0.5b", "--models", "qwen2.5-0.5b"),
+        ("ipc_push", "seconds")),
     ".venv/bin/python bench/ablations.py --quick": Run(BENCH_DRY_RUN, prints=("dry run:",)),
     # docs/deploy.md
     "docker build -f deploy/Dockerfile -t registry.example.com/compactionrl:latest .": Offline(
