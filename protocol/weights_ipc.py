@@ -271,6 +271,5 @@ class IpcChannel(WeightChannel):
         self._mapped.clear()
 
     def __del__(self) -> None:
-        for buffer in getattr(self, "_slots", ()):
-            if buffer is not None:
-                buffer.unlink()
+        if hasattr(self, "_slots"):  # not when __init__ failed before it
+            self.abort()
