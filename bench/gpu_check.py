@@ -35,7 +35,8 @@ It measures, on GPU 0:
    backward, gradient clipping, AdamW. For 2k, 8k and 16k tokens per
    sequence (two sequences a step) and each set of the learner's memory
    switches (all on, each one off, none: per-layer activation checkpointing,
-   chunked log-softmax recomputed in backward, one sequence per pass): step
+   chunked log-softmax recomputed in backward, one sequence per pass; and
+   all on with the critic as a value head on the policy, no critic model): step
    time (median after a warm-up), tokens/s, MFU against the H200's dense
    bf16 peak with the FLOP count written out, the peak of allocated memory,
    and per switch set the first length that does not fit (CUDA out of
@@ -386,10 +387,13 @@ MAX_GRAD_NORM = 1.0  # learner.max_grad_norm's default
 SEED = 1234
 
 SWITCHES = ("checkpointing", "chunked_logprobs", "microbatches")
-#: All on, as deploy/configs/gpu-*.toml run the learner; each one off in turn;
-#: all off. In this order, so that a run cut short by --budget-s has the first.
+#: All on, as deploy/configs/gpu-*.toml run the learner; all on with the
+#: critic as a value head on the policy ("value_head": learner.critic's
+#: option) instead of a model of its own; each switch off in turn; all off.
+#: In this order, so that a run cut short by --budget-s has the first.
 SWITCH_SETS: dict[str, frozenset[str]] = {
     "all": frozenset(SWITCHES),
+    "all_value_head": frozenset(SWITCHES) | {"value_head"},
     **{f"no_{switch}": frozenset(SWITCHES) - {switch} for switch in SWITCHES},
     "none": frozenset(),
 }
@@ -397,7 +401,8 @@ FLOP_FORMULA = ("per token: 6*(N_policy + N_critic - vocab*hidden) + 2*12*layers
                 "(forward and backward of both models; the critic's embedding is a lookup, "
                 "not a matmul; the attention term counts the whole seq x seq score matrix, as "
                 "PaLM's MFU does, though causal kernels compute about half of it; "
-                "recomputation by the switches is not counted)")
+                "recomputation by the switches is not counted); with a value head, "
+                "6*(N_policy + hidden + 1) + 12*layers*hidden*seq (one body)")
 
 
 @dataclass(frozen=True)
@@ -514,11 +519,15 @@ class Body(nn.Module):
 
 class Policy(nn.Module):
     """A tied Qwen2 causal LM, its parameters under transformers' names (so
-    ``manifest`` lists them): the output layer is the embedding."""
+    ``manifest`` lists them): the output layer is the embedding. With
+    ``value_head``, a scalar head on its body as well (the learner's
+    ``critic = "value_head"``)."""
 
-    def __init__(self, shape: Qwen2Shape) -> None:
+    def __init__(self, shape: Qwen2Shape, value_head: bool = False) -> None:
         super().__init__()
         self.model = Body(shape)
+        if value_head:
+            self.value_head = nn.Linear(shape.hidden, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.linear(self.model(ids), self.model.embed_tokens.weight)
@@ -526,9 +535,22 @@ class Policy(nn.Module):
     def chunked_token_logprobs(self, ids: torch.Tensor, chunk: int) -> torch.Tensor:
         """[B, L - 1] log-probability of tokens 1.. of ``ids``, the output layer
         applied ``chunk`` positions at a time (as the learner's)."""
-        hidden = self.model(ids)[:, :-1]
-        return ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]),
-                                     self.model.embed_tokens.weight, ids[:, 1:], chunk)
+        return self._logprobs(self.model(ids), ids, chunk)
+
+    def logprobs_and_values(self, ids: torch.Tensor, chunk: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L - 1] log-probabilities (in chunks, or all logits at once with
+        ``chunk`` 0) and [B, L] values, from one pass through the body."""
+        hidden = self.model(ids)
+        return self._logprobs(hidden, ids, chunk), self.value_head(hidden)[..., 0].clone()
+
+    def _logprobs(self, hidden: torch.Tensor, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        hidden, weight = hidden[:, :-1], self.model.embed_tokens.weight
+        if not chunk:
+            logits = F.linear(hidden, weight).float()
+            return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, ids[:, 1:],
+                                     chunk)
 
 
 class Critic(nn.Module):
@@ -583,12 +605,13 @@ class ChunkedLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def build(kind: type[Policy] | type[Critic], shape: Qwen2Shape, device: str) -> nn.Module:
+def build(kind: type[Policy] | type[Critic], shape: Qwen2Shape, device: str,
+          **options: bool) -> nn.Module:
     """Random float32 weights (the learner's master copy), allocated once on
     ``device``. The same seed for both kinds: the critic's body starts as the
-    policy's, as the learner's critic does."""
+    policy's, as the learner's critic does. ``options``: of ``kind``."""
     with torch.device("meta"):
-        model = kind(shape)
+        model = kind(shape, **options)
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(SEED)
     with torch.no_grad():
@@ -614,8 +637,9 @@ def shard(model: nn.Module, checkpointing: bool) -> nn.Module:
     for layer in body.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    if isinstance(model, Policy):  # FSDP2 gathers the tied output layer for it too
-        register_fsdp_forward_method(model, "chunked_token_logprobs")
+    if isinstance(model, Policy):  # FSDP2 gathers the tied output layer for them too
+        for method in ("chunked_token_logprobs", "logprobs_and_values"):
+            register_fsdp_forward_method(model, method)
     return model
 
 
@@ -644,27 +668,33 @@ def random_batch(shape: Qwen2Shape, sequences: int, length: int, device: str,
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def ppo_step(policy: nn.Module, critic: nn.Module, optimizers: list[torch.optim.Optimizer],
-             batch: dict[str, torch.Tensor], switches: frozenset[str],
-             chunk_tokens: int) -> None:
-    """One optimizer step of both models over the batch: clipped-ratio policy
-    loss and value loss, each divided by the step's token count (as the
-    learner divides by |M|, so passes add up to the whole batch's gradient)."""
+def ppo_step(policy: nn.Module, critic: nn.Module | None,
+             optimizers: list[torch.optim.Optimizer], batch: dict[str, torch.Tensor],
+             switches: frozenset[str], chunk_tokens: int) -> None:
+    """One optimizer step of both models (or of the policy and its value
+    head, ``critic`` None) over the batch: clipped-ratio policy loss and
+    value loss, each divided by the step's token count (as the learner
+    divides by |M|, so passes add up to the whole batch's gradient)."""
     ids = batch["ids"]
     per_pass = 1 if "microbatches" in switches else len(ids)
     chunk = chunk_tokens if "chunked_logprobs" in switches else 0
     count = batch["advantages"].numel()
     for start in range(0, len(ids), per_pass):
         rows = slice(start, start + per_pass)
-        ratio = torch.exp(token_logprobs(policy, ids[rows], chunk) - batch["old_logprobs"][rows])
+        if critic is None:
+            logp, values = policy.logprobs_and_values(ids[rows], chunk)
+        else:
+            logp, values = token_logprobs(policy, ids[rows], chunk), critic(ids[rows])
+        ratio = torch.exp(logp - batch["old_logprobs"][rows])
         advantages = batch["advantages"][rows]
         policy_loss = -torch.minimum(ratio * advantages,
                                      ratio.clamp(1 - CLIP, 1 + CLIP) * advantages).sum()
-        values = critic(ids[rows])[:, :-1].float()  # V of the state before each token
+        values = values[:, :-1].float()  # V of the state before each token
         value_loss = 0.5 * (values - batch["returns"][rows]).square().sum()
         ((policy_loss + value_loss) / count).backward()
     for model in (policy, critic):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        if model is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -677,13 +707,16 @@ def flop_count(shape: Qwen2Shape, lengths: tuple[int, ...]) -> dict[str, Any]:
     n_policy = sum(numel(size) for _, size in manifest(shape))
     n_critic = n_policy + shape.hidden + 1  # the value head
     dense = 6 * (n_policy + n_critic - shape.vocab * shape.hidden)
+    dense_value_head = 6 * (n_policy + shape.hidden + 1)
     # per layer and token, forward: q.k over seq positions and the weighted
     # sum of v, 2*seq*hidden FLOPs each; backward twice that
     attention = {length: 12 * shape.layers * shape.hidden * length for length in lengths}
     return {"formula": FLOP_FORMULA, "n_policy": n_policy, "n_critic": n_critic,
             "dense_per_token": dense,
             "attention_per_token_per_model": {str(k): v for k, v in attention.items()},
-            "per_token": {str(k): dense + 2 * v for k, v in attention.items()}}
+            "per_token": {str(k): dense + 2 * v for k, v in attention.items()},
+            "per_token_value_head": {str(k): dense_value_head + v
+                                     for k, v in attention.items()}}
 
 
 def release(device: str) -> None:
@@ -745,11 +778,19 @@ def run_case(shape: Qwen2Shape, length: int, switches: frozenset[str], plan: Lea
     """Fresh models and optimizers (so that the peak is this case's alone),
     one warm-up step (it also allocates AdamW's state), then ``plan.steps``."""
     checkpointing = "checkpointing" in switches
-    policy = shard(build(Policy, shape, device), checkpointing)
-    critic = shard(build(Critic, shape, device), checkpointing)
-    optimizers: list[torch.optim.Optimizer] = [
-        torch.optim.AdamW(policy.parameters(), lr=POLICY_LR),
-        torch.optim.AdamW(critic.parameters(), lr=CRITIC_LR)]
+    if "value_head" in switches:  # one model, the head at the critic's rate
+        policy = shard(build(Policy, shape, device, value_head=True), checkpointing)
+        critic = None
+        named = list(policy.named_parameters())
+        optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW([
+            {"params": [p for n, p in named if not n.startswith("value_head.")]},
+            {"params": [p for n, p in named if n.startswith("value_head.")], "lr": CRITIC_LR},
+        ], lr=POLICY_LR)]
+    else:
+        policy = shard(build(Policy, shape, device), checkpointing)
+        critic = shard(build(Critic, shape, device), checkpointing)
+        optimizers = [torch.optim.AdamW(policy.parameters(), lr=POLICY_LR),
+                      torch.optim.AdamW(critic.parameters(), lr=CRITIC_LR)]
     batch = random_batch(shape, plan.sequences, length, device, SEED + length)
     times = []
     for _ in range(plan.steps + 1):
@@ -834,7 +875,9 @@ def learner_part(names: list[str], device: str, plan: LearnerPlan, out: Path,
                                 **learner_case(shape, length, switches, plan, device,
                                                deadline)}
                         if case["outcome"] == "ok":
-                            per_token = models[name]["flops"]["per_token"][str(length)]
+                            flops = models[name]["flops"]["per_token_value_head" if "value_head"
+                                                          in switches else "per_token"]
+                            per_token = flops[str(length)]
                             case["tokens_per_second"] = (case["tokens_per_step"]
                                                          / case["step_seconds"])
                             # only a GPU's time against a GPU's peak means anything

@@ -1,5 +1,6 @@
 """Learner memory: the peak memory and speed of one PPO step on one long
-sequence, with the memory switches on against today's path (all off).
+sequence, with the memory switches on against today's path (all off), and
+with the critic as a value head on the policy against a critic model.
 
 A Qwen2-architecture model of ~35M parameters (384 wide, 8 layers, GQA 6/2
 heads, MLP 2048, a 32k tied vocabulary: logits against layer activations per
@@ -15,6 +16,9 @@ critic losses, backward, AdamW) on a batch of one sequence of that length.
   positions, micro-batches within 4,096 tokens. The budget cuts between whole
   sequences only: a batch of one sequence is never cut (one longer than the
   budget goes alone), so here the savings are the other two switches'.
+- ``value_head``: the switches, and ``critic = "value_head"``: no critic
+  model (its parameters, gradients and AdamW state), one pass through the
+  body for both losses.
 
 Memory, per case (MiB): ``loaded`` is the process's RSS (``VmRSS``) after
 the models and the trainer are there and have taken one short step (256
@@ -29,7 +33,9 @@ tokens; goal <= 0.25), ``peak_rss_vs_today_8k`` that of the whole process's
 ``peak``. ``tokens_per_s_vs_today_8k``: the sequence's tokens over the
 step's wall time, switches over today (goal >= 0.7: checkpointing runs each
 layer's forward again); each row also has the step's CPU time, steadier than
-wall time on a busy machine. This process never imports torch: after
+wall time on a busy machine. ``value_head_*_vs_critic_model_8k``: the
+value head's ``loaded``, ``step`` and tokens/s over the switches' (a critic
+model). This process never imports torch: after
 ``vfork`` and ``exec``, a child's ``ru_maxrss`` starts at its parent's.
 
 A case is skipped, not run, when its estimate exceeds ``MemAvailable``: the
@@ -72,8 +78,8 @@ MEMINFO, STATUS = "/proc/meminfo", "/proc/self/status"
 MIN_AVAILABLE_MIB = 512
 #: Margin on a case's linear estimate before it starts.
 ESTIMATE_MARGIN = 1.1
-PATHS = ("today", "switches")
-HEADER = (f"{'tokens':>7}  {'path':<9} {'loaded MiB':>10} {'peak MiB':>9} {'step MiB':>9} "
+PATHS = ("today", "switches", "value_head")
+HEADER = (f"{'tokens':>7}  {'path':<10} {'loaded MiB':>10} {'peak MiB':>9} {'step MiB':>9} "
           f"{'step s':>8} {'CPU s':>8} {'tokens/s':>9}")
 
 
@@ -107,7 +113,8 @@ def learner_config(path: str, sizes: Sizes) -> LearnerConfig:
     if path == "today":
         return LearnerConfig(activation_checkpointing="off")
     return LearnerConfig(activation_checkpointing="on", logprob_chunk_tokens=sizes.chunk_tokens,
-                         max_tokens_per_microbatch=sizes.microbatch_tokens)
+                         max_tokens_per_microbatch=sizes.microbatch_tokens,
+                         critic="value_head" if path == "value_head" else "model")
 
 
 def qwen2_config(shape: ModelShape) -> Qwen2Config:
@@ -187,8 +194,10 @@ def run_case(folder: str, tokens: int, config: LearnerConfig, out: Connection) -
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
     cpu, checkpointing = torch.device("cpu"), config.activation_checkpointing
-    trainer = PPOTrainer(shard(load_policy(folder), cpu, False, checkpointing),
-                         shard(load_critic(folder), cpu, False, checkpointing), config)
+    value_head = config.critic == "value_head"
+    trainer = PPOTrainer(
+        shard(load_policy(folder, value_head=value_head), cpu, False, checkpointing),
+        None if value_head else shard(load_critic(folder), cpu, False, checkpointing), config)
     # a running learner has taken steps before: AdamW's state exists
     trainer.step(one_sequence_batch(WARM_UP_TOKENS))
     batch = one_sequence_batch(tokens)
@@ -259,19 +268,21 @@ def measure(sizes: Sizes, folder: str) -> list[dict]:
 
 
 def table_line(row: dict) -> str:
-    start = f"{row['tokens']:>7}  {row['path']:<9}"
+    start = f"{row['tokens']:>7}  {row['path']:<10}"
     if row["status"] != "ok":
         return f"{start} {row['status']}: {row['reason']}"
     return (f"{start} {row['loaded_mib']:>10.0f} {row['peak_mib']:>9.0f} {row['step_mib']:>9.0f} "
             f"{row['seconds']:>8.2f} {row['cpu_seconds']:>8.2f} {row['tokens_per_s']:>9.0f}")
 
 
-def ratio(rows: list[dict], tokens: int, key: str) -> float | None:
-    """switches over today at ``tokens``; None where either did not run."""
+def ratio(rows: list[dict], tokens: int, key: str, path: str = "switches",
+          baseline: str = "today") -> float | None:
+    """``path``'s ``key`` over ``baseline``'s at ``tokens``; None where either
+    did not run."""
     found = {row["path"]: row for row in rows if row["tokens"] == tokens and row["status"] == "ok"}
-    if set(found) != set(PATHS):
+    if path not in found or baseline not in found:
         return None
-    return round(found["switches"][key] / found["today"][key], 3)
+    return round(found[path][key] / found[baseline][key], 3)
 
 
 def main() -> None:
@@ -288,8 +299,8 @@ def main() -> None:
             "model": {**asdict(sizes.model), **model}, "lengths": list(sizes.lengths),
             "reference_tokens": sizes.reference,
             "paths": {path: {name: getattr(learner_config(path, sizes), name) for name in (
-                "activation_checkpointing", "logprob_chunk_tokens", "max_tokens_per_microbatch")}
-                for path in PATHS},
+                "activation_checkpointing", "logprob_chunk_tokens", "max_tokens_per_microbatch",
+                "critic")} for path in PATHS},
             "memory": "step = peak - loaded (MiB); loaded: VmRSS after the models, trainer and "
                       "batch; peak: ru_maxrss after one step, its high-water mark reset at "
                       "loaded; a fresh spawned process per case",
@@ -302,12 +313,19 @@ def main() -> None:
         "peak_vs_today_8k": ratio(rows, sizes.reference, "step_mib"),
         "peak_rss_vs_today_8k": ratio(rows, sizes.reference, "peak_mib"),
         "tokens_per_s_vs_today_8k": ratio(rows, sizes.reference, "tokens_per_s"),
+        **{f"value_head_{name}_vs_critic_model_8k": ratio(rows, sizes.reference, key,
+                                                          "value_head", "switches")
+           for name, key in (("loaded", "loaded_mib"), ("step", "step_mib"),
+                             ("tokens_per_s", "tokens_per_s"))},
         **settings, "table": rows,
     }
     print(f"at {sizes.reference} tokens, switches over today: step memory "
           f"{result['peak_vs_today_8k']} (goal <= 0.25), process peak "
           f"{result['peak_rss_vs_today_8k']}, tokens/s {result['tokens_per_s_vs_today_8k']} "
-          "(goal >= 0.7)")
+          "(goal >= 0.7); a value head over a critic model (both with the switches): loaded "
+          f"{result['value_head_loaded_vs_critic_model_8k']}, step memory "
+          f"{result['value_head_step_vs_critic_model_8k']}, tokens/s "
+          f"{result['value_head_tokens_per_s_vs_critic_model_8k']}")
     if args.json:
         print(json.dumps(result))
 

@@ -1,7 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint, and the HF export.
 
-A checkpoint folder ``step-N`` holds the sharded state of the policy, the
-critic and both optimizers (every rank writes its shards) and ``meta.json``
+A checkpoint folder ``step-N`` holds the sharded state of the policy (with
+its value head, if it has one), the critic model, if there is one, and their
+optimizers (every rank writes its shards) and ``meta.json``
 (version, step). Resuming loads the newest complete one (``meta.json`` is
 written last). The export is a plain HF folder (safetensors in the training
 dtype, config, and every other file of the source model's folder: tokenizer,
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from learner.config import LearnerConfig
+from learner.models import is_value_head
 from learner.ppo import PPOTrainer
 from ops.files import atomic_write_text
 
@@ -45,13 +47,20 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _models(trainer: PPOTrainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """Each model of ``trainer`` with its optimizer, by name."""
+    models = {"policy": (trainer.policy, trainer.policy_optimizer)}
+    if trainer.critic is not None and trainer.critic_optimizer is not None:
+        models["critic"] = (trainer.critic, trainer.critic_optimizer)
+    return models
+
+
 def _state(trainer: PPOTrainer) -> dict:
-    return {
-        "policy": get_model_state_dict(trainer.policy),
-        "critic": get_model_state_dict(trainer.critic),
-        "policy_optimizer": get_optimizer_state_dict(trainer.policy, trainer.policy_optimizer),
-        "critic_optimizer": get_optimizer_state_dict(trainer.critic, trainer.critic_optimizer),
-    }
+    state = {}
+    for name, (model, optimizer) in _models(trainer).items():
+        state[name] = get_model_state_dict(model)
+        state[f"{name}_optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
 
 
 def save_checkpoint(folder: Path, trainer: PPOTrainer, version: int, step: int) -> Path:
@@ -74,10 +83,9 @@ def load_checkpoint(path: Path, trainer: PPOTrainer) -> tuple[int, int]:
     """Restore ``trainer`` in place; returns (version, step)."""
     state = _state(trainer)
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(trainer.policy, state["policy"])
-    set_model_state_dict(trainer.critic, state["critic"])
-    set_optimizer_state_dict(trainer.policy, trainer.policy_optimizer, state["policy_optimizer"])
-    set_optimizer_state_dict(trainer.critic, trainer.critic_optimizer, state["critic_optimizer"])
+    for name, (model, optimizer) in _models(trainer).items():
+        set_model_state_dict(model, state[name])
+        set_optimizer_state_dict(model, optimizer, state[f"{name}_optimizer"])
     meta = json.loads((path / "meta.json").read_text())
     return meta["version"], meta["step"]
 
@@ -99,12 +107,14 @@ def export_hf(policy: torch.nn.Module, source_model: str, out: Path, dtype: torc
     exit.) A tied output layer is saved as transformers saves it, once. The
     source folder's other files, whatever they are (tokenizer files,
     SentencePiece models, chat template, generation config), are copied as
-    they are."""
+    they are. A value head is not exported (a causal LM has none)."""
     rank0 = _is_rank0()
     state: dict[str, torch.Tensor] = {}
     first_name: dict[int, str] = {}
     # keep_vars: the parameters themselves, so that tied names share one tensor
     for name, tensor in policy.state_dict(keep_vars=True).items():
+        if is_value_head(name):
+            continue
         if id(tensor) in first_name:  # tied: gathered under its first name already
             if rank0:
                 state[name] = state[first_name[id(tensor)]]

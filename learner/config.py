@@ -62,10 +62,21 @@ class LearnerConfig:
     of a minibatch is cut into micro-batches of whole sequences within it
     (a longer sequence alone), their gradients accumulated into one update
     that equals the update without the cut (0 = off: the whole share at once)."""
+    critic: Literal["model", "value_head"] = "model"
+    """model: the critic is a model of its own, the policy's body copied with
+    a scalar head (the paper's choice). value_head: a scalar head on the
+    policy's own body; one forward and backward pass per micro-batch serves
+    both, the body trained on the policy loss plus value_loss_coef times the
+    value loss (a second model's parameters, gradients and AdamW state
+    saved). The head never reaches the engines or the export."""
+    value_loss_coef: float = 0.5
+    """value_head only: weight of the value loss in the shared body's loss
+    (with a critic model, each model has its own loss)."""
     lr: float = 1e-4
     """Policy learning rate (AdamW)."""
     critic_lr: float = 1e-4
-    """Critic learning rate (AdamW)."""
+    """Critic learning rate (AdamW); with a value head, the head's (the
+    shared body follows lr)."""
     gamma: float = 1.0
     """Discount of the GAE."""
     lam: float = 0.999
@@ -140,7 +151,7 @@ class LearnerConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"{section}.{name} = {getattr(self, name)} must be in [0, 1]")
-        for name in ("clip_low", "clip_high", "value_clip", "max_grad_norm"):
+        for name in ("clip_low", "clip_high", "value_clip", "max_grad_norm", "value_loss_coef"):
             if getattr(self, name) < 0:
                 problems.append(f"{section}.{name} must be >= 0")
         if self.clip_low >= 1:

@@ -81,8 +81,9 @@ def value_loss(
     value_clip: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss, 0.5 * max((V - G)^2, (V_clip - G)^2), summed over
-    masked tokens / num_tokens, like the policy loss. Stats: ``clipfrac``,
-    ``explained_variance`` of the old values against the returns."""
+    masked tokens / num_tokens, like the policy loss. Stats: ``clipfrac``
+    (explained variance is a statistic of the whole batch:
+    :func:`residual_moments`)."""
     mask = mask.bool()
     returns, old_values = returns.detach(), old_values.detach()
     clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
@@ -92,11 +93,32 @@ def value_loss(
     loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / num_tokens
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
-        target, predicted = returns[mask], old_values[mask]
-        variance = target.var(unbiased=False) if target.numel() > 1 else target.new_tensor(0.0)
-        residual = (target - predicted).var(unbiased=False) if target.numel() > 1 else variance
-        stats = {
-            "clipfrac": ((clipped_error > plain_error) & mask).sum() / count,
-            "explained_variance": 1 - residual / variance if variance > 0 else variance,
-        }
+        stats = {"clipfrac": ((clipped_error > plain_error) & mask).sum() / count}
     return loss, stats
+
+
+def residual_moments(returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor
+                     ) -> dict[str, float]:
+    """Sums over the masked tokens of G, G^2, G - V and (G - V)^2 (V the old
+    values): summed over micro-batches and ranks, they give the explained
+    variance of the whole batch (:func:`explained_variance`); a mean of
+    per-micro-batch ratios would not (a micro-batch of one rollout has
+    returns of almost no variance)."""
+    target = returns.detach()[mask.bool()].double()
+    residual = target - old_values.detach()[mask.bool()].double()
+    return {"return_sum": target.sum().item(), "return_square_sum": (target ** 2).sum().item(),
+            "residual_sum": residual.sum().item(),
+            "residual_square_sum": (residual ** 2).sum().item()}
+
+
+def explained_variance(moments: dict[str, float], count: float) -> float:
+    """1 - Var[G - V] / Var[G] over ``count`` tokens from their
+    :func:`residual_moments`; 0 when the returns do not vary."""
+    if count < 2:
+        return 0.0
+    variance = moments["return_square_sum"] / count - (moments["return_sum"] / count) ** 2
+    residual = moments["residual_square_sum"] / count - (moments["residual_sum"] / count) ** 2
+    # a relative floor: the moments' float64 rounding, not a variance
+    if variance <= 1e-12 * moments["return_square_sum"] / count:
+        return 0.0
+    return 1.0 - residual / variance

@@ -1,4 +1,11 @@
-"""Policy and critic models, sharding, and per-token log-probabilities and values."""
+"""Policy and critic models, sharding, and per-token log-probabilities and values.
+
+The critic is either a model of its own (:class:`Critic`: the policy's body,
+copied, with a scalar head; the paper's choice) or a value head on the
+policy's own body (:func:`load_policy` with ``value_head``): a linear layer
+``value_head`` at the policy's root, trained with the policy's loss plus the
+value loss and left out of everything the engines and the export receive
+(:func:`is_value_head`)."""
 
 from __future__ import annotations
 
@@ -25,14 +32,35 @@ class Critic(nn.Module):
         self.reset_head()
 
     def reset_head(self) -> None:
-        """A zero head: the first values are 0 whatever the body."""
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        _zero_value_head(self.head)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state
         # a fresh tensor, not a view: FSDP2 hooks the module's output for backward
         return self.head(hidden).squeeze(-1).clone()
+
+
+#: Name of the value head a policy carries when the critic shares its body.
+VALUE_HEAD = "value_head"
+
+
+def is_value_head(name: str) -> bool:
+    """Whether the parameter ``name`` of a policy belongs to its value head:
+    no file, engine or export has it."""
+    return name.split(".", 1)[0] == VALUE_HEAD
+
+
+def engine_parameters(policy: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The named parameters of ``policy`` that an engine (and the export)
+    has: all but a value head's; tied ones once."""
+    return [(name, parameter) for name, parameter in policy.named_parameters()
+            if not is_value_head(name)]
+
+
+def _zero_value_head(head: nn.Linear) -> None:
+    """A zero head: the first values are 0 whatever the body."""
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
 
 
 @dataclass(frozen=True)
@@ -46,17 +74,34 @@ class Sharding:
 
 
 def load_policy(path: str, dtype: torch.dtype = torch.float32,
-                sharding: Sharding | None = None) -> nn.Module:
+                sharding: Sharding | None = None, value_head: bool = False) -> nn.Module:
     """The causal LM in the HF folder ``path``, its parameters in ``dtype``.
     Without ``sharding``, this process holds the whole model. With it, the
     model is built on the meta device, sharded, and each rank reads only its
     shards from the safetensors files (:func:`_load_shards`): no rank ever
-    holds a full copy."""
+    holds a full copy. ``value_head``: with a zero value head at its root
+    (:func:`token_logprobs_and_values`)."""
     if sharding is None:
         from transformers import AutoModelForCausalLM
 
-        return _with_chunked_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
-    return _load_shards(_policy_on_meta(path, dtype), path, sharding)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if value_head:
+            _add_value_head(policy)
+        return _with_policy_methods(policy)
+    policy = _policy_on_meta(path, dtype)
+    if value_head:
+        with torch.device("meta"):
+            _add_value_head(policy)
+    return _load_shards(policy, path, sharding)
+
+
+def _add_value_head(policy: nn.Module) -> None:
+    """A value head at the root of ``policy``, in its dtype: in FSDP2's root
+    unit, with the output layer (which is also what the whole model's forward
+    leaves unsharded last)."""
+    head = nn.Linear(policy.config.hidden_size, 1, dtype=next(policy.parameters()).dtype)
+    _zero_value_head(head)
+    policy.add_module(VALUE_HEAD, head)
 
 
 def load_critic(path: str, dtype: torch.dtype = torch.float32,
@@ -73,10 +118,15 @@ def load_critic(path: str, dtype: torch.dtype = torch.float32,
     return _load_shards(critic, path, sharding)
 
 
-def _with_chunked_logprobs(policy: nn.Module) -> nn.Module:
-    # a method of the model, so that shard() can have FSDP2 gather the
-    # parameters for it as it does for forward
+#: Methods every policy gets (see :func:`_with_policy_methods`).
+POLICY_METHODS = ("chunked_token_logprobs", "logprobs_and_values")
+
+
+def _with_policy_methods(policy: nn.Module) -> nn.Module:
+    # methods of the model, so that shard() can have FSDP2 gather the
+    # parameters for them as it does for forward
     policy.chunked_token_logprobs = MethodType(_chunked_token_logprobs, policy)
+    policy.logprobs_and_values = MethodType(_logprobs_and_values, policy)
     return policy
 
 
@@ -89,7 +139,7 @@ def _policy_on_meta(path: str, dtype: torch.dtype) -> nn.Module:
         policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     # the mode from_pretrained leaves a model in, as the unsharded load does
     # (the trainer never switches it: PPO trains the policy it sampled with)
-    return _with_chunked_logprobs(policy.eval())
+    return _with_policy_methods(policy.eval())
 
 
 def _load_shards(model: nn.Module, path: str, sharding: Sharding) -> nn.Module:
@@ -103,7 +153,7 @@ def _load_shards(model: nn.Module, path: str, sharding: Sharding) -> nn.Module:
     network. A tied output layer is the embedding's parameter, read once.
     Parameters must be named in the files as in the model (Qwen2, Llama:
     transformers renames nothing for them); a name missing from the files is
-    an error, except the critic's head, which starts at zero."""
+    an error, except the critic's head and a value head, which start at zero."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -117,14 +167,17 @@ def _load_shards(model: nn.Module, path: str, sharding: Sharding) -> nn.Module:
             _body(model)._init_weights(module)
     if isinstance(model, Critic):
         model.reset_head()
+    elif hasattr(model, VALUE_HEAD):
+        _zero_value_head(getattr(model, VALUE_HEAD))
     dcp.load(_file_tensors(model), storage_reader=HuggingFaceStorageReader(path))
     return model
 
 
 def _file_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of ``model`` that the HF files hold, under their names
-    there: the critic's body is the policy's ``model``, its head is in no
-    file; tied parameters appear once, under their first name."""
+    there: the critic's body is the policy's ``model``; its head, like a
+    policy's value head, is in no file; tied parameters appear once, under
+    their first name."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -135,6 +188,8 @@ def _file_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             if not name.startswith("body."):
                 continue
             name = "model." + name.removeprefix("body.")
+        elif is_value_head(name):
+            continue
         tensors[name] = tensor
     return tensors
 
@@ -189,8 +244,9 @@ def shard(model: nn.Module, device: torch.device | None = None, bf16: bool = Fal
     for layer in _body(model).layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    if hasattr(model, "chunked_token_logprobs"):
-        register_fsdp_forward_method(model, "chunked_token_logprobs")
+    for method in POLICY_METHODS:
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
     return model
 
 
@@ -230,7 +286,27 @@ def token_logprobs(policy: nn.Module, ids: torch.Tensor, chunk_tokens: int = 0) 
     else:
         logits = policy(input_ids=ids, use_cache=False).logits[:, :-1].float()
         chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return _after_start(chosen)
+
+
+def _after_start(chosen: torch.Tensor) -> torch.Tensor:
+    """[B, L]: the log-probabilities of tokens 1.., and 0 for token 0."""
     return torch.cat([torch.zeros_like(chosen[:, :1]), chosen], dim=1)
+
+
+def _before_each(values: torch.Tensor) -> torch.Tensor:
+    """[B, L]: at each position the value at the one before (the state its
+    token is sampled from), 0 at position 0."""
+    return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
+
+
+def token_logprobs_and_values(policy: nn.Module, ids: torch.Tensor, chunk_tokens: int = 0
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] log-probabilities (as :func:`token_logprobs`) and values (as
+    :func:`token_values`) of a policy with a value head, from one pass
+    through its body."""
+    chosen, values = policy.logprobs_and_values(ids, chunk_tokens)
+    return _after_start(chosen), _before_each(values.float())
 
 
 def _chunked_token_logprobs(policy: nn.Module, ids: torch.Tensor, chunk_tokens: int
@@ -239,9 +315,32 @@ def _chunked_token_logprobs(policy: nn.Module, ids: torch.Tensor, chunk_tokens: 
     applied ``chunk_tokens`` positions at a time. Bound to each policy as
     ``chunked_token_logprobs`` (see load_policy). For causal LMs whose logits
     are ``lm_head(last hidden state)`` with no bias or scaling (Qwen2, Llama)."""
-    hidden = policy.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
-    return _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]),
-                                  policy.get_output_embeddings().weight, ids[:, 1:],
+    hidden = policy.model(input_ids=ids, use_cache=False).last_hidden_state
+    return _chosen_logprobs(policy, hidden, ids, chunk_tokens)
+
+
+def _logprobs_and_values(policy: nn.Module, ids: torch.Tensor, chunk_tokens: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, L - 1] log-probability of tokens 1.., [B, L] value head output at
+    every position) from one pass through the body. Bound to each policy as
+    ``logprobs_and_values``; for a policy with a value head."""
+    hidden = policy.model(input_ids=ids, use_cache=False).last_hidden_state
+    # fresh tensors, not views: FSDP2 hooks the method's outputs for backward
+    values = getattr(policy, VALUE_HEAD)(hidden)[..., 0].clone()
+    return _chosen_logprobs(policy, hidden, ids, chunk_tokens), values
+
+
+def _chosen_logprobs(policy: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
+                     chunk_tokens: int) -> torch.Tensor:
+    """[B, L - 1] log-probability of tokens 1.. of ``ids`` from the body's
+    last hidden states ``hidden`` [B, L, H]: all logits at once (0), or
+    ``chunk_tokens`` positions at a time (:class:`_ChunkedLogprobs`)."""
+    weight = policy.get_output_embeddings().weight
+    hidden = hidden[:, :-1]
+    if not chunk_tokens:
+        logits = F.linear(hidden, weight).float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, ids[:, 1:],
                                   chunk_tokens)
 
 
@@ -291,5 +390,4 @@ class _ChunkedLogprobs(torch.autograd.Function):
 def token_values(critic: Critic, ids: torch.Tensor) -> torch.Tensor:
     """[B, L] value of the state each token is sampled from (the critic's
     output at the position before it; 0 at position 0)."""
-    values = critic(ids).float()
-    return torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], dim=1)
+    return _before_each(critic(ids).float())

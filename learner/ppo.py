@@ -14,6 +14,12 @@
    minibatch's trainable tokens over all ranks (or per segment, for the
    ablation), clipped value loss, one optimizer step each.
 
+The critic is a model of its own (each model has its loss and optimizer) or,
+with ``critic = "value_head"``, a head on the policy: one pass gives log-
+probabilities and values, the loss is the policy loss plus
+``value_loss_coef`` times the value loss, and one optimizer moves the body
+at ``lr`` and the head at ``critic_lr``.
+
 With ``max_tokens_per_microbatch``, each rank's share of a minibatch goes
 through the models in micro-batches of whole sequences within that budget,
 their gradients accumulated: every loss term is already divided by the
@@ -41,8 +47,15 @@ from torch import nn
 from learner.advantages import cross_trajectory_gae
 from learner.batch import Sequence, TrainBatch, microbatches
 from learner.config import LearnerConfig
-from learner.losses import policy_loss, value_loss
-from learner.models import Critic, pad, token_logprobs, token_values
+from learner.losses import explained_variance, policy_loss, residual_moments, value_loss
+from learner.models import (
+    Critic,
+    is_value_head,
+    pad,
+    token_logprobs,
+    token_logprobs_and_values,
+    token_values,
+)
 
 #: Group-relative advantages divide by the group's reward std plus this.
 GRPO_EPSILON = 1e-6
@@ -89,15 +102,28 @@ def _all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> l
 
 
 class PPOTrainer:
-    def __init__(self, policy: nn.Module, critic: Critic, config: LearnerConfig) -> None:
+    def __init__(self, policy: nn.Module, critic: Critic | None, config: LearnerConfig) -> None:
+        """``critic`` None: ``policy`` carries a value head (``critic = "value_head"``)."""
         self.policy = policy
         self.critic = critic
         self.config = config
-        self.policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
-        self.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr)
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if critic is None:
+            named = list(policy.named_parameters())
+            self.policy_optimizer = torch.optim.AdamW([
+                {"params": [p for n, p in named if not is_value_head(n)]},
+                {"params": [p for n, p in named if is_value_head(n)], "lr": config.critic_lr},
+            ], lr=config.lr)
+        else:
+            self.policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
+            self.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr)
         self.rank, self.world_size = _world()
         self.device = next(policy.parameters()).device
         """Where the models compute; batches are built on the CPU and moved here."""
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.policy_optimizer, self.critic_optimizer) if o is not None]
 
     # ------------------------------------------------------------------ preparation
 
@@ -107,15 +133,16 @@ class PPOTrainer:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
         groups = self._microbatches(sequences)
-        part = _Prepared(sequences, groups, prox_fixed=not fused,
-                         values_fixed=not fused or len(groups) > 1)
+        values_fixed = not fused or len(groups) > 1
+        # a value head's pass gives the log-probabilities too
+        part = _Prepared(sequences, groups, values_fixed=values_fixed,
+                         prox_fixed=not fused or (values_fixed and self.critic is None))
         logp, values = [], []
         for group in groups:
-            ids = self._ids(sequences, group)
-            if part.prox_fixed:
-                logp.append(token_logprobs(self.policy, ids, self.config.logprob_chunk_tokens))
-            if part.values_fixed:
-                values.append(token_values(self.critic, ids))
+            group_logp, group_values = self._evaluate(self._ids(sequences, group),
+                                                      part.prox_fixed, part.values_fixed)
+            logp.append(group_logp)
+            values.append(group_values)
         if part.prox_fixed:
             part.logp_prox = _unpad(sequences, groups, logp)
         if part.values_fixed:
@@ -123,6 +150,16 @@ class PPOTrainer:
             part.old_values = _unpad(sequences, groups, values)
             part.advantages, part.returns = self._advantages(batch, sequences, part.old_values)
         return part
+
+    def _evaluate(self, ids: torch.Tensor, logp: bool, values: bool
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """[B, L] log-probabilities and values of ``ids``, those asked for
+        (a value head gives both from one pass, or neither)."""
+        chunk = self.config.logprob_chunk_tokens
+        if self.critic is None:
+            return token_logprobs_and_values(self.policy, ids, chunk) if values else (None, None)
+        return (token_logprobs(self.policy, ids, chunk) if logp else None,
+                token_values(self.critic, ids) if values else None)
 
     def _microbatches(self, sequences: list[Sequence]) -> list[list[int]]:
         """Micro-batches of ``sequences`` within the token budget, as many as
@@ -205,6 +242,9 @@ class PPOTrainer:
         metrics = {name.removeprefix("token_"): value for name, value in metrics.items()}
         metrics.update({name: value / updates for name, value in totals.items()
                         if name.startswith("losses/")})
+        metrics["losses/value_explained_variance"] = explained_variance(
+            {name.removeprefix("moments/"): value for name, value in totals.items()
+             if name.startswith("moments/")}, tokens)
         metrics["tokens"] = tokens / self.config.ppo_epochs
         return metrics
 
@@ -235,7 +275,7 @@ class PPOTrainer:
             ids = self._ids(part.sequences, group)
             # The critic first: a fused first update with one micro-batch
             # takes the old values (and so the advantages) from this pass.
-            values = token_values(self.critic, ids)
+            logp, values = self._evaluate(ids, self.critic is None, True)
             if not part.values_fixed:
                 part.old_values = _unpad(part.sequences, part.groups, [values.detach()])
                 part.advantages, part.returns = self._advantages(batch, part.sequences,
@@ -251,10 +291,10 @@ class PPOTrainer:
             trainable = trainable.bool()
             v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
                                          config.value_clip)
-            # losses are already divided by the global count; FSDP averages over ranks
-            (v_loss * self.world_size).backward()
-
-            logp = token_logprobs(self.policy, ids, config.logprob_chunk_tokens)
+            if logp is None:  # a critic model: its backward before the policy's forward
+                # losses are already divided by the global count; FSDP averages over ranks
+                (v_loss * self.world_size).backward()
+                logp, _ = self._evaluate(ids, True, False)
             if part.prox_fixed:
                 prox = _stack([part.logp_prox[i] for i in group], ids.shape).to(self.device)
             else:  # the policy is at the step's start weights until this update's step
@@ -265,12 +305,15 @@ class PPOTrainer:
             p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
                                           config.clip_low, config.clip_high, config.is_cap,
                                           config.is_mode)
-            (p_loss * self.world_size).backward()
+            loss = p_loss if self.critic is not None else p_loss + config.value_loss_coef * v_loss
+            (loss * self.world_size).backward()
 
             n = float(trainable.sum())
             sums["tokens"] += n
             sums["losses/policy_loss"] += p_loss.item()
             sums["losses/value_loss"] += v_loss.item()
+            for name, value in residual_moments(returns, old_values, trainable).items():
+                sums[f"moments/{name}"] += value
             for name, value in {**p_stats,
                                 **{f"value_{k}": v for k, v in v_stats.items()}}.items():
                 sums[f"token_losses/{name}"] += float(value) * n
@@ -278,11 +321,13 @@ class PPOTrainer:
             part.logp_prox = _unpad(part.sequences, part.groups, logp_prox)
             part.prox_fixed = True
         if config.max_grad_norm > 0:
+            # with a value head, one norm over the body and both heads
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             sums["losses/policy_grad_norm"] += float(norm)
-            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), config.max_grad_norm)
-        for optimizer in (self.policy_optimizer, self.critic_optimizer):
+            if self.critic is not None:
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), config.max_grad_norm)
+        for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         sums["updates"] += 1

@@ -136,8 +136,9 @@ class Learner:
         # parameters (the master weights) stay float32
         dtype = torch.bfloat16 if bf16 else torch.float32
         sharding = Sharding(self.device, bf16, self.config.activation_checkpointing)
-        policy = load_policy(self.settings.model, sharding=sharding)
-        critic = load_critic(self.settings.model, sharding=sharding)
+        value_head = self.config.critic == "value_head"
+        policy = load_policy(self.settings.model, sharding=sharding, value_head=value_head)
+        critic = None if value_head else load_critic(self.settings.model, sharding=sharding)
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:

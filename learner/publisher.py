@@ -40,6 +40,7 @@ from torch import nn
 from learner.config import LearnerConfig
 from learner.control import ControlPlane, Member
 from learner.metrics import LearnerMetrics
+from learner.models import engine_parameters
 from protocol import GroupInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
@@ -110,7 +111,7 @@ class WeightPublisher:
                  control: ControlPlane | None, metrics: LearnerMetrics,
                  agree: Callable[[int], int]) -> None:
         """``agree(value)`` broadcasts rank 0's ``value`` to every rank."""
-        self.parameters = list(policy.named_parameters())  # tied weights once
+        self.parameters = engine_parameters(policy)
         self.trained_dtype = self.parameters[0][1].dtype
         self.config = config
         self.rank = rank

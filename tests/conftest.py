@@ -69,6 +69,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+#: A model of Qwen2's architecture and proportions at ~20M parameters (tied
+#: embeddings, grouped KV heads, an MLP 2.7 times as wide as the model), for
+#: the learner's tests at more than the tiny model's scale.
+QWEN2_20M = {"vocab_size": 32_768, "hidden_size": 384, "intermediate_size": 1024,
+             "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 2,
+             "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="session")
+def qwen2_20m_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ~20M model with random weights, as a folder of weights and config
+    (what the learner loads), built once per test session."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("qwen2-20m")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**QWEN2_20M)).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_llm_float32(tiny_model_dir: Path):
     """An offline vLLM engine (CPU build, float32) on the tiny model; shut

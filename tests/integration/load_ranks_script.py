@@ -1,12 +1,13 @@
-"""Run by torchrun in tests: each rank loads the policy and the critic sharded
-(built on the meta device, then only its shards read), counting every tensor
-it reads from a safetensors file; then the ranks export the policy in bf16.
+"""Run by torchrun in tests: each rank loads the policy, the critic and a
+policy with a value head ("headed") sharded (built on the meta device, then
+only its shards read), counting every tensor it reads from a safetensors
+file; then the ranks export the headed policy in bf16.
 
     torchrun --nproc_per_node N tests/integration/load_ranks_script.py MODEL OUT
 
 OUT gets ``rank-R.json`` from each rank (what it read and holds),
 ``parameters.safetensors`` from rank 0 (the full parameters and buffers of
-both models, gathered after loading) and the export, ``export/``.
+the three models, gathered after loading) and the export, ``export/``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def main() -> None:
     safetensors.safe_open = _CountingFile
     sharding = Sharding(torch.device("cpu"))
     models = {"policy": load_policy(model, sharding=sharding),
-              "critic": load_critic(model, sharding=sharding)}
+              "critic": load_critic(model, sharding=sharding),
+              "headed": load_policy(model, sharding=sharding, value_head=True)}
     reads = list(READS)
     safetensors.safe_open = _safe_open
     policy = models["policy"]
@@ -96,7 +98,8 @@ def main() -> None:
             else:
                 plain += 1
         full.update({f"{prefix}.{name}": buffer for name, buffer in module.named_buffers()})
-    exported = export_hf(policy, model, out / "export", torch.bfloat16)
+    # the policy with a value head: the export leaves the head behind
+    exported = export_hf(models["headed"], model, out / "export", torch.bfloat16)
     (out / f"rank-{rank}.json").write_text(json.dumps({
         "reads": reads, "local": local, "plain_parameters": plain,
         "tied": policy.lm_head.weight is policy.model.embed_tokens.weight,

@@ -22,6 +22,7 @@ from learner.config import LearnerConfig
 from learner.models import Sharding, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from protocol.synthetic import synthetic_batch
+from tests.trainers import plain_sgd
 
 #: Whitening's all-reduce is joined by a rank with an empty share: 7 rollouts
 #: in 4 minibatches (the last has one rollout), then 1 rollout (one
@@ -47,17 +48,19 @@ def main() -> None:
     # are what 1 and 2 ranks may compute differently.
     sharding = Sharding(torch.device("cpu"),
                         activation_checkpointing=config.activation_checkpointing)
-    trainer = PPOTrainer(load_policy(model, torch.float64, sharding),
-                         load_critic(model, torch.float64, sharding), config)
-    trainer.policy_optimizer = torch.optim.SGD(trainer.policy.parameters(), lr=config.lr)
-    trainer.critic_optimizer = torch.optim.SGD(trainer.critic.parameters(), lr=config.critic_lr)
+    value_head = config.critic == "value_head"
+    trainer = PPOTrainer(load_policy(model, torch.float64, sharding, value_head),
+                         None if value_head else load_critic(model, torch.float64, sharding),
+                         config)
+    plain_sgd(trainer)
     for batch in batches(steps):
         trainer.step(batch)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = {f"policy.{k}": v for k, v in get_model_state_dict(trainer.policy,
-                                                               options=options).items()}
-    state.update({f"critic.{k}": v for k, v in get_model_state_dict(trainer.critic,
-                                                                    options=options).items()})
+    state = {}
+    for name in ("policy", "critic"):
+        if (module := getattr(trainer, name)) is not None:
+            state.update({f"{name}.{k}": v
+                          for k, v in get_model_state_dict(module, options=options).items()})
     if dist.get_rank() == 0:
         save_file({k: v.contiguous().clone() for k, v in state.items()}, out)
     dist.destroy_process_group()

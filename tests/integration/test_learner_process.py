@@ -1,5 +1,6 @@
 """The learner under torchrun (2 ranks) against the real replay service:
-it pulls batches, trains, checkpoints, exports, and resumes."""
+it pulls batches, trains, checkpoints, exports, and resumes. Its critic is a
+value head here (`compactionrl up`'s tests run the default, a critic model)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from safetensors.torch import load_file
 
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -38,7 +40,8 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
               "--learner.metrics_port", "0", "--learner.checkpoint_every", "1",
               # ports of its own: not the defaults another run on this machine may hold
               "--learner.control_address", control,
-              "--learner.weight_store_address", f"127.0.0.1:{store}"]
+              "--learner.weight_store_address", f"127.0.0.1:{store}",
+              "--learner.critic", "value_head"]
     try:
         actor.hello()
         for _ in range(8):
@@ -62,6 +65,8 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(run / "export")
+        assert not any(name.startswith("value_head.")
+                       for name in load_file(run / "export" / "model.safetensors"))
     finally:
         actor.close()
         context.destroy(linger=0)

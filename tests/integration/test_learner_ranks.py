@@ -3,7 +3,8 @@ torchrun), and bit for bit on 2 ranks of one node and on two nodes of one
 rank each: the loss is normalised by the global token count, and whitening's
 statistics are global, with a rank whose share of a minibatch is empty. The
 memory switches (activation checkpointing, chunked log-probabilities, a token
-budget per micro-batch) leave that update as it is."""
+budget per micro-batch) leave that update as it is, on the tiny model and on
+a ~20M model of Qwen2's shape, with a critic model or a value head."""
 
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ MEMORY = {"activation_checkpointing": "on", "logprob_chunk_tokens": 16,
 
 
 def train(model: Path, out: Path, ranks: int, changes: dict | None = None,
-          nodes: int = 1) -> dict[str, torch.Tensor]:
+          nodes: int = 1, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """Train on ``nodes`` torchrun agents of ``ranks`` ranks each, started
     with the options ``compactionrl learner`` gives torchrun (two agents on
     this machine act as two nodes, their rendezvous on loopback)."""
     [port] = free_ports(1)
     commands = [[str(VENV_BIN / "torchrun"), *torchrun_args(LearnerConfig(
         nproc=ranks, nnodes=nodes, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}")),
-        str(SCRIPT), str(model), str(out), str(STEPS), json.dumps(changes or {})]
+        str(SCRIPT), str(model), str(out), str(steps), json.dumps(changes or {})]
         for node in range(nodes)]
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
@@ -65,7 +66,7 @@ def one_rank(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         model: Path) -> None:
+                         model: Path, steps: int = STEPS) -> None:
     assert got.keys() == expected.keys()
     start = load_file(model / "model.safetensors")
     # The script trains in double with SGD: each update moves a parameter by lr
@@ -74,7 +75,7 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
     # position of the minibatch, and one per rank) in another order; float32
     # is left only in transformers' RMSNorm and the learner's log-softmax.
     updates = positions = 0
-    for batch in batches(STEPS):
+    for batch in batches(steps):
         for minibatch in batch.minibatches(CONFIG.minibatches):
             updates += CONFIG.ppo_epochs
             positions = max(positions, sum(len(s.tokens) for s in batch.sequences
@@ -125,3 +126,26 @@ def test_two_ranks_within_a_memory_budget_give_the_parameters_of_one_rank_withou
     assert any(min(c) == 0 for c in counts), counts
     two = train(tiny_model_dir, tmp_path / "two.safetensors", 2, MEMORY)
     assert_same_training(two, one_rank, tiny_model_dir)
+
+
+def test_a_value_head_on_two_ranks_within_a_memory_budget_trains_as_on_one_rank(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The critic as a head on the policy: one pass per micro-batch for both
+    losses, the head in FSDP2's root unit."""
+    one = train(tiny_model_dir, tmp_path / "one.safetensors", 1, {"critic": "value_head"})
+    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2,
+                {"critic": "value_head", **MEMORY})
+    assert {name for name in one if "value_head" in name} == {
+        "policy.value_head.weight", "policy.value_head.bias"}
+    assert not any(name.startswith("critic.") for name in one)
+    assert_same_training(two, one, tiny_model_dir)
+
+
+def test_a_20m_qwen2_model_on_two_ranks_with_every_memory_switch_trains_as_on_one_rank_without(
+        qwen2_20m_dir: Path, tmp_path: Path) -> None:
+    """The switches at more than the tiny model's scale: six layers, a
+    vocabulary of 32,768 in chunks of 16 positions, the budget cutting
+    rank 0's share of a minibatch in two. One step (eight updates): ~40 s."""
+    one = train(qwen2_20m_dir, tmp_path / "one.safetensors", 1, steps=1)
+    two = train(qwen2_20m_dir, tmp_path / "two.safetensors", 2, MEMORY, steps=1)
+    assert_same_training(two, one, qwen2_20m_dir, steps=1)

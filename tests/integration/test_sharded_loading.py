@@ -2,8 +2,9 @@
 rank reads only its shards of the weights: the parameters equal a full
 load's (transformers' ``from_pretrained``) on 1 rank and on 2, from a
 float32 and from a bfloat16 source; a rank of 2 reads its half of the
-weights and never a whole tensor. The 2 ranks export together: rank 0
-writes the gathered parameters in the training dtype."""
+weights and never a whole tensor; a value head, in no file, starts at zero.
+The 2 ranks export together: rank 0 writes the gathered parameters in the
+training dtype, a value head left behind."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def full_load(model: Path) -> dict[str, torch.Tensor]:
     one process, as the learner loaded it before it sharded on meta)."""
     state = {}
     for prefix, module in (("policy", load_policy(str(model))),
-                           ("critic", load_critic(str(model)))):
+                           ("critic", load_critic(str(model))),
+                           ("headed", load_policy(str(model), value_head=True))):
         state.update({f"{prefix}.{name}": tensor for name, tensor in
                       [*module.named_parameters(), *module.named_buffers()]})
     return state
@@ -102,12 +104,14 @@ def test_a_rank_of_two_reads_only_its_shards_and_never_a_whole_tensor(
     elements = [torch.Size(shape).numel() for shape in sizes]
     for report in reports:
         assert report["plain_parameters"] == 0  # every parameter is a shard
-        # its shards of both models (the critic's head is in no file), read once
-        assert sum(report["reads"]) == sum(n for name, n in report["local"].items()
-                                           if not name.startswith("critic.head."))
+        # its shards of the three models (the critic's head and the value head
+        # are in no file), read once
+        assert sum(report["reads"]) == sum(
+            n for name, n in report["local"].items()
+            if not name.startswith(("critic.head.", "headed.value_head.")))
         assert max(report["reads"]) < max(elements)
-    # between them, the ranks read the files once for the policy, once for the critic
-    assert sum(sum(report["reads"]) for report in reports) == 2 * sum(elements)
+    # between them, the ranks read the files once for each model
+    assert sum(sum(report["reads"]) for report in reports) == 3 * sum(elements)
 
 
 def test_rank_0_of_two_writes_their_export_in_the_training_dtype(
@@ -118,6 +122,7 @@ def test_rank_0_of_two_writes_their_export_in_the_training_dtype(
     assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
     weights = load_file(export / "model.safetensors")
     assert "lm_head.weight" not in weights  # tied: saved once, as transformers saves it
+    assert not any(name.startswith("value_head.") for name in weights)
     for name, tensor in weights.items():
         assert tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, got[f"policy.{name}"].to(torch.bfloat16)), name

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -19,15 +20,17 @@ from learner.checkpoint import (
     save_checkpoint,
 )
 from learner.config import LearnerConfig
-from learner.models import load_critic, load_policy
+from learner.models import engine_parameters, is_value_head, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from protocol.synthetic import synthetic_batch
 
 
-def fresh(model: Path) -> PPOTrainer:
+def fresh(model: Path, critic: str = "model") -> PPOTrainer:
     torch.manual_seed(0)
-    return PPOTrainer(load_policy(str(model)), load_critic(str(model)),
-                      LearnerConfig(minibatches=2))
+    config = LearnerConfig(minibatches=2, critic=critic)
+    if critic == "value_head":
+        return PPOTrainer(load_policy(str(model), value_head=True), None, config)
+    return PPOTrainer(load_policy(str(model)), load_critic(str(model)), config)
 
 
 def run(trainer: PPOTrainer, steps: range) -> None:
@@ -35,20 +38,22 @@ def run(trainer: PPOTrainer, steps: range) -> None:
         trainer.step(to_train_batch(synthetic_batch(rollouts=5, seed=step), True))
 
 
-def test_two_steps_resume_two_steps_equals_four_steps(tiny_model_dir: Path,
-                                                      tmp_path: Path) -> None:
-    straight = fresh(tiny_model_dir)
+@pytest.mark.parametrize("critic", ["model", "value_head"])
+def test_two_steps_resume_two_steps_equals_four_steps(tiny_model_dir: Path, tmp_path: Path,
+                                                      critic: str) -> None:
+    straight = fresh(tiny_model_dir, critic)
     run(straight, range(4))
 
-    first = fresh(tiny_model_dir)
+    first = fresh(tiny_model_dir, critic)
     run(first, range(2))
     save_checkpoint(tmp_path, first, version=2, step=2)
-    resumed = fresh(tiny_model_dir)
+    resumed = fresh(tiny_model_dir, critic)
     version, step = load_checkpoint(latest_checkpoint(tmp_path), resumed)
     assert (version, step) == (2, 2)
     run(resumed, range(2, 4))
 
-    for module in ("policy", "critic"):
+    modules = ("policy",) if critic == "value_head" else ("policy", "critic")
+    for module in modules:
         for (name, a), b in zip(getattr(straight, module).named_parameters(),
                                 getattr(resumed, module).parameters(), strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"{module}.{name}")
@@ -61,14 +66,18 @@ def test_only_complete_checkpoints_are_resumed(tiny_model_dir: Path, tmp_path: P
     assert latest_checkpoint(tmp_path).name == "step-1"
 
 
-def test_export_loads_in_transformers(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("critic", ["model", "value_head"])
+def test_export_loads_in_transformers(tiny_model_dir: Path, tmp_path: Path, critic: str
+                                      ) -> None:
+    """A value head stays behind: the export is the causal LM alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    trainer = fresh(tiny_model_dir)
+    trainer = fresh(tiny_model_dir, critic)
     run(trainer, range(1))
     out = export_hf(trainer.policy, str(tiny_model_dir), tmp_path / "export", torch.float32)
+    assert not any(is_value_head(name) for name in load_file(out / "model.safetensors"))
     loaded = AutoModelForCausalLM.from_pretrained(out)
-    for (name, a), b in zip(trainer.policy.named_parameters(), loaded.parameters(), strict=True):
+    for (name, a), b in zip(engine_parameters(trainer.policy), loaded.parameters(), strict=True):
         torch.testing.assert_close(b, a, msg=name)
     assert AutoTokenizer.from_pretrained(out).chat_template
 

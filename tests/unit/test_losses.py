@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.losses import policy_loss, value_loss
+from learner.losses import explained_variance, policy_loss, residual_moments, value_loss
 from tests.tolerances import rounding_tolerance
 
 
@@ -114,3 +114,26 @@ def test_value_loss_is_clipped_and_token_normalised() -> None:
     # token 0: plain 0, clipped (0.7 - 1)^2 = 0.09 -> 0.09; token 1: 1 and 1 -> 1
     assert loss.item() == pytest.approx(0.5 * (0.09 + 1.0) / 4)
     assert stats["clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_explained_variance_of_parts_is_that_of_the_whole() -> None:
+    """Micro-batches and ranks add up their moments: the statistic is the
+    whole batch's, even where one part's returns do not vary at all."""
+    generator = torch.Generator().manual_seed(0)
+    returns = torch.cat([torch.full((5,), 0.5, dtype=torch.float64),
+                         torch.rand(7, generator=generator, dtype=torch.float64)])
+    old = returns + 0.1 * torch.randn(12, generator=generator, dtype=torch.float64)
+    mask = torch.ones(12, dtype=torch.bool)
+    mask[3] = False
+    parts = [residual_moments(returns[rows], old[rows], mask[rows])
+             for rows in (slice(0, 5), slice(5, 12))]
+    summed = {name: sum(part[name] for part in parts) for name in parts[0]}
+    target, predicted = returns[mask], old[mask]
+    expected = 1 - (target - predicted).var(unbiased=False) / target.var(unbiased=False)
+    # moments lose to cancellation what E[G^2] / Var[G] says, on top of the sums' rounding
+    magnitude = (target ** 2).mean() / target.var(unbiased=False)
+    assert explained_variance(summed, int(mask.sum())) == pytest.approx(
+        expected.item(), rel=0, abs=rounding_tolerance(magnitude.item(), 4 * len(target),
+                                                       torch.float64))
+    constant = residual_moments(returns[:5], old[:5], mask[:5])
+    assert explained_variance(constant, int(mask[:5].sum())) == 0.0

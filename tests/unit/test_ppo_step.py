@@ -14,22 +14,36 @@ from learner.batch import BatchError, microbatches, to_train_batch
 from learner.config import LearnerConfig
 from learner.models import (
     checkpoint_layers,
+    engine_parameters,
+    is_value_head,
     load_critic,
     load_policy,
     pad,
     token_logprobs,
+    token_logprobs_and_values,
     token_values,
 )
 from learner.ppo import PPOTrainer
 from protocol import Batch, Rollout
 from protocol.synthetic import synthetic_batch
 from tests.tolerances import rounding_tolerance
+from tests.trainers import plain_sgd, trained_modules
 
 
 def trainer(model_dir: Path, dtype: torch.dtype = torch.float32, **changes) -> PPOTrainer:
+    """A trainer on the model in ``model_dir``, its critic a model of its
+    own or, with ``critic="value_head"``, a head on the policy."""
     torch.manual_seed(0)
+    config = LearnerConfig(**changes)
+    if config.critic == "value_head":
+        return PPOTrainer(load_policy(str(model_dir), dtype, value_head=True), None, config)
     return PPOTrainer(load_policy(str(model_dir), dtype), load_critic(str(model_dir), dtype),
-                      LearnerConfig(**changes))
+                      config)
+
+
+def value_modules(ppo: PPOTrainer) -> torch.nn.Module:
+    """What computes the values: the critic model, or the policy's value head."""
+    return ppo.policy.value_head if ppo.critic is None else ppo.critic
 
 
 def record_gradients(ppo: PPOTrainer) -> list[list[torch.Tensor]]:
@@ -41,7 +55,7 @@ def record_gradients(ppo: PPOTrainer) -> list[list[torch.Tensor]]:
         steps.append([torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
                       for group in optimizer.param_groups for p in group["params"]])
 
-    for optimizer in (ppo.policy_optimizer, ppo.critic_optimizer):
+    for optimizer in ppo.optimizers:
         optimizer.register_step_pre_hook(record)
     return steps
 
@@ -53,34 +67,27 @@ def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("changes", [
     {}, {"advantage": "independent"}, {"advantage": "grpo"}, {"loss_norm": "segment"},
     {"is_mode": "mask", "ppo_epochs": 2, "minibatches": 2}, {"whiten_advantages": True},
+    {"critic": "value_head"}, {"critic": "value_head", "ppo_epochs": 2, "minibatches": 2},
 ])
 def test_a_step_updates_policy_and_critic(tiny_model_dir: Path, changes: dict) -> None:
     ppo = trainer(tiny_model_dir, **changes)
-    before = snapshot(ppo.policy), snapshot(ppo.critic)
+    modules = ppo.policy.model, value_modules(ppo)
+    before = [snapshot(module) for module in modules]
     metrics = ppo.step(to_train_batch(synthetic_batch(), train_summary=True))
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert metrics["tokens"] > 0 and "losses/clipfrac" in metrics
-    for old, module in zip(before, (ppo.policy, ppo.critic), strict=True):
+    for old, module in zip(before, modules, strict=True):
         assert any(not torch.equal(a, b) for a, b in zip(old, module.parameters(), strict=True))
 
 
-def plain_sgd(ppo: PPOTrainer) -> PPOTrainer:
-    """``ppo`` with SGD in place of AdamW: a parameter then moves by ``lr``
-    times its gradient, so two runs whose gradients differ by rounding end
-    up within ``lr`` times that rounding (AdamW's m / (sqrt(v) + 1e-8) would
-    turn the rounding of a near-zero gradient into a step of up to lr)."""
-    ppo.policy_optimizer = torch.optim.SGD(ppo.policy.parameters(), lr=ppo.config.lr)
-    ppo.critic_optimizer = torch.optim.SGD(ppo.critic.parameters(), lr=ppo.config.critic_lr)
-    return ppo
-
-
-def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_model_dir: Path
-                                                                      ) -> None:
+@pytest.mark.parametrize("critic", ["model", "value_head"])
+def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_model_dir: Path,
+                                                                      critic: str) -> None:
     batch = to_train_batch(synthetic_batch(), train_summary=True)
-    fused = plain_sgd(trainer(tiny_model_dir, ppo_epochs=2))
+    fused = plain_sgd(trainer(tiny_model_dir, ppo_epochs=2, critic=critic))
     fused_metrics = fused.step(batch)
     # the general path: no-gradient forward passes at the step's start first
-    reference = plain_sgd(trainer(tiny_model_dir, ppo_epochs=2))
+    reference = plain_sgd(trainer(tiny_model_dir, ppo_epochs=2, critic=critic))
     part = reference._prepare(batch, batch.assign(batch.minibatches(1)[0], 1)[0], fused=False)
     sums: defaultdict[str, float] = defaultdict(float)
     for _ in range(2):
@@ -91,9 +98,9 @@ def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_mode
     # two updates of lr each. A prox or old value taken from the wrong pass
     # moves the update by whole terms.
     positions = sum(len(s.tokens) for s in batch.sequences)
-    for module, expected, lr in ((fused.policy, reference.policy, fused.config.lr),
-                                 (fused.critic, reference.critic, fused.config.critic_lr)):
-        tolerance = 2 * lr * rounding_tolerance(fused.config.max_grad_norm, positions)
+    lr = max(fused.config.lr, fused.config.critic_lr)
+    tolerance = 2 * lr * rounding_tolerance(fused.config.max_grad_norm, positions)
+    for module, expected in zip(trained_modules(fused), trained_modules(reference), strict=True):
         for a, b in zip(module.parameters(), expected.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
     # the loss is a mean of per-token terms -A * ratio, each of order 1 here
@@ -169,6 +176,20 @@ def test_without_summary_training_summary_tokens_leave_the_loss(tiny_model_dir: 
     assert all(torch.equal(a, b) for a, b in zip(before, ppo.policy.parameters(), strict=True))
 
 
+def logprob_tolerance(policy: torch.nn.Module, ids: torch.Tensor) -> float:
+    """How far two computations of the log-probabilities of ``ids`` that
+    differ in the order of their sums only can lie apart. A logit sums
+    hidden_size products, and the log-softmax moves an error in its logits by
+    at most twice that, plus its own rounding over the vocabulary (each
+    exp(x - max) at most 1)."""
+    with torch.no_grad():
+        hidden = policy.model(input_ids=ids).last_hidden_state
+        products = (hidden.abs() @ policy.lm_head.weight.abs().T).max().item()
+    config = policy.config
+    return (2 * rounding_tolerance(products, config.hidden_size)
+            + 2 * rounding_tolerance(1.0, config.vocab_size))
+
+
 def test_chunked_log_probabilities_equal_those_of_all_logits_at_once(tiny_model_dir: Path
                                                                     ) -> None:
     policy = load_policy(str(tiny_model_dir))
@@ -180,23 +201,46 @@ def test_chunked_log_probabilities_equal_those_of_all_logits_at_once(tiny_model_
         logp = token_logprobs(policy, ids, chunk)
         (logp * upstream).sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in policy.parameters()]))
-    # Only rounding differs. A logit sums hidden_size products, and the
-    # log-softmax moves an error in its logits by at most twice that, plus its
-    # own rounding over the vocabulary (each exp(x - max) at most 1). A
-    # gradient element sums one contribution per position; its largest
+    # A gradient element sums one contribution per position; its largest
     # element stands for their size (test_shared_prefixes_leave_the_update_unchanged).
-    with torch.no_grad():
-        hidden = policy.model(input_ids=ids).last_hidden_state
-        products = (hidden.abs() @ policy.lm_head.weight.abs().T).max().item()
-    config = policy.config
-    value_tolerance = (2 * rounding_tolerance(products, config.hidden_size)
-                       + 2 * rounding_tolerance(1.0, config.vocab_size))
+    value_tolerance = logprob_tolerance(policy, ids)
     (expected_logp, expected_grads), *chunked = results
     for logp, grads in chunked:
         torch.testing.assert_close(logp, expected_logp, rtol=0, atol=value_tolerance)
         for a, b in zip(grads, expected_grads, strict=True):
             tolerance = rounding_tolerance(b.abs().max().item(), ids.numel())
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+
+
+def test_a_value_head_shares_the_policy_s_pass_and_starts_at_zero(tiny_model_dir: Path
+                                                                  ) -> None:
+    """One pass gives the policy's log-probabilities and the head's values;
+    the head is the policy's only addition, and what the engines receive
+    (the parameters without it) is the model they load."""
+    policy = load_policy(str(tiny_model_dir), value_head=True)
+    plain = load_policy(str(tiny_model_dir))
+    ids = pad([s.tokens for s in to_train_batch(synthetic_batch(), True).sequences])
+    for chunk in (0, 16):
+        logp, values = token_logprobs_and_values(policy, ids, chunk)
+        torch.testing.assert_close(logp, token_logprobs(plain, ids), rtol=0,
+                                   atol=logprob_tolerance(plain, ids))
+        assert values.shape == ids.shape and not values.any()
+    names = [name for name, _ in policy.named_parameters()]
+    assert [n for n in names if is_value_head(n)] == ["value_head.weight", "value_head.bias"]
+    assert [name for name, _ in engine_parameters(policy)] == [
+        name for name, _ in plain.named_parameters()]
+
+
+def test_a_value_head_learns_at_the_critic_learning_rate(tiny_model_dir: Path) -> None:
+    ppo = trainer(tiny_model_dir, critic="value_head", critic_lr=1e-2, lr=1e-5)
+    body, head = ppo.policy_optimizer.param_groups
+    assert (body["lr"], head["lr"]) == (1e-5, 1e-2)
+    assert {id(p) for p in head["params"]} == {id(p) for p in ppo.policy.value_head.parameters()}
+    assert len(body["params"]) + len(head["params"]) == len(list(ppo.policy.parameters()))
+    batch = to_train_batch(synthetic_batch(), train_summary=True)
+    losses = [ppo.step(batch)["losses/value_loss"] for _ in range(8)]
+    # from values of 0 towards returns in [0, 1]: measured 0.36 -> 0.03
+    assert losses[-1] < 0.5 * losses[0], losses
 
 
 def saved_for_backward(compute: Callable[[], torch.Tensor]) -> list[torch.Size]:
@@ -216,21 +260,26 @@ def saved_for_backward(compute: Callable[[], torch.Tensor]) -> list[torch.Size]:
 def test_memory_switches_keep_no_logits_and_no_layer_activations_for_backward(
         tiny_model_dir: Path) -> None:
     policy, critic = load_policy(str(tiny_model_dir)), load_critic(str(tiny_model_dir))
+    with_head = load_policy(str(tiny_model_dir), value_head=True)
     ids = pad([s.tokens for s in to_train_batch(synthetic_batch(), True).sequences])
     logits = ids[:, 1:].numel() * policy.config.vocab_size
     mlp_width = policy.config.intermediate_size
 
-    def kept(chunk: int = 0) -> list[torch.Size]:
-        return (saved_for_backward(lambda: token_logprobs(policy, ids, chunk))
-                + saved_for_backward(lambda: token_values(critic, ids)))
+    def kept(chunk: int = 0) -> list[list[torch.Size]]:
+        """Per critic kind, what a pass of the policy and the critic keeps."""
+        return [saved_for_backward(lambda: token_logprobs(policy, ids, chunk))
+                + saved_for_backward(lambda: token_values(critic, ids)),
+                saved_for_backward(lambda: token_logprobs_and_values(with_head, ids, chunk))]
 
-    whole = kept()
-    assert any(shape.numel() >= logits for shape in whole)
-    assert any(shape[-1] == mlp_width for shape in whole)
-    assert all(shape.numel() < logits for shape in kept(chunk=16))
-    checkpoint_layers(policy)
-    checkpoint_layers(critic)
-    assert all(shape[-1] != mlp_width for shape in kept())
+    for whole in kept():
+        assert any(shape.numel() >= logits for shape in whole)
+        assert any(shape[-1] == mlp_width for shape in whole)
+    for chunked in kept(chunk=16):
+        assert all(shape.numel() < logits for shape in chunked)
+    for module in (policy, critic, with_head):
+        checkpoint_layers(module)
+    for checkpointed in kept():
+        assert all(shape[-1] != mlp_width for shape in checkpointed)
 
 
 #: (settings, memory switches): an update with the switches on is the update
@@ -241,11 +290,14 @@ MEMORY_SWITCHES = [
     ({}, {"activation_checkpointing": "on"}),
     ({}, {"max_tokens_per_microbatch": 56}),
     ({"minibatches": 2, "ppo_epochs": 2}, {"max_tokens_per_microbatch": 56}),
+    ({"critic": "value_head"}, {"logprob_chunk_tokens": 16, "activation_checkpointing": "on"}),
+    ({"critic": "value_head"}, {"max_tokens_per_microbatch": 56}),
 ]
 
 
 @pytest.mark.parametrize("settings, switches", MEMORY_SWITCHES, ids=[
-    "chunked-logprobs", "activation-checkpointing", "token-budget", "token-budget-minibatches"])
+    "chunked-logprobs", "activation-checkpointing", "token-budget", "token-budget-minibatches",
+    "value-head-chunked-checkpointed", "value-head-token-budget"])
 def test_a_memory_switch_leaves_the_update_unchanged(tiny_model_dir: Path, settings: dict,
                                                      switches: dict) -> None:
     """With a token budget and one minibatch, the old values come from
@@ -262,8 +314,8 @@ def test_a_memory_switch_leaves_the_update_unchanged(tiny_model_dir: Path, setti
                     {**settings, "max_grad_norm": 0.0, **switches}):
         ppo = plain_sgd(trainer(tiny_model_dir, torch.float64, **changes))
         if ppo.config.activation_checkpointing == "on":  # shard() does this under FSDP2
-            checkpoint_layers(ppo.policy)
-            checkpoint_layers(ppo.critic)
+            for module in trained_modules(ppo):
+                checkpoint_layers(module)
         received.append(record_gradients(ppo))
         ppo.step(to_train_batch(wire, True))
         runs.append(ppo)
@@ -275,17 +327,17 @@ def test_a_memory_switch_leaves_the_update_unchanged(tiny_model_dir: Path, setti
     positions = sum(lengths)
     (plain, switched), config = received, runs[0].config
     updates = config.minibatches * config.ppo_epochs
-    assert len(plain) == len(switched) == 2 * updates
-    for got, expected in zip(switched[:2], plain[:2], strict=True):
+    optimizers = len(runs[0].optimizers)
+    assert len(plain) == len(switched) == optimizers * updates
+    for got, expected in zip(switched[:optimizers], plain[:optimizers], strict=True):
         for a, b in zip(got, expected, strict=True):
             tolerance = rounding_tolerance(b.abs().max().item(), positions)
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
     largest = max(g.abs().max().item() for step in plain for g in step)
     tolerance = (max(config.lr, config.critic_lr) * updates
                  * rounding_tolerance(largest, positions))
-    for name in ("policy", "critic"):
-        for a, b in zip(getattr(runs[1], name).parameters(), getattr(runs[0], name).parameters(),
-                        strict=True):
+    for got, expected in zip(trained_modules(runs[1]), trained_modules(runs[0]), strict=True):
+        for a, b in zip(got.parameters(), expected.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
 
 
