@@ -20,11 +20,13 @@ Usage::
 
     context = CompactionContext(turns, config)
     while not done:
-        action = await engine.generate(context.action_prompt(), context.action_budget())
+        action = await engine.generate(context.action_prompt(),
+                                       context.action_budget(max_turn_tokens))
         context.add_step(action, observation_ids)
-        if context.needs_compaction():
+        if context.needs_compaction() and context.compaction_allowed():
             summary = await engine.generate(context.summary_prompt(), context.summary_budget())
-            closed = context.compact(summary)       # [execution, summary] segments
+            # [execution, summary] segments; the summary as the resume turn quotes it
+            closed = context.compact(summary, chat.strip_end(summary.token_ids))
     final = context.finish()
 """
 

@@ -61,11 +61,11 @@ from actors.episode import EpisodeResult, run_episode
 from actors.metrics import ActorMetrics
 from ops.metrics import MetricsServer
 from protocol import (
-    DEAD_INCARNATION,
     Ack,
     Array,
     EngineInfo,
     Error,
+    ErrorCode,
     Heartbeat,
     Hello,
     Message,
@@ -360,7 +360,7 @@ class Actor:
             try:
                 message = decode(frame.buffer, self.settings.transport.max_message_bytes)
             except ProtocolError as exc:
-                self.metrics.rejected_frames.labels(exc.reason.value).inc()
+                self.metrics.rejected_frames.labels(exc.code.value).inc()
                 log.warning("dropped a frame from the replay: %s", exc)
                 continue
             if isinstance(message, Ack):
@@ -388,7 +388,7 @@ class Actor:
                     if not self.state.unacked:
                         self.state.all_acked.set()
                 # about this incarnation (older seqs: one already left behind)
-                if (message.code == DEAD_INCARNATION and message.ref_seq is not None
+                if (message.code == ErrorCode.DEAD_INCARNATION and message.ref_seq is not None
                         and message.ref_seq >= self.stamp.first_seq
                         and not self._stopping.is_set()):
                     self._reincarnate()
@@ -492,7 +492,7 @@ class Actor:
                 message: Message = decode(frame.buffer,
                                           self.settings.transport.max_message_bytes)
             except ProtocolError as exc:
-                self.metrics.rejected_frames.labels(exc.reason.value).inc()
+                self.metrics.rejected_frames.labels(exc.code.value).inc()
                 log.warning("dropped a frame from the learner: %s", exc)
                 continue
             if isinstance(message, Welcome):
@@ -506,7 +506,7 @@ class Actor:
                 self.metrics.errors_received.labels(message.code).inc()
                 log.warning("learner rejected seq %s: %s %s", message.ref_seq, message.code,
                             message.text)
-                if message.code == "unregistered":  # the learner restarted
+                if message.code == ErrorCode.UNREGISTERED:  # the learner restarted
                     self.state.learner_lost.set()
 
     def _learner_at(self, version: int) -> None:

@@ -103,7 +103,7 @@ async def raw_replay(engine: Engine, episodes: list[list[tuple[list[int], int]]]
 
 
 async def main(args: argparse.Namespace) -> dict:
-    from deploy.tiny_model import build_tiny_model
+    from recipes.tiny_model import build_tiny_model
 
     config = load_config(None, SMALL_WINDOW).actors
     with tempfile.TemporaryDirectory() as folder:

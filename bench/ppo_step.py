@@ -110,7 +110,7 @@ def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConf
 
 def tiny_models(config: LearnerConfig) -> tuple[PPOTrainer, torch.nn.Module, torch.nn.Module]:
     """A trainer on a fresh tiny model, and a bare policy and critic of the same weights."""
-    from deploy.tiny_model import build_tiny_model
+    from recipes.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as folder:
         model = str(build_tiny_model(Path(folder) / "tiny"))

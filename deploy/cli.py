@@ -1,7 +1,8 @@
-"""The ``compactionrl`` command line.
-
-Subcommands exist only once they work; DESIGN §3.2 lists the ones to come
-(``replay``, ``learner``, ``actor``, ``up``, ``status``, ...).
+"""The ``compactionrl`` command line: one subcommand per process of a run
+(``replay``, ``learner``, ``actor``), ``up`` to run them all on one machine,
+and the tools around them (``config``, ``model``, ``bootstrap``,
+``evaluate``, ...); ``compactionrl --help`` lists them all. Each reads the
+run's TOML (``--config``, composable) and ``--section.field`` overrides.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _cmd_config_fields(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_model_init(args: argparse.Namespace, overrides: list[str]) -> int:
-    from deploy.tiny_model import TinyModelConfig, build_tiny_model
+    from recipes.tiny_model import TinyModelConfig, build_tiny_model
 
     start = time.perf_counter()
     out = build_tiny_model(Path(args.out), TinyModelConfig(seed=args.seed))
@@ -63,7 +64,7 @@ def _cmd_model_sample(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_bootstrap(args: argparse.Namespace, overrides: list[str]) -> int:
-    from deploy.bootstrap import bootstrap
+    from recipes.keyvault_bootstrap import bootstrap
 
     config = load_config(args.config, overrides)
     out = Path(args.out or config.run.model)

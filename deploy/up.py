@@ -54,7 +54,7 @@ from pathlib import Path
 
 from deploy.config import ConfigError, RunConfig, RunSection, to_toml
 from deploy.device_plan import DevicePlan, plan_devices
-from learner.checkpoint import latest_checkpoint
+from learner.checkpoint import checkpoint_position, latest_checkpoint
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
 from ops.report import read_history, write_report
@@ -465,9 +465,9 @@ class Up:
             "up_invocations": 1.0, "run_seconds": time.monotonic() - self._began})
         checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if final else None
         if checkpoint is not None:
-            meta = json.loads((checkpoint / "meta.json").read_text())
-            snapshot["learner_version"] = float(meta["version"])
-            snapshot["learner_step"] = float(meta["step"])
+            version, step = checkpoint_position(checkpoint)
+            snapshot["learner_version"] = float(version)
+            snapshot["learner_step"] = float(step)
         self.history.append(snapshot)
         with self.history_path.open("a") as history:
             history.write(json.dumps(snapshot) + "\n")
@@ -528,7 +528,7 @@ def prepare_model(config: RunConfig) -> None:
     than these is used, with a note saying which differ."""
     model = Path(config.run.model)
     if (model / "config.json").is_file():
-        from deploy.bootstrap import differences
+        from recipes.keyvault_bootstrap import differences
 
         changed = differences(model, config.actors, config.bootstrap)
         if changed:  # a base for the same game still trains; the user decides
@@ -538,7 +538,7 @@ def prepare_model(config: RunConfig) -> None:
     if config.run.model != RunSection().model:
         raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "
                          "local HF-format model folder")
-    from deploy.bootstrap import bootstrap
+    from recipes.keyvault_bootstrap import bootstrap
 
     print(f"bootstrapping the base policy in {model} (first run)", flush=True)
     bootstrap(model, config.actors, config.bootstrap)

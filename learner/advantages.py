@@ -12,12 +12,67 @@ each segment is discounted by the trainable tokens after it in its rollout:
     A_i = (gamma * lam) ** N_{>s} * A_loc_i,   N_{>s} = sum of n_j over later segments j
 
 ``mode="independent"`` skips that discount (the ablation). Value targets are
-the local returns A_loc + V.
+the local returns A_loc + V. ``"grpo"`` (the ablation without a critic's
+credit) gives every token of a rollout (R - mean) / (std + eps) over the
+rollouts of its task in the batch. :func:`advantages_and_returns` is the one
+entry point for the three.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Literal
+
 import torch
+
+#: Group-relative advantages divide by the group's reward std plus this.
+GRPO_EPSILON = 1e-6
+
+AdvantageMode = Literal["cross", "independent", "grpo"]
+
+
+def advantages_and_returns(
+    mode: AdvantageMode,
+    values: torch.Tensor,
+    segment_lengths: torch.Tensor,
+    segment_rollout: torch.Tensor,
+    rewards: torch.Tensor,
+    task_ids: Sequence[str],
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [T], returns [T]) of the trainable tokens of some of a
+    batch's rollouts (a rank's share), concatenated segment by segment, each
+    rollout's segments together. ``segment_rollout`` [S] indexes the batch's
+    ``rewards`` [R] and ``task_ids`` [R] (grpo's groups span the whole batch);
+    the returns are the local returns whatever the mode."""
+    if mode not in ("cross", "independent", "grpo"):
+        raise ValueError(f"mode must be 'cross', 'independent' or 'grpo', not {mode!r}")
+    rollouts, local = torch.unique_consecutive(segment_rollout, return_inverse=True)
+    if len(rollouts) != len(torch.unique(segment_rollout)):
+        raise ValueError("each rollout's segments must be consecutive")
+    advantages, returns = cross_trajectory_gae(
+        values, segment_lengths, local, rewards[rollouts], gamma, lam,
+        "independent" if mode == "independent" else "cross")
+    if mode == "grpo":
+        per_rollout = group_relative(rewards, task_ids)[segment_rollout]
+        advantages = torch.repeat_interleave(per_rollout, segment_lengths.long()).to(
+            advantages.dtype)
+    return advantages, returns
+
+
+def group_relative(rewards: torch.Tensor, task_ids: Sequence[str]) -> torch.Tensor:
+    """[R] (R - mean) / (std + eps) over the rollouts of each one's task."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for index, task in enumerate(task_ids):
+        groups[task].append(index)
+    result = torch.zeros(len(rewards), dtype=torch.float64)
+    for members in groups.values():
+        group = rewards[members].double()
+        std = group.std(unbiased=False) if len(members) > 1 else torch.tensor(0.0)
+        result[members] = (group - group.mean()) / (std + GRPO_EPSILON)
+    return result
 
 
 def _segment_ids(segment_lengths: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,11 @@ def load_checkpoint(path: Path, trainer: PPOTrainer) -> tuple[int, int]:
     for name, (model, optimizer) in _models(trainer).items():
         set_model_state_dict(model, state[name])
         set_optimizer_state_dict(model, optimizer, state[f"{name}_optimizer"])
+    return checkpoint_position(path)
+
+
+def checkpoint_position(path: Path) -> tuple[int, int]:
+    """(version, step) of the complete checkpoint at ``path``."""
     meta = json.loads((path / "meta.json").read_text())
     return meta["version"], meta["step"]
 

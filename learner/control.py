@@ -40,6 +40,7 @@ from ops.files import atomic_write_text
 from protocol import (
     EngineInfo,
     Error,
+    ErrorCode,
     GroupInfo,
     Heartbeat,
     Hello,
@@ -194,16 +195,16 @@ class ControlPlane:
         except zmq.Again:
             return
         if len(parts) != 1:
-            self._reject(identity, "malformed", "a message is exactly one frame", None)
+            self._reject(identity, ErrorCode.MALFORMED, "a message is exactly one frame", None)
             return
         frame = parts[0]
         try:
             message = decode(frame, self.transport.max_message_bytes)
         except ProtocolError as exc:
-            self._reject(identity, exc.reason.value, str(exc), None)
+            self._reject(identity, exc.code, str(exc), exc.ref_seq)
             return
         if message.sender_id.encode() != identity:
-            self._reject(identity, "identity", "sender_id differs from the connection's "
+            self._reject(identity, ErrorCode.IDENTITY, "sender_id differs from the connection's "
                          "identity", message.seq)
             return
         self._handle(identity, message)
@@ -237,13 +238,13 @@ class ControlPlane:
                 credit_ledger=0, credits_total=0))
         elif member is None:
             # unknown, or a replaced incarnation: it must say Hello (again)
-            self._reject(identity, "unregistered", "send Hello first", message.seq)
+            self._reject(identity, ErrorCode.UNREGISTERED, "send Hello first", message.seq)
         elif problem:
-            self._reject(identity, "invalid", problem, message.seq)
+            self._reject(identity, ErrorCode.INVALID, problem, message.seq)
         elif isinstance(message, (Heartbeat, WeightsLoaded)):
             self._liveness.seen(identity)
         else:
-            self._reject(identity, "unexpected",
+            self._reject(identity, ErrorCode.UNEXPECTED,
                          f"{type(message).__name__} is not for the learner", message.seq)
 
     def _implausible(self, loaded: WeightsLoaded) -> str:
@@ -264,7 +265,7 @@ class ControlPlane:
                     log.info("actor %s left: %s", actor_id, why)
             self.metrics.members.set(len(self._members))
 
-    def _reject(self, identity: bytes, code: str, text: str, ref_seq: int | None) -> None:
+    def _reject(self, identity: bytes, code: ErrorCode, text: str, ref_seq: int | None) -> None:
         self.metrics.rejected_frames.labels(code).inc()
         self._send(identity, Error(**self._stamp.next(), code=code, text=text[:500],
                                    ref_seq=ref_seq))

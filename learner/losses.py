@@ -7,12 +7,16 @@ actors' sampling distribution mu:
     rho = pi_theta / pi_prox
     w   = min(pi_prox / mu, C_is)          (is_mode "truncate"; no gradient)
     l   = -w * min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
-    L   = sum_M l / |M|
+    L   = sum_t c_t * l_t
 
-``is_mode="mask"`` gives weight 0 to tokens whose pi_prox/mu leaves
+with the loss weight c_t of each token passed in (:func:`loss_weights`):
+1/|M| on M and 0 elsewhere (``loss_norm = "token"``), or 1/(n_s * S) on
+segment s's n_s tokens, S the segments with any (``"segment"``, the
+ablation). ``is_mode="mask"`` gives w = 0 to tokens whose pi_prox/mu leaves
 [1/C_is, C_is] (kept tokens keep w); ``"off"`` sets w = 1. Dividing by the
 global count |M| (not per sequence, not per rank) is what makes a rollout that
-compacted more often weigh no more per token, and 1 rank equal 8.
+compacted more often weigh no more per token, and 1 rank equal 8. The value
+loss is token-normalised the same way in both modes.
 """
 
 from __future__ import annotations
@@ -36,23 +40,37 @@ def importance_weights(logp_prox: torch.Tensor, logp_behav: torch.Tensor, is_cap
     raise ValueError(f"is_mode must be 'truncate', 'mask' or 'off', not {is_mode!r}")
 
 
+def loss_weights(segment_lengths: torch.Tensor, loss_norm: str, num_tokens: float,
+                 num_segments: float) -> torch.Tensor:
+    """c_t for the trainable tokens of segments of ``segment_lengths`` (in
+    order): 1/|M| (``"token"``; |M| = ``num_tokens``, the global batch's) or
+    1/(n_s * S) (``"segment"``; S = ``num_segments``, the global batch's
+    segments with any trainable token)."""
+    lengths = segment_lengths.long()
+    if loss_norm == "token":
+        return torch.full((int(lengths.sum()),), 1.0 / num_tokens)
+    if loss_norm == "segment":
+        per_segment = 1.0 / (lengths.clamp(min=1).double() * num_segments)
+        return torch.repeat_interleave(per_segment, lengths).float()
+    raise ValueError(f"loss_norm must be 'token' or 'segment', not {loss_norm!r}")
+
+
 def policy_loss(
     logp: torch.Tensor,
     logp_prox: torch.Tensor,
     logp_behav: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
-    num_tokens: int | float,
+    weights: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     is_cap: float = 2.0,
     is_mode: str = "truncate",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(sum over masked tokens of l / num_tokens, stats). Stats are local
-    means over this call's masked tokens: ``clipfrac``, ``approx_kl``
-    (pi_prox to pi_theta, the k3 estimator), ``is_weight_mean``,
-    ``is_affected_frac`` (truncated or masked)."""
-    mask = mask.bool()
+    """(sum_t c_t * l_t, stats), ``weights`` the c_t (0: not in the loss).
+    Stats are local means over this call's tokens in the loss:
+    ``clipfrac``, ``approx_kl`` (pi_prox to pi_theta, the k3 estimator),
+    ``is_weight_mean``, ``is_affected_frac`` (truncated or masked)."""
+    mask = weights > 0
     advantages = advantages.detach()
     log_ratio = logp - logp_prox.detach()
     ratio = torch.exp(log_ratio)
@@ -60,7 +78,8 @@ def policy_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -weight * torch.minimum(unclipped, clipped)
-    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / num_tokens
+    # where, not only the product: a padded position's l may be anything
+    loss = torch.where(mask, per_token * weights, torch.zeros_like(per_token)).sum()
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
         stats = {
@@ -76,21 +95,20 @@ def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    mask: torch.Tensor,
-    num_tokens: int | float,
+    weights: torch.Tensor,
     value_clip: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss, 0.5 * max((V - G)^2, (V_clip - G)^2), summed over
-    masked tokens / num_tokens, like the policy loss. Stats: ``clipfrac``
+    """Clipped value loss, sum_t c_t * 0.5 * max((V - G)^2, (V_clip - G)^2),
+    ``weights`` the c_t (0: not in the loss). Stats: ``clipfrac``
     (explained variance is a statistic of the whole batch:
     :func:`residual_moments`)."""
-    mask = mask.bool()
+    mask = weights > 0
     returns, old_values = returns.detach(), old_values.detach()
     clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
     plain_error = (values - returns) ** 2
     clipped_error = (clipped - returns) ** 2
     per_token = 0.5 * torch.maximum(plain_error, clipped_error)
-    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / num_tokens
+    loss = torch.where(mask, per_token * weights, torch.zeros_like(per_token)).sum()
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
         stats = {"clipfrac": ((clipped_error > plain_error) & mask).sum() / count}

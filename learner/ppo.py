@@ -10,9 +10,17 @@
    advantages need every old value before the first value loss).
 3. Advantages (cross-trajectory GAE, independent GAE, or group-relative) and
    value targets, per rollout.
-4. ``ppo_epochs`` passes over the minibatches: policy loss normalised by the
-   minibatch's trainable tokens over all ranks (or per segment, for the
-   ablation), clipped value loss, one optimizer step each.
+4. ``ppo_epochs`` passes over the minibatches: the policy loss and the
+   clipped value loss with each token's loss weight c_t passed to them
+   (:func:`learner.losses.loss_weights`: 1/|M|, |M| the minibatch's
+   trainable tokens over all ranks, or per segment for the ablation), one
+   optimizer step each. What the step reports is summed in a
+   :class:`StepStatistics`.
+
+The fused step (one minibatch): what step 2 computes is left out
+(``_Prepared.logp_prox`` and, with one micro-batch, ``old_values`` are None)
+and the first update takes it from its own forward passes, which run at the
+step's start weights.
 
 The critic is a model of its own (each model has its loss and optimizer) or,
 with ``critic = "value_head"``, a head on the policy: one pass gives log-
@@ -37,17 +45,23 @@ Usage::
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from learner.advantages import cross_trajectory_gae
+from learner.advantages import advantages_and_returns
 from learner.batch import Sequence, TrainBatch, microbatches
 from learner.config import LearnerConfig
-from learner.losses import explained_variance, policy_loss, residual_moments, value_loss
+from learner.losses import (
+    explained_variance,
+    loss_weights,
+    policy_loss,
+    residual_moments,
+    value_loss,
+)
 from learner.models import (
     Critic,
     is_value_head,
@@ -57,28 +71,88 @@ from learner.models import (
     token_values,
 )
 
-#: Group-relative advantages divide by the group's reward std plus this.
-GRPO_EPSILON = 1e-6
-
 
 @dataclass
 class _Prepared:
-    """One rank's share of one minibatch, with what the step start fixed.
-    In a fused step ``logp_prox`` starts empty and ``prox_fixed`` false, and
-    with one micro-batch the values, advantages and returns as well: the
-    first update fills them from its own forward passes (on every rank, an
-    empty share too, since computing advantages can be collective)."""
+    """One rank's share of one minibatch, with what the step's start fixed.
+    ``logp_prox`` None: the first update takes it from its own policy
+    passes; ``old_values`` None: from its own critic passes, and the
+    advantages and returns with them (on every rank, an empty share too,
+    since computing advantages can be collective)."""
 
     sequences: list[Sequence]
     groups: list[list[int]]
     """Indices into ``sequences`` of each micro-batch; as many on every rank
     (an empty one runs a dummy sequence)."""
-    logp_prox: list[torch.Tensor] = field(default_factory=list)
-    old_values: list[torch.Tensor] = field(default_factory=list)
-    advantages: list[torch.Tensor] = field(default_factory=list)
-    returns: list[torch.Tensor] = field(default_factory=list)
-    prox_fixed: bool = True
-    values_fixed: bool = True
+    logp_prox: list[torch.Tensor] | None = None
+    old_values: list[torch.Tensor] | None = None
+    advantages: list[torch.Tensor] | None = None
+    returns: list[torch.Tensor] | None = None
+
+
+@dataclass
+class StepStatistics:
+    """Sums over a step's forward passes and updates. The first group is
+    summed over ranks too (each rank's losses are already divided by global
+    counts); ``updates`` and ``policy_grad_norm`` are the same on every rank.
+    :meth:`metrics` makes the step's metrics of them."""
+
+    tokens: float = 0.0
+    """Trainable tokens in the loss, each epoch's again."""
+    policy_loss: float = 0.0
+    value_loss: float = 0.0
+    clipfrac: float = 0.0
+    """This and the next four: token-weighted sums of the losses' local means."""
+    approx_kl: float = 0.0
+    is_weight_mean: float = 0.0
+    is_affected_frac: float = 0.0
+    value_clipfrac: float = 0.0
+    return_sum: float = 0.0
+    """This and the next three: :func:`learner.losses.residual_moments`."""
+    return_square_sum: float = 0.0
+    residual_sum: float = 0.0
+    residual_square_sum: float = 0.0
+    updates: int = 0
+    policy_grad_norm: float = 0.0
+
+    #: Fields that are the same on every rank: not summed over ranks.
+    RANK_INVARIANT = ("updates", "policy_grad_norm")
+
+    def add_pass(self, tokens: float, policy: torch.Tensor, value: torch.Tensor,
+                 policy_stats: dict[str, torch.Tensor], value_stats: dict[str, torch.Tensor],
+                 moments: dict[str, float]) -> None:
+        self.tokens += tokens
+        self.policy_loss += policy.item()
+        self.value_loss += value.item()
+        for name, mean in {**policy_stats,
+                           **{f"value_{k}": v for k, v in value_stats.items()}}.items():
+            setattr(self, name, getattr(self, name) + float(mean) * tokens)
+        for name, total in moments.items():
+            setattr(self, name, getattr(self, name) + total)
+
+    def summed_over_ranks(self) -> StepStatistics:
+        names = [f.name for f in dataclasses.fields(self) if f.name not in self.RANK_INVARIANT]
+        totals = _all_reduce([getattr(self, name) for name in names])
+        return dataclasses.replace(self, **dict(zip(names, totals, strict=True)))
+
+    def metrics(self, epochs: int) -> dict[str, float]:
+        """Per update (losses, gradient norm), per token (the rest), the
+        explained variance of the whole batch, and the batch's tokens."""
+        updates, tokens = max(self.updates, 1), max(self.tokens, 1.0)
+        per_token = ("clipfrac", "approx_kl", "is_weight_mean", "is_affected_frac",
+                     "value_clipfrac")
+        return {
+            "losses/policy_loss": self.policy_loss / updates,
+            "losses/value_loss": self.value_loss / updates,
+            **({"losses/policy_grad_norm": self.policy_grad_norm / updates}
+               if self.policy_grad_norm else {}),
+            **{f"losses/{name}": getattr(self, name) / tokens for name in per_token},
+            "losses/value_explained_variance": explained_variance(
+                {name: getattr(self, name) for name in ("return_sum", "return_square_sum",
+                                                        "residual_sum", "residual_square_sum")},
+                self.tokens),
+            "tokens": self.tokens / epochs,
+        }
 
 
 def _world() -> tuple[int, int]:
@@ -130,26 +204,35 @@ class PPOTrainer:
     @torch.no_grad()
     def _prepare(self, batch: TrainBatch, rollouts: list[int], fused: bool = False
                  ) -> _Prepared:
+        """``rollouts``' sequences in micro-batches, and what the step's start
+        fixes: everything, or in a ``fused`` step only the old values (and
+        advantages), and only when the share takes several micro-batches (the
+        advantages need every old value before the first value loss; a value
+        head's pass gives log pi_prox with them)."""
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
         groups = self._microbatches(sequences)
-        values_fixed = not fused or len(groups) > 1
-        # a value head's pass gives the log-probabilities too
-        part = _Prepared(sequences, groups, values_fixed=values_fixed,
-                         prox_fixed=not fused or (values_fixed and self.critic is None))
+        part = _Prepared(sequences, groups)
+        want_values = not fused or len(groups) > 1
+        want_prox = not fused or (want_values and self.critic is None)
         logp, values = [], []
         for group in groups:
-            group_logp, group_values = self._evaluate(self._ids(sequences, group),
-                                                      part.prox_fixed, part.values_fixed)
+            group_logp, group_values = self._evaluate(self._ids(sequences, group), want_prox,
+                                                      want_values)
             logp.append(group_logp)
             values.append(group_values)
-        if part.prox_fixed:
+        if want_prox:
             part.logp_prox = _unpad(sequences, groups, logp)
-        if part.values_fixed:
-            # advantages are computed on the CPU (small, sequential per rollout)
-            part.old_values = _unpad(sequences, groups, values)
-            part.advantages, part.returns = self._advantages(batch, sequences, part.old_values)
+        if want_values:
+            self._fix_values(part, batch, _unpad(sequences, groups, values))
         return part
+
+    def _fix_values(self, part: _Prepared, batch: TrainBatch, values: list[torch.Tensor]
+                    ) -> None:
+        """The share's old values, and its advantages and returns from them
+        (computed on the CPU: small, sequential per rollout)."""
+        part.old_values = values
+        part.advantages, part.returns = self._advantages(batch, part.sequences, values)
 
     def _evaluate(self, ids: torch.Tensor, logp: bool, values: bool
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -185,20 +268,13 @@ class PPOTrainer:
 
     def _gae(self, batch: TrainBatch, sequences: list[Sequence], values: list[torch.Tensor]
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        local_rollout = {r: i for i, r in enumerate(dict.fromkeys(s.rollout for s in sequences))}
         flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
         # per segment (a sequence may hold two), in order
         lengths = torch.tensor([n for s in sequences for n in s.segment_lengths])
-        segment_rollouts = [s.rollout for s in sequences for _ in s.segment_lengths]
-        rollout_of = torch.tensor([local_rollout[r] for r in segment_rollouts])
-        rewards = batch.rewards[list(local_rollout)]
-        mode = "independent" if self.config.advantage == "independent" else "cross"
-        flat_adv, flat_ret = cross_trajectory_gae(flat_values.double(), lengths, rollout_of,
-                                                  rewards, self.config.gamma, self.config.lam,
-                                                  mode)
-        if self.config.advantage == "grpo":
-            group = _group_relative(batch)
-            flat_adv = torch.repeat_interleave(group[segment_rollouts], lengths)
+        rollout_of = torch.tensor([s.rollout for s in sequences for _ in s.segment_lengths])
+        flat_adv, flat_ret = advantages_and_returns(
+            self.config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
+            batch.task_ids, self.config.gamma, self.config.lam)
         advantages, returns, offset = [], [], 0
         for sequence in sequences:
             n = sum(sequence.segment_lengths)
@@ -229,108 +305,82 @@ class PPOTrainer:
                   for m in batch.minibatches(self.config.minibatches)]
         fused = len(shares) == 1
         prepared = [self._prepare(batch, share, fused) for share in shares]
-        sums: dict[str, float] = defaultdict(float)
+        statistics = StepStatistics()
         for _ in range(self.config.ppo_epochs):
             for part in prepared:
-                self._update(part, sums, batch)
-        names = sorted(sums)
-        totals = dict(zip(names, _all_reduce([sums[n] for n in names]), strict=True))
-        updates = max(totals.pop("updates", 1.0) / self.world_size, 1.0)
-        tokens = totals.pop("tokens", 0.0)
-        metrics = {name: value / max(tokens, 1.0) for name, value in totals.items()
-                   if name.startswith("token_")}
-        metrics = {name.removeprefix("token_"): value for name, value in metrics.items()}
-        metrics.update({name: value / updates for name, value in totals.items()
-                        if name.startswith("losses/")})
-        metrics["losses/value_explained_variance"] = explained_variance(
-            {name.removeprefix("moments/"): value for name, value in totals.items()
-             if name.startswith("moments/")}, tokens)
-        metrics["tokens"] = tokens / self.config.ppo_epochs
-        return metrics
+                self._update(part, statistics, batch)
+        return statistics.summed_over_ranks().metrics(self.config.ppo_epochs)
 
-    def _weighted(self, part: _Prepared, tokens: float, segments: float) -> list[torch.Tensor]:
-        """Advantages times each token's loss weight: 1/|M| (token
-        normalisation) or 1/(n_s * number of segments) (segment normalisation)."""
-        if self.config.loss_norm == "token":
-            return [a / tokens for a in part.advantages]
-        weighted = []
-        for sequence, advantages in zip(part.sequences, part.advantages, strict=True):
-            sizes = torch.tensor(sequence.segment_lengths, dtype=torch.float32)
-            per_token = torch.zeros_like(advantages)
-            per_token[sequence.trainable] = torch.repeat_interleave(
-                1.0 / (sizes.clamp(min=1) * segments), sizes.long())
-            weighted.append(advantages * per_token)
-        return weighted
+    def _policy_weights(self, part: _Prepared, tokens: float, segments: float
+                        ) -> list[torch.Tensor]:
+        """Per sequence, [L] loss weight c_t of each token (0 off its
+        trainable tokens): learner.losses.loss_weights over its segments."""
+        weights = []
+        for sequence in part.sequences:
+            row = torch.zeros(len(sequence.tokens))
+            row[sequence.trainable] = loss_weights(torch.tensor(sequence.segment_lengths),
+                                                   self.config.loss_norm, tokens, segments)
+            weights.append(row)
+        return weights
 
-    def _update(self, part: _Prepared, sums: dict[str, float], batch: TrainBatch) -> None:
+    def _update(self, part: _Prepared, statistics: StepStatistics, batch: TrainBatch) -> None:
+        """One optimizer step on ``part``: per micro-batch, the value loss
+        and the policy loss with the minibatch's global counts in their
+        weights (a critic model's backward before the policy's forward; a
+        value head's one backward for both)."""
         config = self.config
         local_tokens = sum(int(s.trainable.sum()) for s in part.sequences)
         local_segments = sum(n > 0 for s in part.sequences for n in s.segment_lengths)
         global_tokens, global_segments = _all_reduce([local_tokens, local_segments])
         if global_tokens == 0:
             return
-        weighted: list[torch.Tensor] | None = None
+        policy_weights = self._policy_weights(part, global_tokens, global_segments)
+        taking_prox = part.logp_prox is None
         logp_prox: list[torch.Tensor] = []
         for group in part.groups:
             ids = self._ids(part.sequences, group)
             # The critic first: a fused first update with one micro-batch
             # takes the old values (and so the advantages) from this pass.
             logp, values = self._evaluate(ids, self.critic is None, True)
-            if not part.values_fixed:
-                part.old_values = _unpad(part.sequences, part.groups, [values.detach()])
-                part.advantages, part.returns = self._advantages(batch, part.sequences,
-                                                                 part.old_values)
-                part.values_fixed = True
-            if weighted is None:
-                weighted = self._weighted(part, global_tokens, global_segments)
-            trainable, behaviour, advantages, old_values, returns = (
+            if part.old_values is None:
+                self._fix_values(part, batch, _unpad(part.sequences, part.groups,
+                                                     [values.detach()]))
+            trainable, behaviour, advantages, old_values, returns, weights = (
                 _stack([rows[i] for i in group], ids.shape).to(self.device) for rows in (
                     [s.trainable for s in part.sequences],
                     [s.behaviour_logprobs for s in part.sequences],
-                    weighted, part.old_values, part.returns))
-            trainable = trainable.bool()
-            v_loss, v_stats = value_loss(values, old_values, returns, trainable, global_tokens,
-                                         config.value_clip)
+                    part.advantages, part.old_values, part.returns, policy_weights))
+            v_loss, v_stats = value_loss(values, old_values, returns,
+                                         trainable / global_tokens, config.value_clip)
             if logp is None:  # a critic model: its backward before the policy's forward
-                # losses are already divided by the global count; FSDP averages over ranks
+                # FSDP averages gradients over ranks: times the world size, a sum
                 (v_loss * self.world_size).backward()
                 logp, _ = self._evaluate(ids, True, False)
-            if part.prox_fixed:
-                prox = _stack([part.logp_prox[i] for i in group], ids.shape).to(self.device)
-            else:  # the policy is at the step's start weights until this update's step
+            if taking_prox:  # the policy is at the step's start weights until this step
                 logp_prox.append(logp.detach())
                 prox = logp.detach()
-            # The normalisation is folded into the advantages (l is linear in A for
-            # A scaled by a positive weight), so the loss is a plain sum.
-            p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, trainable, 1.0,
+            else:
+                prox = _stack([part.logp_prox[i] for i in group], ids.shape).to(self.device)
+            p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, weights,
                                           config.clip_low, config.clip_high, config.is_cap,
                                           config.is_mode)
             loss = p_loss if self.critic is not None else p_loss + config.value_loss_coef * v_loss
             (loss * self.world_size).backward()
-
-            n = float(trainable.sum())
-            sums["tokens"] += n
-            sums["losses/policy_loss"] += p_loss.item()
-            sums["losses/value_loss"] += v_loss.item()
-            for name, value in residual_moments(returns, old_values, trainable).items():
-                sums[f"moments/{name}"] += value
-            for name, value in {**p_stats,
-                                **{f"value_{k}": v for k, v in v_stats.items()}}.items():
-                sums[f"token_losses/{name}"] += float(value) * n
-        if not part.prox_fixed:
+            statistics.add_pass(float(trainable.sum()), p_loss, v_loss, p_stats, v_stats,
+                                residual_moments(returns, old_values, trainable))
+        if taking_prox:
             part.logp_prox = _unpad(part.sequences, part.groups, logp_prox)
-            part.prox_fixed = True
         if config.max_grad_norm > 0:
             # with a value head, one norm over the body and both heads
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            sums["losses/policy_grad_norm"] += float(norm)
+            statistics.policy_grad_norm += float(norm)
             if self.critic is not None:
                 torch.nn.utils.clip_grad_norm_(self.critic.parameters(), config.max_grad_norm)
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        sums["updates"] += 1
+        statistics.updates += 1
 
 
 def _unpad(sequences: list[Sequence], groups: list[list[int]], outputs: list[torch.Tensor]
@@ -348,16 +398,3 @@ def _stack(rows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     for row, values in enumerate(rows):
         out[row, : len(values)] = values.float()
     return out
-
-
-def _group_relative(batch: TrainBatch) -> torch.Tensor:
-    """[R] (reward - mean of its task's rewards) / (std + eps), one value per rollout."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for index, task in enumerate(batch.task_ids):
-        groups[task].append(index)
-    advantages = torch.zeros(batch.num_rollouts, dtype=torch.float64)
-    for members in groups.values():
-        rewards = batch.rewards[members]
-        std = rewards.std(unbiased=False) if len(members) > 1 else torch.tensor(0.0)
-        advantages[members] = (rewards - rewards.mean()) / (std + GRPO_EPSILON)
-    return advantages

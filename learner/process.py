@@ -167,6 +167,10 @@ class Learner:
                          "this run got to version %d", restored, self.version,
                          self.version - 1)
             self.metrics.resumed(self.version, self.step)
+            if link and self.step < self.config.max_steps:
+                # before any publication: the replay refuses tokens of a
+                # version newer than the learner has asked with
+                link.request(batch_size, self.version)
             while self.step < self.config.max_steps:
                 if control:
                     control.version = self.version

@@ -6,7 +6,7 @@ Depends on nothing else of the project; everything else depends on it.
 
 from protocol.arrays import ALLOWED_DTYPES, Array
 from protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
-from protocol.errors import DEAD_INCARNATION, STALE_INCARNATION, ProtocolError, Reason
+from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -33,7 +33,7 @@ from protocol.messages import (
 
 __all__ = [
     "ALLOWED_DTYPES", "Array", "DEFAULT_MAX_MESSAGE_BYTES", "decode", "encode",
-    "DEAD_INCARNATION", "STALE_INCARNATION", "ProtocolError", "Reason", "MESSAGE_TYPES",
+    "ErrorCode", "ProtocolError", "MESSAGE_TYPES",
     "PROTOCOL_VERSION", "Ack", "Batch",
     "BatchRequest", "EngineInfo", "Error", "GroupInfo", "Heartbeat", "Hello", "Message",
     "Rollout", "RolloutStats", "Segment", "StalenessStats", "Stamp", "TensorSpec",

@@ -13,7 +13,7 @@ import math
 import msgspec
 import numpy as np
 
-from protocol.errors import ProtocolError, Reason
+from protocol.errors import ErrorCode, ProtocolError
 
 #: dtype name -> little-endian numpy dtype. Nothing else is accepted.
 ALLOWED_DTYPES: dict[str, np.dtype] = {
@@ -41,13 +41,13 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
         """Raise :class:`ProtocolError` unless dtype, shape and length agree."""
         dtype = ALLOWED_DTYPES.get(self.dtype)
         if dtype is None:
-            raise ProtocolError(Reason.ARRAY, f"{field}: dtype {self.dtype!r} is not allowed")
+            raise ProtocolError(ErrorCode.ARRAY, f"{field}: dtype {self.dtype!r} is not allowed")
         if any(d < 0 for d in self.shape):
-            raise ProtocolError(Reason.ARRAY, f"{field}: negative dimension in {self.shape}")
+            raise ProtocolError(ErrorCode.ARRAY, f"{field}: negative dimension in {self.shape}")
         expected = math.prod(self.shape) * dtype.itemsize
         if self.data.nbytes != expected:
             raise ProtocolError(
-                Reason.ARRAY,
+                ErrorCode.ARRAY,
                 f"{field}: {self.data.nbytes} bytes for shape {self.shape} of {self.dtype} "
                 f"(expected {expected})",
             )

@@ -1,17 +1,23 @@
-"""The one error type the decoder raises, with a machine-readable reason."""
+"""Error codes, the one table of why a peer refuses a message, and the one
+error type the decoder raises."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 
 
-class Reason(StrEnum):
-    """Why a message was rejected. Values are stable: they label counters."""
+class ErrorCode(StrEnum):
+    """The ``code`` of an ``Error`` reply. Values are stable: they label
+    counters (``crl_replay_rejected_messages_total{reason}``, the actors'
+    ``rejected_frames_total``) and peers act on some of them. An ``Error``
+    carries the refused message's ``seq`` as ``ref_seq`` whenever its header
+    (``protocol_version``, ``kind``, ``seq``) decoded."""
 
     OVERSIZED = "oversized"
     """The frame is longer than the configured ``max_message_bytes``."""
     MALFORMED = "malformed"
-    """Not MessagePack, truncated, or a field of the wrong type or missing."""
+    """Not MessagePack, truncated, more than one frame, or a field of the
+    wrong type or missing."""
     PROTOCOL_VERSION = "protocol_version"
     """The header's ``protocol_version`` is not the one this build speaks."""
     UNKNOWN_KIND = "unknown_kind"
@@ -23,23 +29,32 @@ class Reason(StrEnum):
     """Per-token arrays of one segment disagree in length."""
     INVALID = "invalid"
     """Well-formed but semantically impossible (NaN log-probability on a
-    trainable token, a final segment without a reward, ...)."""
-
-
-#: Error codes of the actor socket beyond :class:`Reason`, about the sender's
-#: incarnation (stable: they label counters, and actors act on them).
-STALE_INCARNATION = "stale_incarnation"
-"""A newer incarnation of the same actor id registered: this one is over."""
-DEAD_INCARNATION = "dead_incarnation"
-"""The replay declared this incarnation dead (silent past the liveness) and
-expired its rollouts: the process, if it lives, must register as a new one."""
+    trainable token, a final segment without a reward, a token version
+    outside the window, ...)."""
+    IDENTITY = "identity"
+    """``sender_id`` is not the connection's routing id."""
+    UNEXPECTED = "unexpected"
+    """A message kind this socket does not take."""
+    FULL = "full"
+    """The replay is at its memory bound: the segment's rollout is dropped."""
+    STALE_INCARNATION = "stale_incarnation"
+    """A newer incarnation of the same actor id registered: this one is over."""
+    DEAD_INCARNATION = "dead_incarnation"
+    """The replay declared this incarnation dead (silent past the liveness)
+    and expired its rollouts: the process, if it lives, must register as a
+    new one."""
+    UNREGISTERED = "unregistered"
+    """The learner's control plane does not know the sender (it restarted, or
+    the sender never said ``Hello``): send ``Hello`` first."""
 
 
 class ProtocolError(Exception):
-    """A message that cannot be accepted. ``reason`` says why, ``str()`` says
-    what exactly; the receiver replies with an ``Error`` and counts it."""
+    """A message that cannot be accepted. ``code`` says why, ``str()`` says
+    what exactly, ``ref_seq`` is the message's ``seq`` if its header decoded;
+    the receiver replies with an ``Error`` and counts it."""
 
-    def __init__(self, reason: Reason, detail: str) -> None:
-        super().__init__(f"{reason.value}: {detail}")
-        self.reason = reason
+    def __init__(self, code: ErrorCode, detail: str, ref_seq: int | None = None) -> None:
+        super().__init__(f"{code.value}: {detail}")
+        self.code = code
         self.detail = detail
+        self.ref_seq = ref_seq

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import msgspec
 
 from protocol.arrays import Array
-from protocol.errors import ProtocolError, Reason
+from protocol.errors import ErrorCode, ProtocolError
 
 #: The wire schema version; a peer speaking another one is rejected.
 #: 2: credit ledgers in ``Welcome``, ``Ack`` and ``Heartbeat``.
@@ -44,9 +44,17 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True):
     in one incarnation; ``(sender_id, incarnation, seq)`` identifies a message."""
 
     protocol_version: int = PROTOCOL_VERSION
+    """The schema version the sender speaks; any other is refused (``protocol_version``)."""
     sender_id: str
+    """The sending process (``actor-3``, ``replay``, ``learner``). On the replay's actor socket
+    and the learner's control socket it must equal the connection's ZeroMQ routing id, its
+    UTF-8 bytes: a client sets that as its socket identity (``identity``)."""
     incarnation: int
+    """Changes each time the sender restarts or registers anew; a restarted actor takes a larger
+    one."""
     seq: int
+    """+1 per message within one incarnation: ``(sender_id, incarnation, seq)`` identifies a
+    message, and a reply's ``ref_seq`` names it."""
     sent_at: float
     """Sender's wall clock, seconds since the epoch."""
 
@@ -87,14 +95,20 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     device: str
     """``cpu``, or the accelerator's name (``NVIDIA H100 80GB HBM3``)."""
     dtype: str
+    """The engine's parameter dtype as torch names it (``bfloat16``, ``float16``, ``float32``):
+    weights travel to it in this dtype."""
     tensor_parallel: int
+    """Engine workers (tensor-parallel ranks), each one rank of the weight group."""
     model: str
+    """The model folder or name the engine started from."""
 
 
 class Hello(Message, tag="hello"):
     """actor -> replay and learner: registration (first message of an incarnation)."""
 
     engine: EngineInfo
+    """What the actor runs on: the learner sends it weights in its dtype, one group rank per
+    tensor-parallel worker."""
     capacity: int
     """How many episodes the actor runs concurrently."""
     policy_version: int = 0
@@ -106,28 +120,44 @@ class Welcome(Message, tag="welcome"):
     (from the replay) the actor's credit ledger, as in ``Ack``."""
 
     run_id: str
+    """The run's name, the same for every process of a run."""
     policy_version: int
+    """From the replay: the newest version the learner has asked with; from the learner: its
+    current version."""
     heartbeat_interval_s: float
+    """Seconds between the actor's heartbeats."""
     heartbeat_liveness: int
+    """Intervals of silence after which the sender counts the actor dead."""
     max_staleness: int
+    """The replay's bound S: a rollout whose oldest trainable token is more than S versions
+    behind the learner is dropped."""
     rollouts_per_batch: int
     """B: the batch size the learner should request."""
     credits: int
     """Rollouts the actor may start now (more arrive with each ``Ack``)."""
     credit_ledger: int
+    """As in ``ack`` (from the learner: 0)."""
     credits_total: int
+    """As in ``ack`` (from the learner: 0)."""
 
 
 class RolloutStats(msgspec.Struct, kw_only=True):
     """Episode summary sent with the final segment of a rollout."""
 
     outcome: EpisodeOutcome
+    """How the episode ended."""
     success: bool
+    """Whether the environment counts the task solved."""
     steps: int
+    """Environment steps taken."""
     compactions: int
+    """Times the context was compacted."""
     generated_tokens: int
+    """Tokens the policy generated, actions and summaries."""
     summary_tokens: int
+    """Of those, the summaries'."""
     duration_s: float
+    """Wall time of the episode, seconds."""
 
 
 class Segment(Message, tag="segment"):
@@ -139,10 +169,15 @@ class Segment(Message, tag="segment"):
     """
 
     rollout_id: str
+    """Unique within the run (actors use their id, incarnation and a counter); every segment of a
+    rollout carries it."""
     task_id: str
+    """The task the episode plays: the rollouts of one task are a group (``advantage = grpo``)."""
     index: int
     """Position of the segment in its rollout, from 0."""
     segment_type: SegmentType
+    """``execution``: a context window of actions and observations; ``summary``: the summary the
+    policy wrote when it compacted."""
     tokens: Array
     """int32 [T] token ids."""
     loss_mask: Array
@@ -154,7 +189,11 @@ class Segment(Message, tag="segment"):
     final: bool
     """The last segment of the rollout; carries ``reward`` and ``stats``."""
     reward: float | None = None
+    """The rollout's final reward, a finite number: present exactly on the final segment (omitted
+    or nil on the others)."""
     stats: RolloutStats | None = None
+    """The episode's summary, on the final segment; omitted or nil, the learner counts success as
+    reward > 0 and compactions from the segments."""
 
     def validate(self) -> None:
         """Structure only (O(1), no pass over the data); the contents are
@@ -165,18 +204,18 @@ class Segment(Message, tag="segment"):
             array: Array = getattr(self, name)
             array.check(name)
             if array.dtype != dtype or len(array.shape) != 1:
-                raise ProtocolError(Reason.ARRAY, f"{name}: expected 1-D {dtype}, "
+                raise ProtocolError(ErrorCode.ARRAY, f"{name}: expected 1-D {dtype}, "
                                     f"got {array.dtype}{list(array.shape)}")
         lengths = {name: getattr(self, name).shape[0] for name in expected}
         if len(set(lengths.values())) != 1:
-            raise ProtocolError(Reason.LENGTH_MISMATCH, f"per-token arrays differ: {lengths}")
+            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"per-token arrays differ: {lengths}")
         if self.index < 0:
-            raise ProtocolError(Reason.INVALID, f"segment index {self.index} < 0")
+            raise ProtocolError(ErrorCode.INVALID, f"segment index {self.index} < 0")
         if self.final != (self.reward is not None):
-            raise ProtocolError(Reason.INVALID,
+            raise ProtocolError(ErrorCode.INVALID,
                                 "reward must be present exactly on the final segment")
         if self.reward is not None and not math.isfinite(self.reward):
-            raise ProtocolError(Reason.INVALID, f"reward {self.reward} is not finite")
+            raise ProtocolError(ErrorCode.INVALID, f"reward {self.reward} is not finite")
 
 
 class Ack(Message, tag="ack"):
@@ -184,9 +223,12 @@ class Ack(Message, tag="ack"):
     the credits granted with this reply, and the learner's version."""
 
     stored_seqs: list[int]
+    """The seqs of the receiver's segments now stored (durably, with the replay's log on), a
+    resent duplicate's too: the actor may forget them."""
     credits: int
     """Granted with this reply (for reading; the actor counts by the ledger)."""
     policy_version: int
+    """The newest version the learner has asked with."""
     credit_ledger: int
     """The replay's account of this actor's credits: a new id voids the credits
     held under the old one (the replay restarted, or it forgot the actor)."""
@@ -199,9 +241,11 @@ class Heartbeat(Message, tag="heartbeat"):
     """actor -> replay and learner: liveness, with the actor's own counters."""
 
     active_rollouts: int
+    """Episodes the actor is running now."""
     stall_seconds: dict[str, float]
     """Cumulative stall by reason (``weights``, ``credits``, ``summary``)."""
     credit_ledger: int
+    """The replay's ledger id as last received (0: none yet)."""
     credits_seen: int
     """The replay's ledger and total as last received: when behind, the
     replay repeats them (a reply carrying credits was lost)."""
@@ -216,47 +260,59 @@ class BatchRequest(Message, tag="batch_request"):
     learner's last word)."""
 
     size: int
+    """Rollouts wanted, >= 0; 0 wants none and only releases the batch before (no reply comes)."""
     policy_version: int
+    """The learner's current version: the replay measures staleness and its version window from
+    it."""
 
 
 class Rollout(msgspec.Struct, kw_only=True):
     """A complete rollout: its segments in index order, the last one final."""
 
     rollout_id: str
+    """As in its segments."""
     staleness: int
     """Learner version minus the oldest version among its trainable tokens."""
     segments: list[Segment]
+    """The rollout's segments as the actor sent them, in index order, the last one final."""
 
     def validate(self) -> None:
         if not self.segments:
-            raise ProtocolError(Reason.INVALID, f"rollout {self.rollout_id} has no segment")
+            raise ProtocolError(ErrorCode.INVALID, f"rollout {self.rollout_id} has no segment")
         for expected_index, segment in enumerate(self.segments):
             segment.validate()
             if segment.rollout_id != self.rollout_id or segment.index != expected_index:
-                raise ProtocolError(Reason.INVALID, f"rollout {self.rollout_id}: "
+                raise ProtocolError(ErrorCode.INVALID, f"rollout {self.rollout_id}: "
                                     f"segment {expected_index} out of place")
             if segment.final != (expected_index == len(self.segments) - 1):
-                raise ProtocolError(
-                    Reason.INVALID, f"rollout {self.rollout_id}: final flag on a non-last segment"
-                )
+                raise ProtocolError(ErrorCode.INVALID,
+                                    f"rollout {self.rollout_id}: final flag on a non-last segment")
 
 
 class StalenessStats(msgspec.Struct, kw_only=True):
     """Staleness (in learner versions) over the rollouts of one batch."""
 
     min: int
+    """Smallest."""
     max: int
+    """Largest."""
     mean: float
+    """Mean."""
     p50: float
+    """Median."""
     p95: float
+    """95th percentile."""
 
 
 class Batch(Message, tag="batch"):
     """replay -> learner: complete rollouts within the staleness bound."""
 
     policy_version: int
+    """The learner version the staleness is measured against."""
     rollouts: list[Rollout]
+    """Complete rollouts, as many as asked."""
     staleness: StalenessStats
+    """Over the batch's rollouts."""
 
     def validate(self) -> None:
         for rollout in self.rollouts:
@@ -270,8 +326,11 @@ class TensorSpec(msgspec.Struct, array_like=True):
     """One parameter of a weight publication, in broadcast order."""
 
     name: str
+    """The parameter's name in the engine's model."""
     dtype: str
+    """Its dtype on the wire, as torch names it."""
     shape: tuple[int, ...]
+    """Its shape."""
 
 
 class WeightManifest(msgspec.Struct, kw_only=True):
@@ -279,6 +338,7 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     use this, never a locally derived value."""
 
     tensors: list[TensorSpec]
+    """Every tensor of the publication, in broadcast order."""
     bucket_bytes: int
     """Tensors are packed into flat buffers of at most this many bytes (0 =
     one broadcast per tensor)."""
@@ -288,10 +348,15 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     """How to join the weight-broadcast process group of one generation."""
 
     generation: int
+    """+1 whenever the group is formed again (the members changed, or a publication failed)."""
     master_addr: str
+    """Host of the learner's rendezvous store."""
     master_port: int
+    """Its port."""
     world_size: int
+    """Ranks in the group: the learner's and one per engine worker of every member."""
     rank: int
+    """This actor's first rank (one per engine worker, consecutive)."""
     backend: Literal["gloo", "nccl", "ipc"]
     """The weight transport (protocol/weights.py): a broadcast, or staging
     buffers mapped by the engine (ipc: the engine on learner rank 0's host or GPU)."""
@@ -304,28 +369,36 @@ class WeightsAnnounce(Message, tag="weights_announce"):
     """learner rank 0 -> actor: a new version is about to be broadcast."""
 
     version: int
+    """The version the publication carries."""
     manifest: WeightManifest
+    """What it carries."""
     group: GroupInfo
+    """How to join the group it travels on."""
 
 
 class WeightsLoaded(Message, tag="weights_loaded"):
     """actor -> learner: the engine now generates with ``version``."""
 
     version: int
+    """The version the engine now generates with."""
     seconds: float
+    """From the announcement to then."""
 
 
 # --------------------------------------------------------------------------- any
 
 
 class Error(Message, tag="error"):
-    """Any -> any: a message was rejected. ``code`` is a :class:`Reason` value
+    """Any -> any: a message was rejected. ``code`` is a :class:`ErrorCode` value
     or a service-specific code; ``ref_seq`` is the rejected message's seq when
     it could be read."""
 
     code: str
+    """An ``ErrorCode`` value (Rejection)."""
     text: str
+    """What exactly, for people (at most 500 characters)."""
     ref_seq: int | None = None
+    """The refused message's ``seq`` when its header decoded; nil otherwise."""
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (

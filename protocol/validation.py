@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from protocol.errors import ProtocolError, Reason
+from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import Segment
 
 
@@ -28,24 +28,24 @@ def check_segment_content(
     if tokens.size == 0:
         return None
     if tokens.min() < 0 or tokens.max() >= vocab_size:
-        raise ProtocolError(Reason.INVALID, f"token id outside the vocabulary [0, {vocab_size})")
+        raise ProtocolError(ErrorCode.INVALID, f"token id outside the vocabulary [0, {vocab_size})")
     mask = segment.loss_mask.numpy()
     if mask.max() > 1:
-        raise ProtocolError(Reason.INVALID, "loss_mask holds values other than 0 and 1")
+        raise ProtocolError(ErrorCode.INVALID, "loss_mask holds values other than 0 and 1")
     logprobs = segment.logprobs.numpy()
     # One reduction: NaN and +-inf propagate into the sum (absurd magnitudes
     # that overflow it are rejected too, rightly, without a warning in the log).
     with np.errstate(over="ignore"):
         total = float(logprobs.sum())
     if not math.isfinite(total) or logprobs.max() > 0:
-        raise ProtocolError(Reason.INVALID, "log-probabilities must be finite and <= 0")
+        raise ProtocolError(ErrorCode.INVALID, "log-probabilities must be finite and <= 0")
     versions = np.compress(mask.view(np.bool_), segment.versions.numpy())
     if versions.size == 0:
         return None
     low, high = int(versions.min()), int(versions.max())
     if low < oldest_version or high > newest_version:
         raise ProtocolError(
-            Reason.INVALID,
+            ErrorCode.INVALID,
             f"trainable token versions [{low}, {high}] outside the window "
             f"[{oldest_version}, {newest_version}]")
     return low

@@ -5,8 +5,11 @@ Record framing (little-endian)::
     u32 payload length | u32 crc32(kind byte + payload) | u8 kind | payload
 
 ``kind`` is :data:`SEGMENT` (payload = the segment's wire frame, exactly as
-received) or :data:`RELEASED` (payload = a rollout id whose segments are no
-longer needed: served to the learner, or dropped). Recovery reads records in
+received), :data:`RELEASED` (payload = a rollout id whose segments are no
+longer needed: served to the learner, or dropped) or :data:`VERSION`
+(payload = u64, the newest policy version the learner has asked with: a
+restarted replay holds the version window from its first segment on).
+Recovery reads records in
 order and stops at the first torn or corrupt one (a crash mid-write leaves at
 most one): everything before it was written whole. Compaction rewrites the
 live records to a new file, fsyncs it and renames it over the old one, so the
@@ -31,9 +34,15 @@ from typing import Literal
 
 SEGMENT = 1
 RELEASED = 2
+VERSION = 3
 _HEADER = struct.Struct("<IIB")
+_VERSION = struct.Struct("<Q")
 #: A record claiming more than this is corruption, not data (frames are capped far lower).
 MAX_RECORD_BYTES = 1 << 31
+
+
+def _header(kind: int, payload: bytes | memoryview) -> bytes:
+    return _HEADER.pack(len(payload), zlib.crc32(payload, zlib.crc32(bytes([kind]))), kind)
 
 
 def read_records(data: bytes) -> Iterator[tuple[int, bytes, int]]:
@@ -48,7 +57,7 @@ def read_records(data: bytes) -> Iterator[tuple[int, bytes, int]]:
             return
         payload = data[offset + _HEADER.size:end]
         if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != checksum or kind not in (
-                SEGMENT, RELEASED):
+                SEGMENT, RELEASED, VERSION):
             return
         yield kind, payload, end
         offset = end
@@ -90,8 +99,7 @@ class DurableLog:
     # ------------------------------------------------------------------ writing
 
     def _append(self, kind: int, payload: bytes | memoryview) -> int:
-        checksum = zlib.crc32(payload, zlib.crc32(bytes([kind])))
-        self._file.write(_HEADER.pack(len(payload), checksum, kind))
+        self._file.write(_header(kind, payload))
         self._file.write(payload)
         self._dirty = True
         size = _HEADER.size + len(payload)
@@ -101,6 +109,10 @@ class DurableLog:
     def append_segment(self, frame: bytes | memoryview) -> int:
         """Append a segment frame; returns the record's size in bytes."""
         return self._append(SEGMENT, frame)
+
+    def append_version(self, version: int) -> None:
+        """Record the learner's newest policy version."""
+        self._append(VERSION, _VERSION.pack(version))
 
     def append_released(self, rollout_id: str, segment_bytes: int) -> None:
         """Record that a rollout's segments (``segment_bytes`` of records) are dead."""
@@ -120,17 +132,17 @@ class DurableLog:
             self._last_sync = now
             self._dirty = False
 
-    def compact(self, live_frames: Iterable[bytes | memoryview]) -> None:
+    def compact(self, live_frames: Iterable[bytes | memoryview], version: int) -> None:
         """Rewrite the log with only ``live_frames`` (the segments still
-        needed), atomically."""
+        needed) after the learner's newest ``version``, atomically."""
         temporary = self.path.with_suffix(".compacting")
         with open(temporary, "wb") as file:
             size = 0
-            for frame in live_frames:
-                checksum = zlib.crc32(frame, zlib.crc32(bytes([SEGMENT])))
-                file.write(_HEADER.pack(len(frame), checksum, SEGMENT))
-                file.write(frame)
-                size += _HEADER.size + len(frame)
+            for kind, payload in [(VERSION, _VERSION.pack(version)),
+                                  *((SEGMENT, frame) for frame in live_frames)]:
+                file.write(_header(kind, payload))
+                file.write(payload)
+                size += _HEADER.size + len(payload)
             file.flush()
             os.fsync(file.fileno())
         self._file.close()
@@ -148,3 +160,8 @@ class DurableLog:
     def close(self) -> None:
         self.sync(force=True)
         self._file.close()
+
+
+def decode_version(payload: bytes) -> int:
+    """The policy version of a :data:`VERSION` record's payload."""
+    return _VERSION.unpack(payload)[0]

@@ -25,7 +25,7 @@ Semantics (Reverb-style rate limiting, in rollouts):
 Usage::
 
     pacer = CreditPacer(rollouts_per_batch=8, max_staleness=2, max_buffer_bytes=1 << 30)
-    n = pacer.grant("actor-1", wanted=4, buffer_bytes=buffer.nbytes, ready=buffer.ready_count)
+    n = pacer.grant("actor-1", wanted=4, buffer_bytes=buffer.nbytes, ready=len(buffer.ready))
     pacer.finished("actor-1", accepted=True, rollout_bytes=123_456)
     pacer.consumed(8)          # a batch served: the learner trains on it
     pacer.learner_waiting()    # its next BatchRequest: that step is done

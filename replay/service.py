@@ -35,17 +35,15 @@ import zmq
 
 from ops.metrics import MetricsServer
 from protocol import (
-    DEAD_INCARNATION,
-    STALE_INCARNATION,
     Ack,
     Batch,
     BatchRequest,
     Error,
+    ErrorCode,
     Heartbeat,
     Hello,
     Message,
     ProtocolError,
-    Reason,
     Segment,
     StalenessStats,
     Stamp,
@@ -57,7 +55,7 @@ from protocol.transport import Authenticator, Liveness, TransportConfig, bind_ro
 from protocol.validation import check_segment_content
 from replay.buffer import RolloutBuffer, RolloutEntry, to_rollout
 from replay.config import ReplayConfig
-from replay.log import RELEASED, SEGMENT, DurableLog
+from replay.log import RELEASED, SEGMENT, VERSION, DurableLog, decode_version
 from replay.metrics import ReplayMetrics
 from replay.pacing import CreditPacer
 
@@ -147,7 +145,10 @@ class ReplayService:
         and it must come back as a new incarnation (a frozen process resumed)."""
         self.liveness = Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness)
         self.learner_version = 0
-        self.learner_seen = False
+        """The newest policy version the learner has asked with (kept in the
+        durable log): trainable tokens of a newer version are refused from
+        the first segment on, since the learner asks with a version before
+        it publishes it."""
         self.compact_min_bytes = COMPACT_MIN_BYTES
         self._stamp = Stamp("replay", time.time_ns())
         self._parked: list[tuple[bytes, BatchRequest]] = []
@@ -189,6 +190,9 @@ class ReplayService:
                 entry = self.buffer.remove(payload.decode())
                 if entry is not None and entry.ready_at is not None:
                     self.pacer.accepted -= 1
+            elif kind == VERSION:
+                self.learner_version = max(self.learner_version, decode_version(payload))
+        self.metrics.learner_version.set(self.learner_version)
         # recovered pending rollouts may still complete: their actors resend or go on
         self.metrics.recovered_segments.inc(recovered)
         self.metrics.unrecoverable_segments.inc(len(skipped))
@@ -259,11 +263,13 @@ class ReplayService:
         try:
             message = decode(frame, self.transport.max_message_bytes)
         except ProtocolError as exc:
-            self._reject(self.actor_socket, identity, exc.reason.value, str(exc), None)
+            self._reject(self.actor_socket, identity, exc.code, str(exc), exc.ref_seq)
             return None
         if message.sender_id.encode() != identity:
-            self._reject(self.actor_socket, identity, "identity",
+            self._reject(self.actor_socket, identity, ErrorCode.IDENTITY,
                          "sender_id differs from the connection's identity", message.seq)
+            if isinstance(message, Segment):
+                self.metrics.segments.labels("rejected").inc()
             return None
         return message
 
@@ -273,11 +279,12 @@ class ReplayService:
         current = self.current_incarnation.get(actor_id)
         refused = None
         if current is not None and incarnation < current:
-            refused = STALE_INCARNATION, f"incarnation {incarnation} was replaced by {current}"
+            refused = (ErrorCode.STALE_INCARNATION,
+                       f"incarnation {incarnation} was replaced by {current}")
         elif incarnation <= self.dead_incarnation.get(actor_id, -1):
-            refused = DEAD_INCARNATION, (f"incarnation {incarnation} was declared dead (silent "
-                                         f"for {self.liveness.timeout_s:g} s): register as a "
-                                         "new one")
+            refused = (ErrorCode.DEAD_INCARNATION,
+                       f"incarnation {incarnation} was declared dead (silent for "
+                       f"{self.liveness.timeout_s:g} s): register as a new one")
         if refused is not None:  # its rollouts are gone: nothing of it may count twice
             self._reject(self.actor_socket, identity, *refused, message.seq)
             if isinstance(message, Segment):
@@ -311,7 +318,7 @@ class ReplayService:
             if (message.credit_ledger, message.credits_seen) != self.pacer.ledger(actor_id):
                 self._behind.add(identity)  # a reply with credits was lost: repeat the total
         else:
-            self._reject(self.actor_socket, identity, "unexpected",
+            self._reject(self.actor_socket, identity, ErrorCode.UNEXPECTED,
                          f"{type(message).__name__} is not for the actor socket", message.seq)
 
     def _ingest_segment(self, identity: bytes, segment: Segment, frame: memoryview,
@@ -322,25 +329,24 @@ class ReplayService:
             acks[identity].append(segment.seq)
             return
         try:
-            newest = self.learner_version if self.learner_seen else 2**31 - 1
             oldest = check_segment_content(segment, vocab_size=self.vocab_size,
-                                           oldest_version=0, newest_version=newest)
+                                           oldest_version=0, newest_version=self.learner_version)
         except ProtocolError as exc:
-            self._reject(self.actor_socket, identity, exc.reason.value, str(exc), segment.seq)
+            self._reject(self.actor_socket, identity, exc.code, str(exc), segment.seq)
             self.metrics.segments.labels("rejected").inc()
             return
         # a late segment takes no memory: the bound must not drop its complete rollout
         if (not self.buffer.settled(segment.rollout_id)
                 and self.buffer.nbytes + len(frame) > self.config.max_buffer_bytes):
             self._drop(segment.rollout_id, "full", segment.sender_id)
-            self._reject(self.actor_socket, identity, "full",
+            self._reject(self.actor_socket, identity, ErrorCode.FULL,
                          "replay buffer at its memory bound: rollout dropped", segment.seq)
             self.metrics.segments.labels("rejected").inc()
             return
         result = self.buffer.add(segment, frame, now, oldest)
         if result == "conflict":
             self._drop(segment.rollout_id, "invalid")
-            self._reject(self.actor_socket, identity, Reason.INVALID.value,
+            self._reject(self.actor_socket, identity, ErrorCode.INVALID,
                          "segment index conflicts with the rollout's segments", segment.seq)
             self.metrics.segments.labels("rejected").inc()
             return
@@ -397,7 +403,7 @@ class ReplayService:
             try:
                 message = decode(frame, self.transport.max_message_bytes)
             except ProtocolError as exc:
-                self._reject(self.learner_socket, identity, exc.reason.value, str(exc), None)
+                self._reject(self.learner_socket, identity, exc.code, str(exc), exc.ref_seq)
                 continue
             if isinstance(message, Hello):
                 self._send(self.learner_socket, identity, Welcome(
@@ -424,7 +430,7 @@ class ReplayService:
                     self._parked.append((identity, message))
                 asked = True
             elif not isinstance(message, Heartbeat):
-                self._reject(self.learner_socket, identity, "unexpected",
+                self._reject(self.learner_socket, identity, ErrorCode.UNEXPECTED,
                              f"{type(message).__name__} is not for the learner socket",
                              message.seq)
         self._try_serve_parked()
@@ -465,10 +471,14 @@ class ReplayService:
             self._drop_stale()
 
     def _set_learner_version(self, version: int) -> None:
-        self.learner_seen = True
         if version > self.learner_version:
             self.learner_version = version
             self.metrics.learner_version.set(version)
+            if self.log is not None:
+                # durable before any actor samples with it (the learner
+                # publishes a version after asking with it)
+                self.log.append_version(version)
+                self.log.sync(force=True)
         self._drop_stale()
 
     def _drop_stale(self) -> None:
@@ -522,14 +532,14 @@ class ReplayService:
             self.pacer.finished(entry.actor_id, accepted=False)
         self._release(entry)
 
-    def _reject(self, socket: zmq.Socket, identity: bytes, code: str, text: str,
+    def _reject(self, socket: zmq.Socket, identity: bytes, code: ErrorCode, text: str,
                 ref_seq: int | None) -> None:
         self.metrics.rejected.labels(code).inc()
         self._send(socket, identity, Error(**self._stamp.next(), code=code, text=text[:500],
                                            ref_seq=ref_seq))
 
     def _reject_multipart(self, socket: zmq.Socket, identity: bytes) -> None:
-        self._reject(socket, identity, Reason.MALFORMED.value,
+        self._reject(socket, identity, ErrorCode.MALFORMED,
                      "a message is exactly one frame", None)
 
     def _send(self, socket: zmq.Socket, identity: bytes, message: Message) -> None:
@@ -560,7 +570,7 @@ class ReplayService:
             if self.log.released_bytes > max(self.compact_min_bytes, live):
                 self.log.compact(self.buffer.live_frames() + [  # and batches not confirmed
                     s.frame for served in self._served.values() for e in served.entries
-                    for s in e.segments.values()])
+                    for s in e.segments.values()], self.learner_version)
         self._update_gauges()
         self._try_serve_parked()
 

@@ -1,5 +1,6 @@
-"""The decoder's fuzz target (tests/faults/fuzz_codec.py) runs clean for a
-few seconds; run it longer by hand: ``python -m tests.faults.fuzz_codec --seconds 600``."""
+"""The decoder's fuzz target (tests/programs/fuzz_codec.py) runs clean for a
+few seconds; run it longer by hand:
+``python -m tests.programs.fuzz_codec --seconds 600``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_the_decoder_survives_coverage_guided_fuzzing(tmp_path: Path) -> None:
-    result = run_command([sys.executable, "-m", "tests.faults.fuzz_codec",
+    result = run_command([sys.executable, "-m", "tests.programs.fuzz_codec",
                           "--seconds", str(SECONDS), "--corpus", str(tmp_path)],
                          timeout=SECONDS + 120,
                          env={"PYTHONPATH": os.pathsep.join(

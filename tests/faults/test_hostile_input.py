@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import msgspec
 import numpy as np
 import pytest
@@ -165,6 +166,20 @@ def _hostile(context: zmq.Context, address: str) -> zmq.Socket:
     return connect_dealer(context, address, TransportConfig(), b"hostile")
 
 
+def _header_seq(frames: list[bytes]) -> int | None:
+    """The ``seq`` an Error must name for a message of ``frames``: the
+    header's, if the message is one frame whose header decodes (read with
+    the plain msgpack package, as another implementation would)."""
+    if len(frames) != 1:
+        return None
+    try:
+        header = msgpack.unpackb(frames[0])
+    except Exception:  # noqa: BLE001  (any way the bytes are not MessagePack)
+        return None
+    seq = header.get("seq") if isinstance(header, dict) else None
+    return seq if type(seq) is int else None
+
+
 def _error(socket: zmq.Socket, timeout_ms: int = 10_000) -> Error:
     """The next Error; Acks are passed over (any peer that is heard from is
     granted a credit: restarted replays rely on it, see docs/reliability.md)."""
@@ -187,6 +202,7 @@ def test_each_kind_of_bad_frame_gets_an_error_and_a_counter(replay: ReplayProces
         hostile.send_multipart(frames)
         reply = _error(hostile)
         assert reply.code == reason, f"{what}: {reply.code} {reply.text}"
+        assert reply.ref_seq == _header_seq(frames), what
         expected[reason] += 1
         assert replay.wait_rejected(sum(expected.values())) == expected, what
     assert replay.metric("crl_replay_segments_total", result="accepted") == 0

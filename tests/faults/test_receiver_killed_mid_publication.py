@@ -38,7 +38,7 @@ TIMEOUT_S = 5
 
 def _receiver(control: str, actor_id: str, log: Path, *extra: str) -> subprocess.Popen:
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "tests.faults.weight_receiver",
+        return subprocess.Popen([sys.executable, "-m", "tests.programs.weight_receiver",
                                  "--control", control, "--actor-id", actor_id, *extra],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

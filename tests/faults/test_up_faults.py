@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import DEAD_INCARNATION, Segment, decode
+from protocol import ErrorCode, Segment, decode
 from replay.log import SEGMENT, read_records
 from tests.faults.proxy import FaultProxy
 from tests.ports import free_port_range, free_ports, loopback_addresses
@@ -314,7 +314,7 @@ def test_network_trouble_loses_nothing_silently(run: Run) -> None:
     assert disconnects["learner"] >= run.control_proxy.aborted >= 1
     assert resent >= 1  # the segment held in the partition
     assert run.actor("proxied", "crl_actor_reincarnations_total") == 0
-    assert run.replay("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION) == 0
+    assert run.replay("crl_replay_rejected_messages_total", reason=ErrorCode.DEAD_INCARNATION) == 0
     assert run.replay("crl_replay_dropped_total", reason="expired") == 0
 
 
@@ -428,12 +428,12 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
     _measured("frozen phase: episodes in flight / expired rollouts / refused messages / "
               "abandoned episodes",
               (in_flight, run.replay("crl_replay_dropped_total", reason="expired") - expired,
-               run.replay("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION),
+               run.replay("crl_replay_rejected_messages_total", reason=ErrorCode.DEAD_INCARNATION),
                run.actor("actor-0", "crl_actor_abandoned_rollouts_total")))
     assert run.children()["actor-0"] == pid  # the same process, not a restart
     # every rollout in flight at the freeze, exactly once
     assert run.replay("crl_replay_dropped_total", reason="expired") - expired == in_flight
-    assert run.replay("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION) >= 1
+    assert run.replay("crl_replay_rejected_messages_total", reason=ErrorCode.DEAD_INCARNATION) >= 1
     assert run.actor("actor-0", "crl_actor_abandoned_rollouts_total") >= 1
     # nothing of the dead incarnation was stored once it was declared dead
     assert not [s for s in _segments(run.segments_log(), boundary)

@@ -20,14 +20,14 @@ from safetensors.torch import load_file
 from deploy.cli import torchrun_args
 from learner.batch import microbatches
 from learner.config import LearnerConfig
-from tests.integration.ppo_ranks_script import CONFIG, batches
 from tests.ports import free_ports
 from tests.processes import VENV_BIN, run_command
+from tests.programs.ppo_ranks import CONFIG, batches
 from tests.tolerances import rounding_tolerance
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).with_name("ppo_ranks_script.py")
+SCRIPT = Path(__file__).parents[1] / "programs" / "ppo_ranks.py"
 ROOT = Path(__file__).parents[2]
 #: Learner steps of each run.
 STEPS = 2
@@ -59,10 +59,16 @@ def train(model: Path, out: Path, ranks: int, changes: dict | None = None,
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> dict[str, torch.Tensor]:
-    """The parameters after training on 1 rank, no memory switch on."""
-    return train(tiny_model_dir, tmp_path_factory.mktemp("one-rank") / "one.safetensors", 1)
+def one_rank_out(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where training on 1 rank, no memory switch on, wrote its parameters."""
+    out = tmp_path_factory.mktemp("one-rank") / "one.safetensors"
+    train(tiny_model_dir, out, 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_out: Path) -> dict[str, torch.Tensor]:
+    return load_file(one_rank_out)
 
 
 def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
@@ -92,16 +98,35 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> dict[str, torch.Tensor]:
-    """The parameters after training on 2 ranks of one node."""
-    return train(tiny_model_dir, tmp_path_factory.mktemp("two-ranks") / "two.safetensors", 2)
+def two_ranks_out(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where training on 2 ranks of one node wrote its parameters."""
+    out = tmp_path_factory.mktemp("two-ranks") / "two.safetensors"
+    train(tiny_model_dir, out, 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_out: Path) -> dict[str, torch.Tensor]:
+    return load_file(two_ranks_out)
 
 
 def test_one_rank_and_two_ranks_give_the_same_parameters(
         tiny_model_dir: Path, one_rank: dict[str, torch.Tensor],
         two_ranks: dict[str, torch.Tensor]) -> None:
     assert_same_training(two_ranks, one_rank, tiny_model_dir)
+
+
+def test_one_rank_and_two_ranks_report_the_same_step_statistics(
+        one_rank_out: Path, two_ranks_out: Path) -> None:
+    """Token counts summed over ranks, the gradient norm (the same on every
+    rank) not: it is a square root of a sum of squares, no cancellation, so
+    the two agree to float64 rounding (the gradients themselves to ~1e-13)."""
+    one, two = (json.loads(out.with_suffix(".json").read_text())
+                for out in (one_rank_out, two_ranks_out))
+    assert [m["tokens"] for m in two] == [m["tokens"] for m in one]
+    for got, expected in zip(two, one, strict=True):
+        assert got["losses/policy_grad_norm"] == pytest.approx(
+            expected["losses/policy_grad_norm"], rel=1e-9)
 
 
 def test_two_nodes_of_one_rank_train_bit_for_bit_as_one_node_of_two(
@@ -112,20 +137,6 @@ def test_two_nodes_of_one_rank_train_bit_for_bit_as_one_node_of_two(
     assert nodes.keys() == two_ranks.keys()
     different = [name for name, tensor in two_ranks.items() if not torch.equal(nodes[name], tensor)]
     assert not different, different
-
-
-def test_two_ranks_within_a_memory_budget_give_the_parameters_of_one_rank_without(
-        tiny_model_dir: Path, tmp_path: Path, one_rank: dict[str, torch.Tensor]) -> None:
-    """Ranks that cut their shares into different numbers of micro-batches
-    (one of them into none) still run matching FSDP passes."""
-    counts = [[len(microbatches([len(s.tokens) for s in batch.sequences if s.rollout in share],
-                                MEMORY["max_tokens_per_microbatch"]))
-               for share in batch.assign(minibatch, 2)]
-              for batch in batches(STEPS) for minibatch in batch.minibatches(CONFIG.minibatches)]
-    assert any(min(c) > 0 and c[0] != c[1] for c in counts), counts
-    assert any(min(c) == 0 for c in counts), counts
-    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2, MEMORY)
-    assert_same_training(two, one_rank, tiny_model_dir)
 
 
 def test_a_value_head_on_two_ranks_within_a_memory_budget_trains_as_on_one_rank(
@@ -144,8 +155,16 @@ def test_a_value_head_on_two_ranks_within_a_memory_budget_trains_as_on_one_rank(
 def test_a_20m_qwen2_model_on_two_ranks_with_every_memory_switch_trains_as_on_one_rank_without(
         qwen2_20m_dir: Path, tmp_path: Path) -> None:
     """The switches at more than the tiny model's scale: six layers, a
-    vocabulary of 32,768 in chunks of 16 positions, the budget cutting
-    rank 0's share of a minibatch in two. One step (eight updates): ~40 s."""
-    one = train(qwen2_20m_dir, tmp_path / "one.safetensors", 1, steps=1)
-    two = train(qwen2_20m_dir, tmp_path / "two.safetensors", 2, MEMORY, steps=1)
+    vocabulary of 32,768 in chunks of 16 positions. Ranks that cut their
+    shares into different numbers of micro-batches (one of them into none)
+    still run matching FSDP passes. One step of one epoch (four updates)."""
+    counts = [[len(microbatches([len(s.tokens) for s in batch.sequences if s.rollout in share],
+                                MEMORY["max_tokens_per_microbatch"]))
+               for share in batch.assign(minibatch, 2)]
+              for batch in batches(1) for minibatch in batch.minibatches(CONFIG.minibatches)]
+    assert any(min(c) > 0 and c[0] != c[1] for c in counts), counts
+    assert any(min(c) == 0 for c in counts), counts
+    one = train(qwen2_20m_dir, tmp_path / "one.safetensors", 1, {"ppo_epochs": 1}, steps=1)
+    two = train(qwen2_20m_dir, tmp_path / "two.safetensors", 2, {"ppo_epochs": 1, **MEMORY},
+                steps=1)
     assert_same_training(two, one, qwen2_20m_dir, steps=1)

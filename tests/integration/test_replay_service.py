@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import DEAD_INCARNATION, PROTOCOL_VERSION, Stamp, encode
+from protocol import PROTOCOL_VERSION, ErrorCode, Stamp, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -140,17 +140,77 @@ def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: Runn
 def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
     actor = replay.actor()
     actor.hello()
-    actor.push_rollout(version=0)
-    actor.push_rollout(version=2)
-    assert actor.pump_until(lambda: not actor.unacked)
     learner = replay.learner()
+    learner.request(2, version=0)
+    actor.push_rollout(version=0)
+    assert actor.pump_until(lambda: not actor.unacked)
     learner.request(2, version=2)  # max_staleness 1: the version-0 rollout is stale
     assert learner.receive(1.0) is None
     assert replay.metric("crl_replay_dropped_total", reason="stale") == 1
     actor.push_rollout(version=2)
+    actor.push_rollout(version=2)
     assert actor.pump_until(lambda: not actor.unacked)
+    assert not actor.errors
     batch = learner.receive(10.0)
     assert batch is not None and all(r.staleness == 0 for r in batch.rollouts)
+
+
+def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segment(
+        replay: Running) -> None:
+    """Before any learner has spoken the window is [0, 0]: a rollout of a
+    version no learner has asked with is never stored, so it can never be
+    served with a negative staleness. The learner asks with a version before
+    it publishes it, so no real actor's tokens are newer."""
+    actor = replay.actor()
+    actor.hello()
+    actor.push_rollout(segments=1, version=7)
+    assert actor.pump_until(lambda: not actor.unacked)
+    [error] = actor.errors
+    assert (error.code, error.ref_seq) == (ErrorCode.INVALID, max(actor.sent))
+    assert "outside the window [0, 0]" in error.text
+    learner = replay.learner()
+    learner.request(1, version=7)
+    assert learner.receive(1.0) is None
+    actor.push_rollout(segments=1, version=7)
+    batch = learner.receive(10.0)
+    assert batch is not None and [r.staleness for r in batch.rollouts] == [0]
+    assert replay.metric("crl_replay_staleness_sum") == 0
+    assert replay.metric("crl_replay_segments_total", result="rejected") == 1
+
+
+def test_a_restarted_replay_holds_the_learner_s_version_window_before_it_speaks(
+        tmp_path: Path) -> None:
+    """The newest version the learner asked with is in the durable log
+    (compaction keeps it: tests/unit/test_replay_log.py): actors that go on
+    generating with it while the replay restarts are not refused, and newer
+    tokens still are."""
+    actor_address, learner_address = loopback_addresses(2)
+    config = ReplayConfig(actor_address=actor_address, learner_address=learner_address,
+                          rollouts_per_batch=1, max_staleness=1, metrics_port=0,
+                          log_path=str(tmp_path / "log"))
+    transport = TransportConfig(heartbeat_liveness=100)
+    replay = Running(ReplayService(config, transport, vocab_size=100))
+    try:
+        learner = replay.learner()
+        learner.request(1, version=3)
+        deadline = time.monotonic() + 15.0
+        while replay.metric("crl_replay_learner_version") != 3:
+            assert time.monotonic() < deadline, "the replay never heard version 3"
+            time.sleep(0.05)
+    finally:
+        replay.close()
+    replay = Running(ReplayService(config, transport, vocab_size=100))
+    try:
+        assert replay.metric("crl_replay_learner_version") == 3
+        actor = replay.actor()
+        actor.hello()
+        actor.push_rollout(segments=1, version=3)
+        actor.push_rollout(segments=1, version=4)
+        assert actor.pump_until(lambda: not actor.unacked)
+        assert [e.code for e in actor.errors] == [ErrorCode.INVALID]
+        assert replay.metric("crl_replay_segments_total", result="accepted") == 1
+    finally:
+        replay.close()
 
 
 @pytest.mark.parametrize("replay", [{"max_buffer_bytes": 2**20}], indirect=True)
@@ -225,9 +285,10 @@ def test_a_frozen_incarnation_declared_dead_is_refused_until_it_comes_back_new(
     frozen.heartbeat()
     frozen.send(synthetic_segment(frozen.stamp, "in-flight", 1, final=True))
     assert frozen.pump_until(lambda: len(frozen.errors) == 2)
-    assert {e.code for e in frozen.errors} == {DEAD_INCARNATION}
+    assert {e.code for e in frozen.errors} == {ErrorCode.DEAD_INCARNATION}
     assert replay.metric("crl_replay_segments_total", result="rejected") == 1
-    assert replay.metric("crl_replay_rejected_messages_total", reason=DEAD_INCARNATION) == 2
+    assert replay.metric("crl_replay_rejected_messages_total",
+                         reason=ErrorCode.DEAD_INCARNATION) == 2
     # the same process as a new incarnation is welcome, and its rollouts count
     reborn = replay.actor(actor_id="actor-f", incarnation=2)
     reborn.hello()

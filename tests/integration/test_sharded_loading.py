@@ -25,14 +25,14 @@ from tests.processes import VENV_BIN, run_command
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).with_name("load_ranks_script.py")
+SCRIPT = Path(__file__).parents[1] / "programs" / "load_ranks.py"
 ROOT = Path(__file__).parents[2]
 
 
 def load_on_ranks(model: Path, out: Path, ranks: int) -> tuple[dict[str, torch.Tensor],
                                                                list[dict]]:
     """The full parameters and buffers after a sharded load on ``ranks``
-    ranks, and what each rank reported (load_ranks_script.py)."""
+    ranks, and what each rank reported (tests/programs/load_ranks.py)."""
     command = [str(VENV_BIN / "torchrun"), *torchrun_args(LearnerConfig(nproc=ranks)),
                str(SCRIPT), str(model), str(out)]
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

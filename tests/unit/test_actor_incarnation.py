@@ -11,7 +11,7 @@ import time
 
 from actors.config import ActorConfig
 from actors.process import Actor, ActorSettings, _Pending
-from protocol import DEAD_INCARNATION, Error, Stamp, decode, encode
+from protocol import Error, ErrorCode, Stamp, decode, encode
 from protocol.transport import TransportConfig
 
 
@@ -61,7 +61,7 @@ async def _scenario() -> None:
     replay = Stamp("replay", 1)
 
     async def reply(ref_seq: int) -> None:
-        await socket.inbox.put(encode(Error(**replay.next(), code=DEAD_INCARNATION,
+        await socket.inbox.put(encode(Error(**replay.next(), code=ErrorCode.DEAD_INCARNATION,
                                             text="declared dead", ref_seq=ref_seq)))
         while not socket.inbox.empty():
             await asyncio.sleep(0.01)

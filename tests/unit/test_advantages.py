@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.advantages import cross_trajectory_gae
+from learner.advantages import advantages_and_returns, cross_trajectory_gae
 from tests.tolerances import rounding_tolerance
 
 
@@ -142,3 +142,29 @@ def test_a_million_tokens_in_long_segments_stay_finite() -> None:
     advantages, returns = cross_trajectory_gae(values, lengths, rollout,
                                                torch.ones(500, dtype=torch.float64), 1.0, 0.999)
     assert torch.isfinite(advantages).all() and torch.isfinite(returns).all()
+
+
+def test_the_entry_point_takes_a_share_s_rollouts_by_their_batch_index() -> None:
+    """A rank's share holds some of the batch's rollouts: GAE sees only
+    them, in order; grpo's groups are the whole batch's (rollouts 0 and 3 of
+    task "a" here, one of them on another rank)."""
+    values = torch.zeros(3, dtype=torch.float64)
+    lengths, rollout_of = torch.tensor([1, 1, 1]), torch.tensor([1, 1, 3])
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.25], dtype=torch.float64)
+    tasks = ["a", "b", "b", "a"]
+    cross, returns = advantages_and_returns("cross", values, lengths, rollout_of, rewards, tasks,
+                                            1.0, 0.5)
+    expected = cross_trajectory_gae(values, lengths, torch.tensor([0, 0, 1]),
+                                    rewards[[1, 3]], 1.0, 0.5)
+    assert cross.tolist() == expected[0].tolist() and returns.tolist() == expected[1].tolist()
+    grpo, grpo_returns = advantages_and_returns("grpo", values, lengths, rollout_of, rewards,
+                                                tasks, 1.0, 0.5)
+    # task b: rewards 1.0 and 0.5, std 0.25; task a: 0.0 and 0.25, std 0.125
+    assert grpo.tolist() == pytest.approx([1.0, 1.0, 1.0], rel=1e-5)
+    assert grpo_returns.tolist() == returns.tolist()
+
+
+def test_the_entry_point_refuses_a_rollout_in_two_places() -> None:
+    with pytest.raises(ValueError, match="consecutive"):
+        advantages_and_returns("cross", torch.zeros(3), torch.tensor([1, 1, 1]),
+                               torch.tensor([0, 1, 0]), torch.ones(2), ["a", "a"], 1.0, 1.0)

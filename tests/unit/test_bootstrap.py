@@ -13,7 +13,9 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.process import EVALUATION_SEEDS_FROM
-from deploy.bootstrap import (
+from deploy.config import ConfigError, load_config
+from recipes.config import BootstrapConfig
+from recipes.keyvault_bootstrap import (
     Demonstrator,
     copy_accuracy,
     demonstrate,
@@ -23,7 +25,6 @@ from deploy.bootstrap import (
     made_for,
     training_sequences,
 )
-from deploy.config import BootstrapSection, ConfigError, load_config
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def play(tokenizer, drop: float, episodes: int = 40, ordered: bool = False):
     options = {**actors.environment.options, "ordered": ordered}
     actors.environment = dataclasses.replace(actors.environment, options=options)
     chat = ChatFormat(tokenizer, actors.compaction, actors.environment)
-    recipe = BootstrapSection(demonstrations=episodes, drop_fact_probability=drop, seed=1)
+    recipe = BootstrapConfig(demonstrations=episodes, drop_fact_probability=drop, seed=1)
     return asyncio.run(demonstrate(chat, actors, recipe))
 
 

@@ -15,9 +15,9 @@ from protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Array,
+    ErrorCode,
     Message,
     ProtocolError,
-    Reason,
     Segment,
     decode,
     encode,
@@ -77,13 +77,13 @@ def test_arrays_are_little_endian_on_the_wire() -> None:
 def test_unknown_kind_is_rejected() -> None:
     with pytest.raises(ProtocolError) as info:
         decode(_reencode(encode(_segment()), kind="teleport"))
-    assert info.value.reason is Reason.UNKNOWN_KIND
+    assert info.value.code is ErrorCode.UNKNOWN_KIND
 
 
 def test_wrong_protocol_version_is_rejected() -> None:
     with pytest.raises(ProtocolError) as info:
         decode(_reencode(encode(_segment()), protocol_version=PROTOCOL_VERSION + 1))
-    assert info.value.reason is Reason.PROTOCOL_VERSION
+    assert info.value.code is ErrorCode.PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize("tokens", [
@@ -97,20 +97,20 @@ def test_wrong_protocol_version_is_rejected() -> None:
 def test_invalid_arrays_are_rejected(tokens: list) -> None:
     with pytest.raises(ProtocolError) as info:
         decode(_reencode(encode(_segment(8)), tokens=tokens))
-    assert info.value.reason is Reason.ARRAY
+    assert info.value.code is ErrorCode.ARRAY
 
 
 def test_per_token_arrays_must_agree_in_length() -> None:
     short = Array.from_numpy(np.full(7, -1.0, np.float32))
     with pytest.raises(ProtocolError) as info:
         decode(encode(_segment(8, logprobs=short)))
-    assert info.value.reason is Reason.LENGTH_MISMATCH
+    assert info.value.code is ErrorCode.LENGTH_MISMATCH
 
 
 def test_reward_only_on_the_final_segment() -> None:
     with pytest.raises(ProtocolError) as info:
         decode(encode(_segment(final=False, reward=1.0)))
-    assert info.value.reason is Reason.INVALID
+    assert info.value.code is ErrorCode.INVALID
     with pytest.raises(ProtocolError):
         decode(encode(_segment(final=True, reward=None)))
     with pytest.raises(ProtocolError):
@@ -121,7 +121,7 @@ def test_oversized_frame_is_rejected_before_parsing() -> None:
     frame = encode(_segment(1000))
     with pytest.raises(ProtocolError) as info:
         decode(frame, max_message_bytes=len(frame) - 1)
-    assert info.value.reason is Reason.OVERSIZED
+    assert info.value.code is ErrorCode.OVERSIZED
 
 
 @pytest.mark.parametrize("frame", [
@@ -132,7 +132,37 @@ def test_oversized_frame_is_rejected_before_parsing() -> None:
 def test_malformed_frames_are_rejected(frame: bytes) -> None:
     with pytest.raises(ProtocolError) as info:
         decode(frame)
-    assert info.value.reason in (Reason.MALFORMED, Reason.UNKNOWN_KIND)
+    assert info.value.code in (ErrorCode.MALFORMED, ErrorCode.UNKNOWN_KIND)
+
+
+@pytest.mark.parametrize("frame, code", [
+    (_reencode(encode(_segment(seq=41)), protocol_version=PROTOCOL_VERSION + 1),
+     ErrorCode.PROTOCOL_VERSION),
+    (_reencode(encode(_segment(seq=41)), kind="teleport"), ErrorCode.UNKNOWN_KIND),
+    (_reencode(encode(_segment(seq=41)), tokens=["int32", [9], b"\0" * 32]), ErrorCode.ARRAY),
+    (encode(_segment(8, seq=41, logprobs=Array.from_numpy(np.zeros(7, np.float32)))),
+     ErrorCode.LENGTH_MISMATCH),
+    (encode(_segment(seq=41, reward=float("nan"))), ErrorCode.INVALID),
+    (_reencode(encode(_segment(seq=41)), task_id=7), ErrorCode.MALFORMED),
+], ids=["protocol-version", "unknown-kind", "array", "length-mismatch", "invalid-reward",
+        "malformed-body"])
+def test_a_rejection_names_the_seq_once_the_header_decoded(frame: bytes, code: ErrorCode
+                                                           ) -> None:
+    """The sender can tell which message was refused, and drop or mend it."""
+    with pytest.raises(ProtocolError) as info:
+        decode(frame)
+    assert (info.value.code, info.value.ref_seq) == (code, 41)
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xff\x00 not msgpack",
+    msgspec.msgpack.encode({"protocol_version": PROTOCOL_VERSION, "kind": "segment",
+                            "seq": "41"}),
+], ids=["not-msgpack", "seq-not-an-integer"])
+def test_a_rejection_names_no_seq_without_an_integer_one(frame: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(frame)
+    assert info.value.ref_seq is None
 
 
 def _mutate(frame: bytes, rng: random.Random) -> bytes:

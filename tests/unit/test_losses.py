@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from learner.losses import explained_variance, policy_loss, residual_moments, value_loss
+from learner.losses import (
+    explained_variance,
+    loss_weights,
+    policy_loss,
+    residual_moments,
+    value_loss,
+)
 from tests.tolerances import rounding_tolerance
 
 
@@ -48,7 +54,7 @@ def random_inputs(seed: int, size: int = 64):
 def test_policy_loss_matches_the_reference(mode: str, seed: int) -> None:
     logp, prox, behav, adv, mask = random_inputs(seed)
     n = 100  # the global count may exceed this call's tokens (other ranks)
-    loss, stats = policy_loss(logp, prox, behav, adv, mask, n, 0.2, 0.28, 2.0, mode)
+    loss, stats = policy_loss(logp, prox, behav, adv, mask.double() / n, 0.2, 0.28, 2.0, mode)
     want, magnitude = reference_policy_loss(logp.tolist(), prox.tolist(), behav.tolist(),
                                             adv.tolist(), mask.tolist(), n, 0.2, 0.28, 2.0, mode)
     # the same float64 terms summed in another order (a loop, a vectorised sum)
@@ -63,7 +69,7 @@ def test_policy_gradient_equals_the_analytic_one() -> None:
     logp, prox, behav, adv, mask = random_inputs(11, size=32)
     logp = logp.clone().requires_grad_(True)
     lo, hi, cap, n = 0.2, 0.2, 2.0, 40
-    loss, _ = policy_loss(logp, prox, behav, adv, mask, n, lo, hi, cap, "truncate")
+    loss, _ = policy_loss(logp, prox, behav, adv, mask.double() / n, lo, hi, cap, "truncate")
     loss.backward()
     expected = torch.zeros_like(logp)
     for t in range(len(logp)):
@@ -81,7 +87,7 @@ def test_masked_tokens_and_weights_carry_no_gradient() -> None:
     prox = prox.clone().requires_grad_(True)
     behav = behav.clone().requires_grad_(True)
     logp = logp.clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, prox, behav, adv, mask, 64)
+    loss, _ = policy_loss(logp, prox, behav, adv, mask.double() / 64)
     loss.backward()
     assert prox.grad is None and behav.grad is None
     assert (logp.grad[~mask] == 0).all()
@@ -91,9 +97,9 @@ def test_token_normalisation_gives_every_token_the_same_weight() -> None:
     # the same tokens split into one or two calls with the global count: same total
     logp, prox, behav, adv, mask = random_inputs(5)
     n = int(mask.sum())
-    whole, _ = policy_loss(logp, prox, behav, adv, mask, n)
+    whole, _ = policy_loss(logp, prox, behav, adv, mask.double() / n)
     half = len(logp) // 2
-    parts = [policy_loss(logp[s], prox[s], behav[s], adv[s], mask[s], n)[0]
+    parts = [policy_loss(logp[s], prox[s], behav[s], adv[s], mask[s].double() / n)[0]
              for s in (slice(0, half), slice(half, None))]
     # the same float64 terms summed in another order: a tolerance relative to
     # the loss alone would be too tight if its terms cancelled
@@ -110,7 +116,7 @@ def test_value_loss_is_clipped_and_token_normalised() -> None:
     old = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)
     returns = torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64)
     mask = torch.tensor([True, True, False])
-    loss, stats = value_loss(values, old, returns, mask, num_tokens=4, value_clip=0.2)
+    loss, stats = value_loss(values, old, returns, mask.double() / 4, value_clip=0.2)
     # token 0: plain 0, clipped (0.7 - 1)^2 = 0.09 -> 0.09; token 1: 1 and 1 -> 1
     assert loss.item() == pytest.approx(0.5 * (0.09 + 1.0) / 4)
     assert stats["clipfrac"].item() == pytest.approx(0.5)
@@ -137,3 +143,16 @@ def test_explained_variance_of_parts_is_that_of_the_whole() -> None:
                                                        torch.float64))
     constant = residual_moments(returns[:5], old[:5], mask[:5])
     assert explained_variance(constant, int(mask[:5].sum())) == 0.0
+
+
+def test_loss_weights_are_one_over_the_global_count_or_per_segment() -> None:
+    """Token normalisation: every token 1/|M| (the global batch's |M|, which
+    other ranks' tokens count in). Segment normalisation: each segment's
+    tokens share 1/S, S the global batch's segments with tokens."""
+    lengths = torch.tensor([3, 0, 1])
+    token = loss_weights(lengths, "token", num_tokens=10, num_segments=5)
+    assert token.tolist() == pytest.approx([0.1] * 4)
+    segment = loss_weights(lengths, "segment", num_tokens=10, num_segments=5)
+    assert segment.tolist() == pytest.approx([1 / 15] * 3 + [1 / 5])
+    with pytest.raises(ValueError, match="loss_norm"):
+        loss_weights(lengths, "rollout", num_tokens=10, num_segments=5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from learner.models import (
     token_logprobs_and_values,
     token_values,
 )
-from learner.ppo import PPOTrainer
+from learner.ppo import PPOTrainer, StepStatistics
 from protocol import Batch, Rollout
 from protocol.synthetic import synthetic_batch
 from tests.tolerances import rounding_tolerance
@@ -89,9 +88,9 @@ def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_mode
     # the general path: no-gradient forward passes at the step's start first
     reference = plain_sgd(trainer(tiny_model_dir, ppo_epochs=2, critic=critic))
     part = reference._prepare(batch, batch.assign(batch.minibatches(1)[0], 1)[0], fused=False)
-    sums: defaultdict[str, float] = defaultdict(float)
+    statistics = StepStatistics()
     for _ in range(2):
-        reference._update(part, sums, batch)
+        reference._update(part, statistics, batch)
     # The two paths may differ by rounding only (a forward pass with or without
     # autograd can pick other kernels on another CPU). Each gradient element is
     # a sum over token positions of terms bounded by the clipped gradient norm;
@@ -105,7 +104,7 @@ def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_mode
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
     # the loss is a mean of per-token terms -A * ratio, each of order 1 here
     # (rewards in [0, 1]): the sum of their magnitudes is within |loss| + 1
-    loss = sums["losses/policy_loss"] / 2
+    loss = statistics.policy_loss / 2
     assert fused_metrics["losses/policy_loss"] == pytest.approx(
         loss, abs=rounding_tolerance(abs(loss) + 1.0, positions))
 

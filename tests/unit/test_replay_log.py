@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.log import RELEASED, SEGMENT, DurableLog
+from replay.log import RELEASED, SEGMENT, VERSION, DurableLog, decode_version
 
 
 def records(path: Path) -> list[tuple[int, bytes]]:
@@ -60,17 +60,20 @@ def test_a_corrupt_record_ends_recovery(tmp_path: Path) -> None:
     assert records(path) == [(SEGMENT, b"good")]
 
 
-def test_compaction_keeps_only_live_frames(tmp_path: Path) -> None:
+def test_compaction_keeps_only_live_frames_and_the_learner_version(tmp_path: Path) -> None:
     path = tmp_path / "log"
     log = DurableLog(path)
     for i in range(10):
         log.append_segment(b"frame-%d" % i)
+        log.append_version(i)
     log.append_released("r", 70)
     log.sync()
     before = path.stat().st_size
-    log.compact([b"frame-8", b"frame-9"])
+    log.compact([b"frame-8", b"frame-9"], version=9)
     log.append_segment(b"frame-10")
     log.close()
     assert path.stat().st_size < before
-    assert [p for _, p in records(path)] == [b"frame-8", b"frame-9", b"frame-10"]
+    kept = records(path)
+    assert [(kind, decode_version(p)) for kind, p in kept if kind == VERSION] == [(VERSION, 9)]
+    assert [p for kind, p in kept if kind == SEGMENT] == [b"frame-8", b"frame-9", b"frame-10"]
     assert not path.with_suffix(".compacting").exists()

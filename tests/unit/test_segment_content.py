@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocol import Array, ProtocolError, Reason, Segment
+from protocol import Array, ErrorCode, ProtocolError, Segment
 from protocol.validation import check_segment_content
 
 
@@ -45,7 +45,7 @@ def test_a_valid_segment_passes_and_reports_its_oldest_version() -> None:
 def test_invalid_contents_are_rejected(changes: dict) -> None:
     with pytest.raises(ProtocolError) as info:
         check(_segment(**changes))
-    assert info.value.reason is Reason.INVALID
+    assert info.value.code is ErrorCode.INVALID
 
 
 def test_versions_of_context_tokens_are_not_checked() -> None:

@@ -4,7 +4,7 @@ the transport announced, through the project's own transfer code (``protocol.wei
 vLLM engine. With ``--die-in`` it SIGKILLs itself after the first bucket of
 that version: a receiver dying in the middle of a bucketed broadcast.
 
-    python -m tests.faults.weight_receiver --control ADDR --actor-id ID
+    python -m tests.programs.weight_receiver --control ADDR --actor-id ID
         [--dtype bfloat16] [--die-in VERSION]
 
 Prints one line per publication: ``received VERSION TENSORS DTYPES``.
@@ -20,9 +20,9 @@ import time
 import zmq
 
 from protocol import (
-    DEAD_INCARNATION,
     EngineInfo,
     Error,
+    ErrorCode,
     Heartbeat,
     Hello,
     WeightsAnnounce,
@@ -59,7 +59,7 @@ def main() -> None:
         if isinstance(message, Welcome):
             print(f"registered at version {message.policy_version}", flush=True)
             continue
-        if isinstance(message, Error) and message.code != DEAD_INCARNATION:
+        if isinstance(message, Error) and message.code != ErrorCode.DEAD_INCARNATION:
             client.send(Hello, engine=engine, capacity=1)  # a restarted learner
             continue
         if not isinstance(message, WeightsAnnounce):

@@ -3,7 +3,7 @@ policy with a value head ("headed") sharded (built on the meta device, then
 only its shards read), counting every tensor it reads from a safetensors
 file; then the ranks export the headed policy in bf16.
 
-    torchrun --nproc_per_node N tests/integration/load_ranks_script.py MODEL OUT
+    torchrun --nproc_per_node N tests/programs/load_ranks.py MODEL OUT
 
 OUT gets ``rank-R.json`` from each rank (what it read and holds),
 ``parameters.safetensors`` from rank 0 (the full parameters and buffers of
@@ -106,6 +106,9 @@ def main() -> None:
         "export": str(exported) if exported else None}))
     if rank == 0:
         save_file({k: v.contiguous() for k, v in full.items()}, out / "parameters.safetensors")
+    # no rank leaves before rank 0 has written: a gloo rank that exits while
+    # a peer still runs can abort ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

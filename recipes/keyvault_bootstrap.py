@@ -10,7 +10,7 @@ the tiny model in a few minutes on CPU:
    demonstration token is exactly what the policy will see and produce. It
    reads only its own context: it says ``next`` until the rooms run out, then
    answers with the digits it can see (a digit it cannot see is guessed).
-2. **The imperfection recipe** (:class:`deploy.config.BootstrapSection`, reported with
+2. **The imperfection recipe** (:class:`recipes.config.BootstrapConfig`, reported with
    every result): each summary keeps every fact visible in the window *with
    probability* ``1 - drop_fact_probability``, independently. A fine-tuned
    model copies that habit, so facts that pass through more compactions are
@@ -43,7 +43,7 @@ from actors.context import Generation, SegmentData
 from actors.envs.base import load_environment
 from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, ORDINALS, KeyVault
 from actors.episode import EpisodeResult, run_episode
-from deploy.config import BootstrapSection
+from recipes.config import BootstrapConfig
 
 #: A fact as keyvault's notes state it: "alpha second seven", or "alpha seven"
 #: when the code's digits are unordered; summaries state kept facts the same way.
@@ -154,7 +154,7 @@ def _keyvault(actors: ActorConfig) -> KeyVault:
     return environment
 
 
-async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapSection,
+async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapConfig,
                       held_out: int = 0) -> tuple[list[SegmentData], list[EpisodeResult]]:
     """Play ``recipe.demonstrations`` episodes; their segments and results.
     With ``held_out``, that many further episodes instead (never trained on)."""
@@ -202,7 +202,7 @@ def training_sequences(segments: list[SegmentData]) -> list[tuple[list[int], lis
     return sequences
 
 
-def fine_tune(model_dir: Path, segments: list[SegmentData], recipe: BootstrapSection,
+def fine_tune(model_dir: Path, segments: list[SegmentData], recipe: BootstrapConfig,
               log: Any = print) -> list[float]:
     """Supervised fine-tuning on the loss-masked tokens; returns the mean
     loss of each logged interval. The model in ``model_dir`` is rewritten."""
@@ -318,7 +318,7 @@ def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
     return report
 
 
-def made_for(actors: ActorConfig, recipe: BootstrapSection) -> dict[str, Any]:
+def made_for(actors: ActorConfig, recipe: BootstrapConfig) -> dict[str, Any]:
     """The settings a base policy is made with, as ``bootstrap.json`` records them."""
     return json.loads(json.dumps({
         "recipe": asdict(recipe),
@@ -327,7 +327,7 @@ def made_for(actors: ActorConfig, recipe: BootstrapSection) -> dict[str, Any]:
         "compaction": asdict(actors.compaction)}))
 
 
-def differences(model: Path, actors: ActorConfig, recipe: BootstrapSection) -> list[str]:
+def differences(model: Path, actors: ActorConfig, recipe: BootstrapConfig) -> list[str]:
     """Where the settings ``model`` was bootstrapped with differ from these
     ("name: then -> now"); none for a model without ``bootstrap.json``."""
     record = model / "bootstrap.json"
@@ -346,7 +346,7 @@ def differences(model: Path, actors: ActorConfig, recipe: BootstrapSection) -> l
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
 
-def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
+def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapConfig,
               log: Any = print) -> dict[str, Any]:
     """Make the base policy in ``out`` from ``recipe.source``; returns (and
     writes to ``bootstrap.json``) what was done."""
@@ -354,9 +354,9 @@ def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapSection,
 
     source_model = Path(recipe.source)
     if not (source_model / "config.json").is_file():
-        if recipe.source != BootstrapSection().source:
+        if recipe.source != BootstrapConfig().source:
             raise SystemExit(f"bootstrap.source = {recipe.source!r} has no config.json")
-        from deploy.tiny_model import build_tiny_model
+        from recipes.tiny_model import build_tiny_model
 
         log(f"building the tiny model in {source_model}")
         build_tiny_model(source_model)

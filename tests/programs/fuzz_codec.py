@@ -1,6 +1,6 @@
 """Coverage-guided fuzzing of the wire decoder with atheris (libFuzzer)::
 
-    python -m tests.faults.fuzz_codec --seconds 60 [--corpus DIR] [libFuzzer flags]
+    python -m tests.programs.fuzz_codec --seconds 60 [--corpus DIR] [libFuzzer flags]
 
 The property, whatever the bytes: ``decode`` returns a message or raises
 ``ProtocolError``, nothing else; a decoded message re-encodes to a frame

@@ -1,7 +1,8 @@
 """Run by torchrun in tests: PPO steps on the tiny model with FSDP2 over gloo,
-then rank 0 writes the full policy and critic parameters.
+then rank 0 writes the full policy and critic parameters to OUT, and each
+step's metrics to OUT with the suffix .json.
 
-    torchrun --nproc_per_node N tests/integration/ppo_ranks_script.py MODEL OUT STEPS [CHANGES]
+    torchrun --nproc_per_node N tests/programs/ppo_ranks.py MODEL OUT STEPS [CHANGES]
 
 CHANGES: JSON of learner settings that replace those of ``CONFIG``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,8 +55,7 @@ def main() -> None:
                          None if value_head else load_critic(model, torch.float64, sharding),
                          config)
     plain_sgd(trainer)
-    for batch in batches(steps):
-        trainer.step(batch)
+    metrics = [trainer.step(batch) for batch in batches(steps)]
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = {}
     for name in ("policy", "critic"):
@@ -63,6 +64,10 @@ def main() -> None:
                           for k, v in get_model_state_dict(module, options=options).items()})
     if dist.get_rank() == 0:
         save_file({k: v.contiguous().clone() for k, v in state.items()}, out)
+        Path(out).with_suffix(".json").write_text(json.dumps(metrics))
+    # no rank leaves before rank 0 has written: a gloo rank that exits while
+    # a peer still runs can abort ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
