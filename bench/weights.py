@@ -45,13 +45,13 @@ import time
 from pathlib import Path
 
 import torch
-from deploy.tiny_model import TinyModelConfig, build_tiny_model
 
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine import Engine, LoadTimes, quiet_vllm_logging
 from protocol import GroupInfo, WeightManifest
 from protocol.weights import WeightChannel, connect_store, host_store, join_channel, manifest_of
 from protocol.weights_collective import WeightGroup
+from recipes.tiny_model import TinyModelConfig, build_tiny_model
 
 #: Shape of the larger model: Qwen2 layers 768 wide; the layer count is
 #: chosen to reach the requested parameter count.
