@@ -68,6 +68,7 @@ from protocol import (
     ErrorCode,
     Heartbeat,
     Hello,
+    MemberWelcome,
     Message,
     ProtocolError,
     Segment,
@@ -374,6 +375,8 @@ class Actor:
                 self._learner_at(message.policy_version)
                 self._grant(message)
             elif isinstance(message, Welcome):
+                # the staleness bound's one source: the replay's configuration
+                self.state.max_staleness = message.max_staleness
                 # counted by the ledger: a second Welcome (a Hello retried) or
                 # an Ack before it adds only what it has that was not seen
                 self._grant(message)
@@ -495,8 +498,7 @@ class Actor:
                 self.metrics.rejected_frames.labels(exc.code.value).inc()
                 log.warning("dropped a frame from the learner: %s", exc)
                 continue
-            if isinstance(message, Welcome):
-                self.state.max_staleness = message.max_staleness
+            if isinstance(message, MemberWelcome):
                 self._learner_at(message.policy_version)
                 self.state.learner_registered.set()
             elif isinstance(message, WeightsAnnounce):

@@ -1,7 +1,7 @@
 """Learner rank 0's control socket: actor membership and weight announcements.
 
-Actors register here (``Hello`` -> ``Welcome`` with the learner's version and
-the staleness bound), heartbeat, and report ``WeightsLoaded``. An actor that
+Actors register here (``Hello`` -> ``MemberWelcome`` with the learner's
+version), heartbeat, and report ``WeightsLoaded``. An actor that
 misses ``heartbeat_liveness`` heartbeats, or comes back as a new incarnation,
 leaves the member set; the publisher forms a new group generation whenever
 the set it announces to differs from the last one.
@@ -44,13 +44,13 @@ from protocol import (
     GroupInfo,
     Heartbeat,
     Hello,
+    MemberWelcome,
     Message,
     ProtocolError,
     Stamp,
     WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
-    Welcome,
     decode,
     encode,
 )
@@ -230,12 +230,10 @@ class ControlPlane:
                     self.metrics.weight_sync_seconds.labels("load").observe(message.seconds)
         if isinstance(message, Hello):
             self._liveness.seen(identity)
-            self._send(identity, Welcome(
+            self._send(identity, MemberWelcome(
                 **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
                 heartbeat_interval_s=self.transport.heartbeat_interval_s,
-                heartbeat_liveness=self.transport.heartbeat_liveness,
-                max_staleness=self.max_staleness, rollouts_per_batch=0, credits=0,
-                credit_ledger=0, credits_total=0))
+                heartbeat_liveness=self.transport.heartbeat_liveness))
         elif member is None:
             # unknown, or a replaced incarnation: it must say Hello (again)
             self._reject(identity, ErrorCode.UNREGISTERED, "send Hello first", message.seq)

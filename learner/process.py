@@ -1,6 +1,7 @@
 """The learner process, one per torchrun rank.
 
-Rank 0 talks to the replay: ``Hello`` (the ``Welcome`` says the batch size),
+Rank 0 talks to the replay: ``LearnerHello`` (the ``LearnerWelcome`` says the
+batch size, the staleness bound and the newest version the replay knows),
 then for each step a ``BatchRequest`` and the ``Batch`` it waits for. It
 also runs the control plane actors register with (:mod:`learner.control`);
 every ``publish_every`` steps, and whenever an actor needs weights at once
@@ -58,11 +59,10 @@ from ops.metrics import MetricsServer
 from protocol import (
     Batch,
     BatchRequest,
-    EngineInfo,
-    Hello,
+    LearnerHello,
+    LearnerWelcome,
     ProtocolError,
     Stamp,
-    Welcome,
     decode,
     encode,
 )
@@ -104,8 +104,6 @@ class LearnerSettings:
     transport: TransportConfig = field(default_factory=TransportConfig)
     resume: bool = False
     run_id: str = "run"
-    max_staleness: int = 2
-    """The replay's bound, told to actors so that they wait for fresh weights."""
 
 
 def read_settings(path: Path) -> LearnerSettings:
@@ -147,18 +145,21 @@ class Learner:
         link = (_ReplayLink(self.settings, self.metrics.duplicate_batches,
                             self.metrics.duplicate_rollouts)
                 if self.rank == 0 else None)
-        control = ControlPlane(self.config.control_address, self.settings.transport,
-                               self.settings.run_id, self.settings.max_staleness,
-                               self.config.late_joiner, self.metrics,
-                               checkpoints / ANNOUNCED_RECORD) if self.rank == 0 else None
-        publisher = WeightPublisher(self.trainer.policy, self.config, self.rank, control,
-                                    self.metrics, self._broadcast_int)
+        control: ControlPlane | None = None
         server = MetricsServer(self.metrics.registry,
                                self.config.metrics_port if self.rank == 0 else 0,
                                self.settings.transport.metrics_address)
         try:
-            batch_size, replay_version = link.hello() if link else (0, 0)
-            batch_size = self._broadcast_int(batch_size)
+            welcome = link.hello() if link else None
+            batch_size = self._broadcast_int(welcome.rollouts_per_batch if welcome else 0)
+            replay_version = welcome.policy_version if welcome else 0
+            if welcome:  # the staleness bound's one source is the replay's configuration
+                control = ControlPlane(self.config.control_address, self.settings.transport,
+                                       self.settings.run_id, welcome.max_staleness,
+                                       self.config.late_joiner, self.metrics,
+                                       checkpoints / ANNOUNCED_RECORD)
+            publisher = WeightPublisher(self.trainer.policy, self.config, self.rank, control,
+                                        self.metrics, self._broadcast_int)
             restored = self.version
             self.version = self._broadcast_int(starting_version(
                 restored, control.announced, replay_version) if control else 0)
@@ -288,16 +289,15 @@ class _ReplayLink:
         self.taken: OrderedDict[str, None] = OrderedDict()
         """Rollout ids taken, newest last (TAKEN_ROLLOUTS_MEMORY of them)."""
 
-    def hello(self) -> tuple[int, int]:
-        """Register; returns the batch size B and the newest learner version
-        the replay knows, from its Welcome."""
-        self.socket.send(encode(Hello(**self.stamp.next(), capacity=0, engine=EngineInfo(
-            device="learner", dtype="", tensor_parallel=0, model=""))))
+    def hello(self) -> LearnerWelcome:
+        """Register; the replay's answer holds the batch size B, the newest
+        learner version it knows and the staleness bound."""
+        self.socket.send(encode(LearnerHello(**self.stamp.next())))
         while True:
             message = decode(self.socket.recv(), self.max_bytes)
-            if isinstance(message, Welcome):
+            if isinstance(message, LearnerWelcome):
                 self._reconnected()  # the first connection is not a reconnection
-                return message.rollouts_per_batch, message.policy_version
+                return message
 
     def _reconnected(self) -> bool:
         """Whether the connection to the replay was (re)established since the last call."""

@@ -26,7 +26,9 @@ from protocol.errors import ErrorCode, ProtocolError
 
 #: The wire schema version; a peer speaking another one is rejected.
 #: 2: credit ledgers in ``Welcome``, ``Ack`` and ``Heartbeat``.
-PROTOCOL_VERSION = 2
+#: 3: a handshake per peer kind (``LearnerHello`` / ``LearnerWelcome`` on the
+#: replay's learner socket, ``MemberWelcome`` from the learner's control socket).
+PROTOCOL_VERSION = 3
 
 SegmentType = Literal["execution", "summary"]
 EpisodeOutcome = Literal[
@@ -116,29 +118,44 @@ class Hello(Message, tag="hello"):
 
 
 class Welcome(Message, tag="welcome"):
-    """replay / learner -> actor: the run configuration the actor needs, and
-    (from the replay) the actor's credit ledger, as in ``Ack``."""
+    """replay -> actor: the run's facts the actor needs, and its credit
+    ledger, as in ``Ack``."""
 
     run_id: str
     """The run's name, the same for every process of a run."""
     policy_version: int
-    """From the replay: the newest version the learner has asked with; from the learner: its
-    current version."""
+    """The newest version the learner has asked with."""
     heartbeat_interval_s: float
     """Seconds between the actor's heartbeats."""
     heartbeat_liveness: int
-    """Intervals of silence after which the sender counts the actor dead."""
+    """Intervals of silence after which the replay counts the actor dead."""
     max_staleness: int
-    """The replay's bound S: a rollout whose oldest trainable token is more than S versions
-    behind the learner is dropped."""
+    """The bound S, whose one source is the replay's configuration: a rollout whose oldest
+    trainable token is more than S versions behind the learner is dropped, and the actor
+    waits for weights when it is more than S versions behind."""
     rollouts_per_batch: int
-    """B: the batch size the learner should request."""
+    """B: the batch size the learner asks for (for reading: what a credit is worth)."""
     credits: int
     """Rollouts the actor may start now (more arrive with each ``Ack``)."""
     credit_ledger: int
-    """As in ``ack`` (from the learner: 0)."""
+    """As in ``ack``."""
     credits_total: int
-    """As in ``ack`` (from the learner: 0)."""
+    """As in ``ack``."""
+
+
+class MemberWelcome(Message, tag="member_welcome"):
+    """learner -> actor: the answer to ``hello`` on the learner's control
+    socket; the actor is a member of the weight groups from now on."""
+
+    run_id: str
+    """The run's name, the same for every process of a run."""
+    policy_version: int
+    """The learner's current version: the actor waits for weights while its own is more
+    than the replay's ``max_staleness`` behind it."""
+    heartbeat_interval_s: float
+    """Seconds between the actor's heartbeats to the learner."""
+    heartbeat_liveness: int
+    """Intervals of silence after which the learner counts the actor gone."""
 
 
 class RolloutStats(msgspec.Struct, kw_only=True):
@@ -252,6 +269,26 @@ class Heartbeat(Message, tag="heartbeat"):
 
 
 # --------------------------------------------------------------------------- learner <-> replay
+
+
+class LearnerHello(Message, tag="learner_hello"):
+    """learner rank 0 -> replay: registration on the learner socket, the first
+    message of a learner incarnation; answered with ``learner_welcome``."""
+
+
+class LearnerWelcome(Message, tag="learner_welcome"):
+    """replay -> learner: the run's facts the learner takes from the replay."""
+
+    run_id: str
+    """The run's name, the same for every process of a run."""
+    policy_version: int
+    """The newest version a learner has asked with (an earlier learner process of the run,
+    if any): a resumed learner labels its weights above it."""
+    rollouts_per_batch: int
+    """B: the rollouts of each ``batch_request`` (the replay's configuration is the source)."""
+    max_staleness: int
+    """S, as in ``welcome``: the learner tells an actor more than S versions behind that it
+    needs weights at once."""
 
 
 class BatchRequest(Message, tag="batch_request"):
@@ -402,6 +439,6 @@ class Error(Message, tag="error"):
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
-    Hello, Welcome, Segment, Ack, Heartbeat, BatchRequest, Batch,
-    WeightsAnnounce, WeightsLoaded, Error,
+    Hello, Welcome, MemberWelcome, Segment, Ack, Heartbeat, LearnerHello, LearnerWelcome,
+    BatchRequest, Batch, WeightsAnnounce, WeightsLoaded, Error,
 )

@@ -42,6 +42,8 @@ from protocol import (
     ErrorCode,
     Heartbeat,
     Hello,
+    LearnerHello,
+    LearnerWelcome,
     Message,
     ProtocolError,
     Segment,
@@ -405,15 +407,12 @@ class ReplayService:
             except ProtocolError as exc:
                 self._reject(self.learner_socket, identity, exc.code, str(exc), exc.ref_seq)
                 continue
-            if isinstance(message, Hello):
-                self._send(self.learner_socket, identity, Welcome(
+            if isinstance(message, LearnerHello):
+                self._send(self.learner_socket, identity, LearnerWelcome(
                     **self._stamp.next(), run_id=self.run_id,
                     policy_version=self.learner_version,
-                    heartbeat_interval_s=self.transport.heartbeat_interval_s,
-                    heartbeat_liveness=self.transport.heartbeat_liveness,
-                    max_staleness=self.config.max_staleness,
-                    rollouts_per_batch=self.config.rollouts_per_batch, credits=0,
-                    credit_ledger=0, credits_total=0))
+                    rollouts_per_batch=self.config.rollouts_per_batch,
+                    max_staleness=self.config.max_staleness))
             elif isinstance(message, BatchRequest) and message.size >= 0:
                 self._set_learner_version(message.policy_version)
                 served = self._served.get(identity)

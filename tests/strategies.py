@@ -15,6 +15,9 @@ from protocol import (
     GroupInfo,
     Heartbeat,
     Hello,
+    LearnerHello,
+    LearnerWelcome,
+    MemberWelcome,
     Rollout,
     RolloutStats,
     Segment,
@@ -78,8 +81,9 @@ def rollouts(draw) -> Rollout:
         segments=[draw(segments(rollout_id, i, final=i == k - 1)) for i in range(k)])
 
 
-KINDS = ("hello", "welcome", "segment", "ack", "heartbeat", "batch_request", "batch",
-         "weights_announce", "weights_loaded", "error")
+KINDS = ("hello", "welcome", "member_welcome", "segment", "ack", "heartbeat",
+         "learner_hello", "learner_welcome", "batch_request", "batch", "weights_announce",
+         "weights_loaded", "error")
 
 
 @st.composite
@@ -99,6 +103,14 @@ def messages(draw, kind: str | None = None):
                        max_staleness=draw(counts), rollouts_per_batch=draw(counts),
                        credits=draw(counts), credit_ledger=draw(counts),
                        credits_total=draw(counts))
+    if kind == "member_welcome":
+        return MemberWelcome(**h, run_id=draw(ids), policy_version=draw(counts),
+                             heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts))
+    if kind == "learner_hello":
+        return LearnerHello(**h)
+    if kind == "learner_welcome":
+        return LearnerWelcome(**h, run_id=draw(ids), policy_version=draw(counts),
+                              rollouts_per_batch=draw(counts), max_staleness=draw(counts))
     if kind == "ack":
         return Ack(**h, stored_seqs=draw(st.lists(counts, max_size=20)), credits=draw(counts),
                    policy_version=draw(counts), credit_ledger=draw(counts),

@@ -2,7 +2,7 @@
 process (`compactionrl replay` with `transport.curve.*`) and the learner's
 control socket admit a client with an authorized key pair, and give a client
 without one (no CURVE at all, or a key pair not in `authorized_keys_dir`)
-nothing: no registration, no acknowledged segment, no batch, no Welcome and
+nothing: no registration, no acknowledged segment, no batch, no welcome and
 so never the address of a weight group. Its traffic never reaches the
 application (no counter moves: the ZAP handler refuses the handshake)."""
 
@@ -16,7 +16,7 @@ import zmq
 
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
-from protocol import EngineInfo, Hello, Welcome
+from protocol import EngineInfo, Hello, MemberWelcome
 from protocol.transport import CurveConfig, TransportConfig
 from tests.ports import loopback_addresses
 from tests.processes import ReplayProcess
@@ -79,7 +79,7 @@ def test_only_clients_with_an_authorized_key_reach_the_replay_and_the_learner(
         assert batch is not None and len(batch.rollouts[0].segments) == 2
         member = ControlClient(context, control_address, "actor-0", secure)
         member.send(Hello, engine=ENGINE, capacity=1)
-        assert isinstance(member.receive(), Welcome)
+        assert isinstance(member.receive(), MemberWelcome)
         assert [m.actor_id for m in plane.members()] == ["actor-0"]
     finally:
         context.destroy(linger=0)

@@ -34,13 +34,13 @@ from protocol import (
     GroupInfo,
     Heartbeat,
     Hello,
+    MemberWelcome,
     Segment,
     Stamp,
     TensorSpec,
     WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
-    Welcome,
     decode,
     encode,
 )
@@ -386,7 +386,7 @@ def test_the_control_socket_rejects_and_counts_bad_frames_through_a_flood(contro
     try:
         hostile = ControlClient(context, address, "hostile")
         hostile.send(Hello, engine=ENGINE, capacity=1)  # with CURVE off anyone may register
-        assert isinstance(hostile.receive(), Welcome)
+        assert isinstance(hostile.receive(), MemberWelcome)
         catalogue = control_catalogue(hostile.stamp)
         expected: Counter[str] = Counter()
         for what, frames, reason in catalogue:
@@ -405,7 +405,7 @@ def test_the_control_socket_rejects_and_counts_bad_frames_through_a_flood(contro
         # a good actor registers, is announced to and reports its load as usual
         actor = ControlClient(context, address, "actor-good")
         actor.send(Hello, engine=ENGINE, capacity=1)
-        assert isinstance(actor.receive(), Welcome)
+        assert isinstance(actor.receive(), MemberWelcome)
         members = [m for m in plane.members() if m.actor_id == "actor-good"]
         manifest = WeightManifest(tensors=[TensorSpec("w", "float32", (2,))], bucket_bytes=0)
         plane.announce(3, [(member, manifest, GroupInfo(

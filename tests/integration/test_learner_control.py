@@ -19,12 +19,12 @@ from protocol import (
     GroupInfo,
     Heartbeat,
     Hello,
+    MemberWelcome,
     Stamp,
     TensorSpec,
     WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
-    Welcome,
 )
 from protocol.transport import TransportConfig
 from tests.ports import loopback_addresses
@@ -58,8 +58,7 @@ def test_members_register_get_announcements_and_report_loads(control) -> None:
         plane.version = 5
         actor.send(Hello, engine=ENGINE, capacity=2, policy_version=0)
         welcome = actor.receive()
-        assert isinstance(welcome, Welcome) and welcome.policy_version == 5
-        assert welcome.max_staleness == 2
+        assert isinstance(welcome, MemberWelcome) and welcome.policy_version == 5
         [member] = plane.members()
         assert plane.publication_wanted(5)  # 5 versions behind: it cannot contribute
         plane.announce(5, [(member, MANIFEST, GroupInfo(
@@ -113,7 +112,7 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
         # and a well-behaved actor is still served
         actor = ControlClient(context, address, "actor-1")
         actor.send(Hello, engine=ENGINE, capacity=1)
-        assert isinstance(actor.receive(), Welcome)
+        assert isinstance(actor.receive(), MemberWelcome)
     finally:
         context.destroy(linger=0)
 

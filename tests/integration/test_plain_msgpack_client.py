@@ -29,7 +29,7 @@ from replay.service import ReplayService
 from tests.ports import loopback_addresses
 
 #: docs/protocol.md, "Fields": the header's protocol_version.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 VOCAB = 100
 MAX_MESSAGE_BYTES = 64 * 1024
 #: Room for a few small rollouts, not for a 4,096-token segment (~53 kB).
@@ -69,10 +69,10 @@ class PlainClient:
                     return message
         raise AssertionError(f"no {kind} within {timeout_s} s")
 
-    def hello(self, capacity: int = 4) -> dict[str, Any]:
+    def hello(self, capacity: int = 4, answer: str = "welcome") -> dict[str, Any]:
         self.send(self.header("hello", capacity=capacity, engine={
             "device": "cpu", "dtype": "float32", "tensor_parallel": 1, "model": "plain"}))
-        return self.receive("welcome")
+        return self.receive(answer)
 
 
 def array(dtype: str, values: list[float] | np.ndarray) -> list[Any]:
@@ -137,6 +137,9 @@ def test_a_rollout_from_plain_maps_is_acknowledged_and_served(
     welcome = actor.hello()
     assert welcome["credits"] >= 1 and welcome["max_staleness"] == 1
     learner = PlainClient(context, learner_address, "learner")
+    learner.send(learner.header("learner_hello"))
+    learner_welcome = learner.receive("learner_welcome")
+    assert (learner_welcome["rollouts_per_batch"], learner_welcome["max_staleness"]) == (1, 1)
     learner.send(learner.header("batch_request", size=1, policy_version=0))
     seqs = [actor.send(segment(actor, "r-1", index, index == 1)) for index in (1, 0)]
     stored: list[int] = []
@@ -243,5 +246,5 @@ def test_the_learner_s_control_socket_refuses_a_stranger_until_it_says_hello(
     seq = actor.send(actor.header("weights_loaded", version=1, seconds=0.5))
     error = actor.receive("error")
     assert (error["code"], error["ref_seq"]) == ("unregistered", seq)
-    welcome = actor.hello()
-    assert welcome["rollouts_per_batch"] == 0 and welcome["credits_total"] == 0
+    welcome = actor.hello(answer="member_welcome")
+    assert welcome["run_id"] == "plain" and welcome["policy_version"] == 0

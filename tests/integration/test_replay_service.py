@@ -408,7 +408,7 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
         taken.append(sorted(r.rollout_id for r in batch.rollouts))
 
     try:
-        assert link.hello()[0] == 2
+        assert link.hello().rollouts_per_batch == 2
         actor.hello()
         pushed = [actor.push_rollout(segments=1)]
         link.request(2, 0)
