@@ -39,21 +39,19 @@ from learner.metrics import LearnerMetrics
 from ops.files import atomic_write_text
 from protocol import (
     EngineInfo,
-    Error,
     ErrorCode,
     GroupInfo,
     Heartbeat,
     Hello,
     MemberWelcome,
     Message,
-    ProtocolError,
     Stamp,
     WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
-    decode,
     encode,
 )
+from protocol.endpoint import Handler, Received, ServerEndpoint
 from protocol.transport import Authenticator, Liveness, TransportConfig, bind_router
 
 log = logging.getLogger("compactionrl.learner.control")
@@ -104,6 +102,12 @@ class ControlPlane:
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
         self._socket = bind_router(self._context, address, transport)
+        self._endpoint = ServerEndpoint(
+            self._socket, self._stamp, transport.max_message_bytes,
+            lambda code, message: metrics.rejected_frames.labels(code).inc())
+        self._handlers: dict[type[Message], Handler] = {
+            Hello: self._on_hello, Heartbeat: self._on_heartbeat,
+            WeightsLoaded: self._on_loaded}
         inproc = f"inproc://learner-control-{next(_instances)}"
         self._inbox = self._context.socket(zmq.PAIR)
         self._inbox.bind(inproc)
@@ -180,70 +184,61 @@ class ControlPlane:
                 if self._inbox in ready:
                     identity, frame = self._inbox.recv_multipart()
                     if identity:
-                        self._send_frame(identity, frame)
+                        self._endpoint.send_frame(identity, frame)
                 if self._socket in ready:
-                    self._receive()
+                    for received in self._endpoint.receive():
+                        self._handle(received)
                 for identity in self._liveness.expire():
                     self._drop(identity, "missed its heartbeats")
         finally:
             self._socket.close(linger=0)
             self._inbox.close(linger=0)
 
-    def _receive(self) -> None:
-        try:
-            identity, *parts = self._socket.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        if len(parts) != 1:
-            self._reject(identity, ErrorCode.MALFORMED, "a message is exactly one frame", None)
-            return
-        frame = parts[0]
-        try:
-            message = decode(frame, self.transport.max_message_bytes)
-        except ProtocolError as exc:
-            self._reject(identity, exc.code, str(exc), exc.ref_seq)
-            return
-        if message.sender_id.encode() != identity:
-            self._reject(identity, ErrorCode.IDENTITY, "sender_id differs from the connection's "
-                         "identity", message.seq)
-            return
-        self._handle(identity, message)
+    def _handle(self, received: Received) -> None:
+        """A message from a registered member goes to the handler of its
+        type; one from an unknown sender, or a replaced incarnation, must say
+        Hello (again) first."""
+        message = received.message
+        if not isinstance(message, Hello):
+            with self._lock:
+                member = self._members.get(message.sender_id)
+            if member is None or member.incarnation != message.incarnation:
+                self._endpoint.refuse(received, ErrorCode.UNREGISTERED, "send Hello first")
+                return
+        self._endpoint.dispatch(self._handlers, received)
 
-    def _handle(self, identity: bytes, message: Message) -> None:
-        problem = ""
+    def _on_hello(self, received: Received) -> None:
+        hello, identity = received.message, received.identity
         with self._lock:
-            member = self._members.get(message.sender_id)
-            if isinstance(message, Hello):
-                if member is None or message.incarnation >= member.incarnation:
-                    self._members[message.sender_id] = Member(
-                        message.sender_id, message.incarnation, identity, message.engine,
-                        message.policy_version)
-                    self.metrics.members.set(len(self._members))
-                    log.info("actor %s joined (incarnation %d, version %d)",
-                             message.sender_id, message.incarnation, message.policy_version)
-            elif member is None or member.incarnation != message.incarnation:
-                member = None
-            elif isinstance(message, WeightsLoaded):
-                problem = self._implausible(message)
-                if not problem:
-                    member.version = max(member.version, message.version)
-                    self.metrics.weight_sync_seconds.labels("load").observe(message.seconds)
-        if isinstance(message, Hello):
-            self._liveness.seen(identity)
-            self._send(identity, MemberWelcome(
-                **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
-                heartbeat_interval_s=self.transport.heartbeat_interval_s,
-                heartbeat_liveness=self.transport.heartbeat_liveness))
-        elif member is None:
-            # unknown, or a replaced incarnation: it must say Hello (again)
-            self._reject(identity, ErrorCode.UNREGISTERED, "send Hello first", message.seq)
-        elif problem:
-            self._reject(identity, ErrorCode.INVALID, problem, message.seq)
-        elif isinstance(message, (Heartbeat, WeightsLoaded)):
-            self._liveness.seen(identity)
-        else:
-            self._reject(identity, ErrorCode.UNEXPECTED,
-                         f"{type(message).__name__} is not for the learner", message.seq)
+            member = self._members.get(hello.sender_id)
+            if member is None or hello.incarnation >= member.incarnation:
+                self._members[hello.sender_id] = Member(
+                    hello.sender_id, hello.incarnation, identity, hello.engine,
+                    hello.policy_version)
+                self.metrics.members.set(len(self._members))
+                log.info("actor %s joined (incarnation %d, version %d)",
+                         hello.sender_id, hello.incarnation, hello.policy_version)
+        self._liveness.seen(identity)
+        self._endpoint.send(identity, MemberWelcome(
+            **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
+            heartbeat_interval_s=self.transport.heartbeat_interval_s,
+            heartbeat_liveness=self.transport.heartbeat_liveness))
+
+    def _on_heartbeat(self, received: Received) -> None:
+        self._liveness.seen(received.identity)
+
+    def _on_loaded(self, received: Received) -> None:
+        loaded = received.message
+        problem = self._implausible(loaded)
+        if problem:
+            self._endpoint.refuse(received, ErrorCode.INVALID, problem)
+            return
+        with self._lock:
+            member = self._members.get(loaded.sender_id)
+            if member is not None:
+                member.version = max(member.version, loaded.version)
+        self.metrics.weight_sync_seconds.labels("load").observe(loaded.seconds)
+        self._liveness.seen(received.identity)
 
     def _implausible(self, loaded: WeightsLoaded) -> str:
         """Why a load report cannot be true ('' if it can): a version never
@@ -262,17 +257,3 @@ class ControlPlane:
                     del self._members[actor_id]
                     log.info("actor %s left: %s", actor_id, why)
             self.metrics.members.set(len(self._members))
-
-    def _reject(self, identity: bytes, code: ErrorCode, text: str, ref_seq: int | None) -> None:
-        self.metrics.rejected_frames.labels(code).inc()
-        self._send(identity, Error(**self._stamp.next(), code=code, text=text[:500],
-                                   ref_seq=ref_seq))
-
-    def _send(self, identity: bytes, message: Message) -> None:
-        self._send_frame(identity, encode(message))
-
-    def _send_frame(self, identity: bytes, frame: bytes) -> None:
-        try:
-            self._socket.send_multipart([identity, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
-            log.debug("cannot reach %r: %s", identity, exc)

@@ -38,7 +38,6 @@ from protocol import (
     Ack,
     Batch,
     BatchRequest,
-    Error,
     ErrorCode,
     Heartbeat,
     Hello,
@@ -53,6 +52,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.endpoint import Handler, Received, ServerEndpoint
 from protocol.transport import Authenticator, Liveness, TransportConfig, bind_router
 from protocol.validation import check_segment_content
 from replay.buffer import RolloutBuffer, RolloutEntry, to_rollout
@@ -161,6 +161,23 @@ class ReplayService:
         self._auth = Authenticator(self._context, transport.curve)
         self.actor_socket = bind_router(self._context, config.actor_address, transport)
         self.learner_socket = bind_router(self._context, config.learner_address, transport)
+        undelivered = self.metrics.replies_undelivered.inc
+        self.actors = ServerEndpoint(self.actor_socket, self._stamp,
+                                     transport.max_message_bytes, self._refused, undelivered)
+        self.learners = ServerEndpoint(self.learner_socket, self._stamp,
+                                       transport.max_message_bytes, self._refused, undelivered,
+                                       check_identity=False)
+        self._actor_handlers: dict[type[Message], Handler] = {
+            Hello: self._on_hello, Segment: self._on_segment, Heartbeat: self._on_heartbeat}
+        self._learner_handlers: dict[type[Message], Handler] = {
+            LearnerHello: self._on_learner_hello, BatchRequest: self._on_batch_request,
+            Heartbeat: lambda received: None}
+        self._acks: dict[bytes, list[int]] = defaultdict(list)
+        """Per actor, the seqs stored in the ingest pass under way (acknowledged at its end)."""
+        self._now = time.monotonic()
+        """The ingest pass's clock."""
+        self._asked = False
+        """A batch request arrived in the learner pass under way."""
         self.log: DurableLog | None = None
         if config.durable_log:
             self.log = DurableLog(Path(config.log_path), config.fsync, config.fsync_interval_s)
@@ -231,66 +248,43 @@ class ReplayService:
     # ------------------------------------------------------------------ actors
 
     def _ingest(self) -> None:
-        acks: dict[bytes, list[int]] = defaultdict(list)
+        self._acks = defaultdict(list)
+        self._now = time.monotonic()
         touched: set[bytes] = set()
-        now = time.monotonic()
-        for _ in range(INGEST_BATCH):
-            try:
-                first, *parts = self.actor_socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            identity = first.bytes
-            if len(parts) != 1:  # the client sent a multi-part message
-                self._reject_multipart(self.actor_socket, identity)
-                continue
-            frame = parts[0]
-            data = frame.buffer  # zero-copy: the stored segment keeps the frame alive
-            message = self._decode_from(identity, data)
-            if message is not None:
-                touched.add(identity)
-                self._handle_actor(identity, message, data, acks, now)
-        if self.log is not None and acks:
+        for received in self.actors.receive(INGEST_BATCH):
+            touched.add(received.identity)
+            self._handle_actor(received)
+        if self.log is not None and self._acks:
             self.log.sync()
         for identity in touched:
             if identity not in self.peers:  # refused: nothing of it was stored
                 continue
-            seqs = acks.get(identity, [])
+            seqs = self._acks.get(identity, [])
             credits = self._top_up(identity)
             if seqs or credits or identity in self._behind:
                 self._ack(identity, seqs, credits)
         self._behind.clear()
         self._try_serve_parked()
 
-    def _decode_from(self, identity: bytes, frame: memoryview) -> Message | None:
-        try:
-            message = decode(frame, self.transport.max_message_bytes)
-        except ProtocolError as exc:
-            self._reject(self.actor_socket, identity, exc.code, str(exc), exc.ref_seq)
-            return None
-        if message.sender_id.encode() != identity:
-            self._reject(self.actor_socket, identity, ErrorCode.IDENTITY,
-                         "sender_id differs from the connection's identity", message.seq)
-            if isinstance(message, Segment):
-                self.metrics.segments.labels("rejected").inc()
-            return None
-        return message
+    def _refused(self, code: ErrorCode, message: Message | None) -> None:
+        self.metrics.rejected.labels(code).inc()
+        if isinstance(message, Segment):
+            self.metrics.segments.labels("rejected").inc()
 
-    def _handle_actor(self, identity: bytes, message: Message, frame: memoryview,
-                      acks: dict[bytes, list[int]], now: float) -> None:
+    def _handle_actor(self, received: Received) -> None:
+        """The incarnation rules, then the handler of the message's type."""
+        identity, message = received.identity, received.message
         actor_id, incarnation = message.sender_id, message.incarnation
         current = self.current_incarnation.get(actor_id)
-        refused = None
         if current is not None and incarnation < current:
-            refused = (ErrorCode.STALE_INCARNATION,
-                       f"incarnation {incarnation} was replaced by {current}")
-        elif incarnation <= self.dead_incarnation.get(actor_id, -1):
-            refused = (ErrorCode.DEAD_INCARNATION,
-                       f"incarnation {incarnation} was declared dead (silent for "
-                       f"{self.liveness.timeout_s:g} s): register as a new one")
-        if refused is not None:  # its rollouts are gone: nothing of it may count twice
-            self._reject(self.actor_socket, identity, *refused, message.seq)
-            if isinstance(message, Segment):
-                self.metrics.segments.labels("rejected").inc()
+            self.actors.refuse(received, ErrorCode.STALE_INCARNATION,
+                               f"incarnation {incarnation} was replaced by {current}")
+            return
+        if incarnation <= self.dead_incarnation.get(actor_id, -1):
+            # its rollouts are gone: nothing of it may count twice
+            self.actors.refuse(received, ErrorCode.DEAD_INCARNATION,
+                               f"incarnation {incarnation} was declared dead (silent for "
+                               f"{self.liveness.timeout_s:g} s): register as a new one")
             return
         old = self.peers.get(identity)
         if old is not None and incarnation > old.incarnation:
@@ -301,30 +295,32 @@ class ReplayService:
         self.current_incarnation[actor_id] = incarnation
         peer = self.peers.setdefault(identity, _Peer(actor_id, incarnation))
         if peer.incarnation != incarnation:  # the same process or config: same capacity
-            self.peers[identity] = peer = _Peer(actor_id, incarnation, peer.capacity)
+            self.peers[identity] = _Peer(actor_id, incarnation, peer.capacity)
         self.liveness.seen(identity)
-        if isinstance(message, Hello):
-            peer.capacity = max(1, message.capacity)
-            self._send(self.actor_socket, identity, Welcome(
-                **self._stamp.next(), run_id=self.run_id, policy_version=self.learner_version,
-                heartbeat_interval_s=self.transport.heartbeat_interval_s,
-                heartbeat_liveness=self.transport.heartbeat_liveness,
-                max_staleness=self.config.max_staleness,
-                rollouts_per_batch=self.config.rollouts_per_batch,
-                credits=self._top_up(identity),  # before the ledger: it counts them
-                **self._ledger_fields(actor_id)))
-        elif isinstance(message, Segment):
-            self._ingest_segment(identity, message, frame, acks, now)
-        elif isinstance(message, Heartbeat):
-            peer.active_rollouts = message.active_rollouts
-            if (message.credit_ledger, message.credits_seen) != self.pacer.ledger(actor_id):
-                self._behind.add(identity)  # a reply with credits was lost: repeat the total
-        else:
-            self._reject(self.actor_socket, identity, ErrorCode.UNEXPECTED,
-                         f"{type(message).__name__} is not for the actor socket", message.seq)
+        self.actors.dispatch(self._actor_handlers, received)
 
-    def _ingest_segment(self, identity: bytes, segment: Segment, frame: memoryview,
-                        acks: dict[bytes, list[int]], now: float) -> None:
+    def _on_hello(self, received: Received) -> None:
+        hello, identity = received.message, received.identity
+        self.peers[identity].capacity = max(1, hello.capacity)
+        self.actors.send(identity, Welcome(
+            **self._stamp.next(), run_id=self.run_id, policy_version=self.learner_version,
+            heartbeat_interval_s=self.transport.heartbeat_interval_s,
+            heartbeat_liveness=self.transport.heartbeat_liveness,
+            max_staleness=self.config.max_staleness,
+            rollouts_per_batch=self.config.rollouts_per_batch,
+            credits=self._top_up(identity),  # before the ledger: it counts them
+            **self._ledger_fields(hello.sender_id)))
+
+    def _on_heartbeat(self, received: Received) -> None:
+        heartbeat, identity = received.message, received.identity
+        self.peers[identity].active_rollouts = heartbeat.active_rollouts
+        if ((heartbeat.credit_ledger, heartbeat.credits_seen)
+                != self.pacer.ledger(heartbeat.sender_id)):
+            self._behind.add(identity)  # a reply with credits was lost: repeat the total
+
+    def _on_segment(self, received: Received) -> None:
+        identity, segment, frame = received.identity, received.message, received.frame
+        acks, now = self._acks, self._now
         key = (segment.sender_id, segment.incarnation, segment.seq)
         if key in self.seen:
             self.metrics.segments.labels("duplicate").inc()
@@ -334,23 +330,20 @@ class ReplayService:
             oldest = check_segment_content(segment, vocab_size=self.vocab_size,
                                            oldest_version=0, newest_version=self.learner_version)
         except ProtocolError as exc:
-            self._reject(self.actor_socket, identity, exc.code, str(exc), segment.seq)
-            self.metrics.segments.labels("rejected").inc()
+            self.actors.refuse(received, exc.code, str(exc))
             return
         # a late segment takes no memory: the bound must not drop its complete rollout
         if (not self.buffer.settled(segment.rollout_id)
                 and self.buffer.nbytes + len(frame) > self.config.max_buffer_bytes):
             self._drop(segment.rollout_id, "full", segment.sender_id)
-            self._reject(self.actor_socket, identity, ErrorCode.FULL,
-                         "replay buffer at its memory bound: rollout dropped", segment.seq)
-            self.metrics.segments.labels("rejected").inc()
+            self.actors.refuse(received, ErrorCode.FULL,
+                               "replay buffer at its memory bound: rollout dropped")
             return
         result = self.buffer.add(segment, frame, now, oldest)
         if result == "conflict":
             self._drop(segment.rollout_id, "invalid")
-            self._reject(self.actor_socket, identity, ErrorCode.INVALID,
-                         "segment index conflicts with the rollout's segments", segment.seq)
-            self.metrics.segments.labels("rejected").inc()
+            self.actors.refuse(received, ErrorCode.INVALID,
+                               "segment index conflicts with the rollout's segments")
             return
         self.seen.add(key)
         acks[identity].append(segment.seq)
@@ -392,49 +385,38 @@ class ReplayService:
     # ------------------------------------------------------------------ learner
 
     def _serve_learner(self) -> None:
-        asked = False
-        while True:
-            try:
-                identity, *parts = self.learner_socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(parts) != 1:
-                self._reject_multipart(self.learner_socket, identity)
-                continue
-            frame = parts[0]
-            try:
-                message = decode(frame, self.transport.max_message_bytes)
-            except ProtocolError as exc:
-                self._reject(self.learner_socket, identity, exc.code, str(exc), exc.ref_seq)
-                continue
-            if isinstance(message, LearnerHello):
-                self._send(self.learner_socket, identity, LearnerWelcome(
-                    **self._stamp.next(), run_id=self.run_id,
-                    policy_version=self.learner_version,
-                    rollouts_per_batch=self.config.rollouts_per_batch,
-                    max_staleness=self.config.max_staleness))
-            elif isinstance(message, BatchRequest) and message.size >= 0:
-                self._set_learner_version(message.policy_version)
-                served = self._served.get(identity)
-                if served is not None and served.request == (message.incarnation, message.seq):
-                    # asked again after a reconnect: the batch may be lost on the way
-                    self.metrics.batches_resent.inc()
-                    self._send_frame(self.learner_socket, identity, served.frame)
-                    continue
-                self.pacer.learner_waiting()
-                if (served := self._served.pop(identity, None)) is not None:
-                    self._confirm(served, message)
-                self._parked = [(i, r) for i, r in self._parked if i != identity]
-                if message.size:  # 0: the learner's last word, nothing more wanted
-                    self._parked.append((identity, message))
-                asked = True
-            elif not isinstance(message, Heartbeat):
-                self._reject(self.learner_socket, identity, ErrorCode.UNEXPECTED,
-                             f"{type(message).__name__} is not for the learner socket",
-                             message.seq)
+        self._asked = False
+        for received in self.learners.receive():
+            self.learners.dispatch(self._learner_handlers, received)
         self._try_serve_parked()
-        if asked:
+        if self._asked:
             self._offer_credits()
+
+    def _on_learner_hello(self, received: Received) -> None:
+        self.learners.send(received.identity, LearnerWelcome(
+            **self._stamp.next(), run_id=self.run_id, policy_version=self.learner_version,
+            rollouts_per_batch=self.config.rollouts_per_batch,
+            max_staleness=self.config.max_staleness))
+
+    def _on_batch_request(self, received: Received) -> None:
+        identity, request = received.identity, received.message
+        if request.size < 0:
+            self.learners.refuse(received, ErrorCode.INVALID, f"size {request.size} < 0")
+            return
+        self._set_learner_version(request.policy_version)
+        served = self._served.get(identity)
+        if served is not None and served.request == (request.incarnation, request.seq):
+            # asked again after a reconnect: the batch may be lost on the way
+            self.metrics.batches_resent.inc()
+            self.learners.send_frame(identity, served.frame)
+            return
+        self.pacer.learner_waiting()
+        if (served := self._served.pop(identity, None)) is not None:
+            self._confirm(served, request)
+        self._parked = [(i, r) for i, r in self._parked if i != identity]
+        if request.size:  # 0: the learner's last word, nothing more wanted
+            self._parked.append((identity, request))
+        self._asked = True
 
     def _offer_credits(self) -> None:
         """Send the credits a learner step freed now, not in reply to each
@@ -446,7 +428,7 @@ class ReplayService:
                 self._ack(identity, [], credits)
 
     def _ack(self, identity: bytes, stored_seqs: list[int], credits: int) -> None:
-        self._send(self.actor_socket, identity, Ack(
+        self.actors.send(identity, Ack(
             **self._stamp.next(), stored_seqs=stored_seqs, credits=credits,
             policy_version=self.learner_version,
             **self._ledger_fields(self.peers[identity].actor_id)))
@@ -504,7 +486,7 @@ class ReplayService:
                     mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
                     p95=float(np.percentile(staleness, 95)))))
             self._served[identity] = _Served((request.incarnation, request.seq), frame, entries)
-            self._send_frame(self.learner_socket, identity, frame)
+            self.learners.send_frame(identity, frame)
 
     # ------------------------------------------------------------------ shared
 
@@ -530,26 +512,6 @@ class ReplayService:
         else:
             self.pacer.finished(entry.actor_id, accepted=False)
         self._release(entry)
-
-    def _reject(self, socket: zmq.Socket, identity: bytes, code: ErrorCode, text: str,
-                ref_seq: int | None) -> None:
-        self.metrics.rejected.labels(code).inc()
-        self._send(socket, identity, Error(**self._stamp.next(), code=code, text=text[:500],
-                                           ref_seq=ref_seq))
-
-    def _reject_multipart(self, socket: zmq.Socket, identity: bytes) -> None:
-        self._reject(socket, identity, ErrorCode.MALFORMED,
-                     "a message is exactly one frame", None)
-
-    def _send(self, socket: zmq.Socket, identity: bytes, message: Message) -> None:
-        self._send_frame(socket, identity, encode(message))
-
-    def _send_frame(self, socket: zmq.Socket, identity: bytes, frame: bytes) -> None:
-        try:
-            socket.send_multipart([identity, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
-            self.metrics.replies_undelivered.inc()
-            log.debug("cannot reply to %r: %s", identity, exc)
 
     def _tick(self) -> None:
         now = time.monotonic()
