@@ -60,6 +60,7 @@ from replay.config import ReplayConfig
 from replay.log import RELEASED, SEGMENT, VERSION, DurableLog, decode_version
 from replay.metrics import ReplayMetrics
 from replay.pacing import CreditPacer
+from replay.registry import ActorRegistry, Peer
 
 log = logging.getLogger("compactionrl.replay")
 
@@ -74,19 +75,6 @@ TICK_S = 0.5
 DEDUP_WINDOW = 1 << 20
 #: Compact the log once this many bytes in it are dead and they outweigh the live ones.
 COMPACT_MIN_BYTES = 64 * 1024 * 1024
-#: Credits an actor may hold when it did not say its capacity (no Hello seen).
-DEFAULT_CAPACITY = 1
-
-
-@dataclass
-class _Peer:
-    actor_id: str
-    incarnation: int
-    capacity: int = DEFAULT_CAPACITY
-    active_rollouts: int = 0
-    """In flight at its last heartbeat, including rollouts not yet seen here."""
-
-
 @dataclass
 class _Served:
     """The last batch served to a learner identity, kept until that learner's
@@ -139,13 +127,8 @@ class ReplayService:
         self.pacer = CreditPacer(config.rollouts_per_batch, config.max_staleness,
                                  config.max_buffer_bytes)
         self.seen = _SeenSeqs()
-        self.peers: dict[bytes, _Peer] = {}
-        self.current_incarnation: dict[str, int] = {}
-        self.dead_incarnation: dict[str, int] = {}
-        """Per actor id, the newest incarnation declared dead (silent past the
-        liveness): its rollouts expired, so whatever it sends later is refused
-        and it must come back as a new incarnation (a frozen process resumed)."""
-        self.liveness = Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness)
+        self.registry = ActorRegistry(Liveness(transport.heartbeat_interval_s,
+                                               transport.heartbeat_liveness))
         self.learner_version = 0
         """The newest policy version the learner has asked with (kept in the
         durable log): trainable tokens of a newer version are refused from
@@ -257,7 +240,7 @@ class ReplayService:
         if self.log is not None and self._acks:
             self.log.sync()
         for identity in touched:
-            if identity not in self.peers:  # refused: nothing of it was stored
+            if identity not in self.registry.peers:  # refused: nothing of it was stored
                 continue
             seqs = self._acks.get(identity, [])
             credits = self._top_up(identity)
@@ -272,36 +255,21 @@ class ReplayService:
             self.metrics.segments.labels("rejected").inc()
 
     def _handle_actor(self, received: Received) -> None:
-        """The incarnation rules, then the handler of the message's type."""
+        """The incarnation rules (replay/registry.py), then the handler of
+        the message's type."""
         identity, message = received.identity, received.message
-        actor_id, incarnation = message.sender_id, message.incarnation
-        current = self.current_incarnation.get(actor_id)
-        if current is not None and incarnation < current:
-            self.actors.refuse(received, ErrorCode.STALE_INCARNATION,
-                               f"incarnation {incarnation} was replaced by {current}")
+        refusal = self.registry.refusal(message.sender_id, message.incarnation)
+        if refusal is not None:  # its rollouts are gone: nothing of it may count twice
+            self.actors.refuse(received, *refusal)
             return
-        if incarnation <= self.dead_incarnation.get(actor_id, -1):
-            # its rollouts are gone: nothing of it may count twice
-            self.actors.refuse(received, ErrorCode.DEAD_INCARNATION,
-                               f"incarnation {incarnation} was declared dead (silent for "
-                               f"{self.liveness.timeout_s:g} s): register as a new one")
-            return
-        old = self.peers.get(identity)
-        if old is not None and incarnation > old.incarnation:
-            # restarted before its old incarnation fell silent long enough: that
-            # one is dead now (one declared dead by the liveness was counted then
-            # and left self.peers, so nothing of it is counted twice)
-            self._actor_gone(identity, actor_id, old.incarnation, old.active_rollouts)
-        self.current_incarnation[actor_id] = incarnation
-        peer = self.peers.setdefault(identity, _Peer(actor_id, incarnation))
-        if peer.incarnation != incarnation:  # the same process or config: same capacity
-            self.peers[identity] = _Peer(actor_id, incarnation, peer.capacity)
-        self.liveness.seen(identity)
+        replaced = self.registry.admit(identity, message.sender_id, message.incarnation)
+        if replaced is not None:  # restarted before its old incarnation fell silent
+            self._actor_gone(replaced)
         self.actors.dispatch(self._actor_handlers, received)
 
     def _on_hello(self, received: Received) -> None:
         hello, identity = received.message, received.identity
-        self.peers[identity].capacity = max(1, hello.capacity)
+        self.registry.peers[identity].capacity = max(1, hello.capacity)
         self.actors.send(identity, Welcome(
             **self._stamp.next(), run_id=self.run_id, policy_version=self.learner_version,
             heartbeat_interval_s=self.transport.heartbeat_interval_s,
@@ -313,7 +281,7 @@ class ReplayService:
 
     def _on_heartbeat(self, received: Received) -> None:
         heartbeat, identity = received.message, received.identity
-        self.peers[identity].active_rollouts = heartbeat.active_rollouts
+        self.registry.peers[identity].active_rollouts = heartbeat.active_rollouts
         if ((heartbeat.credit_ledger, heartbeat.credits_seen)
                 != self.pacer.ledger(heartbeat.sender_id)):
             self._behind.add(identity)  # a reply with credits was lost: repeat the total
@@ -358,15 +326,18 @@ class ReplayService:
             self.pacer.finished(entry.actor_id, accepted=True, rollout_bytes=entry.nbytes)
 
     def _top_up(self, identity: bytes) -> int:
-        peer = self.peers[identity]
+        peer = self.registry.peers[identity]
         wanted = peer.capacity - self.pacer.outstanding.get(peer.actor_id, 0)
         granted = self.pacer.grant(peer.actor_id, wanted, self.buffer.nbytes,
                                    len(self.buffer.ready))
         self.metrics.credits_granted.inc(granted)
         return granted
 
-    def _actor_gone(self, identity: bytes, actor_id: str, incarnation: int,
-                    active_rollouts: int) -> None:
+    def _actor_gone(self, peer: Peer) -> None:
+        """Count what an incarnation that is over (replaced, or declared
+        dead) leaves behind as lost, and forget its credits."""
+        actor_id, incarnation, active_rollouts = (peer.actor_id, peer.incarnation,
+                                                  peer.active_rollouts)
         expired = self.buffer.expired(time.monotonic(), {(actor_id, incarnation)})
         for entry in expired:
             self._drop(entry.rollout_id, "expired")
@@ -380,7 +351,6 @@ class ReplayService:
                  incarnation, len(expired) + unseen, len(expired), unseen, active_rollouts,
                  outstanding)
         self.pacer.forget(actor_id)
-        self.liveness.forget(identity)
 
     # ------------------------------------------------------------------ learner
 
@@ -422,7 +392,7 @@ class ReplayService:
         """Send the credits a learner step freed now, not in reply to each
         actor's next message: in synchronous mode (S = 0) idle actors would
         otherwise wait up to a heartbeat interval every step."""
-        for identity in list(self.peers):
+        for identity in list(self.registry.peers):
             credits = self._top_up(identity)
             if credits:
                 self._ack(identity, [], credits)
@@ -431,7 +401,7 @@ class ReplayService:
         self.actors.send(identity, Ack(
             **self._stamp.next(), stored_seqs=stored_seqs, credits=credits,
             policy_version=self.learner_version,
-            **self._ledger_fields(self.peers[identity].actor_id)))
+            **self._ledger_fields(self.registry.peers[identity].actor_id)))
 
     def _ledger_fields(self, actor_id: str) -> dict[str, int]:
         ledger, total = self.pacer.ledger(actor_id)
@@ -515,14 +485,10 @@ class ReplayService:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        for identity in self.liveness.expire(now):
-            peer = self.peers.pop(identity, None)
-            if peer is not None:
-                log.info("actor %s (incarnation %d) is silent: declared dead", peer.actor_id,
-                         peer.incarnation)
-                self.dead_incarnation[peer.actor_id] = peer.incarnation
-                self._actor_gone(identity, peer.actor_id, peer.incarnation,
-                                 peer.active_rollouts)
+        for _, peer in self.registry.expire(now):
+            log.info("actor %s (incarnation %d) is silent: declared dead", peer.actor_id,
+                     peer.incarnation)
+            self._actor_gone(peer)
         for entry in self.buffer.expired(now, set()):
             self._drop(entry.rollout_id, "expired")
         if self.log is not None:
@@ -540,6 +506,6 @@ class ReplayService:
         self.metrics.rollouts.labels("ready").set(len(self.buffer.ready))
         self.metrics.buffer_bytes.set(self.buffer.nbytes)
         self.metrics.credits_outstanding.set(self.pacer.running)
-        self.metrics.actors_alive.set(len(self.liveness.alive()))
+        self.metrics.actors_alive.set(self.registry.alive())
         if self.log is not None:
             self.metrics.log_bytes.set(self.log.bytes_written)
