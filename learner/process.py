@@ -142,68 +142,28 @@ class Learner:
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
             self.version, self.step = load_checkpoint(latest, self.trainer)
             log.info("resumed from %s at version %d", latest, self.version)
-        link = (_ReplayLink(self.settings, self.metrics.duplicate_batches,
-                            self.metrics.duplicate_rollouts)
-                if self.rank == 0 else None)
-        control: ControlPlane | None = None
+        peers: _Peers = (_RankZeroPeers(self.settings, self.metrics,
+                                        checkpoints / ANNOUNCED_RECORD)
+                         if self.rank == 0 else _Peers())
         server = MetricsServer(self.metrics.registry,
                                self.config.metrics_port if self.rank == 0 else 0,
                                self.settings.transport.metrics_address)
         try:
-            welcome = link.hello() if link else None
-            batch_size = self._broadcast_int(welcome.rollouts_per_batch if welcome else 0)
-            replay_version = welcome.policy_version if welcome else 0
-            if welcome:  # the staleness bound's one source is the replay's configuration
-                control = ControlPlane(self.config.control_address, self.settings.transport,
-                                       self.settings.run_id, welcome.max_staleness,
-                                       self.config.late_joiner, self.metrics,
-                                       checkpoints / ANNOUNCED_RECORD)
-            publisher = WeightPublisher(self.trainer.policy, self.config, self.rank, control,
-                                        self.metrics, self._broadcast_int)
+            batch_size = self._broadcast_int(peers.join())
+            publisher = WeightPublisher(self.trainer.policy, self.config, self.rank,
+                                        peers.control, self.metrics, self._broadcast_int)
             restored = self.version
-            self.version = self._broadcast_int(starting_version(
-                restored, control.announced, replay_version) if control else 0)
+            self.version = self._broadcast_int(peers.starting_version(restored))
             if self.version != restored and self.rank == 0:
                 log.info("weights of version %d labelled version %d: an earlier learner of "
                          "this run got to version %d", restored, self.version,
                          self.version - 1)
             self.metrics.resumed(self.version, self.step)
-            if link and self.step < self.config.max_steps:
+            if self.step < self.config.max_steps:
                 # before any publication: the replay refuses tokens of a
                 # version newer than the learner has asked with
-                link.request(batch_size, self.version)
-            while self.step < self.config.max_steps:
-                if control:
-                    control.version = self.version
-                wanted = bool(control and control.publication_wanted(self.version))
-                stopping, publish_now = self._agree(self.stopping, wanted)
-                if stopping:
-                    break
-                if publish_now:
-                    publisher.publish(self.version)
-                frame = link.next_batch(batch_size, self.version, lambda: self.stopping or (
-                    control is not None and control.publication_wanted(self.version)),
-                    self.metrics.idle_seconds) if link else b""
-                frame = self._broadcast_bytes(frame)
-                if not frame:
-                    continue  # stopping, or weights are wanted first
-                if not self._train(frame):
-                    continue
-                if link:
-                    # ask now: the replay learns the new version before any actor
-                    # can sample with it, assembles while we publish, and releases
-                    # the batch just trained in its log (after the last step: a
-                    # request for none, for that release alone)
-                    link.request(batch_size if self.step < self.config.max_steps else 0,
-                                 self.version)
-                if (self.step % self.config.checkpoint_every == 0
-                        and self.step < self.config.max_steps):
-                    # after the request: a checkpoint never holds a batch the replay
-                    # would serve again to a learner resumed from it
-                    save_checkpoint(self.run_dir / "checkpoints", self.trainer, self.version,
-                                    self.step)
-                if self.step % self.config.publish_every == 0:
-                    publisher.publish(self.version)
+                peers.request(batch_size, self.version)
+            self._steps(peers, publisher, batch_size)
             save_checkpoint(checkpoints, self.trainer, self.version, self.step)
             export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export", dtype,
                       self.config.export_timeout_s)
@@ -212,12 +172,41 @@ class Learner:
                          "written", "signal" if self.stopping else "max_steps", self.step,
                          self.version)
         finally:
-            if link:
-                link.close()
-            if control:
-                control.close()
+            peers.close()
             server.close()
         return 0
+
+    def _steps(self, peers: _Peers, publisher: WeightPublisher, batch_size: int) -> None:
+        """Train until max_steps or a stop: publish when an actor needs
+        weights or every publish_every steps, checkpoint every
+        checkpoint_every steps."""
+        while self.step < self.config.max_steps:
+            stopping, publish_now = self._agree(self.stopping,
+                                                peers.weights_wanted(self.version))
+            if stopping:
+                break
+            if publish_now:
+                publisher.publish(self.version)
+            frame = self._broadcast_bytes(peers.next_batch(
+                batch_size, self.version, lambda: self.stopping))
+            if not frame:
+                continue  # stopping, or weights are wanted first
+            if not self._train(frame):
+                continue
+            # ask now: the replay learns the new version before any actor
+            # can sample with it, assembles while we publish, and releases
+            # the batch just trained in its log (after the last step: a
+            # request for none, for that release alone)
+            peers.request(batch_size if self.step < self.config.max_steps else 0,
+                          self.version)
+            if (self.step % self.config.checkpoint_every == 0
+                    and self.step < self.config.max_steps):
+                # after the request: a checkpoint never holds a batch the replay
+                # would serve again to a learner resumed from it
+                save_checkpoint(self.run_dir / "checkpoints", self.trainer, self.version,
+                                self.step)
+            if self.step % self.config.publish_every == 0:
+                publisher.publish(self.version)
 
     def _train(self, frame: bytes) -> bool:
         """One step on the batch in ``frame``; False if it was refused."""
@@ -266,6 +255,80 @@ class Learner:
         if size:
             dist.broadcast(buffer, 0)
         return buffer.cpu().numpy().tobytes()
+
+
+class _Peers:
+    """What the learner says to its peers (the replay, the actors), as the
+    ranks other than 0 do it: nothing. Every rank calls the same methods at
+    the same points, and the collectives around them carry rank 0's values
+    (:class:`_RankZeroPeers`) to the others."""
+
+    control: ControlPlane | None = None
+
+    def join(self) -> int:
+        """Register with the replay; the batch size B."""
+        return 0
+
+    def starting_version(self, restored: int) -> int:
+        return restored
+
+    def weights_wanted(self, version: int) -> bool:
+        """Whether an actor needs weights at once (and tell the control
+        plane the learner's ``version``)."""
+        return False
+
+    def request(self, size: int, version: int) -> None:
+        """Ask the replay for the next batch (unless a request is outstanding)."""
+
+    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
+        """The next Batch frame, or b"" once ``stopping()`` or weights are wanted."""
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+class _RankZeroPeers(_Peers):
+    """Rank 0: the link to the replay, and (once the replay has said the
+    staleness bound, its one source) the control plane actors register with."""
+
+    def __init__(self, settings: LearnerSettings, metrics: LearnerMetrics,
+                 announced_record: Path) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.announced_record = announced_record
+        self.link = _ReplayLink(settings, metrics.duplicate_batches, metrics.duplicate_rollouts)
+        self.replay_version = 0
+        """The newest version the replay has heard, from its welcome."""
+
+    def join(self) -> int:
+        welcome = self.link.hello()
+        self.replay_version = welcome.policy_version
+        config = self.settings.learner
+        self.control = ControlPlane(config.control_address, self.settings.transport,
+                                    self.settings.run_id, welcome.max_staleness,
+                                    config.late_joiner, self.metrics, self.announced_record)
+        return welcome.rollouts_per_batch
+
+    def starting_version(self, restored: int) -> int:
+        return starting_version(restored, self.control.announced, self.replay_version)
+
+    def weights_wanted(self, version: int) -> bool:
+        self.control.version = version
+        return self.control.publication_wanted(version)
+
+    def request(self, size: int, version: int) -> None:
+        self.link.request(size, version)
+
+    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
+        return self.link.next_batch(
+            size, version, lambda: stopping() or self.control.publication_wanted(version),
+            self.metrics.idle_seconds)
+
+    def close(self) -> None:
+        self.link.close()
+        if self.control is not None:
+            self.control.close()
 
 
 class _ReplayLink:
