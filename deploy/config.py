@@ -16,11 +16,8 @@ Usage::
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import json
-import textwrap
 import tomllib
 import types
 import typing
@@ -32,6 +29,7 @@ from typing import Any, Literal
 from actors.config import ActorConfig, read_model_config
 from deploy.device_plan import static_device_problems
 from learner.config import LearnerConfig
+from protocol.schema import attribute_docs
 from protocol.transport import TransportConfig, bound_endpoint, is_loopback
 from recipes.config import BootstrapConfig
 from replay.config import ReplayConfig
@@ -418,7 +416,7 @@ class FieldDoc:
 def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[FieldDoc]:
     """Every field under ``cls`` with its type, default and docstring (the
     string literal under the field in the dataclass's source)."""
-    docs = _attribute_docs(cls)
+    docs = attribute_docs(cls)
     defaults = cls()
     out = []
     for name, hint in _fields(cls).items():
@@ -431,24 +429,6 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[FieldDoc]:
                             "unset" if default is None else _toml_value(default),
                             docs.get(name, "")))
     return out
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring under it, for ``cls`` and its bases."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__[:-1]):
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, following in zip(body, body[1:], strict=False):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):
-                docs[node.target.id] = inspect.cleandoc(following.value.value)
-    return docs
 
 
 def _type_name(hint: Any) -> str:

@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from protocol.bounds import bound_problems, bounded
+
 
 @dataclass
 class LearnerConfig:
     """PPO with a critic, cross-trajectory GAE, token-level normalisation."""
 
-    nproc: int = 1
+    nproc: int = bounded(1, ge=1)
     """Ranks torchrun starts on each node (FSDP2 shards over all ranks of all
     nodes)."""
-    nnodes: int = 1
+    nnodes: int = bounded(1, ge=1)
     """Nodes of the learner, each running `compactionrl learner` with the same
     configuration but learner.node_rank. 1: torchrun --standalone."""
     node_rank: int = 0
@@ -39,7 +41,8 @@ class LearnerConfig:
     stages weights in shared memory (every engine on the learner's host). A
     configuration that would put two NCCL ranks on one GPU is refused at load
     time, naming the fix."""
-    gpu_memory_fraction: float = 0.5
+    gpu_memory_fraction: float = bounded(
+        0.5, gt=0, lt=1, why="it splits a shared GPU between the learner and an engine")
     """Co-location only (a learner rank and an engine on one GPU): the share
     of that GPU's memory kept for the learner rank. The engine there gets
     gpu_memory_utilization = 1 - this (or actors.engine's, if lower), and
@@ -52,12 +55,12 @@ class LearnerConfig:
     layer there (policy and critic): activation memory of one layer instead
     of all, for a second forward pass of each layer. auto: on on GPU, off on
     the CPU."""
-    logprob_chunk_tokens: int = 0
+    logprob_chunk_tokens: int = bounded(0, ge=0)
     """Positions whose [positions, vocabulary] float32 logits exist at once
     when computing log-probabilities; backward computes each chunk's again.
     The same values as without (0 = off: the logits of a whole forward pass
     at once)."""
-    max_tokens_per_microbatch: int = 0
+    max_tokens_per_microbatch: int = bounded(0, ge=0)
     """Token budget of one forward pass, padding included: each rank's share
     of a minibatch is cut into micro-batches of whole sequences within it
     (a longer sequence alone), their gradients accumulated into one update
@@ -69,17 +72,17 @@ class LearnerConfig:
     both, the body trained on the policy loss plus value_loss_coef times the
     value loss (a second model's parameters, gradients and AdamW state
     saved). The head never reaches the engines or the export."""
-    value_loss_coef: float = 0.5
+    value_loss_coef: float = bounded(0.5, ge=0)
     """value_head only: weight of the value loss in the shared body's loss
     (with a critic model, each model has its own loss)."""
-    lr: float = 1e-4
+    lr: float = bounded(1e-4, gt=0)
     """Policy learning rate (AdamW)."""
-    critic_lr: float = 1e-4
+    critic_lr: float = bounded(1e-4, gt=0)
     """Critic learning rate (AdamW); with a value head, the head's (the
     shared body follows lr)."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0, le=1)
     """Discount of the GAE."""
-    lam: float = 0.999
+    lam: float = bounded(0.999, ge=0, le=1)
     """lambda of the GAE; (gamma*lam)^N_{>s} discounts early segments."""
     advantage: Literal["cross", "independent", "grpo"] = "cross"
     """cross: cross-trajectory GAE; independent: each segment alone; grpo:
@@ -93,29 +96,29 @@ class LearnerConfig:
     """Train a summary segment and the window it summarises (its prompt, the
     execution segment before it) as one sequence: the same losses, fewer
     tokens through the models."""
-    clip_low: float = 0.2
+    clip_low: float = bounded(0.2, ge=0, lt=1, why="the ratio's lower bound is 1 - clip_low")
     """epsilon_low of the PPO ratio clip."""
-    clip_high: float = 0.2
+    clip_high: float = bounded(0.2, ge=0)
     """epsilon_high of the PPO ratio clip."""
-    is_cap: float = 2.0
+    is_cap: float = bounded(2.0, ge=1, why="it caps pi_prox/mu")
     """C_is: cap of the behaviour importance weight pi_prox / mu."""
     is_mode: Literal["truncate", "mask", "off"] = "truncate"
     """truncate: min(w, C_is); mask: drop tokens with w outside [1/C_is, C_is]; off: w = 1."""
-    value_clip: float = 0.2
+    value_clip: float = bounded(0.2, ge=0)
     """Clip range of the critic's value update."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1)
     """Passes over each batch."""
-    minibatches: int = 1
+    minibatches: int = bounded(1, ge=1)
     """Optimizer steps per epoch."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0, ge=0)
     """Gradient clipping (0 = off)."""
     whiten_advantages: bool = False
     """Off by default: a batch mean would favour discounted early segments."""
-    max_steps: int = 50
+    max_steps: int = bounded(50, ge=1)
     """Learner steps (policy versions) of a run."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = bounded(10, ge=1)
     """Steps between checkpoints (and one at shutdown)."""
-    export_timeout_s: float = 3600.0
+    export_timeout_s: float = bounded(3600.0, gt=0)
     """How long the other ranks wait for rank 0 to write the HF export at the
     end (on a process group of its own: the usual collective timeout, 10
     minutes on NCCL, does not apply). A rank 0 that dies ends the wait at
@@ -126,12 +129,12 @@ class LearnerConfig:
     weight_store_address: str = "127.0.0.1:5558"
     """host:port of the weight broadcast's rendezvous store: rank 0 listens on
     the port, actors connect to the host."""
-    weight_bucket_bytes: int = 0
+    weight_bucket_bytes: int = bounded(0, ge=0)
     """Broadcast bucket size (0 = one broadcast per tensor, the fast choice on gloo)."""
-    weight_timeout_s: float = 30.0
+    weight_timeout_s: float = bounded(30.0, gt=0)
     """Bound on forming a broadcast group and on each broadcast: a dead actor
     fails that publication after this long, never hangs the learner."""
-    publish_every: int = 1
+    publish_every: int = bounded(1, ge=1)
     """Optimiser steps between weight publications (at most the replay's
     max_staleness + 1, or actors generate stale tokens before each one)."""
     late_joiner: Literal["immediate", "next_publication"] = "immediate"
@@ -142,40 +145,8 @@ class LearnerConfig:
     """Prometheus port of rank 0 (0 = off)."""
 
     def validate(self, section: str = "learner") -> list[str]:
-        problems = []
-        if self.nproc < 1:
-            problems.append(f"{section}.nproc must be >= 1")
-        for name in ("lr", "critic_lr"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{section}.{name} must be > 0")
-        for name in ("gamma", "lam"):
-            if not 0 <= getattr(self, name) <= 1:
-                problems.append(f"{section}.{name} = {getattr(self, name)} must be in [0, 1]")
-        for name in ("clip_low", "clip_high", "value_clip", "max_grad_norm", "value_loss_coef"):
-            if getattr(self, name) < 0:
-                problems.append(f"{section}.{name} must be >= 0")
-        if self.clip_low >= 1:
-            problems.append(f"{section}.clip_low must be < 1 (the ratio's lower bound is "
-                            "1 - clip_low)")
-        if self.is_cap < 1:
-            problems.append(f"{section}.is_cap = {self.is_cap} must be >= 1 (it caps pi_prox/mu)")
-        for name in ("ppo_epochs", "minibatches", "max_steps", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                problems.append(f"{section}.{name} must be >= 1")
-        for name in ("weight_bucket_bytes", "logprob_chunk_tokens", "max_tokens_per_microbatch"):
-            if getattr(self, name) < 0:
-                problems.append(f"{section}.{name} must be >= 0")
-        for name in ("weight_timeout_s", "export_timeout_s"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{section}.{name} must be > 0")
-        if not 0 < self.gpu_memory_fraction < 1:
-            problems.append(f"{section}.gpu_memory_fraction = {self.gpu_memory_fraction} must be "
-                            "in (0, 1): it splits a shared GPU between the learner and an engine")
-        if self.publish_every < 1:
-            problems.append(f"{section}.publish_every must be >= 1")
-        if self.nnodes < 1:
-            problems.append(f"{section}.nnodes must be >= 1")
-        elif not 0 <= self.node_rank < self.nnodes:
+        problems = bound_problems(self, section)
+        if self.nnodes >= 1 and not 0 <= self.node_rank < self.nnodes:
             problems.append(f"{section}.node_rank = {self.node_rank} must be in 0 .. "
                             f"{self.nnodes - 1} (nnodes = {self.nnodes})")
         if self.nnodes > 1:

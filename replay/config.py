@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from protocol.bounds import bound_problems, bounded
+
 
 @dataclass
 class ReplayConfig:
@@ -16,14 +18,14 @@ class ReplayConfig:
     """ROUTER that actors connect to (loopback unless you open it on purpose)."""
     learner_address: str = "tcp://127.0.0.1:5556"
     """ROUTER that the learner connects to."""
-    rollouts_per_batch: int = 8
+    rollouts_per_batch: int = bounded(8, ge=1)
     """B: complete rollouts in one learner batch (one learner step)."""
-    max_staleness: int = 2
+    max_staleness: int = bounded(2, ge=0, why="0 = on-policy")
     """Rollouts whose oldest trainable token is more than this many learner
     versions behind are never trained on. 0 = fully on-policy."""
-    max_buffer_bytes: int = 512 * 1024 * 1024
+    max_buffer_bytes: int = bounded(512 * 1024 * 1024, ge=1024 * 1024, why="at least 1 MiB")
     """Memory bound of stored segments; credits stop before it is reached."""
-    rollout_timeout_s: float = 600.0
+    rollout_timeout_s: float = bounded(600.0, gt=0)
     """A rollout not completed this long after its first segment expires."""
     serve_order: Literal["fifo", "freshest"] = "fifo"
     """Order in which ready rollouts are served: oldest-finished first, or
@@ -37,22 +39,13 @@ class ReplayConfig:
     log_path: str = ""
     """The durable log (with durable_log = true). Empty: replay/segments.log in
     the run folder, so that a run never recovers another run's rollouts."""
-    vocab_size: int = 0
+    vocab_size: int = bounded(0, ge=0)
     """Token ids must be below this; 0 = read it from run.model's config.json."""
-    metrics_port: int = 9100
+    metrics_port: int = bounded(9100, ge=0, le=65535)
     """Prometheus port (0 = off)."""
 
     def validate(self, section: str = "replay") -> list[str]:
-        problems = []
-        if self.max_staleness < 0:
-            problems.append(f"{section}.max_staleness = {self.max_staleness}: the staleness "
-                            "bound must be >= 0 (0 = on-policy)")
-        if self.rollouts_per_batch < 1:
-            problems.append(f"{section}.rollouts_per_batch must be >= 1")
-        if self.max_buffer_bytes < 1024 * 1024:
-            problems.append(f"{section}.max_buffer_bytes must be >= 1 MiB")
-        if self.rollout_timeout_s <= 0:
-            problems.append(f"{section}.rollout_timeout_s must be > 0")
+        problems = bound_problems(self, section)
         if self.fsync == "interval" and self.fsync_interval_s <= 0:
             problems.append(f"{section}.fsync_interval_s must be > 0 with fsync = \"interval\"")
         if self.durable_log and not self.log_path:
