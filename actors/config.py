@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from protocol.bounds import bound_problems, bounded
+
 DEFAULT_SUMMARY_INSTRUCTION = (
     "stop . write a summary of the history for your successor : the goal , every fact found "
     "with its exact value , the actions done and their results , and the next step . keep it "
@@ -43,9 +45,9 @@ class EngineConfig:
     """Weights and activations dtype inside vLLM (the learner may differ)."""
     max_model_len: int = 2048
     """Longest sequence the engine accepts; must be >= compaction.context_tokens."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = bounded(1, ge=1)
     """GPUs per engine. Must be 1 on CPU."""
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (GPU only)."""
     cpu_threads_bind: str = "auto"
     """CPU build only: cores the engine's OpenMP threads run on ("auto":
@@ -55,7 +57,7 @@ class EngineConfig:
     engine started beside a busy one was starved there while it started.
     `compactionrl up` gives each local CPU actor its own core when this is
     "auto"; an actor started by hand beside others needs one named here."""
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: int = bounded(1, ge=1, why="whole GiB")
     """KV cache size on CPU in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); small
     keeps 2-core machines usable."""
     enforce_eager: bool | None = None
@@ -135,12 +137,12 @@ class SamplingConfig:
     """How assistant turns are sampled. Log-probabilities are those of this
     processed distribution, because the learner's importance weights divide by them."""
 
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     """Sampling temperature of the behaviour policy (the learner's importance
     weights divide by the processed distribution it defines)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling mass (1 = the full distribution)."""
-    max_turn_tokens: int = 128
+    max_turn_tokens: int = bounded(128, ge=1)
     """Cap on one assistant turn (further capped by the room left in the window)."""
 
 
@@ -150,17 +152,17 @@ class CompactionConfig:
 
     enabled: bool = True
     """Off: plain multi-turn episodes that end when the window is full."""
-    context_tokens: int = 1024
+    context_tokens: int = bounded(1024, ge=64)
     """C: the context limit an episode runs under."""
     reserve_tokens: int = 256
     """T_comp: compact after a step once fewer than this many tokens are free.
     Must cover the summary instruction plus max_summary_tokens."""
-    keep_steps: int = 2
+    keep_steps: int = bounded(2, ge=0)
     """k: most recent steps kept verbatim after the summary (lowered down to 0
     until the rebuilt context leaves reserve_tokens free)."""
-    max_summary_tokens: int = 160
+    max_summary_tokens: int = bounded(160, ge=1)
     """Longest summary the policy may write."""
-    max_compactions: int = 3
+    max_compactions: int = bounded(3, ge=0)
     """Episode ends at this many compactions (3 = a 4x budget)."""
     summary_instruction: str = DEFAULT_SUMMARY_INSTRUCTION
     """q_sum: the user turn that asks for the summary."""
@@ -177,9 +179,9 @@ class EnvironmentConfig:
     """``module:Name`` of a class or function returning an Environment."""
     options: dict[str, int | float | str | bool] = field(default_factory=dict)
     """Keyword arguments for the factory."""
-    max_steps: int = 64
+    max_steps: int = bounded(64, ge=1)
     """Episode step limit (outcome ``step_limit``, reward 0)."""
-    observation_max_tokens: int = 256
+    observation_max_tokens: int = bounded(256, ge=1)
     """Longer observations are cut to this many tokens, with a visible marker."""
     truncation_marker: str = " [observation cut]"
     """Text that replaces the cut-off end of an observation."""
@@ -193,14 +195,14 @@ class ActorConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
-    count: int = 2
+    count: int = bounded(2, ge=0)
     """Actor processes `compactionrl up` starts on this machine."""
     gpus: list[int] = field(default_factory=list)
     """GPUs of the actors `compactionrl up` starts, engine.tensor_parallel
     consecutive ones per actor (count x tensor_parallel in all). Empty:
     the GPUs after the learner's; on one GPU, one actor shares it with the
     learner (co-location). A learner GPU listed here co-locates that actor."""
-    concurrent_episodes: int = 8
+    concurrent_episodes: int = bounded(8, ge=1)
     """Episodes one actor runs at once on its engine."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """What requests in flight during a weight update continue on. "keep":
@@ -209,30 +211,27 @@ class ActorConfig:
     recorded as sampled); "recompute": vLLM preempts them and prefills prompt
     and sampled tokens again with the new weights. Either way no later request
     reuses a prefix-cache block computed by old weights."""
-    group_size: int = 1
+    group_size: int = bounded(1, ge=1)
     """Consecutive episodes that play the same task (environment seed) with
     different sampling seeds: the groups of learner.advantage = "grpo"."""
     metrics_port: int = 9110
     """First actor's Prometheus port; actor i serves on metrics_port + i (0 = off)."""
-    ack_timeout_s: float = 5.0
+    ack_timeout_s: float = bounded(5.0, gt=0)
     """A segment not acknowledged this long is sent again (same actor, incarnation, seq)."""
-    hello_retry_s: float = 2.0
+    hello_retry_s: float = bounded(2.0, gt=0)
     """Hello is repeated this often until the replay answers with Welcome."""
     on_shutdown: Literal["abandon", "finish"] = "abandon"
     """On SIGTERM: drop in-flight episodes (the replay expires their segments)
     or finish them first. New episodes never start after SIGTERM."""
-    shutdown_deadline_s: float = 30.0
+    shutdown_deadline_s: float = bounded(30.0, gt=0)
     """Longest wait on SIGTERM for episodes (with "finish") and acks together."""
 
     def validate(self, section: str = "actors") -> list[str]:
         """Problems that make this section unusable, each naming field and fix."""
-        problems = []
         c, e = self.compaction, self.engine
-        if self.group_size < 1:
-            problems.append(f"{section}.group_size must be >= 1")
-        if c.context_tokens < 64:
-            problems.append(f"{section}.compaction.context_tokens = {c.context_tokens}: "
-                            "must be at least 64")
+        problems = bound_problems(self, section)
+        for name in ("engine", "sampling", "compaction", "environment"):
+            problems += bound_problems(getattr(self, name), f"{section}.{name}")
         if c.reserve_tokens >= c.context_tokens:
             problems.append(
                 f"{section}.compaction.reserve_tokens = {c.reserve_tokens} leaves no room in "
@@ -243,20 +242,10 @@ class ActorConfig:
                 f"{section}.compaction.reserve_tokens = {c.reserve_tokens} cannot hold the "
                 f"summary instruction plus max_summary_tokens = {c.max_summary_tokens}: raise "
                 "the reserve or lower max_summary_tokens")
-        if c.keep_steps < 0:
-            problems.append(f"{section}.compaction.keep_steps = {c.keep_steps}: k must be >= 0")
-        if c.max_summary_tokens < 1:
-            problems.append(f"{section}.compaction.max_summary_tokens must be >= 1")
-        if c.max_compactions < 0:
-            problems.append(f"{section}.compaction.max_compactions must be >= 0")
         if e.max_model_len < c.context_tokens:
             problems.append(
                 f"{section}.engine.max_model_len = {e.max_model_len} is below "
                 f"{section}.compaction.context_tokens = {c.context_tokens}: raise max_model_len")
-        if e.tensor_parallel < 1:
-            problems.append(f"{section}.engine.tensor_parallel must be >= 1")
-        if not 0 < e.gpu_memory_utilization <= 1:
-            problems.append(f"{section}.engine.gpu_memory_utilization must be in (0, 1]")
         if e.rope_scaling and not isinstance(e.rope_scaling.get("factor"), int | float):
             problems.append(f"{section}.engine.rope_scaling = {e.rope_scaling} has no numeric "
                             "factor: give rope_type and factor, e.g. { rope_type = \"yarn\", "
@@ -265,15 +254,6 @@ class ActorConfig:
             problems.append(f"{section}.engine.rope_scaling = {e.rope_scaling} has no rope_type "
                             "(vLLM reads rope_type, not the older type): add rope_type = "
                             "\"yarn\" (or the type the model documents)")
-        if e.cpu_kv_cache_gib < 1:
-            problems.append(f"{section}.engine.cpu_kv_cache_gib must be >= 1 (whole GiB)")
-        s = self.sampling
-        if s.temperature <= 0:
-            problems.append(f"{section}.sampling.temperature must be > 0")
-        if not 0 < s.top_p <= 1:
-            problems.append(f"{section}.sampling.top_p must be in (0, 1]")
-        if s.max_turn_tokens < 1:
-            problems.append(f"{section}.sampling.max_turn_tokens must be >= 1")
         if "{task}" not in c.resume_template or "{summary}" not in c.resume_template:
             problems.append(f"{section}.compaction.resume_template must contain {{task}} and "
                             "{summary}")
@@ -281,15 +261,4 @@ class ActorConfig:
         if ":" not in env.factory:
             problems.append(f"{section}.environment.factory = {env.factory!r}: expected "
                             "'module:Name'")
-        if env.max_steps < 1:
-            problems.append(f"{section}.environment.max_steps must be >= 1")
-        if env.observation_max_tokens < 1:
-            problems.append(f"{section}.environment.observation_max_tokens must be >= 1")
-        for name in ("ack_timeout_s", "hello_retry_s", "shutdown_deadline_s"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{section}.{name} must be > 0")
-        if self.count < 0:
-            problems.append(f"{section}.count must be >= 0")
-        if self.concurrent_episodes < 1:
-            problems.append(f"{section}.concurrent_episodes must be >= 1")
         return problems

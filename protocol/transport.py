@@ -23,6 +23,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from protocol.bounds import bound_problems, bounded
 from protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 
 #: Messages queued per peer before a send blocks (DEALER) or fails (ROUTER).
@@ -73,15 +74,15 @@ class CurveConfig:
 class TransportConfig:
     """Network settings shared by every process."""
 
-    send_hwm: int = DEFAULT_HWM
+    send_hwm: int = bounded(DEFAULT_HWM, ge=1, why="0 would mean unbounded")
     """Outgoing messages queued per peer."""
-    recv_hwm: int = DEFAULT_HWM
+    recv_hwm: int = bounded(DEFAULT_HWM, ge=1, why="0 would mean unbounded")
     """Incoming messages queued per peer."""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = bounded(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     """Largest frame accepted, enforced by the socket (MAXMSGSIZE) and the codec."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = bounded(1.0, gt=0)
     """How often a client sends ``Heartbeat``."""
-    heartbeat_liveness: int = 5
+    heartbeat_liveness: int = bounded(5, ge=1)
     """Missed heartbeats after which a peer is declared dead."""
     metrics_address: str = "127.0.0.1"
     """Interface every process serves ``/metrics`` on (0.0.0.0 for a remote Prometheus)."""
@@ -92,16 +93,7 @@ class TransportConfig:
     and take batches (docs/reliability.md): only for a network you trust."""
 
     def validate(self, section: str) -> list[str]:
-        problems = []
-        if self.send_hwm < 1 or self.recv_hwm < 1:
-            problems.append(f"{section}.send_hwm / recv_hwm must be >= 1 (0 means unbounded)")
-        if self.max_message_bytes < 1024:
-            problems.append(f"{section}.max_message_bytes must be >= 1024")
-        if self.heartbeat_interval_s <= 0:
-            problems.append(f"{section}.heartbeat_interval_s must be > 0")
-        if self.heartbeat_liveness < 1:
-            problems.append(f"{section}.heartbeat_liveness must be >= 1")
-        return problems + self.curve.validate(section)
+        return bound_problems(self, section) + self.curve.validate(section)
 
 
 def bound_endpoint(address: str) -> str:
