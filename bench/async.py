@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.config import RunConfig, load_config
+from deploy.config import JobConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
@@ -63,7 +63,7 @@ def window(history: list[dict[str, Any]], steps: int) -> tuple[dict, dict]:
     return trained[0], last
 
 
-def episode_slots(config: RunConfig) -> int:
+def episode_slots(config: JobConfig) -> int:
     """Episodes per actor at once: as many as the async mode's credits admit."""
     return (1 + MODES["async"]) * config.replay.rollouts_per_batch
 

@@ -1,7 +1,7 @@
 """The run's configuration tree: TOML, dotted command-line overrides, checks.
 
 Each component owns the dataclass of its section; this module composes them
-into :class:`RunConfig`, reads TOML (the embedded default is
+into :class:`JobConfig`, reads TOML (the embedded default is
 ``deploy/configs/local-cpu.toml``; several files compose, later ones
 overriding earlier ones table by table), applies overrides such as
 ``--learner.lr 1e-5`` and rejects incoherent settings with messages that name
@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class RunSection:
+class RunConfig:
     """What the run is and where it writes."""
 
     name: str = "local-cpu"
@@ -65,10 +65,10 @@ class RunSection:
 
 
 @dataclass
-class RunConfig:
+class JobConfig:
     """The whole tree, one section per component."""
 
-    run: RunSection = field(default_factory=RunSection)
+    run: RunConfig = field(default_factory=RunConfig)
     actors: ActorConfig = field(default_factory=ActorConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -178,7 +178,7 @@ def max_rollout_bytes(actors: ActorConfig) -> int:
 ConfigPaths = str | Path | list[str | Path] | None
 
 
-def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -> JobConfig:
     """Read the TOML file(s) ``paths`` (the embedded default when None or
     empty; several compose, later files overriding earlier ones field by
     field), apply ``--a.b value`` overrides, validate. Raises
@@ -189,7 +189,7 @@ def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -
     for path in paths or [None]:
         _merge(data, _read_toml(path))
     problems: list[str] = []
-    config = _build(RunConfig, data, "", problems)
+    config = _build(JobConfig, data, "", problems)
     for dotted, raw in _pair_overrides(overrides or [], problems):
         _override(config, dotted, raw, problems)
     if not config.replay.log_path:  # the run's own: one shared by runs mixes their rollouts
@@ -413,7 +413,7 @@ class FieldDoc:
     doc: str
 
 
-def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[FieldDoc]:
+def describe_fields(cls: type = JobConfig, prefix: str = "") -> list[FieldDoc]:
     """Every field under ``cls`` with its type, default and docstring (the
     string literal under the field in the dataclass's source)."""
     docs = attribute_docs(cls)

@@ -38,7 +38,7 @@ from protocol.transport import bound_endpoint
 
 if TYPE_CHECKING:
     from actors.config import ActorConfig
-    from deploy.config import RunConfig
+    from deploy.config import JobConfig
     from learner.config import LearnerConfig
 
 Transport = Literal["gloo", "nccl", "ipc"]
@@ -164,7 +164,7 @@ def static_device_problems(learner: LearnerConfig, actors: ActorConfig) -> list[
     return problems
 
 
-def plan_devices(config: RunConfig, gpus_present: int) -> DevicePlan:
+def plan_devices(config: JobConfig, gpus_present: int) -> DevicePlan:
     """The plan of ``compactionrl up`` for ``config`` on a machine with
     ``gpus_present`` GPUs (0: the CPU plan, as today: gloo, no
     CUDA_VISIBLE_DEVICES, core pinning left to ``up``)."""

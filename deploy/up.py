@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.config import ConfigError, RunConfig, RunSection, to_toml
+from deploy.config import ConfigError, JobConfig, RunConfig, to_toml
 from deploy.device_plan import DevicePlan, plan_devices
 from learner.checkpoint import checkpoint_position, latest_checkpoint
 from ops.files import atomic_write_text
@@ -199,7 +199,7 @@ def child_pids(pid: int) -> list[int]:
 
 @dataclass
 class Up:
-    config: RunConfig
+    config: JobConfig
     run_dir: Path
     resume: bool = False
     interactive: bool = field(default_factory=lambda: sys.stdout.isatty())
@@ -521,7 +521,7 @@ class _View:
             self._live.stop()
 
 
-def prepare_model(config: RunConfig) -> None:
+def prepare_model(config: JobConfig) -> None:
     """The embedded default's base policy is bootstrapped on first use (a
     few minutes); any other missing model folder is an error (actors and
     learner never download). A bootstrapped model made with other settings
@@ -535,7 +535,7 @@ def prepare_model(config: RunConfig) -> None:
             print(f"note: {model} was bootstrapped with other settings ({'; '.join(changed)}); "
                   f"remove it to bootstrap a base for these", flush=True)
         return
-    if config.run.model != RunSection().model:
+    if config.run.model != RunConfig().model:
         raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "
                          "local HF-format model folder")
     from recipes.keyvault_bootstrap import bootstrap

@@ -44,7 +44,7 @@ import pytest
 import yaml
 
 from deploy.cli import build_parser, main
-from deploy.config import RunConfig, load_config, to_toml
+from deploy.config import JobConfig, load_config, to_toml
 from tests.processes import VENV_BIN, run_command
 
 ROOT = Path(__file__).parents[2]
@@ -190,7 +190,7 @@ class Check:
         return words[1:]
 
 
-def cli(argv: list[str]) -> tuple[argparse.Namespace, RunConfig | None]:
+def cli(argv: list[str]) -> tuple[argparse.Namespace, JobConfig | None]:
     """What ``compactionrl ARGV`` does before it runs anything: parse the
     arguments as ``deploy.cli.main`` does and load the configuration
     (validation included)."""

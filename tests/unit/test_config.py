@@ -9,7 +9,7 @@ import pytest
 
 from actors.config import EngineConfig
 from deploy.cli import main, torchrun_args
-from deploy.config import ConfigError, RunConfig, describe_fields, load_config, to_toml
+from deploy.config import ConfigError, JobConfig, describe_fields, load_config, to_toml
 from learner.config import LearnerConfig
 
 CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
@@ -27,7 +27,7 @@ def test_embedded_default_loads_and_is_the_shipped_file() -> None:
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path: Path) -> None:
-    assert isinstance(load_config(path), RunConfig)
+    assert isinstance(load_config(path), JobConfig)
 
 
 def test_dotted_overrides_are_typed() -> None:

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from deploy.cli import build_parser
-from deploy.config import RunConfig, load_config
+from deploy.config import JobConfig, load_config
 
 ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -71,7 +71,7 @@ def run_toml(rendered: list[dict], tmp_path_factory: pytest.TempPathFactory) -> 
 POD_ENV = {"POD_NAME": "actors-h100-5d8f7c9b4-x7k2p", "POD_INDEX": "0"}
 
 
-def effective(workload: dict, run_toml: Path) -> tuple[object, RunConfig]:
+def effective(workload: dict, run_toml: Path) -> tuple[object, JobConfig]:
     """What `compactionrl ARGS` would run with: the CLI's own parser, then the
     configuration loader on the ConfigMap's file (validation included)."""
     c = container(workload)
@@ -121,7 +121,7 @@ def test_run_toml_is_gpu_7b_with_the_cluster_addresses(run_toml: Path) -> None:
     """Only the addresses (and the vocabulary size the replay would otherwise
     read from a model volume it does not mount, and its log, on its own
     volume) may differ."""
-    def flat(config: RunConfig) -> dict[str, object]:
+    def flat(config: JobConfig) -> dict[str, object]:
         out = {}
         for section, fields in asdict(config).items():
             stack = [(section, fields)]
