@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +54,7 @@ from protocol import (
 from protocol.endpoint import Handler, Received, ServerEndpoint
 from protocol.transport import Authenticator, Liveness, TransportConfig, bind_router
 from protocol.validation import check_segment_content
+from replay.batches import BatchServer, ServedBatch
 from replay.buffer import RolloutBuffer, RolloutEntry, to_rollout
 from replay.config import ReplayConfig
 from replay.log import RELEASED, SEGMENT, VERSION, DurableLog, decode_version
@@ -75,24 +75,6 @@ TICK_S = 0.5
 DEDUP_WINDOW = 1 << 20
 #: Compact the log once this many bytes in it are dead and they outweigh the live ones.
 COMPACT_MIN_BYTES = 64 * 1024 * 1024
-@dataclass
-class _Served:
-    """The last batch served to a learner identity, kept until that learner's
-    next request shows it arrived: a connection that drops while the batch is
-    on its way loses it, and the learner then asks again with the same request.
-
-    Its rollouts are released in the log only then. A replay killed before
-    recovers them from its log and serves them again; the learner drops those
-    it took already (by rollout id). A request from a new learner incarnation
-    (the old one died, its step after its last checkpoint lost) gets them
-    again, first: each rollout is trained by a surviving learner once."""
-
-    request: tuple[int, int]
-    """(incarnation, seq) of the ``BatchRequest`` it answers."""
-    frame: bytes
-    entries: list[RolloutEntry]
-
-
 class _SeenSeqs:
     """Seqs seen per (sender, incarnation), bounded by a window behind the newest."""
 
@@ -136,8 +118,7 @@ class ReplayService:
         it publishes it."""
         self.compact_min_bytes = COMPACT_MIN_BYTES
         self._stamp = Stamp("replay", time.time_ns())
-        self._parked: list[tuple[bytes, BatchRequest]] = []
-        self._served: dict[bytes, _Served] = {}
+        self.batches = BatchServer()
         self._behind: set[bytes] = set()
         """Actors whose heartbeat showed an older credit total than granted."""
         self._context = zmq.Context()
@@ -374,18 +355,14 @@ class ReplayService:
             self.learners.refuse(received, ErrorCode.INVALID, f"size {request.size} < 0")
             return
         self._set_learner_version(request.policy_version)
-        served = self._served.get(identity)
-        if served is not None and served.request == (request.incarnation, request.seq):
+        if (frame := self.batches.resent(identity, request)) is not None:
             # asked again after a reconnect: the batch may be lost on the way
             self.metrics.batches_resent.inc()
-            self.learners.send_frame(identity, served.frame)
+            self.learners.send_frame(identity, frame)
             return
         self.pacer.learner_waiting()
-        if (served := self._served.pop(identity, None)) is not None:
+        if (served := self.batches.ask(identity, request)) is not None:
             self._confirm(served, request)
-        self._parked = [(i, r) for i, r in self._parked if i != identity]
-        if request.size:  # 0: the learner's last word, nothing more wanted
-            self._parked.append((identity, request))
         self._asked = True
 
     def _offer_credits(self) -> None:
@@ -407,7 +384,7 @@ class ReplayService:
         ledger, total = self.pacer.ledger(actor_id)
         return {"credit_ledger": ledger, "credits_total": total}
 
-    def _confirm(self, served: _Served, request: BatchRequest) -> None:
+    def _confirm(self, served: ServedBatch, request: BatchRequest) -> None:
         """A new request: the batch ``served`` before it arrived, or (from a
         new incarnation) its learner died with it."""
         if request.incarnation == served.request[0]:
@@ -437,12 +414,11 @@ class ReplayService:
             self._drop(entry.rollout_id, "stale")
 
     def _try_serve_parked(self) -> None:
-        while self._parked:
-            identity, request = self._parked[0]
+        while (waiting := self.batches.waiting()) is not None:
+            identity, request = waiting
             entries = self.buffer.take(request.size, self.learner_version)
             if not entries:
                 return
-            self._parked.pop(0)
             self.pacer.consumed(len(entries))
             staleness = np.array([e.staleness(self.learner_version) for e in entries])
             for value in staleness:
@@ -455,7 +431,7 @@ class ReplayService:
                     min=int(staleness.min()), max=int(staleness.max()),
                     mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
                     p95=float(np.percentile(staleness, 95)))))
-            self._served[identity] = _Served((request.incarnation, request.seq), frame, entries)
+            self.batches.served(identity, request, frame, entries)
             self.learners.send_frame(identity, frame)
 
     # ------------------------------------------------------------------ shared
@@ -495,9 +471,8 @@ class ReplayService:
             self.log.sync()
             live = self.buffer.nbytes
             if self.log.released_bytes > max(self.compact_min_bytes, live):
-                self.log.compact(self.buffer.live_frames() + [  # and batches not confirmed
-                    s.frame for served in self._served.values() for e in served.entries
-                    for s in e.segments.values()], self.learner_version)
+                self.log.compact(self.buffer.live_frames()  # and batches not confirmed
+                                 + list(self.batches.unconfirmed_frames()), self.learner_version)
         self._update_gauges()
         self._try_serve_parked()
 

@@ -412,7 +412,7 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
         actor.hello()
         pushed = [actor.push_rollout(segments=1)]
         link.request(2, 0)
-        assert actor.pump_until(lambda: len(replay.service._parked) == 1)
+        assert actor.pump_until(lambda: len(replay.service.batches.parked) == 1)
         with proxy.partition():  # the batch is held, then lost with the connection
             pushed.append(actor.push_rollout(segments=1))
             assert actor.pump_until(lambda: replay.metric("crl_replay_batches_total") == 1)

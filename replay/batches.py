@@ -1,0 +1,93 @@
+"""The learner side of the replay, without sockets: batch requests waiting
+for rollouts, and each batch served until its learner confirms it arrived.
+
+Rules, per learner identity:
+
+- at most one request waits (its newest; a request of size 0 wants nothing
+  and only confirms), and requests are served oldest first;
+- the batch served to it stays here until its next request: a connection
+  that drops while the batch is on its way loses it, and the learner asks
+  again with the same request (same incarnation and seq), which gets the
+  same frame (:meth:`BatchServer.resent`);
+- its next, different request hands the served batch back
+  (:meth:`BatchServer.ask`) for the service to release (the same learner
+  incarnation: it arrived) or serve again (a new incarnation: the old one
+  died with it).
+
+Usage::
+
+    batches = BatchServer()
+    if (frame := batches.resent(identity, request)) is not None: send(frame)
+    previous = batches.ask(identity, request)       # confirm or restore it
+    while (waiting := batches.waiting()) is not None: ...; batches.served(...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from protocol.messages import BatchRequest
+from replay.buffer import RolloutEntry
+
+
+@dataclass
+class ServedBatch:
+    """A batch served to a learner and not yet confirmed.
+
+    Its rollouts are released in the log only on confirmation. A replay
+    killed before recovers them from its log and serves them again; the
+    learner drops those it took already (by rollout id). A request from a
+    new learner incarnation gets them again, first: each rollout is trained
+    by a surviving learner once."""
+
+    request: tuple[int, int]
+    """(incarnation, seq) of the ``BatchRequest`` it answers."""
+    frame: bytes
+    entries: list[RolloutEntry]
+
+
+class BatchServer:
+    def __init__(self) -> None:
+        self.parked: list[tuple[bytes, BatchRequest]] = []
+        """Requests waiting for rollouts, oldest first, one per identity."""
+        self.unconfirmed: dict[bytes, ServedBatch] = {}
+        """Per identity, the batch served and not yet confirmed."""
+
+    def resent(self, identity: bytes, request: BatchRequest) -> bytes | None:
+        """The frame served for exactly this request (asked again after a
+        reconnect), or None."""
+        served = self.unconfirmed.get(identity)
+        if served is not None and served.request == (request.incarnation, request.seq):
+            return served.frame
+        return None
+
+    def ask(self, identity: bytes, request: BatchRequest) -> ServedBatch | None:
+        """A new request of ``identity``: it waits (unless of size 0) in
+        place of any older one. Returns the batch served to it before, no
+        longer held here."""
+        previous = self.unconfirmed.pop(identity, None)
+        self.parked = [(i, r) for i, r in self.parked if i != identity]
+        if request.size:
+            self.parked.append((identity, request))
+        return previous
+
+    def waiting(self) -> tuple[bytes, BatchRequest] | None:
+        """The oldest request still waiting."""
+        return self.parked[0] if self.parked else None
+
+    def served(self, identity: bytes, request: BatchRequest, frame: bytes,
+               entries: list[RolloutEntry]) -> None:
+        """The oldest waiting request, ``identity``'s, is answered."""
+        if not self.parked or self.parked[0][0] != identity:
+            raise ValueError("only the oldest waiting request is served")
+        self.parked.pop(0)
+        self.unconfirmed[identity] = ServedBatch((request.incarnation, request.seq), frame,
+                                                 entries)
+
+    def unconfirmed_frames(self) -> Iterator[bytes | memoryview]:
+        """The segment frames of the unconfirmed batches: the log keeps them."""
+        for served in self.unconfirmed.values():
+            for entry in served.entries:
+                for segment in entry.segments.values():
+                    yield segment.frame
