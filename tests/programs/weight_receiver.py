@@ -25,9 +25,9 @@ from protocol import (
     ErrorCode,
     Heartbeat,
     Hello,
+    MemberWelcome,
     WeightsAnnounce,
     WeightsLoaded,
-    Welcome,
 )
 from protocol.weights import WeightChannel, connect_store, dtype_name, join_channel
 from tests.protocol_clients import ControlClient
@@ -56,7 +56,7 @@ def main() -> None:
         if not client.socket.poll(100):
             continue
         message = client.receive()
-        if isinstance(message, Welcome):
+        if isinstance(message, MemberWelcome):
             print(f"registered at version {message.policy_version}", flush=True)
             continue
         if isinstance(message, Error) and message.code != ErrorCode.DEAD_INCARNATION:
