@@ -58,12 +58,17 @@ def train(model: Path, out: Path, ranks: int, changes: dict | None = None,
     return load_file(out)
 
 
+def trained_on(ranks: int, model: Path, factory: pytest.TempPathFactory) -> Path:
+    """Where training the tiny model on ``ranks`` ranks of one node, no
+    memory switch on, wrote its parameters (and, beside them, its metrics)."""
+    out = factory.mktemp(f"ranks-{ranks}") / "parameters.safetensors"
+    train(model, out, ranks)
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_rank_out(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where training on 1 rank, no memory switch on, wrote its parameters."""
-    out = tmp_path_factory.mktemp("one-rank") / "one.safetensors"
-    train(tiny_model_dir, out, 1)
-    return out
+    return trained_on(1, tiny_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,8 @@ def one_rank(one_rank_out: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         model: Path, steps: int = STEPS) -> None:
+                         model: Path, steps: int = STEPS, epochs: int = CONFIG.ppo_epochs
+                         ) -> None:
     assert got.keys() == expected.keys()
     start = load_file(model / "model.safetensors")
     # The script trains in double with SGD: each update moves a parameter by lr
@@ -83,7 +89,7 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
     updates = positions = 0
     for batch in batches(steps):
         for minibatch in batch.minibatches(CONFIG.minibatches):
-            updates += CONFIG.ppo_epochs
+            updates += epochs
             positions = max(positions, sum(len(s.tokens) for s in batch.sequences
                                            if s.rollout in minibatch))
     tolerance = (max(CONFIG.lr, CONFIG.critic_lr) * updates
@@ -99,10 +105,7 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
 
 @pytest.fixture(scope="module")
 def two_ranks_out(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where training on 2 ranks of one node wrote its parameters."""
-    out = tmp_path_factory.mktemp("two-ranks") / "two.safetensors"
-    train(tiny_model_dir, out, 2)
-    return out
+    return trained_on(2, tiny_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -167,4 +170,4 @@ def test_a_20m_qwen2_model_on_two_ranks_with_every_memory_switch_trains_as_on_on
     one = train(qwen2_20m_dir, tmp_path / "one.safetensors", 1, {"ppo_epochs": 1}, steps=1)
     two = train(qwen2_20m_dir, tmp_path / "two.safetensors", 2, {"ppo_epochs": 1, **MEMORY},
                 steps=1)
-    assert_same_training(two, one, qwen2_20m_dir, steps=1)
+    assert_same_training(two, one, qwen2_20m_dir, steps=1, epochs=1)
