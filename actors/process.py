@@ -33,8 +33,7 @@ Protocol with the replay (DEALER -> ROUTER):
 
 Usage::
 
-    actor = Actor(settings)
-    exit_code = asyncio.run(actor.run())
+    exit_code = asyncio.run(run_actor(settings))
 """
 
 from __future__ import annotations
@@ -46,7 +45,9 @@ import itertools
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zmq
@@ -59,6 +60,7 @@ from actors.engine import Engine
 from actors.envs.base import Environment, load_environment
 from actors.episode import EpisodeResult, run_episode
 from actors.metrics import ActorMetrics
+from actors.state import CreditAccount, LearnerView, Outbox
 from ops.metrics import MetricsServer
 from protocol import (
     Ack,
@@ -76,9 +78,9 @@ from protocol import (
     WeightsAnnounce,
     WeightsLoaded,
     Welcome,
-    decode,
     encode,
 )
+from protocol.endpoint import ClientEndpoint
 from protocol.transport import TransportConfig, connect_dealer
 
 log = logging.getLogger("compactionrl.actor")
@@ -117,50 +119,66 @@ def training_seed(run_seed: int, actor_id: str, incarnation: int, n: int) -> int
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
 
-@dataclass
-class _Pending:
-    frame: bytes
-    sent_at: float
-
-
-@dataclass
-class _State:
-    credits: int = 0
-    credit_ledger: int = 0
-    """The replay's ledger for this actor, and the total granted under it
-    that this actor has counted (``Ack.credits_total``)."""
-    credits_seen: int = 0
-    registered: asyncio.Event = field(default_factory=asyncio.Event)
-    replay_lost: asyncio.Event = field(default_factory=asyncio.Event)
-    """The replay declared this incarnation dead: say Hello again as a new one."""
-    credit_available: asyncio.Event = field(default_factory=asyncio.Event)
-    unacked: dict[int, _Pending] = field(default_factory=dict)
-    all_acked: asyncio.Event = field(default_factory=asyncio.Event)
-    active: int = 0
-    active_changed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when an episode ends: the heartbeat task tells the replay at once
-    (a start is told by the episode itself, before it begins)."""
-    learner_registered: asyncio.Event = field(default_factory=asyncio.Event)
-    learner_lost: asyncio.Event = field(default_factory=asyncio.Event)
-    """The learner no longer knows this actor (it restarted): say Hello again."""
-    learner_version: int = 0
-    max_staleness: int = 0
-    weights_changed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the engine's or the learner's version moves."""
-    announcements: asyncio.Queue = field(default_factory=asyncio.Queue)
-    group_key: tuple[int, int] | None = None
-    """(learner incarnation, generation) of the broadcast group joined."""
+async def run_actor(settings: ActorSettings) -> int:
+    """The actor process: start the engine, connect the links, run until
+    SIGTERM; the exit code of :meth:`Actor.run`."""
+    config = settings.actor
+    # fail fast, before the engine's slow start, if the environment cannot load
+    await load_environment(config.environment.factory, config.environment.options).close()
+    engine = await Engine.start(settings.model, config.engine, config.sampling,
+                                seed_offset=settings.index,
+                                weight_transfer=settings.learner_address is not None)
+    context = zmq.asyncio.Context()
+    identity = settings.actor_id.encode()
+    max_bytes = settings.transport.max_message_bytes
+    replay = ClientEndpoint(connect_dealer(context, settings.replay_address, settings.transport,
+                                           identity), max_bytes)
+    learner = (ClientEndpoint(connect_dealer(context, settings.learner_address,
+                                             settings.transport, identity), max_bytes)
+               if settings.learner_address else None)
+    try:
+        return await Actor(settings, engine, replay, learner).run()
+    finally:
+        await engine.shutdown()
+        for link in (replay, learner):
+            if link is not None:
+                link.socket.close(linger=0)
+        context.term()
 
 
 class Actor:
-    def __init__(self, settings: ActorSettings) -> None:
+    """Concurrent episodes on one engine; the replay link's and the learner
+    link's handler tables over the socket-free state of actors/state.py."""
+
+    def __init__(self, settings: ActorSettings, engine: Engine, replay: ClientEndpoint,
+                 learner: ClientEndpoint | None) -> None:
+        """``learner``: None to never take weight updates."""
         self.settings = settings
         self.config = settings.actor
+        self.engine = engine
+        self.replay = replay
+        self.learner = learner
         self.incarnation = time.time_ns()
         self.stamp = Stamp(settings.actor_id, self.incarnation)
         self.metrics = ActorMetrics()
-        self.state = _State()
-        self.state.all_acked.set()
+        self.engine_info = EngineInfo(device=engine.device(), dtype=engine.dtype(),
+                                      tensor_parallel=self.config.engine.tensor_parallel,
+                                      model=settings.model)
+        self.chat = ChatFormat(engine.tokenizer, self.config.compaction, self.config.environment)
+        self.credits = CreditAccount()
+        self.outbox = Outbox()
+        self.weights = LearnerView()
+        self.announcements: asyncio.Queue[tuple[int, WeightsAnnounce]] = asyncio.Queue()
+        """Announcements to apply, in order, with the announcing learner's incarnation."""
+        self.active_episodes = 0
+        self.episode_ended = asyncio.Event()
+        """Set when an episode ends: the heartbeat task tells the replay at once
+        (a start is told by the episode itself, before it begins)."""
+        self.replay_handlers: dict[type[Message], Callable[[Any], None]] = {
+            Welcome: self._on_welcome, Ack: self._on_ack, Error: self._on_replay_error}
+        self.learner_handlers: dict[type[Message], Callable[[Any], None]] = {
+            MemberWelcome: self._on_member_welcome, WeightsAnnounce: self._on_announce,
+            Error: self._on_learner_error}
         self._stopping = asyncio.Event()
         self._episode_numbers = itertools.count()
         self._slots: list[asyncio.Task] = []
@@ -168,12 +186,6 @@ class Actor:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> int:
-        # fail fast, before the engine's slow start, if the environment cannot load
-        await load_environment(self.config.environment.factory,
-                               self.config.environment.options).close()
-        self.engine = await Engine.start(self.settings.model, self.config.engine,
-                                         self.config.sampling, seed_offset=self.settings.index,
-                                         weight_transfer=self.settings.learner_address is not None)
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
@@ -182,44 +194,31 @@ class Actor:
                                 self.config.metrics_port + self.settings.index
                                 if self.config.metrics_port else 0,
                                 self.settings.transport.metrics_address)
-        context = zmq.asyncio.Context()
-        self.socket = connect_dealer(context, self.settings.replay_address,
-                                     self.settings.transport, self.settings.actor_id.encode())
-        self.learner_socket = (connect_dealer(context, self.settings.learner_address,
-                                              self.settings.transport,
-                                              self.settings.actor_id.encode())
-                               if self.settings.learner_address else None)
         try:
             return await self._serve()
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
-            await self.engine.shutdown()
-            self.socket.close(linger=0)
-            if self.learner_socket is not None:
-                self.learner_socket.close(linger=0)
-            context.term()
             metrics.close()
 
     async def _serve(self) -> int:
-        engine_info = EngineInfo(device=self.engine.device(), dtype=self.engine.dtype(),
-                                 tensor_parallel=self.config.engine.tensor_parallel,
-                                 model=self.settings.model)
-        self.metrics.set_engine(engine_info)
+        self.metrics.set_engine(self.engine_info)
         self.metrics.episode_slots.set(self.config.concurrent_episodes)
-        self.engine_info = engine_info
-        self.chat = ChatFormat(self.engine.tokenizer, self.config.compaction,
-                               self.config.environment)
-        coroutines = [self._receive(), self._register(engine_info), self._heartbeat(),
-                      self._resend(), self._count_disconnects(self.socket, "replay")]
-        if self.learner_socket is not None:
-            coroutines += [self._learner_receive(), self._learner_register(),
-                           self._apply_weights(),
-                           self._count_disconnects(self.learner_socket, "learner")]
+        retry_s = self.config.hello_retry_s
+        coroutines = [
+            self.replay.serve(self.replay_handlers, self._dropped("replay")),
+            self.replay.register(self._replay_hello, retry_s), self._heartbeat(),
+            self._resend(),
+            self.replay.count_disconnects(self.metrics.disconnects.labels("replay").inc)]
+        if self.learner is not None:
+            coroutines += [
+                self.learner.serve(self.learner_handlers, self._dropped("learner")),
+                self.learner.register(self._learner_hello, retry_s), self._apply_weights(),
+                self.learner.count_disconnects(self.metrics.disconnects.labels("learner").inc)]
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
         self._start_slots()
         await self._stopping.wait()
-        log.info("stopping: %s in-flight episodes (%s)", self.state.active,
+        log.info("stopping: %s in-flight episodes (%s)", self.active_episodes,
                  self.config.on_shutdown)
         deadline = time.monotonic() + self.config.shutdown_deadline_s
         slots = self._slots
@@ -229,13 +228,13 @@ class Actor:
         for task in slots:
             task.cancel()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.state.all_acked.wait(),
+            await asyncio.wait_for(self.outbox.empty.wait(),
                                    max(0.0, deadline - time.monotonic()))
         for task in background:
             task.cancel()
         await asyncio.gather(*background, *slots, return_exceptions=True)
-        if self.state.unacked:
-            log.error("%d segments never acknowledged", len(self.state.unacked))
+        if self.outbox:
+            log.error("%d segments never acknowledged", len(self.outbox))
             return 1
         return 0
 
@@ -247,7 +246,7 @@ class Actor:
 
     def _abandon_episodes(self) -> None:
         """Cancel the episodes in flight (their engine requests are aborted)."""
-        self.metrics.abandoned_rollouts.inc(self.state.active)
+        self.metrics.abandoned_rollouts.inc(self.active_episodes)
         for task in self._slots:
             task.cancel()
 
@@ -262,19 +261,19 @@ class Actor:
                                   self.incarnation, number)
                     for number in (n // self.config.group_size, n))
                 rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
-                self.state.active += 1
+                self.active_episodes += 1
                 try:
                     # queued before anything else can run: a weight load may hold
                     # the event loop for seconds, and the heartbeat task with it
-                    await self._send_heartbeat(self.socket)
+                    await self._send_heartbeat(self.replay)
                     self.metrics.active_rollouts.inc()
                     try:
                         await self._play(environment, rollout_id, task_seed, sampling_seed)
                     finally:
                         self.metrics.active_rollouts.dec()
                 finally:
-                    self.state.active -= 1
-                    self.state.active_changed.set()
+                    self.active_episodes -= 1
+                    self.episode_ended.set()
         finally:
             await environment.close()
 
@@ -283,16 +282,13 @@ class Actor:
         the actor is stopping."""
         began = time.monotonic()
         while not self._weights_fresh() and not self._stopping.is_set():
-            await self._until(self.state.weights_changed)
+            await self._until(self.weights.changed)
         self.metrics.stall("weights", time.monotonic() - began)
         began = time.monotonic()
-        while self.state.credits <= 0 and not self._stopping.is_set():
-            await self._until(self.state.credit_available)
+        while not self._stopping.is_set() and not self.credits.spend():
+            await self._until(self.credits.available)
         self.metrics.stall("credits", time.monotonic() - began)
-        if self._stopping.is_set():
-            return False
-        self.state.credits -= 1
-        return True
+        return not self._stopping.is_set()
 
     async def _until(self, event: asyncio.Event) -> None:
         """Clear ``event`` and wait until it is set again or the actor stops."""
@@ -305,10 +301,9 @@ class Actor:
 
     def _weights_fresh(self) -> bool:
         """Generating now gives tokens the replay accepts (always, without a learner)."""
-        if self.learner_socket is None:
+        if self.learner is None:
             return True
-        return (self.state.learner_registered.is_set() and
-                self.state.learner_version - self.engine.version <= self.state.max_staleness)
+        return self.learner.registered.is_set() and self.weights.fresh(self.engine.version)
 
     async def _play(self, environment: Environment, rollout_id: str, seed: int,
                     sampling_seed: int) -> None:
@@ -323,7 +318,7 @@ class Actor:
                                       result.observations_cut)
 
     async def _send_segment(self, rollout_id: str, task_id: str, index: int, segment: SegmentData,
-                      result: EpisodeResult | None) -> None:
+                            result: EpisodeResult | None) -> None:
         header = self.stamp.next()
         message = Segment(
             **header, rollout_id=rollout_id, task_id=task_id, index=index,
@@ -335,66 +330,75 @@ class Actor:
             final=result is not None, reward=None if result is None else result.reward,
             stats=None if result is None else result.stats)
         frame = encode(message)
-        self.state.unacked[header["seq"]] = _Pending(frame, time.monotonic())
-        self.state.all_acked.clear()
-        self.metrics.unacked_segments.set(len(self.state.unacked))
+        self.outbox.sent(header["seq"], frame, time.monotonic())
+        self.metrics.unacked_segments.set(len(self.outbox))
         self.metrics.segments_sent.inc()
-        await self.socket.send(frame, copy=False)
+        await self.replay.send_frame(frame)
+
+    # ------------------------------------------------------------------ both links
+
+    def _dropped(self, peer: str) -> Callable[[ProtocolError], None]:
+        def dropped(error: ProtocolError) -> None:
+            self.metrics.rejected_frames.labels(error.code.value).inc()
+            log.warning("dropped a frame from the %s: %s", peer, error)
+        return dropped
+
+    def _refused(self, peer: str, error: Error) -> None:
+        self.metrics.errors_received.labels(error.code).inc()
+        log.warning("%s rejected seq %s: %s %s", peer, error.ref_seq, error.code, error.text)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.episode_ended.wait(),
+                                       self.settings.transport.heartbeat_interval_s)
+            self.episode_ended.clear()
+            for link in (self.replay, self.learner):
+                if link is not None:
+                    await self._send_heartbeat(link)
+
+    async def _send_heartbeat(self, link: ClientEndpoint) -> None:
+        await link.send(Heartbeat(
+            **self.stamp.next(), active_rollouts=self.active_episodes,
+            stall_seconds=self.metrics.stall_totals(), credit_ledger=self.credits.ledger,
+            credits_seen=self.credits.seen))
 
     # ------------------------------------------------------------------ replay link
 
-    async def _register(self, engine: EngineInfo) -> None:
-        while True:
-            if self.state.registered.is_set():
-                await self.state.replay_lost.wait()
-                self.state.replay_lost.clear()
-                self.state.registered.clear()
-                continue
-            await self.socket.send(encode(Hello(**self.stamp.next(), engine=engine,
-                                                capacity=self.config.concurrent_episodes)))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.state.registered.wait(), self.config.hello_retry_s)
+    def _replay_hello(self) -> Hello:
+        return Hello(**self.stamp.next(), engine=self.engine_info,
+                     capacity=self.config.concurrent_episodes)
 
-    async def _receive(self) -> None:
-        while True:
-            frame = await self.socket.recv(copy=False)
-            try:
-                message = decode(frame.buffer, self.settings.transport.max_message_bytes)
-            except ProtocolError as exc:
-                self.metrics.rejected_frames.labels(exc.code.value).inc()
-                log.warning("dropped a frame from the replay: %s", exc)
-                continue
-            if isinstance(message, Ack):
-                for seq in message.stored_seqs:
-                    self.state.unacked.pop(seq, None)
-                self.metrics.unacked_segments.set(len(self.state.unacked))
-                if not self.state.unacked:
-                    self.state.all_acked.set()
-                # The replay hears of a new learner version before the weights
-                # are announced: credits granted for it must wait for them.
-                self._learner_at(message.policy_version)
-                self._grant(message)
-            elif isinstance(message, Welcome):
-                # the staleness bound's one source: the replay's configuration
-                self.state.max_staleness = message.max_staleness
-                # counted by the ledger: a second Welcome (a Hello retried) or
-                # an Ack before it adds only what it has that was not seen
-                self._grant(message)
-                self.state.registered.set()
-            elif isinstance(message, Error):
-                # a rejection is final: the same bytes would be rejected again
-                self.metrics.errors_received.labels(message.code).inc()
-                log.warning("replay rejected seq %s: %s %s", message.ref_seq, message.code,
-                            message.text)
-                if self.state.unacked.pop(message.ref_seq, None) is not None:
-                    self.metrics.unacked_segments.set(len(self.state.unacked))
-                    if not self.state.unacked:
-                        self.state.all_acked.set()
-                # about this incarnation (older seqs: one already left behind)
-                if (message.code == ErrorCode.DEAD_INCARNATION and message.ref_seq is not None
-                        and message.ref_seq >= self.stamp.first_seq
-                        and not self._stopping.is_set()):
-                    self._reincarnate()
+    def _on_welcome(self, welcome: Welcome) -> None:
+        # the staleness bound's one source: the replay's configuration
+        self.weights.max_staleness = welcome.max_staleness
+        # counted by the ledger: a second Welcome (a Hello retried) or an Ack
+        # before it adds only what it has that was not seen
+        self._grant(welcome)
+        self.replay.welcomed()
+
+    def _on_ack(self, ack: Ack) -> None:
+        self.outbox.settle(ack.stored_seqs)
+        self.metrics.unacked_segments.set(len(self.outbox))
+        # The replay hears of a new learner version before the weights are
+        # announced: credits granted for it must wait for them.
+        self.weights.heard(ack.policy_version)
+        self._grant(ack)
+
+    def _grant(self, reply: Ack | Welcome) -> None:
+        # more than this reply granted: the rest came in replies that were lost
+        self.metrics.credits_recovered.inc(
+            self.credits.grant(reply.credit_ledger, reply.credits_total, reply.credits))
+
+    def _on_replay_error(self, error: Error) -> None:
+        self._refused("replay", error)
+        # a rejection is final: the same bytes would be rejected again
+        if error.ref_seq is not None and self.outbox.settle([error.ref_seq]):
+            self.metrics.unacked_segments.set(len(self.outbox))
+        # about this incarnation (older seqs: one already left behind)
+        if (error.code == ErrorCode.DEAD_INCARNATION and error.ref_seq is not None
+                and error.ref_seq >= self.stamp.first_seq and not self._stopping.is_set()):
+            self._reincarnate()
 
     def _reincarnate(self) -> None:
         """Start over as a new incarnation after the replay declared this one
@@ -407,135 +411,66 @@ class Actor:
                            first_seq=self.stamp.next_seq)
         log.warning("the replay declared incarnation %d dead: abandoning %d episodes and %d "
                     "unacknowledged segments; registering as incarnation %d", old,
-                    self.state.active, len(self.state.unacked), self.incarnation)
+                    self.active_episodes, len(self.outbox), self.incarnation)
         self.metrics.reincarnations.inc()
         self._abandon_episodes()
-        self.metrics.segments_abandoned.inc(len(self.state.unacked))
-        self.state.unacked.clear()
+        self.metrics.segments_abandoned.inc(self.outbox.abandon())
         self.metrics.unacked_segments.set(0)
-        self.state.all_acked.set()
-        self.state.credits = 0
-        self.state.replay_lost.set()
-        self.state.learner_lost.set()
+        self.credits.forfeit()
+        for link in (self.replay, self.learner):
+            if link is not None:
+                link.forgotten()
         self._start_slots()
-
-    def _grant(self, reply: Ack | Welcome) -> None:
-        """Count the credits of ``reply`` by its ledger (``Ack.credits_total``)."""
-        state = self.state
-        if reply.credit_ledger != state.credit_ledger:  # the replay's account starts over
-            state.credit_ledger, state.credits_seen, state.credits = reply.credit_ledger, 0, 0
-        new = reply.credits_total - state.credits_seen
-        if new > 0:
-            # more than this reply granted: the rest came in replies that were lost
-            self.metrics.credits_recovered.inc(max(0, new - reply.credits))
-            state.credits_seen = reply.credits_total
-            state.credits += new
-            state.credit_available.set()
-
-    async def _heartbeat(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.state.active_changed.wait(),
-                                       self.settings.transport.heartbeat_interval_s)
-            self.state.active_changed.clear()
-            for socket in (self.socket, self.learner_socket):
-                if socket is not None:
-                    await self._send_heartbeat(socket)
-
-    async def _send_heartbeat(self, socket: zmq.asyncio.Socket) -> None:
-        await socket.send(encode(Heartbeat(
-            **self.stamp.next(), active_rollouts=self.state.active,
-            stall_seconds=self.metrics.stall_totals(), credit_ledger=self.state.credit_ledger,
-            credits_seen=self.state.credits_seen)))
 
     async def _resend(self) -> None:
         timeout = self.config.ack_timeout_s
         while True:
             await asyncio.sleep(timeout * RESEND_CHECK_FRACTION)
-            now = time.monotonic()
-            for pending in list(self.state.unacked.values()):
-                if now - pending.sent_at >= timeout:
-                    pending.sent_at = now
-                    self.metrics.segments_resent.inc()
-                    await self.socket.send(pending.frame)
-
-    async def _count_disconnects(self, socket: zmq.asyncio.Socket, peer: str) -> None:
-        """Count the connection to ``peer`` dropping: ZeroMQ reconnects by
-        itself and what was lost is resent, so without this a flaky network
-        would show only as resends."""
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                await monitor.recv_multipart()
-                self.metrics.disconnects.labels(peer).inc()
-        finally:
-            socket.disable_monitor()
-            monitor.close(linger=0)
+            for frame in self.outbox.overdue(time.monotonic(), timeout):
+                self.metrics.segments_resent.inc()
+                await self.replay.send_frame(frame)
 
     # ------------------------------------------------------------------ learner link
 
-    async def _learner_register(self) -> None:
-        while True:
-            if self.state.learner_registered.is_set():
-                await self.state.learner_lost.wait()
-                self.state.learner_lost.clear()
-                self.state.learner_registered.clear()
-                continue
-            await self.learner_socket.send(encode(Hello(
-                **self.stamp.next(), engine=self.engine_info,
-                capacity=self.config.concurrent_episodes, policy_version=self.engine.version)))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.state.learner_registered.wait(),
-                                       self.config.hello_retry_s)
+    def _learner_hello(self) -> Hello:
+        return Hello(**self.stamp.next(), engine=self.engine_info,
+                     capacity=self.config.concurrent_episodes,
+                     policy_version=self.engine.version)
 
-    async def _learner_receive(self) -> None:
-        while True:
-            frame = await self.learner_socket.recv(copy=False)
-            try:
-                message: Message = decode(frame.buffer,
-                                          self.settings.transport.max_message_bytes)
-            except ProtocolError as exc:
-                self.metrics.rejected_frames.labels(exc.code.value).inc()
-                log.warning("dropped a frame from the learner: %s", exc)
-                continue
-            if isinstance(message, MemberWelcome):
-                self._learner_at(message.policy_version)
-                self.state.learner_registered.set()
-            elif isinstance(message, WeightsAnnounce):
-                self._learner_at(message.version)
-                self.state.announcements.put_nowait((message.incarnation, message))
-            elif isinstance(message, Error):
-                self.metrics.errors_received.labels(message.code).inc()
-                log.warning("learner rejected seq %s: %s %s", message.ref_seq, message.code,
-                            message.text)
-                if message.code == ErrorCode.UNREGISTERED:  # the learner restarted
-                    self.state.learner_lost.set()
+    def _on_member_welcome(self, welcome: MemberWelcome) -> None:
+        self.weights.heard(welcome.policy_version)
+        self.learner.welcomed()
 
-    def _learner_at(self, version: int) -> None:
-        self.state.learner_version = max(self.state.learner_version, version)
-        self.state.weights_changed.set()
+    def _on_announce(self, announce: WeightsAnnounce) -> None:
+        self.weights.heard(announce.version)
+        self.announcements.put_nowait((announce.incarnation, announce))
+
+    def _on_learner_error(self, error: Error) -> None:
+        self._refused("learner", error)
+        if error.code == ErrorCode.UNREGISTERED:  # the learner restarted
+            self.learner.forgotten()
 
     async def _apply_weights(self) -> None:
         """Announcements, one at a time, in order."""
         while True:
-            learner_incarnation, announce = await self.state.announcements.get()
+            learner_incarnation, announce = await self.announcements.get()
             group = (learner_incarnation, announce.group.generation)
             try:
-                if group != self.state.group_key:
-                    self.state.group_key = None
+                if group != self.weights.group:
+                    self.weights.group = None
                     await self.engine.join_weight_group(announce.group)
-                    self.state.group_key = group
+                    self.weights.group = group
                 times = await self.engine.load_weights(announce.version, announce.manifest,
                                                        self.config.kv_on_update)
             except Exception as exc:  # a member died, a timeout: wait for the next one
-                self.state.group_key = None
+                self.weights.group = None
                 self.metrics.weight_failures.inc()
                 log.warning("weights of version %d not loaded: %s", announce.version, exc)
                 continue
             self.metrics.stall("weights", times.stall_seconds)
             self.metrics.policy_version.set(announce.version)
-            self.state.weights_changed.set()
+            self.weights.changed.set()
             log.info("loaded version %d in %.3f s (generation paused %.3f s)",
                      announce.version, times.load_seconds, times.stall_seconds)
-            await self.learner_socket.send(encode(WeightsLoaded(
-                **self.stamp.next(), version=announce.version, seconds=times.load_seconds)))
+            await self.learner.send(WeightsLoaded(
+                **self.stamp.next(), version=announce.version, seconds=times.load_seconds))

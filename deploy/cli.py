@@ -120,7 +120,7 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
     import socket
 
     from actors.engine import quiet_vllm_logging
-    from actors.process import Actor, ActorSettings
+    from actors.process import ActorSettings, run_actor
 
     config = load_config(args.config, overrides)
     quiet_vllm_logging()
@@ -132,7 +132,7 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
                                                       or config.learner.control_address),
         actor=config.actors, transport=config.transport, run_seed=config.run.seed,
         index=args.index)
-    return asyncio.run(Actor(settings).run())
+    return asyncio.run(run_actor(settings))
 
 
 def _cmd_replay(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""The service side of one ROUTER socket, written once for every service.
+"""Both ends of a link, written once: the service side of a ROUTER socket
+(:class:`ServerEndpoint`) and the client side of a DEALER (:class:`ClientEndpoint`).
 
 A :class:`ServerEndpoint` owns what every service does the same way: the
 one-frame rule, decoding within the size bound, the identity rule
@@ -8,21 +9,34 @@ a peer that has gone, and dispatch through a ``{message type: handler}``
 table. A service is then its handler tables over its state: where a message
 is handled is one lookup in that table.
 
+A client (the actor's replay and learner links) is likewise its handler
+table over its state; its endpoint owns decoding, dropping what cannot be
+taken (counted, never a crash), registration (``Hello`` until welcomed, again
+whenever the peer forgets it) and disconnect counting.
+
 Usage::
 
     endpoint = ServerEndpoint(socket, Stamp("replay", incarnation), max_bytes, refused)
     handlers = {Hello: on_hello, Segment: on_segment, Heartbeat: on_heartbeat}
     for received in endpoint.receive(limit=256):
         endpoint.dispatch(handlers, received)
+
+    link = ClientEndpoint(dealer, max_bytes)
+    await asyncio.gather(link.serve({Welcome: on_welcome, Ack: on_ack}, dropped),
+                         link.register(make_hello, retry_s=1.0))
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
+import zmq.asyncio
 
 from protocol.codec import decode, encode
 from protocol.errors import ErrorCode, ProtocolError
@@ -120,3 +134,81 @@ class ServerEndpoint:
             if self.undelivered is not None:
                 self.undelivered()
             log.debug("cannot reply to %r: %s", identity, exc)
+
+
+#: Told of every frame a client could not take: why, as the decoder says it.
+Dropped = Callable[[ProtocolError], None]
+
+
+class ClientEndpoint:
+    """The client side of one DEALER link (asyncio).
+
+    A frame that does not decode, or whose type the handler table lacks, is
+    dropped and told to ``dropped``: a client never answers a reply, so
+    nothing goes back. Registration is an invariant, not a step: after
+    :meth:`welcomed` the link stays registered until :meth:`forgotten` (the
+    peer restarted or declared this client dead), when ``Hello`` starts again.
+    """
+
+    def __init__(self, socket: zmq.asyncio.Socket, max_message_bytes: int) -> None:
+        self.socket = socket
+        self.max_message_bytes = max_message_bytes
+        self.registered = asyncio.Event()
+        self._forgotten = asyncio.Event()
+
+    async def send(self, message: Message) -> None:
+        await self.socket.send(encode(message), copy=False)
+
+    async def send_frame(self, frame: bytes) -> None:
+        await self.socket.send(frame, copy=False)
+
+    async def serve(self, handlers: Mapping[type[Message], Callable[[Any], None]],
+                    dropped: Dropped) -> None:
+        """Hand each reply to the handler of its type, forever."""
+        while True:
+            frame = await self.socket.recv(copy=False)
+            try:
+                message = decode(frame.buffer, self.max_message_bytes)
+            except ProtocolError as exc:
+                dropped(exc)
+                continue
+            handler = handlers.get(type(message))
+            if handler is None:
+                dropped(ProtocolError(ErrorCode.UNEXPECTED,
+                                      f"{type(message).__name__} is not for this link",
+                                      ref_seq=message.seq))
+            else:
+                handler(message)
+
+    async def register(self, hello: Callable[[], Message], retry_s: float) -> None:
+        """Say ``hello()`` every ``retry_s`` until :meth:`welcomed`; again
+        after each :meth:`forgotten`. Runs forever."""
+        while True:
+            if self.registered.is_set():
+                await self._forgotten.wait()
+                self._forgotten.clear()
+                self.registered.clear()
+                continue
+            await self.send(hello())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.registered.wait(), retry_s)
+
+    def welcomed(self) -> None:
+        self.registered.set()
+
+    def forgotten(self) -> None:
+        """The peer no longer knows this client: register again."""
+        self._forgotten.set()
+
+    async def count_disconnects(self, disconnected: Callable[[], None]) -> None:
+        """Tell ``disconnected`` each time the connection drops: ZeroMQ
+        reconnects by itself and what was lost is resent, so without this a
+        flaky network would show only as resends. Runs forever."""
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                disconnected()
+        finally:
+            self.socket.disable_monitor()
+            monitor.close(linger=0)

@@ -1,18 +1,52 @@
 """The actor's answer to being declared dead by the replay (a frozen process
 resumed): abandon what is in flight and register as a new incarnation whose
 seqs continue the old ones, so replies about the old incarnation are told
-apart. The actor runs without an engine: its episode slots and its socket
-are stand-ins."""
+apart. The actor runs without an engine: its engine, episode slots and
+sockets are stand-ins."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from actors.config import ActorConfig
-from actors.process import Actor, ActorSettings, _Pending
-from protocol import Error, ErrorCode, Stamp, decode, encode
+from actors.process import Actor, ActorSettings
+from protocol import DEFAULT_MAX_MESSAGE_BYTES, Error, ErrorCode, Hello, Stamp, decode, encode
+from protocol.endpoint import ClientEndpoint
 from protocol.transport import TransportConfig
+
+
+class StandInEngine:
+    """What the actor reads of its engine before any episode runs."""
+
+    version = 0
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def device(self) -> str:
+        return "cpu"
+
+    def dtype(self) -> str:
+        return "float32"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> StandInEngine:
+    from transformers import AutoTokenizer
+    return StandInEngine(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def make_actor(actor_id: str, engine: StandInEngine, socket: Any,
+               transport: TransportConfig | None = None) -> Actor:
+    settings = ActorSettings(actor_id=actor_id, model="none",
+                             replay_address="tcp://127.0.0.1:1", actor=ActorConfig(),
+                             transport=transport or TransportConfig())
+    return Actor(settings, engine, ClientEndpoint(socket, DEFAULT_MAX_MESSAGE_BYTES), None)
 
 
 class _Frame:
@@ -23,31 +57,34 @@ class _Frame:
 
 
 class ScriptedSocket:
-    """Hands the actor's receive loop the frames it is given, then waits."""
+    """Hands the actor's receive loop the frames it is given, then waits;
+    keeps what the actor sends."""
 
     def __init__(self) -> None:
         self.inbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self.sent: list[bytes] = []
+
+    async def send(self, frame: bytes, copy: bool = True) -> None:
+        self.sent.append(bytes(frame))
 
     async def recv(self, copy: bool = False) -> _Frame:
         frame = await self.inbox.get()
         return _Frame(frame)
 
 
-async def _scenario() -> None:
-    actor = Actor(ActorSettings(actor_id="actor-f", model="none",
-                                replay_address="tcp://127.0.0.1:1", actor=ActorConfig(),
-                                transport=TransportConfig()))
-    actor.learner_socket = None
-    socket = actor.socket = ScriptedSocket()
+async def _scenario(engine: StandInEngine) -> None:
+    socket = ScriptedSocket()
+    actor = make_actor("actor-f", engine, socket)
+    actor.replay.welcomed()
     episodes: list[int] = []
 
     async def slot(number: int) -> None:  # an episode that runs until cancelled
         episodes.append(number)
-        actor.state.active += 1
+        actor.active_episodes += 1
         try:
             await asyncio.Event().wait()
         finally:
-            actor.state.active -= 1
+            actor.active_episodes -= 1
 
     actor._episode_slot = slot  # type: ignore[method-assign]
     actor._start_slots()
@@ -55,9 +92,10 @@ async def _scenario() -> None:
     for _ in range(10):  # seqs 0..9 sent; 6..9 are segments still unacknowledged
         seq = actor.stamp.next()["seq"]
         if seq >= 6:
-            actor.state.unacked[seq] = _Pending(b"frame", time.monotonic())
+            actor.outbox.sent(seq, b"frame", time.monotonic())
     old_incarnation = actor.incarnation
-    receive = asyncio.create_task(actor._receive())
+    receive = asyncio.create_task(actor.replay.serve(actor.replay_handlers,
+                                                     actor._dropped("replay")))
     replay = Stamp("replay", 1)
 
     async def reply(ref_seq: int) -> None:
@@ -75,8 +113,12 @@ async def _scenario() -> None:
     assert actor.stamp.incarnation == actor.incarnation and actor.stamp.first_seq == 10
     assert all(task.cancelled() for task in first_slots)
     assert len(episodes) == 2 * actor.config.concurrent_episodes  # slots started afresh
-    assert not actor.state.unacked and actor.state.all_acked.is_set()
-    assert actor.state.credits == 0 and actor.state.replay_lost.is_set()
+    assert not actor.outbox and actor.outbox.empty.is_set()
+    assert actor.credits.credits == 0
+    register = asyncio.create_task(actor.replay.register(actor._replay_hello, 60.0))
+    await asyncio.sleep(0.05)
+    [hello] = [decode(frame) for frame in socket.sent]  # forgotten: says Hello again
+    assert isinstance(hello, Hello) and hello.incarnation == actor.incarnation
     assert count("crl_actor_reincarnations_total") == 1
     assert count("crl_actor_abandoned_rollouts_total") == actor.config.concurrent_episodes
     assert count("crl_actor_segments_abandoned_total") == 3  # 6, 8, 9 (7 was refused)
@@ -90,24 +132,13 @@ async def _scenario() -> None:
     assert actor.incarnation > reborn
     assert count("crl_actor_reincarnations_total") == 2
 
-    receive.cancel()
-    for task in actor._slots:
+    for task in (receive, register, *actor._slots):
         task.cancel()
-    await asyncio.gather(receive, *actor._slots, return_exceptions=True)
+    await asyncio.gather(receive, register, *actor._slots, return_exceptions=True)
 
 
-def test_a_dead_incarnation_abandons_its_episodes_and_registers_anew() -> None:
-    asyncio.run(asyncio.wait_for(_scenario(), 60))
-
-
-class RecordingSocket:
-    """Keeps what the actor sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    async def send(self, frame: bytes, copy: bool = True) -> None:
-        self.sent.append(bytes(frame))
+def test_a_dead_incarnation_abandons_its_episodes_and_registers_anew(engine) -> None:
+    asyncio.run(asyncio.wait_for(_scenario(engine), 60))
 
 
 class _Environment:
@@ -115,12 +146,9 @@ class _Environment:
         pass
 
 
-async def _heartbeat_scenario(monkeypatch) -> None:
-    actor = Actor(ActorSettings(actor_id="actor-h", model="none",
-                                replay_address="tcp://127.0.0.1:1", actor=ActorConfig(),
-                                transport=TransportConfig(heartbeat_interval_s=3600.0)))
-    actor.learner_socket = None
-    socket = actor.socket = RecordingSocket()
+async def _heartbeat_scenario(monkeypatch, engine: StandInEngine) -> None:
+    socket = ScriptedSocket()
+    actor = make_actor("actor-h", engine, socket, TransportConfig(heartbeat_interval_s=3600.0))
     monkeypatch.setattr("actors.process.load_environment", lambda *_: _Environment())
     credits = iter([True])
     finish = asyncio.Event()
@@ -148,7 +176,8 @@ async def _heartbeat_scenario(monkeypatch) -> None:
     await asyncio.gather(heartbeat, return_exceptions=True)
 
 
-def test_the_replay_hears_of_an_episode_the_moment_it_starts_and_ends(monkeypatch) -> None:
+def test_the_replay_hears_of_an_episode_the_moment_it_starts_and_ends(monkeypatch,
+                                                                      engine) -> None:
     """If the process dies, the replay counts as lost the episodes of its last
     heartbeat: one started after a periodic report would go uncounted."""
-    asyncio.run(asyncio.wait_for(_heartbeat_scenario(monkeypatch), 60))
+    asyncio.run(asyncio.wait_for(_heartbeat_scenario(monkeypatch, engine), 60))

@@ -1,15 +1,28 @@
-"""The service side of a ROUTER socket (protocol/endpoint.py), over a real
-ZeroMQ pair: the rules every service shares, and dispatch by message type."""
+"""Both sides of a link (protocol/endpoint.py), over real ZeroMQ pairs: the
+rules every service shares, dispatch by message type, and a client's
+registration, dropping and disconnect counting."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
 import zmq
+import zmq.asyncio
 
-from protocol import BatchRequest, Error, ErrorCode, Heartbeat, Message, Stamp, decode, encode
-from protocol.endpoint import Received, ServerEndpoint
+from protocol import (
+    BatchRequest,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    ProtocolError,
+    Stamp,
+    decode,
+    encode,
+)
+from protocol.endpoint import ClientEndpoint, Received, ServerEndpoint
 
 
 @pytest.fixture
@@ -88,3 +101,72 @@ def test_a_reply_to_a_peer_that_has_gone_is_counted_not_raised(pair) -> None:
     endpoint.undelivered = lambda: undelivered.append(1)
     endpoint.send_frame(b"nobody", b"frame")
     assert undelivered == [1]
+
+
+# --------------------------------------------------------------------------- client side
+
+
+async def _client_scenario() -> None:
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"client")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    link = ClientEndpoint(dealer, 1 << 20)
+    server, client = Stamp("server", 1), Stamp("client", 1)
+    errors: list[Error] = []
+    dropped: list[ProtocolError] = []
+    tasks = [asyncio.create_task(link.serve({Error: errors.append}, dropped.append)),
+             asyncio.create_task(link.register(
+                 lambda: Heartbeat(**client.next(), active_rollouts=0, stall_seconds={},
+                                   credit_ledger=0, credits_seen=0), retry_s=0.05))]
+    disconnects: list[None] = []
+    tasks.append(asyncio.create_task(link.count_disconnects(lambda: disconnects.append(None))))
+    try:
+        # Hello is retried until welcomed ...
+        hellos = [await router.recv_multipart() for _ in range(2)]
+        assert all(identity == b"client" for identity, _ in hellos)
+        link.welcomed()
+        await asyncio.sleep(0.05)
+        while await router.poll(100):  # one retry may have been on its way
+            await router.recv_multipart()
+        assert not await router.poll(200)
+        # ... and again once forgotten
+        link.forgotten()
+        identity, frame = await router.recv_multipart()
+        assert isinstance(decode(frame), Heartbeat)
+        link.welcomed()
+
+        # a reply goes to its handler; what cannot be taken is dropped, told why
+        error = Error(**server.next(), code=ErrorCode.FULL, text="full", ref_seq=3)
+        await router.send_multipart([b"client", encode(error)])
+        await router.send_multipart([b"client", b"\xc1"])
+        await router.send_multipart([b"client", encode(BatchRequest(
+            **server.next(), size=1, policy_version=0))])
+        for _ in range(100):
+            if len(dropped) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [(e.code, e.ref_seq) for e in errors] == [(ErrorCode.FULL, 3)]
+        assert [(d.code, d.ref_seq) for d in dropped] == [(ErrorCode.MALFORMED, None),
+                                                          (ErrorCode.UNEXPECTED, 1)]
+
+        # the server going away is a disconnect, counted
+        router.close(linger=0)
+        for _ in range(200):
+            if disconnects:
+                break
+            await asyncio.sleep(0.01)
+        assert disconnects
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        dealer.close(linger=0)
+        router.close(linger=0)
+        context.term()
+
+
+def test_a_client_registers_until_welcomed_and_drops_what_it_cannot_take() -> None:
+    asyncio.run(asyncio.wait_for(_client_scenario(), 60))
