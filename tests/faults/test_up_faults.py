@@ -608,6 +608,15 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
             settled = run.wait(stalled, "the actors to stall on credits", timeout=SETTLE_S)
             break
         except AssertionError:
+            # what kept them busy, shown if the test fails
+            _measured(f"pause attempt {attempt} unsettled", {
+                "credits_outstanding": run.replay("crl_replay_credits_outstanding"),
+                "learner_published": _published(run.log("learner"))[-1:],
+                **{f"{a}/{name}": run.actor(a, f"crl_actor_{name}") for a in actors
+                   for name in ("active_rollouts", "policy_version", "unacked_segments")},
+                **{f"{a}/stall_{reason}": run.actor(a, "crl_actor_stall_seconds_total",
+                                                    reason=reason)
+                   for a in actors for reason in ("credits", "weights")}})
             for pid in learner:
                 os.kill(pid, signal.SIGCONT)
             if attempt == PAUSE_ATTEMPTS:
