@@ -1,60 +1,161 @@
 """The agent's turns rendered with the model's own chat template, in token space.
 
-Each turn is rendered by the tokenizer's chat template (so Qwen models and
-the tiny model work alike) and turned into token ids once; the context then
-only appends ids. Pieces that wrap variable content (an observation, the
-resume message around the policy's summary) are found by rendering a
-sentinel and splitting the text around it, so the content goes in as tokens:
-the policy's own tokens are never re-tokenised.
+The framing pieces (the assistant header the generation prompt opens, the
+end of an assistant turn, an observation's open and close, the summary
+request, the resume turn around the policy's summary) are cut from *one*
+rendering of a probe conversation whose every content is a distinct sentinel,
+split at the sentinels: a template that renders earlier turns differently
+once more follow (Qwen3 drops the ``<think>`` of earlier assistant turns and
+marks the last one) still yields the pieces it puts between contents. The
+context then only appends ids: the policy's own tokens are never
+re-tokenised.
+
+Derived, then verified: an episode with two steps and a compaction is
+played through :class:`~actors.context.CompactionContext` with these pieces,
+and the token ids of every prompt it builds must equal the template's own
+rendering of the same conversation, tokenised whole. A template the method
+cannot frame raises :class:`TemplateError` naming the template feature; it is
+never used with a wrong framing.
+
+Contents go in as their own tokens: where the template's whole-text
+tokenisation would merge a content's first or last characters with the
+framing around it, the context keeps them apart (the probe's contents are
+words, so the check holds for every template that separates turns by special
+tokens or newlines).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from actors.config import CompactionConfig, EnvironmentConfig
-from actors.context import TurnTokens
+from actors.context import CompactionContext, Generation, TurnTokens
 from actors.envs.base import Task
 
-_SENTINEL = "\u2063CRL-SLOT\u2063"  # invisible separator: never in real text
-_Message = dict[str, str]
+_Message = dict[str, Any]
+#: Sentinels wrap their slot name in invisible separators: never in real text.
+_MARK = "\u2063"
+
+
+def _slot(name: str) -> str:
+    return f"{_MARK}CRL-{name}{_MARK}"
+
+
+class TemplateError(ValueError):
+    """A chat template that cannot be framed token-in/token-out; the message
+    names the template feature in the way."""
 
 
 class ChatFormat:
-    """Renders the turns of an episode for one tokenizer."""
+    """Renders the turns of an episode for one tokenizer and its chat template.
+
+    ``tools``: the environment's tools as JSON schemas, passed to the template
+    (``tools=``) in every rendering, so the framing includes what the template
+    says about them (Qwen puts them in the system turn, Llama 3 in the first
+    user turn)."""
 
     def __init__(self, tokenizer: Any, compaction: CompactionConfig,
-                 environment: EnvironmentConfig) -> None:
+                 environment: EnvironmentConfig, tools: list[dict] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
         self.compaction = compaction
         self.environment = environment
-        self._system: list[_Message] = [{"role": "system", "content": "s"}]
-        base = self._system + [{"role": "user", "content": "u"}]
-        self.assistant_header = self._ids(self._render(base, generation_prompt=True)[
-            len(self._render(base)):])
-        after = self._render(base + [{"role": "assistant", "content": _SENTINEL}]).split(
-            _SENTINEL, 1)[1]
-        eos = tokenizer.eos_token or ""
-        end = eos if eos and after.startswith(eos) else ""
-        self.assistant_end = self._ids(end)
-        self.assistant_footer = self._ids(after[len(end):])
-        with_action = base + [{"role": "assistant", "content": "a"}]
-        open_text, close_text = self._delta(with_action, {"role": "tool", "content": _SENTINEL})
-        self.observation_open, self.observation_close = self._ids(open_text), self._ids(close_text)
+        self.tools = tools or None
+        self.assistant_header = self._ids(self._generation_prompt())
+        step = self._step_pieces()
+        self.assistant_end, self.assistant_footer = step["end"], step["footer"]
+        self.observation_open, self.observation_close = step["open"], step["close"]
         self.truncation_marker = self._ids(environment.truncation_marker)
-        self.summary_request = self._ids(
-            "".join(self._delta(base, {"role": "user",
-                                       "content": compaction.summary_instruction})))
+        self.summary_request = self._ids(self._summary_request_text(step["close_text"]))
+        self.verify()
 
-    def _render(self, messages: list[_Message], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt)
+    # ------------------------------------------------------------------ rendering
 
-    def _delta(self, before: list[_Message], message: _Message) -> tuple[str, str]:
-        """The text ``message`` adds after ``before``, split at the sentinel."""
-        added = self._render(before + [message])[len(self._render(before)):]
-        head, _, tail = added.partition(_SENTINEL)
-        return head, tail
+    def render(self, messages: list[_Message], generation_prompt: bool = False) -> str:
+        """The template's own text for ``messages``."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, tokenize=False,
+                add_generation_prompt=generation_prompt)
+        except Exception as exc:  # jinja's raise_exception, a missing role branch
+            roles = ", ".join(message["role"] for message in messages)
+            raise TemplateError(f"the template refuses a conversation of roles [{roles}]: "
+                                f"{exc}") from exc
+
+    def _split(self, messages: list[_Message], generation_prompt: bool) -> list[str]:
+        """The rendering of ``messages`` (each content a sentinel) cut at
+        the sentinels: the framing before, between and after the contents."""
+        text = self.render(messages, generation_prompt)
+        pieces = []
+        for message in messages:
+            head, found, text = text.partition(message["content"])
+            if not found:
+                raise TemplateError(
+                    f"the template does not show a {message['role']} turn's content verbatim "
+                    "(it drops, trims or rewrites it), so the policy's tokens could not be "
+                    "kept as sampled")
+            pieces.append(head)
+        return pieces + [text]
+
+    def _generation_prompt(self) -> str:
+        base = [{"role": "system", "content": _slot("s")}, {"role": "user", "content": _slot("u")}]
+        plain, prompted = self.render(base), self.render(base, generation_prompt=True)
+        if not prompted.startswith(plain) or prompted == plain:
+            raise TemplateError("add_generation_prompt does not append an assistant header "
+                                "to the conversation as rendered without it")
+        return prompted[len(plain):]
+
+    def _step_pieces(self) -> dict[str, Any]:
+        """End of an assistant turn, and an observation's open and close, from
+        one conversation of two steps (the pieces must not depend on the step)."""
+        header = self._generation_prompt()
+        conversation = [{"role": "system", "content": _slot("s")},
+                        {"role": "user", "content": _slot("u")},
+                        {"role": "assistant", "content": _slot("a1")},
+                        {"role": "tool", "content": _slot("o1")},
+                        {"role": "assistant", "content": _slot("a2")},
+                        {"role": "tool", "content": _slot("o2")}]
+        pieces = self._split(conversation, generation_prompt=True)
+        after_action, after_observation = pieces[3], pieces[4]
+        if not pieces[2].endswith(header):
+            raise TemplateError("an assistant turn in the history does not open with the "
+                                f"generation prompt's header {header!r}")
+        if not after_observation.endswith(header):
+            raise TemplateError("the turn after an observation does not open with the "
+                                f"generation prompt's header {header!r}")
+        if pieces[5] != after_action or pieces[6] != after_observation:
+            raise TemplateError("the framing of a step depends on its position (the template "
+                                "numbers, merges or otherwise varies repeated turns)")
+        # where the assistant turn ends: rendered as the last turn, before any tool turn
+        closing = self._split(conversation[:3], generation_prompt=False)[-1]
+        if not after_action.startswith(closing):
+            raise TemplateError("an assistant turn closes differently once a tool turn "
+                                f"follows ({closing!r} vs {after_action!r})")
+        eos = self.tokenizer.eos_token or ""
+        end = eos if eos and closing.startswith(eos) else ""
+        close_text = after_observation[:len(after_observation) - len(header)]
+        return {"end": self._ids(end), "footer": self._ids(closing[len(end):]),
+                "open": self._ids(after_action[len(closing):]), "close": self._ids(close_text),
+                "close_text": close_text}
+
+    def _summary_request_text(self, observation_close: str) -> str:
+        """The user turn holding q_sum, as it follows an observation."""
+        header = self._generation_prompt()
+        instruction = self.compaction.summary_instruction
+        pieces = self._split([{"role": "system", "content": _slot("s")},
+                              {"role": "user", "content": _slot("u")},
+                              {"role": "assistant", "content": _slot("a")},
+                              {"role": "tool", "content": _slot("o")},
+                              {"role": "user", "content": _slot("q")}], generation_prompt=True)
+        if not pieces[4].startswith(observation_close) or not pieces[5].endswith(header):
+            raise TemplateError("a user turn after an observation is framed differently from "
+                                "an observation followed by the assistant")
+        return (pieces[4][len(observation_close):] + instruction
+                + pieces[5][:len(pieces[5]) - len(header)])
+
+    # ------------------------------------------------------------------ pieces
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
@@ -78,18 +179,76 @@ class ChatFormat:
 
     def turns(self, task: Task) -> TurnTokens:
         """The token pieces of one episode."""
-        system = [{"role": "system", "content": task.system}]
-        system_ids = self._ids(self._render(system))
-        task_ids = self._ids("".join(self._delta(system, {"role": "user",
-                                                          "content": task.instruction})))
-        resume_head, resume_tail = self._delta(system, {
-            "role": "user",
-            "content": self.compaction.resume_template.format(task=task.instruction,
-                                                              summary=_SENTINEL)})
+        system, task_turn, after_task = self._split(
+            [{"role": "system", "content": _slot("s")}, {"role": "user", "content": _slot("u")}],
+            generation_prompt=False)
+        resume_head, resume_tail = self._resume_pieces(task)
         head_ids, tail_ids = self._ids(resume_head), self._ids(resume_tail)
         return TurnTokens(
-            system=system_ids, task=task_ids, summary_request=self.summary_request,
+            system=self._ids(system + task.system),
+            task=self._ids(task_turn + task.instruction + after_task),
+            summary_request=self.summary_request,
             assistant_header=self.assistant_header, assistant_end=self.assistant_end,
             assistant_footer=self.assistant_footer, observation_open=self.observation_open,
             observation_close=self.observation_close, truncation_marker=self.truncation_marker,
             resume=lambda summary_ids: head_ids + summary_ids + tail_ids)
+
+    def _resume_pieces(self, task: Task) -> tuple[str, str]:
+        """The resume turn's text before and after the summary (the summary
+        goes in as the policy's tokens)."""
+        summary = _slot("summary")
+        content = self.compaction.resume_template.format(task=task.instruction, summary=summary)
+        between, after = self._split([{"role": "system", "content": _slot("s")},
+                                      {"role": "user", "content": content}],
+                                     generation_prompt=False)[1:]
+        head, _, tail = content.partition(summary)
+        return between + head, tail + after
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self) -> None:
+        """Play a probe episode (two steps, a compaction keeping one) with
+        these pieces; every prompt's ids must equal the template's rendering
+        of the same conversation, tokenised whole."""
+        task = Task(task_id="probe", system="You solve tasks with the tools given.",
+                    instruction="Find the code in the rooms.")
+        actions = ["look north", "open the door"]
+        observations = ["a room with a box", "the door is open"]
+        summary = "I looked north and opened the door"
+        # room for anything: the probe compacts when told to, not when full
+        config = dataclasses.replace(self.compaction, enabled=True, context_tokens=1 << 20,
+                                     reserve_tokens=1 << 19, max_summary_tokens=1 << 10,
+                                     keep_steps=1)
+        context = CompactionContext(self.turns(task), config)
+        history: list[_Message] = [{"role": "system", "content": task.system},
+                                   {"role": "user", "content": task.instruction}]
+        self._expect(context.action_prompt(), history, "the first prompt (system and task)")
+        for action, observation in zip(actions, observations, strict=True):
+            context.add_step(self._sampled(action), self._ids(observation))
+            history += [{"role": "assistant", "content": action},
+                        {"role": "tool", "content": observation}]
+            self._expect(context.action_prompt(), history, "a step (action and observation)")
+        request = {"role": "user", "content": self.compaction.summary_instruction}
+        self._expect(context.summary_prompt(), history + [request], "the summary request")
+        sampled = self._sampled(summary)
+        context.compact(sampled, self.strip_end(sampled.token_ids))
+        resumed = self.compaction.resume_template.format(task=task.instruction, summary=summary)
+        rebuilt = [history[0], {"role": "user", "content": resumed}] + history[-2:]
+        self._expect(context.action_prompt(), rebuilt,
+                     "the context rebuilt after a compaction (resume turn and the kept step)")
+
+    def _sampled(self, text: str) -> Generation:
+        """``text`` as the policy would sample it: its tokens, then the end of turn."""
+        ids = self._ids(text) + self.assistant_end
+        return Generation(ids, [0.0] * len(ids), [0] * len(ids))
+
+    def _expect(self, ids: list[int], messages: list[_Message], what: str) -> None:
+        expected = self._ids(self.render(messages, generation_prompt=True))
+        if ids == expected:
+            return
+        at = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b),
+                  min(len(ids), len(expected)))
+        raise TemplateError(
+            f"{what} framed from the template's pieces differs from the template's own "
+            f"rendering at token {at}: {self.tokenizer.decode(ids[at:at + 12])!r} vs "
+            f"{self.tokenizer.decode(expected[at:at + 12])!r}")

@@ -63,9 +63,10 @@ class TurnTokens:
     """Rendered chat-format pieces of one episode, as token ids."""
 
     system: list[int]
-    """The system turn."""
+    """The system turn, up to the end of its content (what closes it is
+    the start of ``task`` and of the resume turn)."""
     task: list[int]
-    """The user turn holding the task."""
+    """The user turn holding the task (after the system content)."""
     summary_request: list[int]
     """The user turn holding the summarisation instruction q_sum."""
     assistant_header: list[int]
@@ -83,7 +84,7 @@ class TurnTokens:
     """Content that replaces the cut-off end of an observation."""
     resume: Callable[[list[int]], list[int]]
     """The resume turn for given summary token ids (the policy's tokens,
-    spliced in without re-tokenising)."""
+    spliced in without re-tokenising), after the system content."""
 
 
 @dataclass
