@@ -27,11 +27,13 @@ tokens or newlines).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from actors.config import CompactionConfig, EnvironmentConfig
 from actors.context import CompactionContext, Generation, TurnTokens
 from actors.envs.base import Task
+from actors.tools import ToolCallParser
 
 _Message = dict[str, Any]
 #: Sentinels wrap their slot name in invisible separators: never in real text.
@@ -70,6 +72,19 @@ class ChatFormat:
         self.truncation_marker = self._ids(environment.truncation_marker)
         self.summary_request = self._ids(self._summary_request_text(step["close_text"]))
         self.verify()
+        self.tool_calls = ToolCallParser(environment.tool_parser, tokenizer)
+        self._with_tools: dict[str, ChatFormat] = {}
+
+    def with_tools(self, tools: list[dict] | None) -> ChatFormat:
+        """This format for a task that declares ``tools``: derived and
+        verified once per tool set."""
+        if (tools or None) == self.tools:
+            return self
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._with_tools:
+            self._with_tools[key] = ChatFormat(self.tokenizer, self.compaction,
+                                               self.environment, tools)
+        return self._with_tools[key]
 
     # ------------------------------------------------------------------ rendering
 
@@ -169,8 +184,10 @@ class ChatFormat:
         keep = max(0, max_tokens - len(self.truncation_marker))
         return ids[:keep] + self.truncation_marker, True
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], keep_special: bool = False) -> str:
+        """Text of ``ids``; ``keep_special`` keeps special tokens (a tool
+        call's ``<tool_call>`` is one in some tokenizers)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=not keep_special)
 
     def strip_end(self, ids: list[int]) -> list[int]:
         """A turn's tokens without the end-of-turn token the model sampled."""

@@ -185,6 +185,10 @@ class EnvironmentConfig:
     """Longer observations are cut to this many tokens, with a visible marker."""
     truncation_marker: str = " [observation cut]"
     """Text that replaces the cut-off end of an observation."""
+    tool_parser: str = "hermes"
+    """vLLM's tool parser for the model family, for tasks that declare tools:
+    ``hermes`` (Qwen2.5/Qwen3, ``<tool_call>`` JSON), ``llama3_json``,
+    ``pythonic``, or any other name vLLM registers (actors/tools.py)."""
 
 
 @dataclass

@@ -5,19 +5,27 @@ steps the environment, appends the step, and compacts when the reserve is
 reached: the summary is sampled by the same engine, the execution and summary
 segments are handed to ``emit`` at once, and the episode continues in the
 rebuilt window. The last segment carries the reward and the episode's stats.
+
+A task with tools has each action parsed for calls (actors/tools.py): the
+calls go to the environment's ``call_tool`` in order (their observations
+joined in one observation turn), a turn without a call to ``step`` (an
+answer), and a call that cannot be taken is answered with an observation
+saying what was wrong, counted by reason. Summaries are never parsed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import CompactionContext, CompactionFailed, Generation, SegmentData
-from actors.envs.base import Environment
+from actors.envs.base import Environment, StepResult, Task
 from protocol import RolloutStats
 
 #: Per-turn sampling seeds are episode_seed * SEED_STRIDE + turn: reproducible
@@ -42,6 +50,8 @@ class EpisodeResult:
     summary_seconds: float
     """Time spent generating summaries (stall for the episode)."""
     observations_cut: int
+    tool_call_errors: Counter[str] = field(default_factory=Counter)
+    """Calls answered with an error observation, by reason."""
 
 
 Emit = Callable[[str, SegmentData, "EpisodeResult | None"], Awaitable[None]]
@@ -56,7 +66,9 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
     derived from ``sampling_seed`` (default: ``seed``)."""
     start = time.monotonic()
     task = await environment.reset(seed)
+    chat = chat.with_tools(task.tools)
     context = CompactionContext(chat.turns(task), config.compaction)
+    tool_call_errors: Counter[str] = Counter()
     temperature = 0.0 if greedy else None
     base = seed if sampling_seed is None else sampling_seed
     turn_seeds = iter(range(base * SEED_STRIDE, (base + 1) * SEED_STRIDE))
@@ -74,7 +86,8 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
                                        seed=next(turn_seeds), temperature=temperature)
         generated += len(action.token_ids)
         try:
-            result = await environment.step(chat.decode(chat.strip_end(action.token_ids)))
+            result = await _act(environment, chat, task, chat.strip_end(action.token_ids),
+                                tool_call_errors)
         except Exception as exc:  # a broken environment ends this episode, not the actor
             context.add_step(action, chat.content(f"environment error: {exc}", 64)[0])
             outcome = "error"
@@ -110,6 +123,27 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
                          summary_tokens=context.summary_tokens,
                          duration_s=time.monotonic() - start)
     episode = EpisodeResult(task_id=task.task_id, reward=reward, stats=stats,
-                            summary_seconds=summary_seconds, observations_cut=observations_cut)
+                            summary_seconds=summary_seconds, observations_cut=observations_cut,
+                            tool_call_errors=tool_call_errors)
     await emit(task.task_id, last if last is not None else context.finish(), episode)
     return episode
+
+
+async def _act(environment: Environment, chat: ChatFormat, task: Task, action: list[int],
+               tool_call_errors: Counter[str]) -> StepResult:
+    """The environment's answer to one action (its tokens without the end of turn)."""
+    if not task.tools:
+        return await environment.step(chat.decode(action))
+    parsed = chat.tool_calls.parse(chat.decode(action, keep_special=True), task.tools)
+    if parsed.reason is not None:
+        tool_call_errors[parsed.reason] += 1
+        return StepResult(f"tool call error: {parsed.error}")
+    if not parsed.calls:
+        return await environment.step(chat.decode(action))
+    observations = []
+    for call in parsed.calls:
+        result = await environment.call_tool(call)
+        observations.append(result.observation)
+        if result.done:
+            break
+    return dataclasses.replace(result, observation="\n".join(observations))

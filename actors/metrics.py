@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from protocol import EngineInfo, RolloutStats
@@ -70,6 +72,10 @@ class ActorMetrics:
                                           registry=r)
         self.observations_cut = Counter("crl_actor_observations_cut",
                                         "Observations cut to fit budget or window", registry=r)
+        self.tool_call_errors = Counter(
+            "crl_actor_tool_call_errors", "Tool calls answered with an error observation "
+            "instead of being run, by reason (malformed, unknown_tool, invalid_arguments)",
+            ["reason"], registry=r)
         self._finished = 0
         self._compactions = 0
         self._stall = dict.fromkeys(STALL_REASONS, 0.0)
@@ -81,7 +87,7 @@ class ActorMetrics:
                                 engine.model).set(1)
 
     def episode_finished(self, reward: float, stats: RolloutStats, summary_seconds: float,
-                         observations_cut: int) -> None:
+                         observations_cut: int, tool_call_errors: Mapping[str, int]) -> None:
         self._finished += 1
         self._compactions += stats.compactions
         self.rollouts.labels(stats.outcome).inc()
@@ -94,6 +100,8 @@ class ActorMetrics:
         if stats.success:
             self.successes.labels("true" if stats.compactions else "false").inc()
         self.observations_cut.inc(observations_cut)
+        for reason, count in tool_call_errors.items():
+            self.tool_call_errors.labels(reason).inc(count)
 
     def stall(self, reason: str, seconds: float) -> None:
         self._stall[reason] += seconds

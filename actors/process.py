@@ -164,7 +164,9 @@ class Actor:
         self.engine_info = EngineInfo(device=engine.device(), dtype=engine.dtype(),
                                       tensor_parallel=self.config.engine.tensor_parallel,
                                       model=settings.model)
+        # a template or a tool parser that cannot serve this model is refused at start
         self.chat = ChatFormat(engine.tokenizer, self.config.compaction, self.config.environment)
+        self.chat.tool_calls.check()
         self.credits = CreditAccount()
         self.outbox = Outbox()
         self.weights = LearnerView()
@@ -315,7 +317,7 @@ class Actor:
         result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit,
                                    sampling_seed=sampling_seed)
         self.metrics.episode_finished(result.reward, result.stats, result.summary_seconds,
-                                      result.observations_cut)
+                                      result.observations_cut, result.tool_call_errors)
 
     async def _send_segment(self, rollout_id: str, task_id: str, index: int, segment: SegmentData,
                             result: EpisodeResult | None) -> None:

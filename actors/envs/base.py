@@ -27,6 +27,19 @@ class Task:
     """System prompt."""
     instruction: str
     """The user's task, repeated in the resume message after every compaction."""
+    tools: list[dict] | None = None
+    """The tools the agent may call, as JSON schemas in the OpenAI function
+    format (``{"type": "function", "function": {"name", "description",
+    "parameters"}}``). They reach the chat template, and each action is parsed
+    for calls (actors/tools.py), which go to :meth:`Environment.call_tool`."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made, checked against the tool's schema."""
+
+    name: str
+    arguments: dict[str, Any]
 
 
 @dataclass
@@ -52,8 +65,13 @@ class Environment(Protocol):
 
     async def step(self, action: str) -> StepResult:
         """Apply the assistant's text; an action the environment cannot parse
-        is an observation saying so, never an exception."""
+        is an observation saying so, never an exception. For a task with
+        tools, only a turn without a tool call comes here (an answer)."""
         ...
+
+    # A task with ``tools`` needs one more method, ``async def call_tool(self,
+    # call: ToolCall) -> StepResult``: each call of a turn, in order, its
+    # arguments already valid against the tool's schema.
 
     async def close(self) -> None:
         """Release what the episode holds (processes, folders)."""

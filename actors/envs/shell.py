@@ -6,65 +6,41 @@ solved). Each episode copies nothing from the host: it gets a fresh work
 folder, runs ``setup.sh`` there, and then runs the agent's commands there,
 each in the sandbox of :mod:`actors.envs.sandbox`.
 
-Action format (what the system prompt tells the model):
-
-- a fenced code block runs as one bash command::
-
-      ```bash
-      ls -la
-      ```
-
-- or the Qwen tool-call format:
-  ``<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>``;
-- ``submit`` (outside any code block) ends the episode; ``check.sh`` decides
-  the reward (1 if it exits 0, else 0).
-
-Anything else is answered with an observation explaining the format.
+The agent acts through two tools (``Task.tools``, parsed by the configured
+vLLM tool parser, actors/tools.py): ``bash`` runs one command and answers
+with its exit code and output; ``submit`` ends the episode, and ``check.sh``
+decides the reward (1 if it exits 0, else 0). A turn without a tool call is
+answered with an observation saying how to act.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 import tempfile
 import tomllib
 from pathlib import Path
 
-from actors.envs.base import StepResult, Task
+from actors.envs.base import StepResult, Task, ToolCall
 from actors.envs.sandbox import Limits, Sandbox
 
 BUILTIN_TASKS = Path(__file__).parent / "shell_tasks"
 #: Work folders live outside /tmp: the sandbox mounts a private /tmp.
 DEFAULT_WORK_ROOT = "/var/tmp/compactionrl-shell"
 
-SYSTEM = (
-    "You operate a Linux shell to solve a task. Reply with exactly one bash command in a "
-    "fenced code block, like:\n```bash\nls\n```\nYou will see its exit code and output. "
-    "When the task is done, reply with the single word submit.")
+SYSTEM = ("You operate a Linux shell to solve a task. Call the bash tool with one command at "
+          "a time; you will see its exit code and output. When the task is done, call submit.")
 
-_FENCE = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)```", re.DOTALL)
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_action(text: str) -> tuple[str, str]:
-    """``("run", command)``, ``("submit", "")`` or ``("invalid", reason)``."""
-    if fence := _FENCE.search(text):
-        command = fence.group(1).strip()
-        return ("run", command) if command else ("invalid", "the code block is empty")
-    if call := _TOOL_CALL.search(text):
-        try:
-            payload = json.loads(call.group(1))
-            command = payload["arguments"]["command"]
-        except (ValueError, KeyError, TypeError):
-            return "invalid", "the tool call is not {\"name\": \"bash\", \"arguments\": " \
-                              "{\"command\": \"...\"}}"
-        if isinstance(command, str) and command.strip():
-            return "run", command
-        return "invalid", "the tool call has no command"
-    if re.search(r"\bsubmit\b", text.lower()):
-        return "submit", ""
-    return "invalid", "no command found"
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "bash", "description": "Run one bash command in the task's work folder.",
+        "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "minLength": 1,
+                        "description": "The command line to run."}},
+            "required": ["command"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "submit", "description": "End the task: its check decides the reward.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+]
 
 
 class Shell:
@@ -96,21 +72,22 @@ class Shell:
             if result.exit_code != 0:
                 raise RuntimeError(f"setup of {self._task_dir.name} failed: {result.describe()}")
         return Task(task_id=f"shell-{self._task_dir.name}", system=SYSTEM,
-                    instruction=spec["instruction"])
+                    instruction=spec["instruction"], tools=TOOLS)
 
     async def step(self, action: str) -> StepResult:
-        assert self._workdir is not None, "reset() first"
-        kind, payload = parse_action(action)
-        if kind == "invalid":
-            return StepResult(f"invalid action: {payload}. Reply with one bash command in a "
-                              "```bash fenced block, or submit.")
-        if kind == "submit":
+        return StepResult("no tool call: call bash with one command, or submit when the task "
+                          "is done.")
+
+    async def call_tool(self, call: ToolCall) -> StepResult:
+        assert self._workdir is not None and self._task_dir is not None, "reset() first"
+        if call.name == "submit":
             check = self._task_dir / "check.sh"
             result = await self.sandbox.run(check.read_text(), self._workdir)
             solved = result.exit_code == 0
             return StepResult("task solved" if solved else "task not solved", done=True,
                               reward=float(solved), success=solved)
-        return StepResult((await self.sandbox.run(payload, self._workdir)).describe())
+        command = call.arguments["command"]
+        return StepResult((await self.sandbox.run(command, self._workdir)).describe())
 
     async def close(self) -> None:
         if self._workdir is not None:
