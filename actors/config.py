@@ -73,6 +73,15 @@ class EngineConfig:
     there, or the importance weights compare two different policies."""
     seed: int = 0
     """Engine sampling seed (each actor adds its index)."""
+    trust_remote_code: bool = False
+    """Run the model folder's own Python code (models transformers does not
+    ship). It runs in the engines and, for the same model, in the learner's
+    loading and export, which take this setting too."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """More of vLLM's engine arguments (``AsyncEngineArgs`` fields), passed
+    through as given, e.g. ``{ max_num_seqs = 64, kv_cache_dtype = "fp8" }``.
+    A name vLLM does not have, or one of the arguments the fields above set
+    (``model``, ``dtype``, ``max_model_len``, ...), is refused at engine start."""
 
     def eager(self, on_gpu: bool) -> bool:
         """``enforce_eager`` for vLLM: as set, else off on GPU (CUDA graphs

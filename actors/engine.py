@@ -61,8 +61,9 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         # started it or a user did. An explicit setting wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-    return {
+    kwargs = {
         "model": model,
+        "trust_remote_code": config.trust_remote_code,
         "dtype": config.dtype,
         "max_model_len": config.max_model_len,
         "tensor_parallel_size": config.tensor_parallel,
@@ -78,6 +79,24 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         # the engine dies): on CPU every prompt is prefilled whole.
         "enable_chunked_prefill": not current_platform.is_cpu(),
     }
+    return kwargs | passed_through(config.extra_args, set(kwargs))
+
+
+def passed_through(extra_args: dict[str, Any], set_here: set[str]) -> dict[str, Any]:
+    """``actors.engine.extra_args``, once checked against vLLM's engine
+    arguments and against those the engine config sets itself."""
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    known = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+    problems = [f"{name!r} is not one of vLLM's engine arguments" for name in extra_args
+                if name not in known]
+    problems += [f"{name!r} is set by the engine config's own fields: set it there"
+                 for name in extra_args if name in set_here]
+    if problems:
+        raise ValueError(f"actors.engine.extra_args: {'; '.join(problems)}")
+    return dict(extra_args)
 
 
 class Engine:
@@ -103,8 +122,9 @@ class Engine:
         ``weight_transfer`` the engine accepts live weight updates over the
         project's gloo transfer engine (:mod:`actors.weight_transfer`)."""
         if not (Path(model) / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {model!r} has no config.json: point "
-                                    "run.model at a local HF-format model folder")
+            raise FileNotFoundError(
+                f"model folder {model!r} has no config.json: point run.model at a local "
+                "HF-format model folder, or at a model id in the local Hugging Face cache")
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

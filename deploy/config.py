@@ -54,9 +54,12 @@ class RunConfig:
     out_dir: str = "runs"
     """Parent folder of run folders (checkpoints, metrics history, report)."""
     model: str = "runs/base-model"
-    """HF-format model folder the actors and the learner start from. The
-    default is the bootstrapped base policy, made on first use
-    (`compactionrl bootstrap`, from the tiny model `compactionrl model init` builds)."""
+    """HF-format model folder the actors and the learner start from, or a
+    Hugging Face model id (``Qwen/Qwen3-0.6B``, ``org/name@revision``) already
+    in the local Hugging Face cache (``HF_HUB_CACHE`` or ``HF_HOME``; nothing is
+    downloaded: fetch it first with ``hf download``). The default is the
+    bootstrapped base policy, made on first use (`compactionrl bootstrap`,
+    from the tiny model `compactionrl model init` builds)."""
     seed: int = 0
     """Seed of everything random in the run (environment seeds, init, sampling)."""
     max_minutes: float = 0.0
@@ -121,7 +124,8 @@ class JobConfig:
 
     def model_problems(self) -> list[str]:
         """The engine's settings against run.model's config.json, where the
-        folder is on this machine (on a launcher without the model, the
+        folder is on this machine (an id in the local Hugging Face cache is
+        its snapshot folder by now: :func:`resolve_model`) (on a launcher without the model, the
         actor's own load, beside its engine, checks it; ``up`` checks again
         after bootstrapping the default model)."""
         try:
@@ -192,6 +196,7 @@ def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -
     config = _build(JobConfig, data, "", problems)
     for dotted, raw in _pair_overrides(overrides or [], problems):
         _override(config, dotted, raw, problems)
+    config.run.model = resolve_model(config.run.model)
     if not config.replay.log_path:  # the run's own: one shared by runs mixes their rollouts
         config.replay.log_path = str(Path(config.run.out_dir) / config.run.name / "replay"
                                      / "segments.log")
@@ -201,6 +206,25 @@ def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def resolve_model(model: str) -> str:
+    """``run.model`` as a folder on this machine: a folder as given; a
+    Hugging Face model id (``org/name``, or ``org/name@revision``) as its
+    snapshot folder in the local Hugging Face cache (``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``), looked up and never downloaded. Anything else is kept:
+    where the model is needed, its absence is reported there (a launcher
+    need not hold the model its actors load)."""
+    if Path(model).exists() or model.count("/") != 1 or model.startswith((".", "/")):
+        return model
+    repo_id, _, revision = model.partition("@")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision or None, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return model
 
 
 def _read_toml(path: str | Path | None) -> dict[str, Any]:
@@ -315,6 +339,8 @@ def _convert(hint: Any, value: Any, dotted: str, problems: list[str]) -> Any:
     """Check ``value`` against the field's type; ints are accepted for floats."""
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, dotted, problems)
+    if hint is Any:  # passed through to a library that checks it (actors.engine.extra_args)
+        return value
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)

@@ -20,7 +20,7 @@ def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=engine.trust_remote_code)
     prompt_ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
         return_dict=False)
@@ -50,7 +50,8 @@ def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
         import torch
         from transformers import AutoModelForCausalLM
 
-        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        reference = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, trust_remote_code=engine.trust_remote_code)
         tolerance = (FLOAT32_LOGPROB_TOLERANCE if engine.dtype == "float32"
                      else BF16_LOGPROB_TOLERANCE)
         agreement = compare(reference, prompt_ids, completion, logprobs, tolerance, temperature)

@@ -96,7 +96,8 @@ def checkpoint_position(path: Path) -> tuple[int, int]:
 
 
 def export_hf(policy: torch.nn.Module, source_model: str, out: Path, dtype: torch.dtype,
-              timeout_s: float = LearnerConfig.export_timeout_s) -> Path | None:
+              timeout_s: float = LearnerConfig.export_timeout_s,
+              trust_remote_code: bool = False) -> Path | None:
     """Write ``policy`` to ``out`` as an HF folder, its floating-point
     weights in ``dtype`` (the dtype it trains in); returns ``out`` on rank 0,
     None elsewhere. Every rank must call it; it returns once the folder is
@@ -135,7 +136,7 @@ def export_hf(policy: torch.nn.Module, source_model: str, out: Path, dtype: torc
     waiting = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                if dist.is_available() and dist.is_initialized() else None)
     if rank0:
-        _write_hf(state, source_model, out, dtype)
+        _write_hf(state, source_model, out, dtype, trust_remote_code)
     if waiting is not None:
         dist.barrier(group=waiting)
         dist.destroy_process_group(waiting)
@@ -143,7 +144,7 @@ def export_hf(policy: torch.nn.Module, source_model: str, out: Path, dtype: torc
 
 
 def _write_hf(state: dict[str, torch.Tensor], source_model: str, out: Path,
-              dtype: torch.dtype) -> None:
+              dtype: torch.dtype, trust_remote_code: bool) -> None:
     """``state`` (full tensors in ``dtype``) as an HF folder at ``out``, with
     every file of ``source_model``'s folder but its weights and config."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -151,8 +152,9 @@ def _write_hf(state: dict[str, torch.Tensor], source_model: str, out: Path,
     # the skeleton that save_pretrained writes the weights and config of (the
     # config naming ``dtype``, which vLLM and transformers load by default)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source_model),
-                                                    dtype=dtype)
+        skeleton = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(source_model, trust_remote_code=trust_remote_code),
+            dtype=dtype, trust_remote_code=trust_remote_code)
     skeleton.save_pretrained(out, state_dict=state)
     for path in Path(source_model).iterdir():
         if path.is_file() and path.name != "config.json" and not path.name.endswith(

@@ -74,21 +74,24 @@ class Sharding:
 
 
 def load_policy(path: str, dtype: torch.dtype = torch.float32,
-                sharding: Sharding | None = None, value_head: bool = False) -> nn.Module:
+                sharding: Sharding | None = None, value_head: bool = False,
+                trust_remote_code: bool = False) -> nn.Module:
     """The causal LM in the HF folder ``path``, its parameters in ``dtype``.
     Without ``sharding``, this process holds the whole model. With it, the
     model is built on the meta device, sharded, and each rank reads only its
     shards from the safetensors files (:func:`_load_shards`): no rank ever
     holds a full copy. ``value_head``: with a zero value head at its root
-    (:func:`token_logprobs_and_values`)."""
+    (:func:`token_logprobs_and_values`). ``trust_remote_code``: run the
+    folder's own model code (``actors.engine.trust_remote_code``)."""
     if sharding is None:
         from transformers import AutoModelForCausalLM
 
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                      trust_remote_code=trust_remote_code)
         if value_head:
             _add_value_head(policy)
         return _with_policy_methods(policy)
-    policy = _policy_on_meta(path, dtype)
+    policy = _policy_on_meta(path, dtype, trust_remote_code)
     if value_head:
         with torch.device("meta"):
             _add_value_head(policy)
@@ -105,14 +108,14 @@ def _add_value_head(policy: nn.Module) -> None:
 
 
 def load_critic(path: str, dtype: torch.dtype = torch.float32,
-                sharding: Sharding | None = None) -> Critic:
+                sharding: Sharding | None = None, trust_remote_code: bool = False) -> Critic:
     """A critic whose body starts from the policy's weights in ``path`` (its
     own copy) and whose head starts at zero; ``sharding`` as for
     :func:`load_policy`."""
     if sharding is None:
-        policy = load_policy(path, dtype)
+        policy = load_policy(path, dtype, trust_remote_code=trust_remote_code)
         return Critic(policy.model, policy.config.hidden_size).to(dtype)
-    policy = _policy_on_meta(path, dtype)
+    policy = _policy_on_meta(path, dtype, trust_remote_code)
     with torch.device("meta"):
         critic = Critic(policy.model, policy.config.hidden_size).to(dtype)
     return _load_shards(critic, path, sharding)
@@ -130,13 +133,15 @@ def _with_policy_methods(policy: nn.Module) -> nn.Module:
     return policy
 
 
-def _policy_on_meta(path: str, dtype: torch.dtype) -> nn.Module:
+def _policy_on_meta(path: str, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
     """The policy of ``path``'s config with every parameter and buffer on the
     meta device: shapes only, no memory, no initialisation."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        policy = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), dtype=dtype,
+            trust_remote_code=trust_remote_code)
     # the mode from_pretrained leaves a model in, as the unsharded load does
     # (the trainer never switches it: PPO trains the policy it sampled with)
     return _with_policy_methods(policy.eval())

@@ -104,6 +104,8 @@ class LearnerSettings:
     transport: TransportConfig = field(default_factory=TransportConfig)
     resume: bool = False
     run_id: str = "run"
+    trust_remote_code: bool = False
+    """Run the model folder's own code (``actors.engine.trust_remote_code``)."""
 
 
 def read_settings(path: Path) -> LearnerSettings:
@@ -135,8 +137,11 @@ class Learner:
         dtype = torch.bfloat16 if bf16 else torch.float32
         sharding = Sharding(self.device, bf16, self.config.activation_checkpointing)
         value_head = self.config.critic == "value_head"
-        policy = load_policy(self.settings.model, sharding=sharding, value_head=value_head)
-        critic = None if value_head else load_critic(self.settings.model, sharding=sharding)
+        remote = self.settings.trust_remote_code
+        policy = load_policy(self.settings.model, sharding=sharding, value_head=value_head,
+                             trust_remote_code=remote)
+        critic = None if value_head else load_critic(self.settings.model, sharding=sharding,
+                                                     trust_remote_code=remote)
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
         if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
@@ -166,7 +171,7 @@ class Learner:
             self._steps(peers, publisher, batch_size)
             save_checkpoint(checkpoints, self.trainer, self.version, self.step)
             export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export", dtype,
-                      self.config.export_timeout_s)
+                      self.config.export_timeout_s, remote)
             if self.rank == 0:
                 log.info("stopped cleanly (%s) at step %d, version %d: checkpoint and export "
                          "written", "signal" if self.stopping else "max_steps", self.step,
