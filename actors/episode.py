@@ -121,7 +121,7 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
     stats = RolloutStats(outcome=outcome, success=success, steps=steps,
                          compactions=context.compactions, generated_tokens=generated,
                          summary_tokens=context.summary_tokens,
-                         duration_s=time.monotonic() - start)
+                         duration_s=time.monotonic() - start, tags=task.tags)
     episode = EpisodeResult(task_id=task.task_id, reward=reward, stats=stats,
                             summary_seconds=summary_seconds, observations_cut=observations_cut,
                             tool_call_errors=tool_call_errors)

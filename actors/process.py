@@ -106,11 +106,6 @@ class ActorSettings:
     """Position among the actors of a launcher (offsets the metrics port and engine seed)."""
 
 
-#: Held-out episode seeds start here; training seeds are below, so an
-#: evaluation never replays a training episode.
-EVALUATION_SEEDS_FROM = 2**31
-
-
 def training_seed(run_seed: int, actor_id: str, incarnation: int, n: int) -> int:
     """Episode seed, in [0, EVALUATION_SEEDS_FROM): distinct across actors,
     incarnations and episodes."""

@@ -3,7 +3,7 @@
 Episodes run on the actors' engine and agent loop, at the actors' sampling
 temperature (the policy as it trains, not greedy: greedy decoding hides most
 of a base policy's flaws), with seeds from
-:data:`actors.process.EVALUATION_SEEDS_FROM` up, which no training or
+:data:`actors.envs.base.EVALUATION_SEEDS_FROM` up, which no training or
 demonstration episode uses. The report: success rate with a 95 % Wilson
 interval, mean reward, compactions per episode, success by number of
 compactions, and summary length.
@@ -26,9 +26,8 @@ from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
-from actors.envs.base import load_environment
+from actors.envs.base import EVALUATION_SEEDS_FROM, load_environment
 from actors.episode import EpisodeResult, run_episode
-from actors.process import EVALUATION_SEEDS_FROM
 
 #: Episodes in flight on the engine at once: enough to batch the tiny
 #: model's short turns, few enough that the progress bar moves steadily.
@@ -66,6 +65,8 @@ class EvalReport:
     """Number of compactions -> {"episodes": n, "success": rate}."""
     outcomes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    success_by_tag: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """Task tag -> its value -> {"episodes": n, "success": rate} (``Task.tags``)."""
 
 
 def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
@@ -74,9 +75,12 @@ def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
     successes = sum(r.stats.success for r in results)
     compactions = sum(r.stats.compactions for r in results)
     by_count: dict[int, list[bool]] = defaultdict(list)
+    by_tag: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     outcomes: dict[str, int] = defaultdict(int)
     for r in results:
         by_count[r.stats.compactions].append(r.stats.success)
+        for tag, value in r.stats.tags.items():
+            by_tag[tag][value].append(r.stats.success)
         outcomes[r.stats.outcome] += 1
     return EvalReport(
         model=model, episodes=n, compaction=actors.compaction.enabled,
@@ -89,7 +93,10 @@ def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
                                        / compactions if compactions else 0.0),
         success_by_compactions={k: {"episodes": len(v), "success": sum(v) / len(v)}
                                 for k, v in sorted(by_count.items())},
-        outcomes=dict(sorted(outcomes.items())), seconds=seconds)
+        outcomes=dict(sorted(outcomes.items())), seconds=seconds,
+        success_by_tag={tag: {value: {"episodes": len(v), "success": sum(v) / len(v)}
+                              for value, v in sorted(values.items())}
+                        for tag, values in sorted(by_tag.items())})
 
 
 async def run_evaluation(model: str, actors: ActorConfig, episodes: int,
@@ -146,5 +153,8 @@ def format_report(report: EvalReport) -> str:
             for k, v in report.success_by_compactions.items()),
         "  outcomes: " + ", ".join(f"{k} {v}" for k, v in report.outcomes.items()),
     ]
+    lines += [f"  success by {tag}: " + ", ".join(
+        f"{value}: {v['success']:.1%} of {v['episodes']:.0f}" for value, v in values.items())
+        for tag, values in report.success_by_tag.items()]
     return "\n".join(lines)
 

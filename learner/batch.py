@@ -54,6 +54,8 @@ class TrainBatch:
     """[R], for group-relative advantages."""
     successes: list[bool]
     compactions: list[int]
+    tags: list[dict[str, str]]
+    """[R], the tasks' labels (``RolloutStats.tags``)."""
 
     @property
     def num_rollouts(self) -> int:
@@ -108,6 +110,7 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
     merged into that sequence."""
     sequences: list[Sequence] = []
     rewards, task_ids, successes, compactions = [], [], [], []
+    tags: list[dict[str, str]] = []
     for index, rollout in enumerate(batch.rollouts):
         if not rollout.segments or not rollout.segments[-1].final:
             raise BatchError(f"rollout {rollout.rollout_id} has no final segment")
@@ -144,8 +147,9 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
         successes.append(bool(final.stats.success) if final.stats else final.reward > 0)
         compactions.append(final.stats.compactions if final.stats else
                            sum(s.segment_type == "summary" for s in rollout.segments))
+        tags.append(dict(final.stats.tags) if final.stats else {})
     return TrainBatch(sequences, torch.tensor(rewards, dtype=torch.float64), task_ids,
-                      successes, compactions)
+                      successes, compactions, tags)
 
 
 def _extends(previous: Sequence | None, segment_type: str, tokens: torch.Tensor,

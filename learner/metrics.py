@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: PPO statistics exported as gauges: metric name -> key in the step's metrics.
@@ -37,6 +39,11 @@ class LearnerMetrics:
         self.success_rate = Gauge("crl_learner_success_rate",
                                   "Success rate of the last batch, by compaction",
                                   ["compacted"], registry=r)
+        self.tagged_success_rate = Gauge(
+            "crl_learner_tagged_success_rate",
+            "Success rate of the last batch's rollouts whose task has this tag value "
+            "(Task.tags); NaN when the batch had none", ["tag", "value"], registry=r)
+        self._tags_seen: set[tuple[str, str]] = set()
         self.compactions = Gauge("crl_learner_compactions_per_rollout",
                                  "Mean compactions per rollout of the last batch", registry=r)
         self.idle_seconds = Counter("crl_learner_idle_seconds",
@@ -78,7 +85,8 @@ class LearnerMetrics:
             self.registry.register(self.step)
 
     def record(self, metrics: dict[str, float], rewards: list[float], successes: list[bool],
-               compactions: list[int], seconds: float, version: int, step: int) -> None:
+               compactions: list[int], seconds: float, version: int, step: int,
+               tags: list[dict[str, str]] | None = None) -> None:
         self.step_seconds.observe(seconds)
         self.tokens.inc(metrics.get("tokens", 0.0))
         self.resumed(version, step)
@@ -95,3 +103,12 @@ class LearnerMetrics:
             # NaN, not a stale value, when the batch had no rollout of this kind
             self.success_rate.labels(label).set(sum(chosen) / len(chosen) if chosen
                                                 else float("nan"))
+        by_tag: dict[tuple[str, str], list[bool]] = defaultdict(list)
+        for success, labels in zip(successes, tags or [{}] * len(successes), strict=True):
+            for tag, value in labels.items():
+                by_tag[tag, value].append(success)
+        self._tags_seen |= set(by_tag)
+        for tag, value in self._tags_seen:
+            chosen = by_tag.get((tag, value), [])
+            self.tagged_success_rate.labels(tag, value).set(
+                sum(chosen) / len(chosen) if chosen else float("nan"))

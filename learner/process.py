@@ -232,7 +232,7 @@ class Learner:
         self.step += 1
         self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,
                             batch.compactions, time.perf_counter() - began, self.version,
-                            self.step)
+                            self.step, batch.tags)
         if self.rank == 0:
             log.info("step %d: version %d, reward %.3f, %d tokens, policy loss %.4f",
                      self.step, self.version, float(batch.rewards.mean()), metrics["tokens"],

@@ -175,6 +175,9 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     """Of those, the summaries'."""
     duration_s: float
     """Wall time of the episode, seconds."""
+    tags: dict[str, str] = {}
+    """The task's labels (``Task.tags``: task family, difficulty, ...), which
+    the learner's metrics and evaluation reports group by. May be omitted."""
 
 
 class Segment(Message, tag="segment"):

@@ -16,6 +16,11 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+#: Held-out episode seeds start here; training seeds are below, so an
+#: evaluation never replays a training episode (an environment with task
+#: rows draws evaluation rows from here: actors/envs/tasks.py).
+EVALUATION_SEEDS_FROM = 2**31
+
 
 @dataclass
 class Task:
@@ -32,6 +37,11 @@ class Task:
     format (``{"type": "function", "function": {"name", "description",
     "parameters"}}``). They reach the chat template, and each action is parsed
     for calls (actors/tools.py), which go to :meth:`Environment.call_tool`."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Labels of the task (``{"family": "arith", "difficulty": "3"}``) that
+    travel with the rollout: the learner's success rate and evaluation
+    reports are given by each label's value. Keep values few (they label
+    metrics)."""
 
 
 @dataclass(frozen=True)

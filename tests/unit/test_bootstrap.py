@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from actors.chat import ChatFormat
-from actors.process import EVALUATION_SEEDS_FROM
+from actors.envs.base import EVALUATION_SEEDS_FROM
 from deploy.config import ConfigError, load_config
 from recipes.config import BootstrapConfig
 from recipes.keyvault_bootstrap import (

@@ -6,13 +6,15 @@ import pytest
 
 from actors.config import ActorConfig
 from actors.episode import EpisodeResult
-from deploy.evaluate import summarise, wilson_interval
+from deploy.evaluate import format_report, summarise, wilson_interval
 from protocol import RolloutStats
 
 
-def result(success: bool, compactions: int, summary_tokens: int) -> EpisodeResult:
+def result(success: bool, compactions: int, summary_tokens: int,
+           tags: dict[str, str] | None = None) -> EpisodeResult:
     stats = RolloutStats(outcome="done", success=success, steps=12, compactions=compactions,
-                         generated_tokens=40, summary_tokens=summary_tokens, duration_s=1.0)
+                         generated_tokens=40, summary_tokens=summary_tokens, duration_s=1.0,
+                         tags=tags or {})
     return EpisodeResult(task_id="t", reward=float(success), stats=stats, summary_seconds=0.1,
                          observations_cut=0)
 
@@ -35,3 +37,16 @@ def test_report_splits_success_by_number_of_compactions() -> None:
     assert report.success_by_compactions == {0: {"episodes": 1, "success": 0.0},
                                              1: {"episodes": 1, "success": 1.0},
                                              2: {"episodes": 2, "success": 0.5}}
+
+
+def test_report_gives_success_by_each_tag_value() -> None:
+    results = [result(True, 1, 5, {"family": "arith", "difficulty": "1"}),
+               result(False, 1, 5, {"family": "arith", "difficulty": "3"}),
+               result(True, 0, 0, {"family": "words"}), result(True, 0, 0)]
+    report = summarise("m", ActorConfig(), results, seconds=1.0)
+    assert report.success_by_tag == {
+        "difficulty": {"1": {"episodes": 1, "success": 1.0},
+                       "3": {"episodes": 1, "success": 0.0}},
+        "family": {"arith": {"episodes": 2, "success": 0.5},
+                   "words": {"episodes": 1, "success": 1.0}}}
+    assert "success by family: arith: 50.0% of 2, words: 100.0% of 1" in format_report(report)

@@ -35,3 +35,20 @@ def test_a_learner_serves_no_version_or_step_until_it_has_resumed() -> None:
     metrics.resumed(version=78, step=72)  # idempotent
     assert value("crl_learner_policy_version") == 78
     assert value("crl_learner_step") == 72
+
+
+def test_success_is_given_by_task_tag_and_a_tag_absent_from_a_batch_reads_nan() -> None:
+    import math
+
+    metrics = LearnerMetrics()
+    value = metrics.registry.get_sample_value
+    metrics.record({"tokens": 1.0}, rewards=[1.0, 0.0, 1.0], successes=[True, False, True],
+                   compactions=[1, 1, 0], seconds=1.0, version=1, step=1,
+                   tags=[{"family": "arith"}, {"family": "arith"}, {"family": "words"}])
+    assert value("crl_learner_tagged_success_rate", {"tag": "family", "value": "arith"}) == 0.5
+    assert value("crl_learner_tagged_success_rate", {"tag": "family", "value": "words"}) == 1.0
+    metrics.record({"tokens": 1.0}, rewards=[1.0], successes=[True], compactions=[0],
+                   seconds=1.0, version=2, step=2, tags=[{"family": "arith"}])
+    assert value("crl_learner_tagged_success_rate", {"tag": "family", "value": "arith"}) == 1.0
+    assert math.isnan(value("crl_learner_tagged_success_rate",
+                            {"tag": "family", "value": "words"}))
