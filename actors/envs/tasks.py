@@ -67,12 +67,18 @@ def row_id(row: dict[str, Any]) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+def split_of(key: str, eval_fraction: float) -> Split:
+    """The split of the row (or task) with id ``key``: the same in every
+    process and run; ``eval_fraction`` of all keys evaluate."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return "eval" if int.from_bytes(digest, "little") / 2**64 < eval_fraction else "train"
+
+
 def _split_of(row: dict[str, Any], named: str | None, eval_fraction: float) -> Split:
     name = str(row.get("split") or named or "").lower()
     if name:
         return "eval" if name in _EVAL_NAMES else "train"
-    digest = hashlib.blake2b(row_id(row).encode(), digest_size=8).digest()
-    return "eval" if int.from_bytes(digest, "little") / 2**64 < eval_fraction else "train"
+    return split_of(row_id(row), eval_fraction)
 
 
 def _read(source: Path) -> list[tuple[dict[str, Any], str | None]]:

@@ -357,6 +357,10 @@ def check_up_parses(check: Check) -> None:
     assert args.command == "up"
 
 
+def check_parses(check: Check) -> None:
+    cli(check.argv())
+
+
 def check_up_with_my_toml(check: Check) -> None:
     args, config = cli(check.argv(**{"my.toml": str(LOCAL_CPU_TOML)}))
     assert args.command == "up"
@@ -507,6 +511,20 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     # docs/deploy.md: starts nothing, whatever the machine
     "compactionrl up --plan --gpus 8 --config deploy/configs/gpu-8xh100.toml": Run(
         prints=("weights over nccl", "0,1,2,3")),
+    # docs/environments.md: the bring-your-own guide, run in a temporary folder
+    "compactionrl model init --out runs/qwen3-tiny": Elsewhere(
+        "tests/integration/test_bring_your_own.py", ("compactionrl", "model", "init", "--out"),
+        "that test runs the guide's three commands; here: the arguments parse", check_parses),
+    "cp tests/unit/chat_templates/qwen3.jinja runs/qwen3-tiny/chat_template.jinja": Elsewhere(
+        "tests/integration/test_bring_your_own.py", ("qwen3.jinja", "chat_template.jinja"),
+        "the guide's copy, into that test's model folder"),
+    "compactionrl play --model runs/qwen3-tiny --json --actors.compaction.context_tokens 400 "
+    "--actors.compaction.reserve_tokens 120": Elsewhere(
+        "tests/integration/test_bring_your_own.py",
+        ("play", "--model", "--json", "--actors.compaction.context_tokens", "400",
+         "--actors.compaction.reserve_tokens", "120"),
+        "starts an engine on the model the guide made: that test runs it; here: the arguments "
+        "parse and configure", check_parses),
     # docs/running.md
     "compactionrl up": Elsewhere(
         "tests/integration/test_up.py", ("compactionrl", "up"),

@@ -1,0 +1,1 @@
+"""Environments written for other frameworks, run as CompactionRL environments."""
