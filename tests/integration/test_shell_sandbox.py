@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,11 +43,15 @@ def runner():
         yield runner
 
 
+#: The seed of the count-lines task (seeds pick tasks in name order).
+COUNT_LINES = sorted(p.name for p in BUILTIN_TASKS.iterdir()).index("count-lines")
+
+
 @pytest.fixture
 def shell(runner: asyncio.Runner):
     env = Shell(command_timeout_s=TIMEOUT_S, output_limit_bytes=4096, memory_limit_mb=256,
                 max_processes=32, work_root=WORK_ROOT)
-    runner.run(env.reset(0))
+    runner.run(env.reset(COUNT_LINES))
     env.runner = runner
     yield env
     runner.run(env.close())
@@ -106,11 +114,12 @@ def test_memory_limit_stops_a_hog(shell: Shell) -> None:
     assert "status 0" not in observation
 
 
-def test_a_task_is_solved_and_checked(shell: Shell) -> None:
-    # seed 0 is the first task in name order: count-lines
+def test_a_task_is_solved_and_tested_and_its_work_folder_removed(shell: Shell) -> None:
+    workdir = shell._workdir
     assert "exit code 0" in run(shell, "wc -l < data.txt > count.txt")
     result = shell.runner.run(shell.call_tool(ToolCall("submit", {})))
     assert result.done and result.success and result.reward == 1.0
+    assert not Path(workdir).exists()
 
 
 def test_a_wrong_solution_scores_zero(shell: Shell) -> None:
@@ -124,8 +133,60 @@ def test_a_turn_without_a_tool_call_explains_how_to_act(shell: Shell) -> None:
     assert not result.done and "call bash" in result.observation
 
 
-def test_every_builtin_task_has_instruction_and_check() -> None:
-    tasks = sorted(p for p in BUILTIN_TASKS.iterdir() if p.is_dir())
-    assert len(tasks) >= 4
-    for task in tasks:
-        assert (task / "task.toml").is_file() and (task / "check.sh").is_file(), task
+def test_every_builtin_task_fails_its_test_as_set_up_and_passes_with_its_solution(
+        runner: asyncio.Runner) -> None:
+    """Each task, in the sandbox: the test fails on the set-up folder and
+    passes once the reference solution ran; the long ones take ten or more
+    steps (more than one window of the local default holds)."""
+    shell = Shell(work_root=WORK_ROOT)
+    long_tasks = 0
+    for task in shell.tasks:
+        workdir = runner.run(_set_up(shell, task))
+        try:
+            test = (task / "test.sh").read_text()
+            assert runner.run(shell.sandbox.run(test, workdir)).exit_code != 0, task.name
+            solution = (task / "solution.sh").read_text()
+            runner.run(shell.sandbox.run(solution, workdir, timeout_s=60))
+            passed = runner.run(shell.sandbox.run(test, workdir))
+            assert passed.exit_code == 0, f"{task.name}: {passed.describe()}"
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        long_tasks += len(solution.splitlines()) >= 10
+    assert len(shell.tasks) >= 14 and long_tasks >= 10
+
+
+async def _set_up(shell: Shell, task: Path) -> str:
+    workdir = tempfile.mkdtemp(dir=WORK_ROOT)
+    shell.sandbox.prepare(workdir)
+    setup = task / "setup.sh"
+    if setup.is_file():
+        assert (await shell.sandbox.run(setup.read_text(), workdir)).exit_code == 0
+    return workdir
+
+
+UNISOLATED = """
+import sys
+from actors.envs.shell import Shell, Unisolated
+try:
+    Shell(work_root=sys.argv[1])
+except Unisolated as exc:
+    print("refused:", exc)
+print("accepted:", Shell(work_root=sys.argv[1], allow_unisolated=True).sandbox.isolation)
+"""
+
+
+def test_without_isolation_the_environment_refuses_unless_told_to_run_unisolated(
+        tmp_path: Path) -> None:
+    """As an unprivileged user the namespaces cannot be made: refused, and
+    run under resource limits only when the config says so."""
+    root = tmp_path / "work"
+    root.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(root, 0o777)
+    unprivileged = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                    sys.executable, "-c", UNISOLATED, str(root)]
+    done = subprocess.run(unprivileged, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: the shell sandbox cannot isolate commands" in done.stdout
+    assert "accepted: rlimits" in done.stdout

@@ -1,0 +1,1 @@
+[ "$(tr -d ' \n' < secret.txt)" = "planetaryorbitscalmlyandquietly" ]

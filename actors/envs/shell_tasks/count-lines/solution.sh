@@ -1,0 +1,1 @@
+wc -l < data.txt > count.txt

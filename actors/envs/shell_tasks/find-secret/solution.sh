@@ -1,0 +1,2 @@
+grep -l secret notes/*.txt
+basename "$(grep -l secret notes/*.txt)" > answer.txt
