@@ -96,18 +96,25 @@ class SegmentData:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    """Per-step rewards, each on the last token of the action that earned it."""
 
     def append_context(self, ids: list[int]) -> None:
         self.tokens += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+        self.rewards += [0.0] * len(ids)
 
-    def append_sampled(self, generation: Generation) -> None:
+    def append_sampled(self, generation: Generation, reward: float = 0.0) -> None:
+        """The policy's tokens; ``reward`` (a step's) goes on the last one."""
         self.tokens += generation.token_ids
         self.loss_mask += [1] * len(generation.token_ids)
         self.logprobs += generation.logprobs
         self.versions += generation.versions
+        self.rewards += [0.0] * len(generation.token_ids)
+        if generation.token_ids:
+            self.rewards[-1] = reward
 
     @property
     def num_trainable(self) -> int:
@@ -190,8 +197,9 @@ class CompactionContext:
     def action_prompt(self) -> list[int]:
         return self._segment.tokens + self.turns.assistant_header
 
-    def add_step(self, action: Generation, observation: list[int]) -> bool:
-        """Append an action and its observation (content token ids). Returns
+    def add_step(self, action: Generation, observation: list[int], reward: float = 0.0) -> bool:
+        """Append an action and its observation (content token ids);
+        ``reward``, the step's own, goes on the action's last token. Returns
         whether the observation was cut to fit the window."""
         if len(action.token_ids) > self.action_budget(len(action.token_ids)):
             raise ValueError(f"action of {len(action.token_ids)} tokens exceeds its budget")
@@ -207,7 +215,7 @@ class CompactionContext:
                             + self.turns.observation_close)
         start = len(self)
         self._segment.append_context(self.turns.assistant_header)
-        self._segment.append_sampled(action)
+        self._segment.append_sampled(action, reward)
         self._segment.append_context(closing + observation_turn)
         self._steps.append(_Step(action, observation_turn, self._segment.tokens[start:]))
         return truncated

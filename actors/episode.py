@@ -95,7 +95,7 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
         steps += 1
         observation, cut = chat.content(result.observation,
                                         config.environment.observation_max_tokens)
-        observations_cut += context.add_step(action, observation) or cut
+        observations_cut += context.add_step(action, observation, result.step_reward) or cut
         if result.done:
             outcome, reward, success = "done", result.reward, result.success
             break
@@ -140,10 +140,12 @@ async def _act(environment: Environment, chat: ChatFormat, task: Task, action: l
         return StepResult(f"tool call error: {parsed.error}")
     if not parsed.calls:
         return await environment.step(chat.decode(action))
-    observations = []
+    observations, step_reward = [], 0.0
     for call in parsed.calls:
         result = await environment.call_tool(call)
         observations.append(result.observation)
+        step_reward += result.step_reward
         if result.done:
             break
-    return dataclasses.replace(result, observation="\n".join(observations))
+    return dataclasses.replace(result, observation="\n".join(observations),
+                               step_reward=step_reward)

@@ -325,7 +325,9 @@ class Actor:
             logprobs=Array.from_numpy(np.asarray(segment.logprobs, dtype=np.float32)),
             versions=Array.from_numpy(np.asarray(segment.versions, dtype=np.int32)),
             final=result is not None, reward=None if result is None else result.reward,
-            stats=None if result is None else result.stats)
+            stats=None if result is None else result.stats,
+            token_rewards=(Array.from_numpy(np.asarray(segment.rewards, dtype=np.float32))
+                           if any(segment.rewards) else None))
         frame = encode(message)
         self.outbox.sent(header["seq"], frame, time.monotonic())
         self.metrics.unacked_segments.set(len(self.outbox))

@@ -41,12 +41,15 @@ def advantages_and_returns(
     task_ids: Sequence[str],
     gamma: float,
     lam: float,
+    token_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [T], returns [T]) of the trainable tokens of some of a
     batch's rollouts (a rank's share), concatenated segment by segment, each
     rollout's segments together. ``segment_rollout`` [S] indexes the batch's
     ``rewards`` [R] and ``task_ids`` [R] (grpo's groups span the whole batch);
-    the returns are the local returns whatever the mode."""
+    ``token_rewards`` [T], the environment's per-step rewards on the trainable
+    tokens, join the final reward in GAE's per-token rewards (grpo compares
+    final rewards only); the returns are the local returns whatever the mode."""
     if mode not in ("cross", "independent", "grpo"):
         raise ValueError(f"mode must be 'cross', 'independent' or 'grpo', not {mode!r}")
     rollouts, local = torch.unique_consecutive(segment_rollout, return_inverse=True)
@@ -54,7 +57,7 @@ def advantages_and_returns(
         raise ValueError("each rollout's segments must be consecutive")
     advantages, returns = cross_trajectory_gae(
         values, segment_lengths, local, rewards[rollouts], gamma, lam,
-        "independent" if mode == "independent" else "cross")
+        "independent" if mode == "independent" else "cross", token_rewards)
     if mode == "grpo":
         per_rollout = group_relative(rewards, task_ids)[segment_rollout]
         advantages = torch.repeat_interleave(per_rollout, segment_lengths.long()).to(

@@ -42,6 +42,9 @@ class Sequence:
     """Trainable tokens of each segment it holds, in order (their trainable
     tokens come in that order too): one entry, or an execution segment's
     and the summary segment that shares it."""
+    token_rewards: torch.Tensor | None = None
+    """float64 [L]: the environment's per-step rewards (``Segment.token_rewards``);
+    None where the segments carry none."""
 
 
 @dataclass
@@ -127,8 +130,13 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
             if mask[:1].any():
                 raise BatchError(f"rollout {rollout.rollout_id}: a trainable first token "
                                  "has no context to be predicted from")
+            step_rewards = (None if segment.token_rewards is None else
+                            torch.from_numpy(segment.token_rewards.numpy().astype("float64")))
+            if step_rewards is not None and len(step_rewards) != len(tokens):
+                raise BatchError(f"rollout {rollout.rollout_id}: segment arrays disagree")
             if not train_summary and segment.segment_type == "summary":
                 mask = torch.zeros_like(mask)
+                step_rewards = None
             count = int(mask.sum())
             if share_prefixes and _extends(previous, segment.segment_type, tokens, mask):
                 n = len(previous.tokens)
@@ -136,11 +144,18 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                 previous.trainable = torch.cat([previous.trainable, mask[n:]])
                 previous.behaviour_logprobs = torch.cat([previous.behaviour_logprobs,
                                                          logprobs[n:]])
+                if step_rewards is not None or previous.token_rewards is not None:
+                    earlier = (previous.token_rewards if previous.token_rewards is not None
+                               else torch.zeros(n, dtype=torch.float64))
+                    later = (step_rewards[n:] if step_rewards is not None
+                             else torch.zeros(len(tokens) - n, dtype=torch.float64))
+                    previous.token_rewards = torch.cat([earlier, later])
                 previous.segment_type = segment.segment_type
                 previous.segment_lengths.append(count)
                 previous = None  # a sequence holds one summary at most
                 continue
-            previous = Sequence(tokens, mask, logprobs, index, segment.segment_type, [count])
+            previous = Sequence(tokens, mask, logprobs, index, segment.segment_type, [count],
+                                step_rewards)
             sequences.append(previous)
         rewards.append(final.reward)
         task_ids.append(final.task_id)

@@ -272,9 +272,13 @@ class PPOTrainer:
         # per segment (a sequence may hold two), in order
         lengths = torch.tensor([n for s in sequences for n in s.segment_lengths])
         rollout_of = torch.tensor([s.rollout for s in sequences for _ in s.segment_lengths])
+        step_rewards = (torch.cat([s.token_rewards[s.trainable] if s.token_rewards is not None
+                                   else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
+                                   for s in sequences])
+                        if any(s.token_rewards is not None for s in sequences) else None)
         flat_adv, flat_ret = advantages_and_returns(
             self.config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
-            batch.task_ids, self.config.gamma, self.config.lam)
+            batch.task_ids, self.config.gamma, self.config.lam, step_rewards)
         advantages, returns, offset = [], [], 0
         for sequence in sequences:
             n = sum(sequence.segment_lengths)

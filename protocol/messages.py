@@ -214,6 +214,10 @@ class Segment(Message, tag="segment"):
     stats: RolloutStats | None = None
     """The episode's summary, on the final segment; omitted or nil, the learner counts success as
     reward > 0 and compactions from the segments."""
+    token_rewards: Array | None = None
+    """float32 [T], per-step rewards the environment gave, each on the last sampled token of the
+    action that earned it (0 elsewhere; never on a token with loss_mask 0). Omitted or nil: none.
+    The learner adds them to GAE's per-token rewards beside the final reward."""
 
     def validate(self) -> None:
         """Structure only (O(1), no pass over the data); the contents are
@@ -226,6 +230,12 @@ class Segment(Message, tag="segment"):
             if array.dtype != dtype or len(array.shape) != 1:
                 raise ProtocolError(ErrorCode.ARRAY, f"{name}: expected 1-D {dtype}, "
                                     f"got {array.dtype}{list(array.shape)}")
+        if self.token_rewards is not None:
+            self.token_rewards.check("token_rewards")
+            if self.token_rewards.dtype != "float32" or len(self.token_rewards.shape) != 1:
+                raise ProtocolError(ErrorCode.ARRAY, "token_rewards: expected 1-D float32, got "
+                                    f"{self.token_rewards.dtype}{list(self.token_rewards.shape)}")
+            expected["token_rewards"] = "float32"
         lengths = {name: getattr(self, name).shape[0] for name in expected}
         if len(set(lengths.values())) != 1:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"per-token arrays differ: {lengths}")

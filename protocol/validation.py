@@ -22,7 +22,8 @@ def check_segment_content(
     """Raise :class:`ProtocolError` (reason ``invalid``) unless every token id
     is in ``[0, vocab_size)``, the loss mask is 0/1, every log-probability is
     finite and not positive, and every trainable token's version lies in
-    ``[oldest_version, newest_version]``. Returns the oldest trainable
+    ``[oldest_version, newest_version]``, and per-step rewards (if any) are
+    finite and sit on trainable tokens only. Returns the oldest trainable
     token's version (None if no token is trainable), which staleness needs."""
     tokens = segment.tokens.numpy()
     if tokens.size == 0:
@@ -39,6 +40,13 @@ def check_segment_content(
         total = float(logprobs.sum())
     if not math.isfinite(total) or logprobs.max() > 0:
         raise ProtocolError(ErrorCode.INVALID, "log-probabilities must be finite and <= 0")
+    if segment.token_rewards is not None:
+        rewards = segment.token_rewards.numpy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = math.isfinite(float(np.abs(rewards).sum()))
+        if not finite or bool((rewards[mask == 0] != 0).any()):
+            raise ProtocolError(ErrorCode.INVALID,
+                                "token_rewards must be finite and 0 on tokens with loss_mask 0")
     versions = np.compress(mask.view(np.bool_), segment.versions.numpy())
     if versions.size == 0:
         return None

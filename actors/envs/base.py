@@ -60,6 +60,10 @@ class StepResult:
     done: bool = False
     reward: float = 0.0
     """Final task reward; read when ``done``."""
+    step_reward: float = 0.0
+    """This step's own reward (optional shaping): it goes on the action's last
+    token and reaches GAE as a token reward beside the final reward
+    (docs/environments.md)."""
     success: bool = False
     """Whether the task was solved; read when ``done``."""
     info: dict[str, Any] = field(default_factory=dict)
