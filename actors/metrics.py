@@ -45,6 +45,12 @@ class ActorMetrics:
                                    "seconds per second / slots)", registry=r)
         self.active_rollouts = Gauge("crl_actor_active_rollouts", "Episodes in progress",
                                      registry=r)
+        self.credits_held = Gauge("crl_actor_credits_held",
+                                  "Credits granted and not yet spent on an episode", registry=r)
+        self.learner_registered = Gauge(
+            "crl_actor_learner_registered",
+            "1 while the learner's control plane knows this actor (no episode starts "
+            "without it: weights freshness is the learner's word)", registry=r)
         self.rejected_frames = Counter("crl_actor_rejected_frames",
                                        "Frames from peers that failed to decode", ["reason"],
                                        registry=r)

@@ -284,6 +284,7 @@ class Actor:
         began = time.monotonic()
         while not self._stopping.is_set() and not self.credits.spend():
             await self._until(self.credits.available)
+        self.metrics.credits_held.set(self.credits.credits)
         self.metrics.stall("credits", time.monotonic() - began)
         return not self._stopping.is_set()
 
@@ -388,6 +389,7 @@ class Actor:
         # more than this reply granted: the rest came in replies that were lost
         self.metrics.credits_recovered.inc(
             self.credits.grant(reply.credit_ledger, reply.credits_total, reply.credits))
+        self.metrics.credits_held.set(self.credits.credits)
 
     def _on_replay_error(self, error: Error) -> None:
         self._refused("replay", error)
@@ -416,9 +418,9 @@ class Actor:
         self.metrics.segments_abandoned.inc(self.outbox.abandon())
         self.metrics.unacked_segments.set(0)
         self.credits.forfeit()
-        for link in (self.replay, self.learner):
-            if link is not None:
-                link.forgotten()
+        self.metrics.credits_held.set(0)
+        self._forgotten_by_learner()
+        self.replay.forgotten()
         self._start_slots()
 
     async def _resend(self) -> None:
@@ -439,6 +441,12 @@ class Actor:
     def _on_member_welcome(self, welcome: MemberWelcome) -> None:
         self.weights.heard(welcome.policy_version)
         self.learner.welcomed()
+        self.metrics.learner_registered.set(1)
+
+    def _forgotten_by_learner(self) -> None:
+        if self.learner is not None:
+            self.learner.forgotten()
+            self.metrics.learner_registered.set(0)
 
     def _on_announce(self, announce: WeightsAnnounce) -> None:
         self.weights.heard(announce.version)
@@ -447,7 +455,7 @@ class Actor:
     def _on_learner_error(self, error: Error) -> None:
         self._refused("learner", error)
         if error.code == ErrorCode.UNREGISTERED:  # the learner restarted
-            self.learner.forgotten()
+            self._forgotten_by_learner()
 
     async def _apply_weights(self) -> None:
         """Announcements, one at a time, in order."""

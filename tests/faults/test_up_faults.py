@@ -9,8 +9,8 @@ the replay's durable log:
 3. actor-0 frozen (SIGSTOP) past the heartbeat liveness, then resumed;
 4. the replay frozen with segments in flight, then SIGKILLed;
 5. the learner SIGKILLed after publishing beyond its last checkpoint;
-6. the learner paused (SIGSTOP): actors stall on credits and the memory of
-   every process stays flat, then it resumes;
+6. the learner paused (SIGSTOP): actors stall (on credits, or on weights while
+   holding one) and the memory of every process stays flat, then it resumes;
 7. clean shutdown: every segment acknowledged, nothing left running.
 
 The phases share the run (starting engines costs most of a minute each), so
@@ -569,15 +569,21 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
     actors = ("actor-0", "proxied")
     sent = lambda: sum(run.actor(a, "crl_actor_segments_sent_total")  # noqa: E731
                        for a in actors)
+    # an actor holding a credit whose weights are too stale waits on weights
     stall = lambda: sum(run.actor(a, "crl_actor_stall_seconds_total",  # noqa: E731
-                                  reason="credits") for a in actors)
+                                  reason=reason) for a in actors
+                        for reason in ("credits", "weights"))
     children = run.children()
     trees = {"actor-0": children["actor-0"], "proxied": run.proxied.process.pid,
              "replay": children["replay"], "learner": children["learner"]}
     learner = process_tree(trees["learner"])  # torchrun and its ranks
-    # every credit granted came back as a finished rollout, and none runs
-    idle = lambda: (run.replay("crl_replay_credits_outstanding") == 0  # noqa: E731
-                    and all(run.actor(a, "crl_actor_active_rollouts") == 0 for a in actors))
+    # no episode runs and every credit out is held by an actor that cannot
+    # use it (none left, or weights too stale to start with the learner
+    # frozen): nothing is in flight
+    idle = lambda: (  # noqa: E731
+        all(run.actor(a, "crl_actor_active_rollouts") == 0 for a in actors)
+        and run.replay("crl_replay_credits_outstanding")
+        == sum(run.actor(a, "crl_actor_credits_held") for a in actors))
     idle_since: list[float] = []  # a request in flight at the pause frees one more batch
 
     def stalled() -> bool:
@@ -605,7 +611,8 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
             os.kill(pid, signal.SIGSTOP)
         paused_at = time.monotonic()
         try:
-            settled = run.wait(stalled, "the actors to stall on credits", timeout=SETTLE_S)
+            settled = run.wait(stalled, "the actors to stall (no episode, no credit in flight)",
+                               timeout=SETTLE_S)
             break
         except AssertionError:
             # what kept them busy, shown if the test fails
@@ -613,7 +620,8 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
                 "credits_outstanding": run.replay("crl_replay_credits_outstanding"),
                 "learner_published": _published(run.log("learner"))[-1:],
                 **{f"{a}/{name}": run.actor(a, f"crl_actor_{name}") for a in actors
-                   for name in ("active_rollouts", "policy_version", "unacked_segments")},
+                   for name in ("active_rollouts", "credits_held", "learner_registered",
+                                "policy_version", "unacked_segments")},
                 **{f"{a}/stall_{reason}": run.actor(a, "crl_actor_stall_seconds_total",
                                                     reason=reason)
                    for a in actors for reason in ("credits", "weights")}})
@@ -651,7 +659,7 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
               "while stalled / ready rollouts held", (round(settled, 1), round(stalled_s),
                                                       sent_in_stall, ready))
     _measured("paused learner: RSS MiB (first, peak) while stalled, by process tree", mib)
-    _measured("paused learner: resume to learner step (s) / credit stall counted (s)",
+    _measured("paused learner: resume to learner step (s) / stall counted (s)",
               (round(step_s, 1), round(stall() - stall_before)))
     assert sent_in_stall == 0
     assert ready <= (MAX_STALENESS + 1) * 4
