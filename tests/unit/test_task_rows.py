@@ -43,7 +43,7 @@ def test_without_a_split_a_hash_of_the_id_holds_out_the_same_rows_everywhere(
 
 
 def test_a_datasets_folder_keeps_its_named_splits(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets", reason="installed with the project's envs extra")
+    import datasets
     folder = tmp_path / "dataset"
     datasets.DatasetDict({
         "train": datasets.Dataset.from_list([{"id": "a", "q": "1"}, {"id": "b", "q": "2"}]),
@@ -64,3 +64,26 @@ def test_bad_rows_are_refused_with_their_line(tmp_path: Path, text: str, message
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         TaskRows(path)
+
+
+def test_a_question_answer_environment_takes_its_tasks_from_rows(tmp_path: Path) -> None:
+    import asyncio
+
+    from actors.envs.qa import QuestionAnswer
+
+    rows = [{"id": "q1", "question": "What is 6 x 7?", "answer": "42", "family": "arith",
+             "difficulty": "1", "split": "train"},
+            {"id": "q2", "question": "Capital of France?", "answer": "Paris", "split": "test"}]
+    environment = QuestionAnswer(str(write_jsonl(tmp_path / "qa.jsonl", rows)), attempts=2)
+
+    async def play(seed: int, replies: list[str]):
+        task = await environment.reset(seed)
+        return task, [await environment.step(reply) for reply in replies]
+
+    task, results = asyncio.run(play(3, ["I think 41", "so the answer: 42."]))
+    assert task.instruction == "What is 6 x 7?" and task.tags == {"family": "arith",
+                                                                  "difficulty": "1"}
+    assert [(r.done, r.reward) for r in results] == [(False, 0.0), (True, 1.0)]
+    assert "1 attempt left" in results[0].observation
+    held_out, results = asyncio.run(play(EVALUATION_SEEDS_FROM, ["answer: paris"]))
+    assert held_out.task_id == "qa-q2" and results[0].success
