@@ -166,10 +166,17 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
 
     import msgspec
 
+    from learner.checkpoint import CheckpointNotFound, select_checkpoint
     from learner.process import LearnerSettings
 
     config = load_config(args.config, overrides)
     run_dir = Path(config.run.out_dir) / config.run.name
+    if args.resume:  # a wrong choice is told here, not by every rank under torchrun
+        try:
+            select_checkpoint(run_dir / "checkpoints", args.resume)
+        except CheckpointNotFound as exc:
+            print(f"compactionrl learner: --resume {args.resume}: {exc}", file=sys.stderr)
+            return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = LearnerSettings(model=config.run.model,
                                replay_address=config.replay.learner_address,
@@ -415,8 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     learner = commands.add_parser(
         "learner", help="run the learner under torchrun (learner.nproc ranks, FSDP2)")
     _config_args(learner)
-    learner.add_argument("--resume", action="store_true",
-                         help="continue from the newest checkpoint in the run folder")
+    learner.add_argument("--resume", nargs="?", const="latest", default="",
+                         metavar="STEP|PATH",
+                         help="continue from a checkpoint of the run folder: the newest "
+                              "(alone), the one of STEP, or the checkpoint folder PATH")
     learner.set_defaults(handler=_cmd_learner)
 
     keys = commands.add_parser("keys", help="CURVE keys for authenticated sockets")

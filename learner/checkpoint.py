@@ -4,7 +4,9 @@ A checkpoint folder ``step-N`` holds the sharded state of the policy (with
 its value head, if it has one), the critic model, if there is one, and their
 optimizers (every rank writes its shards) and ``meta.json``
 (version, step). Resuming loads the newest complete one (``meta.json`` is
-written last). The export is a plain HF folder (safetensors in the training
+written last), or a chosen one (:func:`select_checkpoint`); retention keeps
+the newest ``keep_last`` and every ``keep_every``-th (:func:`prune_checkpoints`).
+The export is a plain HF folder (safetensors in the training
 dtype, config, and every other file of the source model's folder: tokenizer,
 chat template, generation config) that transformers and vLLM load.
 """
@@ -74,9 +76,78 @@ def save_checkpoint(folder: Path, trainer: PPOTrainer, version: int, step: int) 
     return target
 
 
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
+
+
+def _checkpoint_folders(folder: Path) -> list[Path]:
+    """Every ``step-N`` folder, complete or not, by step."""
+    return sorted((p for p in folder.glob("step-*")
+                   if p.is_dir() and p.name.removeprefix("step-").isdigit()), key=_step_of)
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The complete checkpoints in ``folder``, oldest first."""
+    return [p for p in _checkpoint_folders(folder) if (p / "meta.json").is_file()]
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
-    complete = [p for p in folder.glob("step-*") if (p / "meta.json").is_file()]
-    return max(complete, key=lambda p: int(p.name.removeprefix("step-")), default=None)
+    complete = complete_checkpoints(folder)
+    return complete[-1] if complete else None
+
+
+class CheckpointNotFound(ValueError):
+    """The checkpoint asked to resume from is not there (or incomplete)."""
+
+
+def select_checkpoint(folder: Path, choice: str) -> Path | None:
+    """The checkpoint ``--resume`` names: ``latest`` (the newest complete one,
+    None if there is none), a step number, or a checkpoint folder's path."""
+    if choice == "latest":
+        return latest_checkpoint(folder)
+    complete = complete_checkpoints(folder)
+    path = folder / f"step-{choice}" if choice.isdigit() else Path(choice)
+    if not (path / "meta.json").is_file():
+        steps = ", ".join(str(_step_of(p)) for p in complete) or "none"
+        raise CheckpointNotFound(f"no complete checkpoint at {path} (complete steps in "
+                                 f"{folder}: {steps})")
+    return path
+
+
+def set_aside_later(folder: Path, chosen: Path) -> Path | None:
+    """Move the checkpoints of ``folder`` after ``chosen``'s step (a branch
+    that resuming from an earlier one abandons) into ``abandoned-after-N``,
+    so that the newest checkpoint is always the live branch's. Returns that
+    folder, or None if nothing was later."""
+    if chosen.parent.resolve() != folder.resolve():
+        later = _checkpoint_folders(folder)
+    else:
+        later = [p for p in _checkpoint_folders(folder) if _step_of(p) > _step_of(chosen)]
+    if not later:
+        return None
+    aside = folder / f"abandoned-after-{chosen.name}"
+    aside.mkdir(exist_ok=True)
+    for path in later:
+        path.rename(aside / path.name)
+    return aside
+
+
+def prune_checkpoints(folder: Path, keep_last: int, keep_every: int) -> list[Path]:
+    """Remove the complete checkpoints other than the newest ``keep_last``
+    and those whose step is a multiple of ``keep_every`` (0: none kept for
+    that), and incomplete ones older than the newest complete (saves that
+    died). Returns what was removed, oldest first."""
+    complete = complete_checkpoints(folder)
+    if not complete:
+        return []
+    newest = _step_of(complete[-1])
+    kept = {p for p in complete[-keep_last:]} | {
+        p for p in complete if keep_every and _step_of(p) % keep_every == 0}
+    removed = [p for p in _checkpoint_folders(folder)
+               if p not in kept and (p in complete or _step_of(p) < newest)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def load_checkpoint(path: Path, trainer: PPOTrainer) -> tuple[int, int]:

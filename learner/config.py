@@ -118,6 +118,15 @@ class LearnerConfig:
     """Learner steps (policy versions) of a run."""
     checkpoint_every: int = bounded(10, ge=1)
     """Steps between checkpoints (and one at shutdown)."""
+    keep_last: int = bounded(3, ge=1)
+    """Complete checkpoints kept, the newest; older ones are removed after
+    each save (a 7B checkpoint is ~180 GB: docs/deploy.md)."""
+    keep_every: int = bounded(0, ge=0)
+    """Also keep every checkpoint whose step is a multiple of this (0: none),
+    for evaluating or resuming from points along the run."""
+    export_every: int = bounded(0, ge=0)
+    """An HF export beside every checkpoint whose step is a multiple of this,
+    into ``exports/step-N`` of the run folder (0: only the final ``export``)."""
     export_timeout_s: float = bounded(3600.0, gt=0)
     """How long the other ranks wait for rank 0 to write the HF export at the
     end (on a process group of its own: the usual collective timeout, 10

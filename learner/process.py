@@ -48,7 +48,14 @@ import zmq
 from prometheus_client import Counter
 
 from learner.batch import BatchError, to_train_batch
-from learner.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import (
+    export_hf,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    select_checkpoint,
+    set_aside_later,
+)
 from learner.config import LearnerConfig
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
@@ -102,7 +109,9 @@ class LearnerSettings:
     run_dir: str
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
-    resume: bool = False
+    resume: str = ""
+    """Checkpoint to resume from: ``latest`` (the newest, if any), a step, or a
+    checkpoint folder's path; empty: start from ``model``."""
     run_id: str = "run"
     trust_remote_code: bool = False
     """Run the model folder's own code (``actors.engine.trust_remote_code``)."""
@@ -123,6 +132,10 @@ class Learner:
         self.version = 0
         self.step = 0
         self.metrics = LearnerMetrics()
+        self.bf16 = self.device.type == "cuda" and self.config.mixed_precision == "bf16"
+        # the dtype the models compute in, and so the exports'; their
+        # parameters (the master weights) stay float32
+        self.export_dtype = torch.bfloat16 if self.bf16 else torch.float32
 
     def _on_signal(self, *_: object) -> None:
         self.stopping = True
@@ -131,11 +144,7 @@ class Learner:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         torch.manual_seed(0)
-        bf16 = self.device.type == "cuda" and self.config.mixed_precision == "bf16"
-        # the dtype the models compute in, and so the export's; their
-        # parameters (the master weights) stay float32
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        sharding = Sharding(self.device, bf16, self.config.activation_checkpointing)
+        sharding = Sharding(self.device, self.bf16, self.config.activation_checkpointing)
         value_head = self.config.critic == "value_head"
         remote = self.settings.trust_remote_code
         policy = load_policy(self.settings.model, sharding=sharding, value_head=value_head,
@@ -144,9 +153,13 @@ class Learner:
                                                      trust_remote_code=remote)
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
-        if self.settings.resume and (latest := latest_checkpoint(checkpoints)) is not None:
-            self.version, self.step = load_checkpoint(latest, self.trainer)
-            log.info("resumed from %s at version %d", latest, self.version)
+        chosen = (select_checkpoint(checkpoints, self.settings.resume)
+                  if self.settings.resume else None)
+        if chosen is not None:
+            self.version, self.step = load_checkpoint(chosen, self.trainer)
+            log.info("resumed from %s at version %d", chosen, self.version)
+            if self.rank == 0 and (aside := set_aside_later(checkpoints, chosen)) is not None:
+                log.info("later checkpoints of the abandoned branch moved to %s", aside)
         peers: _Peers = (_RankZeroPeers(self.settings, self.metrics,
                                         checkpoints / ANNOUNCED_RECORD)
                          if self.rank == 0 else _Peers())
@@ -169,9 +182,9 @@ class Learner:
                 # version newer than the learner has asked with
                 peers.request(batch_size, self.version)
             self._steps(peers, publisher, batch_size)
-            save_checkpoint(checkpoints, self.trainer, self.version, self.step)
-            export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export", dtype,
-                      self.config.export_timeout_s, remote)
+            self._checkpoint()
+            export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export",
+                      self.export_dtype, self.config.export_timeout_s, remote)
             if self.rank == 0:
                 log.info("stopped cleanly (%s) at step %d, version %d: checkpoint and export "
                          "written", "signal" if self.stopping else "max_steps", self.step,
@@ -208,10 +221,23 @@ class Learner:
                     and self.step < self.config.max_steps):
                 # after the request: a checkpoint never holds a batch the replay
                 # would serve again to a learner resumed from it
-                save_checkpoint(self.run_dir / "checkpoints", self.trainer, self.version,
-                                self.step)
+                self._checkpoint()
             if self.step % self.config.publish_every == 0:
                 publisher.publish(self.version)
+
+    def _checkpoint(self) -> None:
+        """Save, export where ``export_every`` says, then apply retention."""
+        checkpoints = self.run_dir / "checkpoints"
+        save_checkpoint(checkpoints, self.trainer, self.version, self.step)
+        if self.config.export_every and self.step % self.config.export_every == 0:
+            export_hf(self.trainer.policy, self.settings.model,
+                      self.run_dir / "exports" / f"step-{self.step}", self.export_dtype,
+                      self.config.export_timeout_s, self.settings.trust_remote_code)
+        if self.rank == 0:
+            removed = prune_checkpoints(checkpoints, self.config.keep_last,
+                                        self.config.keep_every)
+            if removed:
+                log.info("retention removed %s", ", ".join(p.name for p in removed))
 
     def _train(self, frame: bytes) -> bool:
         """One step on the batch in ``frame``; False if it was refused."""

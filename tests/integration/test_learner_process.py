@@ -44,23 +44,33 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
               "--learner.critic", "value_head"]
     try:
         actor.hello()
-        for _ in range(8):
+        for _ in range(12):
             actor.push_rollout(segments=3, tokens=48)
         assert actor.pump_until(lambda: not actor.unacked)
 
-        first = compactionrl("learner", *common, "--learner.max_steps", "2", timeout=300)
+        first = compactionrl("learner", *common, "--learner.max_steps", "3",
+                             "--learner.keep_last", "2", "--learner.export_every", "2",
+                             timeout=300)
         assert first.returncode == 0, first.stderr[-4000:]
         run = tmp_path / "learn"
-        assert json.loads((run / "checkpoints" / "step-2" / "meta.json").read_text()) == {
+        checkpoints = run / "checkpoints"
+        # retention: the newest two; an export beside the checkpoint of step 2
+        assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-2", "step-3"]
+        assert json.loads((checkpoints / "step-2" / "meta.json").read_text()) == {
             "version": 2, "step": 2}
+        assert (run / "exports" / "step-2" / "model.safetensors").is_file()
 
-        resumed = compactionrl("learner", *common, "--learner.max_steps", "3", "--resume",
+        # resuming from step 2 sets the later branch aside and goes on from there
+        resumed = compactionrl("learner", *common, "--learner.max_steps", "4", "--resume", "2",
                                timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-4000:]
-        assert "resumed from" in resumed.stderr
-        assert json.loads((run / "checkpoints" / "step-3" / "meta.json").read_text())[
-            "version"] == 3
-        assert service.metrics.registry.get_sample_value("crl_replay_batches_total") == 3
+        assert "resumed from" in resumed.stderr and "step-2" in resumed.stderr
+        assert (checkpoints / "abandoned-after-step-2" / "step-3" / "meta.json").is_file()
+        assert json.loads((checkpoints / "step-4" / "meta.json").read_text())["step"] == 4
+        assert service.metrics.registry.get_sample_value("crl_replay_batches_total") == 5
+
+        missing = compactionrl("learner", *common, "--resume", "99", timeout=300)
+        assert missing.returncode != 0 and "no complete checkpoint" in missing.stderr
 
         from transformers import AutoModelForCausalLM
 

@@ -14,10 +14,14 @@ from safetensors.torch import load_file
 from learner.batch import to_train_batch
 from learner.checkpoint import (
     WEIGHT_SUFFIXES,
+    CheckpointNotFound,
     export_hf,
     latest_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
     save_checkpoint,
+    select_checkpoint,
+    set_aside_later,
 )
 from learner.config import LearnerConfig
 from learner.models import engine_parameters, is_value_head, load_critic, load_policy
@@ -106,3 +110,47 @@ def test_export_is_in_the_training_dtype_with_every_file_of_the_source(
     for name in others:
         assert (out / name).read_bytes() == (source / name).read_bytes(), name
     assert AutoModelForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.bfloat16
+
+
+def fake_checkpoints(folder: Path, complete: list[int], incomplete: list[int] = ()) -> None:
+    for step in [*complete, *incomplete]:
+        (folder / f"step-{step}").mkdir(parents=True)
+        (folder / f"step-{step}" / "shard.distcp").write_bytes(b"x")
+    for step in complete:
+        (folder / f"step-{step}" / "meta.json").write_text(json.dumps({"version": step,
+                                                                        "step": step}))
+
+
+def steps_in(folder: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in folder.glob("step-*"))
+
+
+def test_retention_keeps_the_newest_and_every_kth_and_drops_dead_saves(tmp_path: Path) -> None:
+    fake_checkpoints(tmp_path, complete=[10, 20, 30, 40, 50, 60], incomplete=[35, 70])
+    removed = prune_checkpoints(tmp_path, keep_last=2, keep_every=20)
+    assert [p.name for p in removed] == ["step-10", "step-30", "step-35"]
+    # 70 may be a save under way: only saves older than the newest complete go
+    assert steps_in(tmp_path) == [20, 40, 50, 60, 70]
+    assert prune_checkpoints(tmp_path, keep_last=2, keep_every=20) == []
+
+
+def test_resume_chooses_the_newest_a_step_or_a_path_and_names_what_exists(
+        tmp_path: Path) -> None:
+    assert select_checkpoint(tmp_path, "latest") is None  # a fresh run: nothing to resume
+    fake_checkpoints(tmp_path, complete=[2, 4], incomplete=[6])
+    assert select_checkpoint(tmp_path, "latest") == tmp_path / "step-4"
+    assert select_checkpoint(tmp_path, "2") == tmp_path / "step-2"
+    assert select_checkpoint(tmp_path, str(tmp_path / "step-4")) == tmp_path / "step-4"
+    with pytest.raises(CheckpointNotFound, match=r"complete steps in .*: 2, 4"):
+        select_checkpoint(tmp_path, "6")
+    with pytest.raises(CheckpointNotFound):
+        select_checkpoint(tmp_path, str(tmp_path / "elsewhere"))
+
+
+def test_resuming_from_an_earlier_step_sets_the_later_branch_aside(tmp_path: Path) -> None:
+    fake_checkpoints(tmp_path, complete=[1, 2, 3], incomplete=[4])
+    aside = set_aside_later(tmp_path, tmp_path / "step-2")
+    assert aside == tmp_path / "abandoned-after-step-2"
+    assert steps_in(tmp_path) == [1, 2] and steps_in(aside) == [3, 4]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
+    assert set_aside_later(tmp_path, tmp_path / "step-2") is None

@@ -157,7 +157,7 @@ def test_services_bind_on_the_pod_and_clients_reach_the_services(rendered: list[
     assert replay.replay.learner_address == f"tcp://0.0.0.0:{learner_port}"
 
     learner_args, learner = effective(pods["learner"], run_toml)
-    assert (learner_args.command, learner_args.resume) == ("learner", True)
+    assert (learner_args.command, learner_args.resume) == ("learner", "latest")
     assert learner.learner.control_address == f"tcp://0.0.0.0:{control_port}"
     assert learner.replay.learner_address == f"tcp://replay:{learner_port}"  # it connects
     # the announced store host: the StatefulSet pod behind the headless Service
