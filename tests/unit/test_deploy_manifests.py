@@ -364,7 +364,7 @@ def test_slurm_dry_run_wires_every_process(tmp_path: Path) -> None:
     assert replay["config"]["replay"]["actor_address"] == "tcp://0.0.0.0:5555"
     assert replay["config"]["replay"]["learner_address"] == "tcp://127.0.0.1:5556"
     assert replay["config"]["replay"]["log_path"] == f"{run_dir}/replay/segments.log"
-    assert learner["args"]["resume"] is True
+    assert learner["args"]["resume"] == "latest"
     assert learner["config"]["replay"]["learner_address"] == "tcp://127.0.0.1:5556"
     assert learner["config"]["learner"]["control_address"] == "tcp://0.0.0.0:5557"
     assert learner["config"]["learner"]["weight_store_address"] == "head1:5558"
