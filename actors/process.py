@@ -61,7 +61,7 @@ from actors.envs.base import Environment, load_environment
 from actors.episode import EpisodeResult, run_episode
 from actors.metrics import ActorMetrics
 from actors.state import CreditAccount, LearnerView, Outbox
-from ops.metrics import MetricsServer
+from ops.metrics import Health, MetricsServer
 from protocol import (
     Ack,
     Array,
@@ -176,6 +176,11 @@ class Actor:
         self.learner_handlers: dict[type[Message], Callable[[Any], None]] = {
             MemberWelcome: self._on_member_welcome, WeightsAnnounce: self._on_announce,
             Error: self._on_learner_error}
+        self.health = Health()
+        """Ready once registered with the replay (the engine has started by
+        then); alive while the event loop runs its heartbeat task."""
+        self.health.readiness = lambda: (None if self.replay.registered.is_set()
+                                         else "registering with the replay")
         self._stopping = asyncio.Event()
         self._episode_numbers = itertools.count()
         self._slots: list[asyncio.Task] = []
@@ -190,7 +195,7 @@ class Actor:
         metrics = MetricsServer(self.metrics.registry,
                                 self.config.metrics_port + self.settings.index
                                 if self.config.metrics_port else 0,
-                                self.settings.transport.metrics_address)
+                                self.settings.transport.metrics_address, self.health)
         try:
             return await self._serve()
         finally:
@@ -349,6 +354,7 @@ class Actor:
 
     async def _heartbeat(self) -> None:
         while True:
+            self.health.beat()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.episode_ended.wait(),
                                        self.settings.transport.heartbeat_interval_s)

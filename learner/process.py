@@ -34,6 +34,7 @@ learner`` writes FILE: this package cannot read the run's TOML itself).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections import OrderedDict
@@ -45,7 +46,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 import zmq
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 
 from learner.batch import BatchError, to_train_batch
 from learner.checkpoint import (
@@ -62,7 +63,7 @@ from learner.metrics import LearnerMetrics
 from learner.models import Sharding, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from learner.publisher import WeightPublisher
-from ops.metrics import MetricsServer
+from ops.metrics import Health, MetricsServer
 from protocol import (
     Batch,
     BatchRequest,
@@ -132,6 +133,10 @@ class Learner:
         self.version = 0
         self.step = 0
         self.metrics = LearnerMetrics()
+        # a checkpoint or export may hold the loop as long as an export may take
+        self.health = Health("loading the model", liveness_s=self.config.export_timeout_s)
+        """Rank 0's readiness (resumed and joined to the replay) and liveness
+        (its step loop: a step, a batch wait, a publication all beat)."""
         self.bf16 = self.device.type == "cuda" and self.config.mixed_precision == "bf16"
         # the dtype the models compute in, and so the exports'; their
         # parameters (the master weights) stay float32
@@ -163,10 +168,14 @@ class Learner:
         peers: _Peers = (_RankZeroPeers(self.settings, self.metrics,
                                         checkpoints / ANNOUNCED_RECORD)
                          if self.rank == 0 else _Peers())
-        server = MetricsServer(self.metrics.registry,
-                               self.config.metrics_port if self.rank == 0 else 0,
-                               self.settings.transport.metrics_address)
+        # rank 0 serves the metrics; the first rank of every other node serves
+        # its health alone (an empty registry), so each node's pod has probes
+        first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"
+        server = MetricsServer(self.metrics.registry if self.rank == 0 else CollectorRegistry(),
+                               self.config.metrics_port if first_on_node else 0,
+                               self.settings.transport.metrics_address, self.health)
         try:
+            self.health.waiting_for = "joining the replay"
             batch_size = self._broadcast_int(peers.join())
             publisher = WeightPublisher(self.trainer.policy, self.config, self.rank,
                                         peers.control, self.metrics, self._broadcast_int)
@@ -177,6 +186,7 @@ class Learner:
                          "this run got to version %d", restored, self.version,
                          self.version - 1)
             self.metrics.resumed(self.version, self.step)
+            self.health.ready()
             if self.step < self.config.max_steps:
                 # before any publication: the replay refuses tokens of a
                 # version newer than the learner has asked with
@@ -199,6 +209,7 @@ class Learner:
         weights or every publish_every steps, checkpoint every
         checkpoint_every steps."""
         while self.step < self.config.max_steps:
+            self.health.beat()
             stopping, publish_now = self._agree(self.stopping,
                                                 peers.weights_wanted(self.version))
             if stopping:
@@ -206,7 +217,7 @@ class Learner:
             if publish_now:
                 publisher.publish(self.version)
             frame = self._broadcast_bytes(peers.next_batch(
-                batch_size, self.version, lambda: self.stopping))
+                batch_size, self.version, self._waiting))
             if not frame:
                 continue  # stopping, or weights are wanted first
             if not self._train(frame):
@@ -224,6 +235,12 @@ class Learner:
                 self._checkpoint()
             if self.step % self.config.publish_every == 0:
                 publisher.publish(self.version)
+
+    def _waiting(self) -> bool:
+        """Asked over and over while a batch is awaited: the loop is alive;
+        True once it should stop waiting."""
+        self.health.beat()
+        return self.stopping
 
     def _checkpoint(self) -> None:
         """Save, export where ``export_every`` says, then apply retention."""

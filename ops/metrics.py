@@ -1,23 +1,108 @@
-"""Serving Prometheus metrics over HTTP, the same way in every process."""
+"""Serving Prometheus metrics and health over HTTP, the same way in every process.
+
+On the metrics port, beside ``/metrics``:
+
+- ``/readyz``: 200 ``ready`` once the process can do its work (the replay:
+  its log recovered; the learner: resumed and joined to the replay; an
+  actor: its engine started and registered with the replay), else 503 with
+  what it waits for. Kubernetes routes nothing to it and counts it not
+  started until then.
+- ``/healthz``: 200 ``alive`` while the process's main loop makes progress
+  (:meth:`Health.beat` within ``liveness_s``), else 503 saying for how long
+  it has not: a stuck process is restarted, a slow one is not.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, start_http_server
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+#: Liveness, unless a process says otherwise: a main loop silent this long is stuck.
+DEFAULT_LIVENESS_S = 300.0
+
+
+class Health:
+    """A process's readiness (what it still waits for) and liveness (when
+    its main loop last made progress). Thread-safe: set by the process, read
+    by the HTTP thread."""
+
+    def __init__(self, waiting_for: str = "starting", liveness_s: float = DEFAULT_LIVENESS_S
+                 ) -> None:
+        self.waiting_for: str | None = waiting_for
+        """None once ready; else what readiness waits for."""
+        self.readiness: Callable[[], str | None] | None = None
+        """Asked on each probe once set: None when ready, else what it waits for."""
+        self.liveness_s = liveness_s
+        self._beat = time.monotonic()
+
+    def ready(self) -> None:
+        self.waiting_for = None
+
+    def beat(self) -> None:
+        """The main loop made progress."""
+        self._beat = time.monotonic()
+
+    def not_ready(self) -> str | None:
+        if self.readiness is not None:
+            return self.readiness()
+        return self.waiting_for
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self._beat
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # probes every few seconds
+        pass
 
 
 class MetricsServer:
-    """``/metrics`` of one registry on ``port`` (0 = not served), stopped with
-    :meth:`close` so tests and restarts never leave a port bound."""
+    """``/metrics`` of one registry, ``/readyz`` and ``/healthz`` of one
+    :class:`Health` on ``port`` (0 = not served), stopped with :meth:`close`
+    so tests and restarts never leave a port bound."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, address: str = "127.0.0.1"
-                 ) -> None:
+    def __init__(self, registry: CollectorRegistry, port: int, address: str = "127.0.0.1",
+                 health: Health | None = None) -> None:
         self.port = port
+        self.health = health or Health(waiting_for=None)
+        self._metrics = make_wsgi_app(registry)
         self._server = None
         if port:
-            self._server, self._thread = start_http_server(port, addr=address, registry=registry)
+            server_class = type("Server", (ThreadingWSGIServer,), {
+                "address_family": socket.AF_INET6 if ":" in address else socket.AF_INET})
+            self._server = make_server(address, port, self._app, server_class,
+                                       handler_class=_Quiet)
+            self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+            self._thread.start()
+
+    def _app(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/readyz":
+            waiting = self.health.not_ready()
+            return _text(start_response, waiting is None,
+                         "ready" if waiting is None else f"not ready: {waiting}")
+        if path == "/healthz":
+            silent = self.health.silent_for()
+            alive = silent <= self.health.liveness_s
+            return _text(start_response, alive, "alive" if alive else
+                         f"no progress for {silent:.0f} s (liveness {self.health.liveness_s:g} s)")
+        return self._metrics(environ, start_response)
 
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _text(start_response: Callable, ok: bool, text: str) -> list[bytes]:
+    start_response("200 OK" if ok else "503 Service Unavailable",
+                   [("Content-Type", "text/plain; charset=utf-8")])
+    return [text.encode() + b"\n"]

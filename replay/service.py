@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from ops.metrics import MetricsServer
+from ops.metrics import Health, MetricsServer
 from protocol import (
     Ack,
     Batch,
@@ -142,13 +142,16 @@ class ReplayService:
         """The ingest pass's clock."""
         self._asked = False
         """A batch request arrived in the learner pass under way."""
+        # served from the start: liveness answers while a long log is recovered
+        self.health = Health("recovering the segment log")
+        self._metrics_server = MetricsServer(self.metrics.registry, config.metrics_port,
+                                             transport.metrics_address, self.health)
         self.log: DurableLog | None = None
         if config.durable_log:
             self.log = DurableLog(Path(config.log_path), config.fsync, config.fsync_interval_s)
             self._recover()
-        self._metrics_server = MetricsServer(self.metrics.registry, config.metrics_port,
-                                             transport.metrics_address)
         self._update_gauges()
+        self.health.ready()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,6 +194,7 @@ class ReplayService:
         poller.register(self.learner_socket, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         while not stop.is_set():
+            self.health.beat()
             events = dict(poller.poll(POLL_MS))
             if self.actor_socket in events:
                 self._ingest()

@@ -33,10 +33,12 @@ class Run:
     stderr: str
     metrics: str
     credits_recovered: float
+    probes: dict[str, str]
+    """/readyz and /healthz once registered and running."""
 
 
-def _scrape(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def _scrape(port: int, path: str = "/metrics") -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read().decode()
 
 
 def _rollouts_counted(metrics: str) -> float:
@@ -82,6 +84,7 @@ def actor_run(tiny_model_dir: Path) -> Run:
 
         _wait_for(peer, all_counted, 30, process)
         metrics = scraped[-1]
+        probes = {path: _scrape(port, path).strip() for path in ("/readyz", "/healthz")}
         # one more rollout, its credit in a reply lost on the way (made up after
         # the actor's next heartbeat) and its acks withheld; SIGTERM while it runs
         peer.withhold_acks = True
@@ -97,7 +100,7 @@ def actor_run(tiny_model_dir: Path) -> Run:
             peer.pump(0.2)
         exit_code = process.wait(timeout=5)
         return Run(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics,
-                   credits_recovered)
+                   credits_recovered, probes)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -162,3 +165,7 @@ def test_metrics_use_the_design_names(actor_run: Run) -> None:
         assert f'crl_actor_stall_seconds_total{{reason="{reason}"}}' in metrics
     assert 'crl_actor_engine_info{device="cpu",dtype="bfloat16"' in metrics
     assert _sample(metrics, "crl_actor_segments_resent_total") >= 1
+
+
+def test_a_registered_actor_is_ready_and_alive(actor_run: Run) -> None:
+    assert actor_run.probes == {"/readyz": "ready", "/healthz": "alive"}

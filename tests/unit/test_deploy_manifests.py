@@ -218,6 +218,23 @@ def test_every_pod_is_scraped_on_its_metrics_port(rendered: list[dict],
         assert port == section.metrics_port + getattr(args, "index", 0), name
 
 
+def test_every_pod_is_probed_for_readiness_and_liveness_on_its_metrics_port(
+        rendered: list[dict]) -> None:
+    """The paths ops/metrics.py serves (tests/unit/test_health.py); the slow
+    starters (engines, a learner loading a model) have a startup probe."""
+    for name, workload in workloads(rendered).items():
+        spec = container(workload)
+        ports = {p["name"] for p in spec["ports"]}
+        probes = {kind: spec[kind]["httpGet"] for kind in
+                  ("readinessProbe", "livenessProbe", "startupProbe") if kind in spec}
+        assert probes["readinessProbe"]["path"] == "/readyz", name
+        assert probes["livenessProbe"]["path"] == "/healthz", name
+        assert all(probe["port"] == "metrics" for probe in probes.values()), name
+        assert "metrics" in ports, name
+        if name != "replay":
+            assert probes["startupProbe"]["path"] == "/healthz", name
+
+
 def test_config_map_and_claims_referenced_by_pods_exist(rendered: list[dict]) -> None:
     config_maps = set(by_kind(rendered, "ConfigMap"))
     claims = set(by_kind(rendered, "PersistentVolumeClaim"))
