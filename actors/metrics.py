@@ -19,10 +19,12 @@ class ActorMetrics:
         self.rollouts = Counter("crl_actor_rollouts", "Finished rollouts by outcome",
                                 ["outcome"], registry=r)
         self.compactions = Counter("crl_actor_compactions", "Compactions performed", registry=r)
-        self.compaction_rate = Gauge("crl_actor_compaction_rate",
-                                     "Compactions per finished rollout", registry=r)
-        self.summary_tokens = Counter("crl_actor_summary_tokens",
-                                      "Tokens generated as summaries", registry=r)
+        # compactions per rollout is a ratio of rates in PromQL: rate of
+        # crl_actor_compactions_total over rate of crl_actor_rollouts_total
+        self.compaction_tokens = Counter(
+            "crl_actor_compaction_tokens",
+            "Tokens generated as summaries at compactions (a metric name may not say "
+            "'summary', a Prometheus type)", registry=r)
         self.generated_tokens = Counter("crl_actor_generated_tokens",
                                         "Tokens generated (actions and summaries)", registry=r)
         self.stall_seconds = Counter("crl_actor_stall_seconds",
@@ -82,8 +84,6 @@ class ActorMetrics:
             "crl_actor_tool_call_errors", "Tool calls answered with an error observation "
             "instead of being run, by reason (malformed, unknown_tool, invalid_arguments)",
             ["reason"], registry=r)
-        self._finished = 0
-        self._compactions = 0
         self._stall = dict.fromkeys(STALL_REASONS, 0.0)
         for reason in STALL_REASONS:
             self.stall_seconds.labels(reason)
@@ -94,12 +94,9 @@ class ActorMetrics:
 
     def episode_finished(self, reward: float, stats: RolloutStats, summary_seconds: float,
                          observations_cut: int, tool_call_errors: Mapping[str, int]) -> None:
-        self._finished += 1
-        self._compactions += stats.compactions
         self.rollouts.labels(stats.outcome).inc()
         self.compactions.inc(stats.compactions)
-        self.compaction_rate.set(self._compactions / self._finished)
-        self.summary_tokens.inc(stats.summary_tokens)
+        self.compaction_tokens.inc(stats.summary_tokens)
         self.generated_tokens.inc(stats.generated_tokens)
         self.stall("summary", summary_seconds)
         self.reward.inc(reward)

@@ -60,8 +60,8 @@ DASHBOARDS: dict[str, tuple[Panel, ...]] = {
             ("compacted", 'crl_learner_success_rate{compacted="true"}'),
             ("uncompacted", 'crl_learner_success_rate{compacted="false"}')), "percentunit"),
         Panel("Compaction rate", (
-            ("per rollout (actors)", "sum(crl_actor_compaction_rate)"
-                                     " / count(crl_actor_compaction_rate)"),
+            ("per rollout (actors)", f"sum(rate(crl_actor_compactions_total{RATE}))"
+                                     f" / sum(rate(crl_actor_rollouts_total{RATE}))"),
             ("per rollout (trained batch)", "crl_learner_compactions_per_rollout"))),
         Panel("Losses", (("policy", "crl_learner_policy_loss"),
                          ("value", "crl_learner_value_loss"))),
@@ -85,7 +85,7 @@ DASHBOARDS: dict[str, tuple[Panel, ...]] = {
                     f"(rate(crl_replay_staleness_bucket{RATE})))"))),
         Panel("Throughput (tokens/s)", (
             ("actors", f"sum(rate(crl_actor_generated_tokens_total{RATE}))"),
-            ("summary tokens", f"sum(rate(crl_actor_summary_tokens_total{RATE}))"),
+            ("summary tokens", f"sum(rate(crl_actor_compaction_tokens_total{RATE}))"),
             ("learner", f"rate(crl_learner_tokens_total{RATE})")), "short"),
         Panel("Replay: segments and drops (per s)", (
             ("{{result}}", f"sum by (result) (rate(crl_replay_segments_total{RATE}))"),

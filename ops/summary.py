@@ -50,7 +50,7 @@ TOTALS: dict[str, tuple[str, str, dict[str, str]]] = {
     "actor_rollouts": ("actor", "crl_actor_rollouts_total", {}),
     "actor_compactions": ("actor", "crl_actor_compactions_total", {}),
     "actor_generated_tokens": ("actor", "crl_actor_generated_tokens_total", {}),
-    "actor_summary_tokens": ("actor", "crl_actor_summary_tokens_total", {}),
+    "actor_summary_tokens": ("actor", "crl_actor_compaction_tokens_total", {}),
     "stall_weights_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "weights"}),
     "stall_credits_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "credits"}),
     "stall_summary_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "summary"}),

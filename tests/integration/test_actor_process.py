@@ -157,8 +157,7 @@ def test_metrics_use_the_design_names(actor_run: Run) -> None:
     metrics = actor_run.metrics
     assert _rollouts_counted(metrics) == 3
     assert _sample(metrics, "crl_actor_compactions_total") >= 0
-    assert _sample(metrics, "crl_actor_compaction_rate") == pytest.approx(
-        _sample(metrics, "crl_actor_compactions_total") / 3)
+    assert _sample(metrics, "crl_actor_compaction_tokens_total") >= 0
     assert _sample(metrics, "crl_actor_generated_tokens_total") > 0
     assert _sample(metrics, "crl_actor_policy_version") == 0
     for reason in ("weights", "credits", "summary"):

@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,11 @@ def _empty_panels(prometheus: PrometheusServer, since: float) -> list[str]:
     """The dashboard's PromQL expressions without data since ``since``."""
     return [where for where, expr in promql_expressions().items()
             if not prometheus.query_range(expr, since, time.time())]
+
+
+def _get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return response.read().decode()
 
 
 def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
@@ -110,6 +116,13 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
             assert time.monotonic() < deadline, f"PromQL without data over the run: {empty}"
             assert process.poll() is None, "up exited while waiting for dashboard data"
             time.sleep(2)
+        # every process's exposition passes promtool's lint, and each is ready
+        for port in (replay_metrics, learner_metrics, *actor_ports):
+            exposition = _get(port, "/metrics")
+            lint = subprocess.run(["promtool", "check", "metrics"], input=exposition,
+                                  capture_output=True, text=True, timeout=60)
+            assert lint.returncode == 0, (port, lint.stdout + lint.stderr)
+            assert _get(port, "/readyz").strip() == "ready", port
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:
