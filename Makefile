@@ -18,7 +18,7 @@ PIP_NOISE := { grep -v "is ignored: it is neither a file nor a directory" || tru
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	set -o pipefail; $(PY) -m pip install --quiet --upgrade pip 2>&1 | $(PIP_NOISE)
-	set -o pipefail; $(PY) -m pip install --quiet -e '.[cpu,dev,envs]' 2>&1 | $(PIP_NOISE)
+	set -o pipefail; $(PY) -m pip install --quiet -e '.[cpu,dev,envs,tracking]' 2>&1 | $(PIP_NOISE)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

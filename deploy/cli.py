@@ -183,7 +183,8 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
                                run_dir=str(run_dir), learner=config.learner,
                                transport=config.transport, resume=args.resume,
                                run_id=config.run.name,
-                               trust_remote_code=config.actors.engine.trust_remote_code)
+                               trust_remote_code=config.actors.engine.trust_remote_code,
+                               tracking=config.tracking)
     # a file per node: several nodes may share the run folder
     path = run_dir / (f"learner-settings-node{config.learner.node_rank}.json"
                       if config.learner.nnodes > 1 else "learner-settings.json")

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from actors.config import ActorConfig, read_model_config
 from deploy.device_plan import static_device_problems
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, TrackingConfig
 from protocol.schema import attribute_docs
 from protocol.transport import TransportConfig, bound_endpoint, is_loopback
 from recipes.config import BootstrapConfig
@@ -77,11 +77,12 @@ class JobConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self) -> list[str]:
         problems = (self.actors.validate("actors") + self.replay.validate("replay")
                     + self.learner.validate("learner") + self.transport.validate("transport")
-                    + self.bootstrap.validate("bootstrap"))
+                    + self.bootstrap.validate("bootstrap") + self.tracking.validate("tracking"))
         # Pacing deadlocks if the buffer cannot hold the rollouts the learner
         # waits for: (S + 1) * B of the largest possible size.
         largest = max_rollout_bytes(self.actors)

@@ -9,6 +9,25 @@ from protocol.bounds import bound_problems, bounded
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment tracking by the learner's rank 0 (learner/tracking/)."""
+
+    backends: list[Literal["wandb", "tensorboard"]] = field(default_factory=list)
+    """Where to record the run; empty (the default): nowhere but Prometheus."""
+    project: str = "compactionrl"
+    """The W&B project (the run is named after ``run.name``)."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """``offline``: W&B writes files only (``wandb sync`` uploads them later)."""
+    samples_every: int = bounded(10, ge=1)
+    """A table of sampled rollouts every this many steps."""
+    samples: int = bounded(4, ge=1)
+    """Rollouts in each table."""
+
+    def validate(self, section: str = "tracking") -> list[str]:
+        return bound_problems(self, section)
+
+
+@dataclass
 class LearnerConfig:
     """PPO with a critic, cross-trajectory GAE, token-level normalisation."""
 

@@ -41,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -48,7 +49,7 @@ import torch.distributed as dist
 import zmq
 from prometheus_client import CollectorRegistry, Counter
 
-from learner.batch import BatchError, to_train_batch
+from learner.batch import BatchError, TrainBatch, to_train_batch
 from learner.checkpoint import (
     export_hf,
     load_checkpoint,
@@ -57,12 +58,20 @@ from learner.checkpoint import (
     select_checkpoint,
     set_aside_later,
 )
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, TrackingConfig
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from learner.models import Sharding, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from learner.publisher import WeightPublisher
+from learner.tracking.base import (
+    SAMPLE_COLUMNS,
+    Trackers,
+    git_revision,
+    open_tracker,
+    rollout_samples,
+    step_scalars,
+)
 from ops.metrics import Health, MetricsServer
 from protocol import (
     Batch,
@@ -116,6 +125,7 @@ class LearnerSettings:
     run_id: str = "run"
     trust_remote_code: bool = False
     """Run the model folder's own code (``actors.engine.trust_remote_code``)."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 def read_settings(path: Path) -> LearnerSettings:
@@ -135,6 +145,9 @@ class Learner:
         self.metrics = LearnerMetrics()
         # a checkpoint or export may hold the loop as long as an export may take
         self.health = Health("loading the model", liveness_s=self.config.export_timeout_s)
+        self.tracker: Trackers | None = None
+        """Rank 0's experiment tracking (None elsewhere, and when off)."""
+        self._tokenizer: Any = None
         """Rank 0's readiness (resumed and joined to the replay) and liveness
         (its step loop: a step, a batch wait, a publication all beat)."""
         self.bf16 = self.device.type == "cuda" and self.config.mixed_precision == "bf16"
@@ -174,6 +187,12 @@ class Learner:
         server = MetricsServer(self.metrics.registry if self.rank == 0 else CollectorRegistry(),
                                self.config.metrics_port if first_on_node else 0,
                                self.settings.transport.metrics_address, self.health)
+        if self.rank == 0:
+            self.tracker = open_tracker(self.settings.tracking, self.run_dir,
+                                        self.settings.run_id)
+        if self.tracker is not None:
+            self.tracker.config(msgspec.to_builtins(self.settings),
+                                git_revision(Path(__file__).parent))
         try:
             self.health.waiting_for = "joining the replay"
             batch_size = self._broadcast_int(peers.join())
@@ -201,6 +220,8 @@ class Learner:
                          self.version)
         finally:
             peers.close()
+            if self.tracker is not None:
+                self.tracker.close()
             server.close()
         return 0
 
@@ -276,11 +297,25 @@ class Learner:
         self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,
                             batch.compactions, time.perf_counter() - began, self.version,
                             self.step, batch.tags)
+        if self.tracker is not None:
+            self._track(message, batch, metrics)
         if self.rank == 0:
             log.info("step %d: version %d, reward %.3f, %d tokens, policy loss %.4f",
                      self.step, self.version, float(batch.rewards.mean()), metrics["tokens"],
                      metrics.get("losses/policy_loss", 0.0))
         return True
+
+    def _track(self, message: Batch, batch: TrainBatch, metrics: dict[str, float]) -> None:
+        tracking = self.settings.tracking
+        self.tracker.scalars(self.step, step_scalars(metrics, message, batch.rewards.tolist(),
+                                                     batch.successes, batch.compactions))
+        if self.step % tracking.samples_every == 0:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+                self._tokenizer = AutoTokenizer.from_pretrained(
+                    self.settings.model, trust_remote_code=self.settings.trust_remote_code)
+            self.tracker.table(self.step, "rollouts/samples", SAMPLE_COLUMNS,
+                               rollout_samples(message, self._tokenizer, tracking.samples))
 
     # ------------------------------------------------------------------ collectives
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -50,9 +51,16 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
 
         first = compactionrl("learner", *common, "--learner.max_steps", "3",
                              "--learner.keep_last", "2", "--learner.export_every", "2",
-                             timeout=300)
+                             "--tracking.backends", '["tensorboard"]',
+                             "--tracking.samples_every", "2", timeout=300)
         assert first.returncode == 0, first.stderr[-4000:]
         run = tmp_path / "learn"
+        # rank 0 tracked every step, and sampled rollouts at step 2
+        events = EventAccumulator(str(run / "tracking" / "tensorboard"),
+                                  size_guidance={"scalars": 0, "tensors": 0})
+        events.Reload()
+        assert [e.step for e in events.Scalars("rollouts/reward")] == [1, 2, 3]
+        assert [t.step for t in events.Tensors("rollouts/samples/text_summary")] == [2]
         checkpoints = run / "checkpoints"
         # retention: the newest two; an export beside the checkpoint of step 2
         assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-2", "step-3"]
