@@ -260,7 +260,10 @@ def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
 def _cmd_dashboards_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from ops.observability import write_dashboards, write_files
 
-    for path in (write_files if args.all else write_dashboards)(Path(args.dir)):
+    config = load_config(args.config, overrides)
+    written = (write_files(Path(args.dir), **config.observability()) if args.all
+               else write_dashboards(Path(args.dir)))
+    for path in written:
         print(path)
     return 0
 
@@ -391,7 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir")
     export.add_argument("--all", action="store_true",
                         help="also the Prometheus config, alert rules and Grafana provisioning "
-                             "(what deploy/observability holds)")
+                             "(what deploy/observability holds), for the run's --config: its "
+                             "metrics ports and its alert thresholds (staleness bound)")
+    _config_args(export)
     export.set_defaults(handler=_cmd_dashboards_export)
     push = boards_sub.add_parser("push", help="upload the dashboards through Grafana's HTTP API")
     push.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")

@@ -79,6 +79,17 @@ class JobConfig:
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
+    def observability(self) -> dict[str, Any]:
+        """``ops.observability.write_files``' arguments for this run: its
+        metrics ports and the alert thresholds its config implies."""
+        from ops.observability import AlertThresholds
+
+        return {"replay_port": self.replay.metrics_port,
+                "learner_port": self.learner.metrics_port,
+                "actor_ports": tuple(self.actors.metrics_port + i
+                                     for i in range(max(self.actors.count, 1))),
+                "thresholds": AlertThresholds(max_staleness=self.replay.max_staleness)}
+
     def validate(self) -> list[str]:
         problems = (self.actors.validate("actors") + self.replay.validate("replay")
                     + self.learner.validate("learner") + self.transport.validate("transport")

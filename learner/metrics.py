@@ -68,6 +68,11 @@ class LearnerMetrics:
                                        "Version of the last successful publication", registry=r)
         self.members = Gauge("crl_learner_weight_members",
                              "Actors registered for weight broadcasts", registry=r)
+        self.disk_free = Gauge("crl_learner_disk_free_bytes",
+                               "Free bytes on the filesystem of the run folder (checkpoints)",
+                               registry=r)
+        self.disk_size = Gauge("crl_learner_disk_size_bytes",
+                               "Size of the filesystem of the run folder", registry=r)
         self.rejected_frames = Counter("crl_learner_rejected_frames",
                                        "Frames refused on the control socket, by reason",
                                        ["reason"], registry=r)

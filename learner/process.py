@@ -72,7 +72,7 @@ from learner.tracking.base import (
     rollout_samples,
     step_scalars,
 )
-from ops.metrics import Health, MetricsServer
+from ops.metrics import Health, MetricsServer, watch_disk
 from protocol import (
     Batch,
     BatchRequest,
@@ -188,6 +188,7 @@ class Learner:
                                self.config.metrics_port if first_on_node else 0,
                                self.settings.transport.metrics_address, self.health)
         if self.rank == 0:
+            watch_disk(self.metrics.disk_free, self.metrics.disk_size, self.run_dir)
             self.tracker = open_tracker(self.settings.tracking, self.run_dir,
                                         self.settings.run_id)
         if self.tracker is not None:

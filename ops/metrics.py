@@ -14,14 +14,16 @@ On the metrics port, beside ``/metrics``:
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, Gauge, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 #: Liveness, unless a process says otherwise: a main loop silent this long is stuck.
@@ -100,6 +102,14 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def watch_disk(free: Gauge, size: Gauge, folder: Path) -> None:
+    """``free`` and ``size`` read the filesystem holding ``folder`` at each
+    scrape (nothing in between)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free.set_function(lambda: shutil.disk_usage(folder).free)
+    size.set_function(lambda: shutil.disk_usage(folder).total)
 
 
 def _text(start_response: Callable, ok: bool, text: str) -> list[bytes]:

@@ -9,7 +9,7 @@ while the alert itself stays quiet.
 Usage::
 
     dashboards()                 # Grafana dashboard JSON models (dicts)
-    alert_rules()                # the Prometheus rule file (dict, YAML-ready)
+    alert_rules(thresholds)      # the Prometheus rule file (dict, YAML-ready)
     scrape_config(config)        # prometheus.yml for a local run (dict)
     promql_expressions()         # every expression used anywhere: what the tests query
 """
@@ -104,19 +104,65 @@ DASHBOARDS: dict[str, tuple[Panel, ...]] = {
     ),
 }
 
-ALERTS: tuple[Alert, ...] = (
-    Alert("CompactionRLActorDown", 'up{job="actors"}', "== 0", "1m",
-          "An actor's /metrics has not answered for a minute", "warning"),
-    Alert("CompactionRLStallShareHigh",
-          f"sum(rate(crl_actor_stall_seconds_total{RATE})) / sum(crl_actor_episode_slots)",
-          "> 0.5", "10m", "Actors spend over half their time stalled"),
-    Alert("CompactionRLStalenessAtBound",
-          f"histogram_quantile(0.95, sum by (le) (rate(crl_replay_staleness_bucket{RATE})))",
-          ">= 2", "10m", "p95 staleness of trained rollouts is at the bound (default 2): "
-          "actors fall behind the learner"),
-    Alert("CompactionRLLearnerStuck", "changes(crl_learner_policy_version[10m])", "== 0",
-          "5m", "No learner step for 10 minutes", "critical"),
-)
+@dataclass(frozen=True)
+class AlertThresholds:
+    """What the alerts judge against, rendered from the run's config
+    (``deploy`` builds it: ``compactionrl dashboards export --config FILE``)."""
+
+    max_staleness: int = 2
+    """replay.max_staleness: p95 staleness at this bound means actors lag."""
+    stall_share: float = 0.5
+    """Share of episode-slot time stalled, sustained, that warns."""
+    no_step_minutes: int = 10
+    """Minutes without a learner step that page."""
+    disk_free_fraction: float = 0.1
+    """Free share of the filesystem under the run folder or the segment log
+    below which to warn (checkpoints and the log grow)."""
+
+
+#: The signal of a counter that may not exist yet (no failure so far): 0.
+def _or_zero(expr: str) -> str:
+    return f"({expr}) or vector(0)"
+
+
+def alerts(thresholds: AlertThresholds) -> tuple[Alert, ...]:
+    losses = "abs(crl_learner_policy_loss) + abs(crl_learner_value_loss)"
+    return (
+        Alert("CompactionRLActorDown", 'up{job="actors"}', "== 0", "1m",
+              "An actor's /metrics has not answered for a minute"),
+        Alert("CompactionRLLearnerDown", 'up{job="learner"}', "== 0", "2m",
+              "The learner's /metrics has not answered for two minutes", "critical"),
+        Alert("CompactionRLReplayDown", 'up{job="replay"}', "== 0", "1m",
+              "The replay's /metrics has not answered for a minute", "critical"),
+        Alert("CompactionRLStallShareHigh",
+              f"sum(rate(crl_actor_stall_seconds_total{RATE})) / sum(crl_actor_episode_slots)",
+              f"> {thresholds.stall_share:g}", "10m",
+              f"Actors spend over {thresholds.stall_share:.0%} of their time stalled"),
+        Alert("CompactionRLStalenessAtBound",
+              "histogram_quantile(0.95, sum by (le) "
+              f"(rate(crl_replay_staleness_bucket{RATE})))",
+              f">= {thresholds.max_staleness}", "10m",
+              f"p95 staleness of trained rollouts is at the bound ({thresholds.max_staleness}, "
+              "replay.max_staleness): actors fall behind the learner"),
+        Alert("CompactionRLLearnerStuck",
+              f"changes(crl_learner_policy_version[{thresholds.no_step_minutes}m])", "== 0",
+              "5m", f"No learner step for {thresholds.no_step_minutes} minutes", "critical"),
+        Alert("CompactionRLLossNotFinite", losses, f"unless (({losses}) < +Inf)", "0m",
+              "A loss of the last step is NaN or infinite", "critical"),
+        Alert("CompactionRLWeightPublicationsFailing",
+              _or_zero('sum(increase(crl_learner_weight_publications_total{result="failed"}'
+                       '[15m]))'), "> 0", "15m",
+              "Weight publications keep failing: actors generate with old weights"),
+        Alert("CompactionRLRolloutsExpiring",
+              _or_zero('sum(rate(crl_replay_dropped_total{reason="expired"}[10m]))'), "> 0",
+              "15m", "Rollouts expire in the replay: actors die or stall mid-episode"),
+        Alert("CompactionRLDiskFilling",
+              "(crl_replay_disk_free_bytes / crl_replay_disk_size_bytes) or "
+              "(crl_learner_disk_free_bytes / crl_learner_disk_size_bytes)",
+              f"< {thresholds.disk_free_fraction:g}", "5m",
+              f"Under {thresholds.disk_free_fraction:.0%} free on the filesystem of the run "
+              "folder or the segment log", "critical"),
+    )
 
 
 def _panel_json(panel: Panel, index: int) -> dict[str, Any]:
@@ -148,10 +194,11 @@ def dashboards() -> dict[str, dict[str, Any]]:
     return out
 
 
-def alert_rules() -> dict[str, Any]:
+def alert_rules(thresholds: AlertThresholds | None = None) -> dict[str, Any]:
     return {"groups": [{"name": "compactionrl", "rules": [
         {"alert": a.name, "expr": a.expr, "for": a.for_, "labels": {"severity": a.severity},
-         "annotations": {"summary": a.summary}} for a in ALERTS]}]}
+         "annotations": {"summary": a.summary}}
+        for a in alerts(thresholds or AlertThresholds())]}]}
 
 
 def scrape_config(replay_port: int, learner_port: int, actor_ports: list[int],
@@ -173,12 +220,13 @@ def promql_expressions() -> dict[str, str]:
     found = {f"{title} / {panel.title} / {legend}": expr
              for title, panels in DASHBOARDS.items() for panel in panels
              for legend, expr in panel.exprs}
-    found.update({f"alert {a.name}": a.signal for a in ALERTS})
+    found.update({f"alert {a.name}": a.signal for a in alerts(AlertThresholds())})
     return found
 
 
 def write_files(out: Path, replay_port: int = 9100, learner_port: int = 9102,
-                actor_ports: tuple[int, ...] = (9110, 9111)) -> list[Path]:
+                actor_ports: tuple[int, ...] = (9110, 9111),
+                thresholds: AlertThresholds | None = None) -> list[Path]:
     """Everything under ``deploy/observability``: Prometheus config and rules,
     Grafana provisioning and dashboards (the compose file is hand-written)."""
     import yaml
@@ -186,7 +234,7 @@ def write_files(out: Path, replay_port: int = 9100, learner_port: int = 9102,
     files = {
         "prometheus.yml": yaml.safe_dump(scrape_config(replay_port, learner_port,
                                                        list(actor_ports)), sort_keys=False),
-        "alerts.yml": yaml.safe_dump(alert_rules(), sort_keys=False),
+        "alerts.yml": yaml.safe_dump(alert_rules(thresholds), sort_keys=False),
         "grafana/provisioning/datasources/prometheus.yml": yaml.safe_dump({
             "apiVersion": 1, "datasources": [{
                 "name": "Prometheus", "type": "prometheus", "uid": DATASOURCE_UID,

@@ -11,6 +11,10 @@ SEGMENT_RESULTS = ("accepted", "duplicate", "rejected")
 class ReplayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self.disk_free = Gauge("crl_replay_disk_free_bytes",
+                               "Free bytes on the filesystem of the segment log", registry=r)
+        self.disk_size = Gauge("crl_replay_disk_size_bytes",
+                               "Size of the filesystem of the segment log", registry=r)
         self.segments = Counter("crl_replay_segments", "Segments received, by result",
                                 ["result"], registry=r)
         self.rejected = Counter("crl_replay_rejected_messages",

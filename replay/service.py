@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from ops.metrics import Health, MetricsServer
+from ops.metrics import Health, MetricsServer, watch_disk
 from protocol import (
     Ack,
     Batch,
@@ -148,6 +148,8 @@ class ReplayService:
                                              transport.metrics_address, self.health)
         self.log: DurableLog | None = None
         if config.durable_log:
+            watch_disk(self.metrics.disk_free, self.metrics.disk_size,
+                       Path(config.log_path).parent)
             self.log = DurableLog(Path(config.log_path), config.fsync, config.fsync_interval_s)
             self._recover()
         self._update_gauges()

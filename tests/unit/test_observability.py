@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import main
+from deploy.config import load_config
 from ops.observability import dashboards, promql_expressions, write_files
 
 OBSERVABILITY = Path(__file__).parents[2] / "deploy" / "observability"
@@ -23,7 +24,7 @@ METRIC = re.compile(r"\b(crl_[a-z_]+)")
 
 
 def test_checked_in_files_are_what_the_code_generates(tmp_path: Path) -> None:
-    for path in write_files(tmp_path):
+    for path in write_files(tmp_path, **load_config().observability()):
         checked_in = OBSERVABILITY / path.relative_to(tmp_path)
         assert checked_in.read_text() == path.read_text(), (
             f"{checked_in} is stale: run compactionrl dashboards export --all "
