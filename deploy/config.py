@@ -88,7 +88,8 @@ class JobConfig:
                 "learner_port": self.learner.metrics_port,
                 "actor_ports": tuple(self.actors.metrics_port + i
                                      for i in range(max(self.actors.count, 1))),
-                "thresholds": AlertThresholds(max_staleness=self.replay.max_staleness)}
+                "thresholds": AlertThresholds(max_staleness=self.replay.max_staleness),
+                "run": self.run.name}
 
     def validate(self) -> list[str]:
         problems = (self.actors.validate("actors") + self.replay.validate("replay")

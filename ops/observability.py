@@ -51,58 +51,99 @@ class Alert:
         return f"({self.signal}) {self.condition}"
 
 
+#: Range of the alert rules' rates (Prometheus evaluates them; no Grafana macro).
 RATE = "[1m]"
+#: Range of the panels' rates: Grafana's, from the scrape interval and the zoom.
+RANGE = "[$__rate_interval]"
+#: Label matchers of the dashboard variables (Grafana fills them in).
+RUN = 'run=~"$run"'
+ACTORS = 'run=~"$run", instance=~"$actor"'
+#: What each variable stands for when an expression is queried outside Grafana.
+ALL_VALUES = {"$__rate_interval": "1m", '"$run"': '".*"', '"$actor"': '".*"',
+              '"$gpu"': '".*"', '"$job"': '".*"'}
+#: An actor series joined with its engine's labels (device = GPU type).
+BY_ENGINE = f'* on(instance) group_left(device) crl_actor_engine_info{{{ACTORS}, device=~"$gpu"}}'
 
 DASHBOARDS: dict[str, tuple[Panel, ...]] = {
     "CompactionRL: training": (
-        Panel("Reward (batch mean)", (("reward", "crl_learner_reward"),)),
+        Panel("Reward (batch mean)", (("reward", f"crl_learner_reward{{{RUN}}}"),)),
         Panel("Success rate by compaction", (
-            ("compacted", 'crl_learner_success_rate{compacted="true"}'),
-            ("uncompacted", 'crl_learner_success_rate{compacted="false"}')), "percentunit"),
+            ("compacted", f'crl_learner_success_rate{{{RUN}, compacted="true"}}'),
+            ("uncompacted", f'crl_learner_success_rate{{{RUN}, compacted="false"}}')),
+              "percentunit"),
         Panel("Compaction rate", (
-            ("per rollout (actors)", f"sum(rate(crl_actor_compactions_total{RATE}))"
-                                     f" / sum(rate(crl_actor_rollouts_total{RATE}))"),
-            ("per rollout (trained batch)", "crl_learner_compactions_per_rollout"))),
-        Panel("Losses", (("policy", "crl_learner_policy_loss"),
-                         ("value", "crl_learner_value_loss"))),
-        Panel("PPO statistics", (("clip fraction", "crl_learner_clip_fraction"),
-                                 ("approx KL", "crl_learner_approx_kl"),
-                                 ("IS weight mean", "crl_learner_is_weight_mean"),
-                                 ("IS truncated", "crl_learner_is_truncated_fraction"),
-                                 ("explained variance", "crl_learner_explained_variance"))),
-        Panel("Policy version", (("learner", "crl_learner_policy_version"),
-                                 ("published", "crl_learner_published_version"),
-                                 ("actors (min)", "min(crl_actor_policy_version)"))),
+            ("per rollout (actors)", f"sum(rate(crl_actor_compactions_total{{{ACTORS}}}{RANGE}))"
+                                     f" / sum(rate(crl_actor_rollouts_total{{{ACTORS}}}{RANGE}))"),
+            ("per rollout (trained batch)", f"crl_learner_compactions_per_rollout{{{RUN}}}"))),
+        Panel("Losses", (("policy", f"crl_learner_policy_loss{{{RUN}}}"),
+                         ("value", f"crl_learner_value_loss{{{RUN}}}"))),
+        Panel("PPO statistics", (("clip fraction", f"crl_learner_clip_fraction{{{RUN}}}"),
+                                 ("approx KL", f"crl_learner_approx_kl{{{RUN}}}"),
+                                 ("IS weight mean", f"crl_learner_is_weight_mean{{{RUN}}}"),
+                                 ("IS truncated",
+                                  f"crl_learner_is_truncated_fraction{{{RUN}}}"),
+                                 ("explained variance",
+                                  f"crl_learner_explained_variance{{{RUN}}}"))),
+        Panel("Policy version", (("learner", f"crl_learner_policy_version{{{RUN}}}"),
+                                 ("published", f"crl_learner_published_version{{{RUN}}}"),
+                                 ("actors (min)", f"min(crl_actor_policy_version{{{ACTORS}}})"))),
     ),
     "CompactionRL: system": (
         Panel("Stall time by reason (share of episode-slot time)", (
-            ("{{reason}}", f"sum by (reason) (rate(crl_actor_stall_seconds_total{RATE}))"
-                           " / scalar(sum(crl_actor_episode_slots))"),), "percentunit"),
+            ("{{reason}}", f"sum by (reason) (rate(crl_actor_stall_seconds_total{{{ACTORS}}}"
+                           f"{RANGE})) / scalar(sum(crl_actor_episode_slots{{{ACTORS}}}))"),),
+              "percentunit"),
         Panel("Staleness of trained rollouts", (
             ("p50", "histogram_quantile(0.5, sum by (le) "
-                    f"(rate(crl_replay_staleness_bucket{RATE})))"),
+                    f"(rate(crl_replay_staleness_bucket{{{RUN}}}{RANGE})))"),
             ("p95", "histogram_quantile(0.95, sum by (le) "
-                    f"(rate(crl_replay_staleness_bucket{RATE})))"))),
+                    f"(rate(crl_replay_staleness_bucket{{{RUN}}}{RANGE})))"))),
         Panel("Throughput (tokens/s)", (
-            ("actors", f"sum(rate(crl_actor_generated_tokens_total{RATE}))"),
-            ("summary tokens", f"sum(rate(crl_actor_compaction_tokens_total{RATE}))"),
-            ("learner", f"rate(crl_learner_tokens_total{RATE})")), "short"),
+            ("actors", f"sum(rate(crl_actor_generated_tokens_total{{{ACTORS}}}{RANGE}))"),
+            ("summary tokens",
+             f"sum(rate(crl_actor_compaction_tokens_total{{{ACTORS}}}{RANGE}))"),
+            ("learner", f"rate(crl_learner_tokens_total{{{RUN}}}{RANGE})")), "short"),
         Panel("Replay: segments and drops (per s)", (
-            ("{{result}}", f"sum by (result) (rate(crl_replay_segments_total{RATE}))"),
-            ("dropped {{reason}}", f"sum by (reason) (rate(crl_replay_dropped_total{RATE}))"))),
-        Panel("Replay: rollouts held", (("{{state}}", "crl_replay_rollouts"),
+            ("{{result}}", f"sum by (result) (rate(crl_replay_segments_total{{{RUN}}}{RANGE}))"),
+            ("dropped {{reason}}",
+             f"sum by (reason) (rate(crl_replay_dropped_total{{{RUN}}}{RANGE}))"))),
+        Panel("Replay: rollouts held", (("{{state}}", f"crl_replay_rollouts{{{RUN}}}"),
                                         ("credits outstanding",
-                                         "crl_replay_credits_outstanding"))),
-        Panel("Weight sync seconds by phase (mean)", (
-            ("{{phase}}", f"sum by (phase) (rate(crl_learner_weight_sync_seconds_sum{RATE}))"
-                          f" / sum by (phase) (rate(crl_learner_weight_sync_seconds_count{RATE}))"),
+                                         f"crl_replay_credits_outstanding{{{RUN}}}"))),
+        Panel("Weight sync seconds by phase (mean per publication)", (
+            ("{{phase}}", f"sum by (phase) (rate(crl_learner_weight_sync_seconds_sum{{{RUN}}}"
+                          f"{RANGE})) / sum by (phase) "
+                          f"(rate(crl_learner_weight_sync_seconds_count{{{RUN}}}{RANGE}))"),
         ), "s"),
-        Panel("Engines (mixed fleets)", (
-            ("{{instance}} {{device}} {{dtype}} tp={{tp}}", "crl_actor_engine_info"),),
+        Panel("Processes up", (("{{job}}", f'sum by (job) (up{{{RUN}, job=~"$job"}})'),)),
+    ),
+    "CompactionRL: actors": (
+        Panel("Engines", (("{{instance}} {{device}} {{dtype}} tp={{tp}}",
+                           f'crl_actor_engine_info{{{ACTORS}, device=~"$gpu"}}'),),
               kind="table"),
-        Panel("Processes up", (("{{job}}", "sum by (job) (up)"),)),
+        Panel("Policy version loaded, by actor", (
+            ("{{instance}}", f"crl_actor_policy_version{{{ACTORS}}}"),)),
+        Panel("Tokens/s by actor", (
+            ("{{instance}}", "sum by (instance) "
+                             f"(rate(crl_actor_generated_tokens_total{{{ACTORS}}}{RANGE}))"),)),
+        Panel("Stall share by actor and reason", (
+            ("{{instance}} {{reason}}",
+             f"sum by (instance, reason) (rate(crl_actor_stall_seconds_total{{{ACTORS}}}{RANGE}))"
+             f" / on(instance) group_left sum by (instance) "
+             f"(crl_actor_episode_slots{{{ACTORS}}})"),), "percentunit"),
+        Panel("Tokens/s by GPU type", (
+            ("{{device}}", "sum by (device) "
+                           f"(rate(crl_actor_generated_tokens_total{{{ACTORS}}}{RANGE}) "
+                           f"{BY_ENGINE})"),)),
+        Panel("Stall share by GPU type", (
+            ("{{device}}", "sum by (device) "
+                           f"(rate(crl_actor_stall_seconds_total{{{ACTORS}}}{RANGE}) {BY_ENGINE})"
+                           " / sum by (device) "
+                           f"(crl_actor_episode_slots{{{ACTORS}}} {BY_ENGINE})"),),
+              "percentunit"),
     ),
 }
+
 
 @dataclass(frozen=True)
 class AlertThresholds:
@@ -165,16 +206,39 @@ def alerts(thresholds: AlertThresholds) -> tuple[Alert, ...]:
     )
 
 
+#: Panels query the data source the dashboard's variable names: importable into
+#: any Grafana whatever its data source's uid.
+PANEL_DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    """A query variable over label values, all selected by default."""
+    return {"name": name, "label": label, "type": "query", "datasource": PANEL_DATASOURCE,
+            "query": {"query": query, "refId": name}, "definition": query, "refresh": 2,
+            "includeAll": True, "allValue": ".*", "multi": True, "sort": 1,
+            "current": {"text": ["All"], "value": ["$__all"]}}
+
+
+TEMPLATING = [
+    {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+     "current": {}, "hide": 0},
+    _variable("run", "Run", "label_values(up, run)"),
+    _variable("job", "Job", f"label_values(up{{{RUN}}}, job)"),
+    _variable("actor", "Actor", f"label_values(crl_actor_engine_info{{{RUN}}}, instance)"),
+    _variable("gpu", "GPU type", f"label_values(crl_actor_engine_info{{{RUN}}}, device)"),
+]
+
+
 def _panel_json(panel: Panel, index: int) -> dict[str, Any]:
     return {
         "id": index + 1,
         "type": panel.kind,
         "title": panel.title,
-        "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+        "datasource": PANEL_DATASOURCE,
         "gridPos": {"x": (index % 2) * 12, "y": (index // 2) * 8, "w": 12, "h": 8},
         "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
         "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
-                     "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
+                     "datasource": PANEL_DATASOURCE,
                      **({"format": "table", "instant": True} if panel.kind == "table" else {})}
                     for i, (legend, expr) in enumerate(panel.exprs)],
     }
@@ -189,6 +253,7 @@ def dashboards() -> dict[str, dict[str, Any]]:
             "uid": f"compactionrl-{stem}", "title": title, "tags": ["compactionrl"],
             "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "10s",
             "time": {"from": "now-1h", "to": "now"},
+            "templating": {"list": TEMPLATING},
             "panels": [_panel_json(p, i) for i, p in enumerate(panels)],
         }
     return out
@@ -203,37 +268,50 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> dict[str, Any]:
 
 def scrape_config(replay_port: int, learner_port: int, actor_ports: list[int],
                   host: str = "127.0.0.1", interval_s: float = 5.0,
-                  rule_files: tuple[str, ...] = ("alerts.yml",)) -> dict[str, Any]:
-    """prometheus.yml scraping one local run (the job names the panels use)."""
+                  rule_files: tuple[str, ...] = ("alerts.yml",),
+                  run: str | None = None) -> dict[str, Any]:
+    """prometheus.yml scraping one local run (the job names the panels use);
+    ``run`` labels its series for the dashboards' run variable."""
     targets = {"replay": [replay_port], "learner": [learner_port], "actors": actor_ports}
     return {
         "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval":
                    f"{interval_s:g}s"},
         "rule_files": list(rule_files),
         "scrape_configs": [{"job_name": job, "static_configs": [
-            {"targets": [f"{host}:{port}" for port in targets[job]]}]} for job in JOBS],
+            {"targets": [f"{host}:{port}" for port in targets[job]],
+             **({"labels": {"run": run}} if run else {})}]} for job in JOBS],
     }
 
 
 def promql_expressions() -> dict[str, str]:
-    """Every expression a dashboard panel or an alert uses, by where it is used."""
-    found = {f"{title} / {panel.title} / {legend}": expr
+    """Every expression a dashboard panel or an alert uses, by where it is
+    used; the dashboards' variables stand for every value (Grafana's "All"),
+    so each can be queried outside Grafana."""
+    found = {f"{title} / {panel.title} / {legend}": _all_values(expr)
              for title, panels in DASHBOARDS.items() for panel in panels
              for legend, expr in panel.exprs}
     found.update({f"alert {a.name}": a.signal for a in alerts(AlertThresholds())})
     return found
 
 
+def _all_values(expr: str) -> str:
+    for variable, value in ALL_VALUES.items():
+        expr = expr.replace(variable, value)
+    return expr
+
+
 def write_files(out: Path, replay_port: int = 9100, learner_port: int = 9102,
                 actor_ports: tuple[int, ...] = (9110, 9111),
-                thresholds: AlertThresholds | None = None) -> list[Path]:
+                thresholds: AlertThresholds | None = None,
+                run: str | None = None) -> list[Path]:
     """Everything under ``deploy/observability``: Prometheus config and rules,
     Grafana provisioning and dashboards (the compose file is hand-written)."""
     import yaml
 
     files = {
         "prometheus.yml": yaml.safe_dump(scrape_config(replay_port, learner_port,
-                                                       list(actor_ports)), sort_keys=False),
+                                                       list(actor_ports), run=run),
+                                         sort_keys=False),
         "alerts.yml": yaml.safe_dump(alert_rules(thresholds), sort_keys=False),
         "grafana/provisioning/datasources/prometheus.yml": yaml.safe_dump({
             "apiVersion": 1, "datasources": [{

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
 
 from deploy.cli import main
 from deploy.config import load_config
@@ -88,3 +89,24 @@ def test_push_uploads_every_dashboard_through_the_http_api() -> None:
               if path == "/api/dashboards/db"]
     assert sorted(pushed) == sorted(dashboards())
     assert all(body["overwrite"] for _, body in received)
+
+
+def test_dashboards_import_anywhere_and_filter_by_run_job_actor_and_gpu_type() -> None:
+    """No data source uid of ours in a panel; Grafana's rate interval, never
+    a fixed window; the variables Grafana offers; the local scrape labels
+    its series with the run's name."""
+    for stem, model in dashboards().items():
+        names = [variable["name"] for variable in model["templating"]["list"]]
+        assert names == ["datasource", "run", "job", "actor", "gpu"], stem
+        for panel in model["panels"]:
+            for target in [panel, *panel["targets"]]:
+                assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            for target in panel["targets"]:
+                assert "[1m]" not in target["expr"], (stem, panel["title"])
+                if "rate(" in target["expr"]:
+                    assert "[$__rate_interval]" in target["expr"], (stem, panel["title"])
+    assert set(dashboards()) == {"compactionrl-training", "compactionrl-system",
+                                 "compactionrl-actors"}
+    prometheus = yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())
+    assert all(config["labels"] == {"run": "local-cpu"}
+               for job in prometheus["scrape_configs"] for config in job["static_configs"])
