@@ -2,20 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from protocol import EngineInfo, RolloutStats
 
 STALL_REASONS = ("weights", "credits", "summary")
 
 
+class EngineMetrics(Collector):
+    """vLLM's own engine metrics (KV-cache usage, running and waiting
+    requests, time to first token, ...), which vLLM registers in the
+    process's default registry, served beside ours under ``vllm_*`` names:
+    ``vllm:x`` becomes ``vllm_x`` (a Prometheus name may contain ``:`` only
+    in recording rules; ``promtool check metrics`` refuses it)."""
+
+    def __init__(self, source: CollectorRegistry = REGISTRY) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if not family.name.startswith("vllm:"):
+                continue
+            renamed = Metric(family.name.replace(":", "_"), family.documentation, family.type,
+                             family.unit)
+            for sample in family.samples:
+                renamed.add_sample(sample.name.replace(":", "_"), sample.labels, sample.value,
+                                   sample.timestamp, sample.exemplar)
+            yield renamed
+
+
 class ActorMetrics:
-    """One registry per actor, served on its metrics port."""
+    """One registry per actor, served on its metrics port (with vLLM's
+    engine metrics: :class:`EngineMetrics`)."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        r.register(EngineMetrics())
         self.rollouts = Counter("crl_actor_rollouts", "Finished rollouts by outcome",
                                 ["outcome"], registry=r)
         self.compactions = Counter("crl_actor_compactions", "Compactions performed", registry=r)

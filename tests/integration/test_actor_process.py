@@ -164,6 +164,9 @@ def test_metrics_use_the_design_names(actor_run: Run) -> None:
         assert f'crl_actor_stall_seconds_total{{reason="{reason}"}}' in metrics
     assert 'crl_actor_engine_info{device="cpu",dtype="bfloat16"' in metrics
     assert _sample(metrics, "crl_actor_segments_resent_total") >= 1
+    # vLLM's own engine metrics, renamed lint-clean (vllm:x -> vllm_x)
+    assert _sample(metrics, "vllm_num_requests_running") >= 0
+    assert "vllm:" not in metrics
 
 
 def test_a_registered_actor_is_ready_and_alive(actor_run: Run) -> None:

@@ -110,3 +110,29 @@ def test_dashboards_import_anywhere_and_filter_by_run_job_actor_and_gpu_type() -
     prometheus = yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())
     assert all(config["labels"] == {"run": "local-cpu"}
                for job in prometheus["scrape_configs"] for config in job["static_configs"])
+
+
+def test_vllm_engine_metrics_are_served_renamed_and_lint_clean() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from actors.metrics import EngineMetrics
+
+    vllm = CollectorRegistry()
+    Gauge("vllm:kv_cache_usage_perc", "KV-cache usage", ["model_name"],
+          registry=vllm).labels("m").set(0.5)
+    Counter("vllm:prompt_tokens", "Prompt tokens", ["model_name"],
+            registry=vllm).labels("m").inc(3)
+    Histogram("vllm:time_to_first_token_seconds", "Time to first token", ["model_name"],
+              registry=vllm).labels("m").observe(0.2)
+    Gauge("unrelated", "not vLLM's", registry=vllm).set(1)
+    served = CollectorRegistry()
+    served.register(EngineMetrics(vllm))
+    text = generate_latest(served).decode()
+    assert 'vllm_kv_cache_usage_perc{model_name="m"} 0.5' in text
+    assert 'vllm_prompt_tokens_total{model_name="m"} 3.0' in text
+    assert "vllm_time_to_first_token_seconds_bucket" in text
+    assert "unrelated" not in text and "vllm:" not in text
+    if shutil.which("promtool"):
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                              text=True, timeout=60)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
