@@ -33,7 +33,7 @@ demo: $(STAMP)
 	rm -rf runs/local-cpu  # the last demo's run: `up` does not mix two runs in a folder
 	$(VENV)/bin/compactionrl up
 	$(VENV)/bin/compactionrl eval --model runs/local-cpu/export --baseline runs/base-model \
-		--episodes 200
+		--episodes 200 --out runs/local-cpu/evaluation.json
 
 test: $(STAMP)
 	$(PY) -m pytest tests

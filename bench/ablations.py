@@ -170,7 +170,8 @@ def write_results(results: dict[str, Any], docs: Path) -> None:
     margin = full["success"] - masked["success"]
     half_widths = [(c["ci95"][1] - c["ci95"][0]) / 2 for c in (full, masked)]
     chart = bar_chart("compacted success after training (pooled over seeds)",
-                      {name: entry["compacted"]["success"] for name, entry in table.items()})
+                      {name: entry["compacted"]["success"] for name, entry in table.items()},
+                      "variant", "compacted success")
     svg = chart[chart.index("<svg"):]
     (docs / "images").mkdir(parents=True, exist_ok=True)
     (docs / "images" / "ablations.svg").write_text(svg)

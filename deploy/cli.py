@@ -100,7 +100,13 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
                          {"trained": dataclasses.asdict(reports[0]),
                           "baseline": dataclasses.asdict(reports[1])})
     if args.out:
-        Path(args.out).write_text(encoded + "\n")
+        out = Path(args.out)
+        out.write_text(encoded + "\n")
+        if out.name == "evaluation.json" and (out.parent / "metrics.jsonl").is_file():
+            from ops.report import write_report
+
+            # a run folder: its report shows the evaluation from now on
+            write_report(out.parent, out.parent.name)
     if args.json:
         print(encoded)
     return 0
@@ -356,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--baseline", default=None,
                             help="also evaluate this model on the same episodes and print "
                                  "the change (e.g. the base policy before training)")
-    evaluation.add_argument("--out", default=None, help="also write the JSON report here")
+    evaluation.add_argument("--out", default=None,
+                            help="also write the JSON report here; as RUN/evaluation.json of "
+                                 "a run folder, the run's report.html shows it")
     evaluation.add_argument("--json", action="store_true", help="last line: one JSON object")
     evaluation.set_defaults(handler=_cmd_eval)
 

@@ -333,8 +333,7 @@ class Up:
             summary = self._summary(ended=message)
             (self.run_dir / "summary.txt").write_text(
                 "\n".join(f"{k}: {v}" for k, v in summary.items()) + "\n")
-            write_report(self.history_path, self.run_dir / "report.html",
-                         self.config.run.name, summary)
+            write_report(self.run_dir, self.config.run.name)
             self._write_state(ended={"message": message, "exit_code": outcome,
                                      "wall_s": round(time.monotonic() - began, 1)})
         print(message)

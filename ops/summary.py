@@ -268,6 +268,8 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
         lines["ended"] = (f"{ended}; wall time {now.get('run_seconds') or 0:.0f} s"
                           + (f" over {invocations:.0f} invocations of up"
                              if invocations > 1 else ""))
+        lines["ended at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z",
+                                          time.localtime(now.get("time") or time.time()))
     else:
         lines["throughput"] = (f"actors {rate('actor_generated_tokens'):.0f} tokens/s, "
                                f"learner {rate('learner_tokens'):.0f} tokens/s")
