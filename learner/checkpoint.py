@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
@@ -68,12 +69,75 @@ def _state(trainer: PPOTrainer) -> dict:
 def save_checkpoint(folder: Path, trainer: PPOTrainer, version: int, step: int) -> Path:
     target = folder / f"step-{step}"
     dcp.save(_state(trainer), checkpoint_id=str(target))
+    _complete(target, version, step)
+    return target
+
+
+def _complete(target: Path, version: int, step: int) -> None:
+    """Once every rank's shards are written: ``meta.json``, written last and
+    atomically, so that a checkpoint counts only once it is complete."""
     _barrier()
     if _is_rank0():
-        # written last and atomically: a checkpoint counts only once it is complete
         atomic_write_text(target / "meta.json", json.dumps({"version": version, "step": step}))
     _barrier()
-    return target
+
+
+def background_saves(setting: str, device_type: str) -> bool:
+    """Whether checkpoints are written in the background
+    (``learner.async_checkpoint``: ``auto`` is on for GPUs only)."""
+    return setting == "on" or (setting == "auto" and device_type == "cuda")
+
+
+class CheckpointWriter:
+    """Checkpoints of one run folder, written in the background where asked.
+
+    Asynchronous: :meth:`save` copies every rank's state to CPU memory and
+    returns (training goes on and may change the weights: the copy is what is
+    written), and a thread writes the copy; the checkpoint completes
+    (``meta.json``, then retention) when the next save or :meth:`finish`
+    finds every rank's write done. Training stalls only for the copy, not
+    the write (``bench/checkpoint.py`` measures both). The writes go over a
+    gloo group of their own: DCP's background save needs a CPU backend, and
+    the default group is NCCL on GPUs."""
+
+    def __init__(self, folder: Path, asynchronous: bool, keep_last: int, keep_every: int
+                 ) -> None:
+        self.folder = folder
+        self.asynchronous = asynchronous
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._group = (dist.new_group(backend="gloo")
+                       if asynchronous and dist.is_available() and dist.is_initialized()
+                       else None)
+        self._pending: tuple[Future, Path, int, int] | None = None
+        self.removed: list[Path] = []
+        """What retention removed at the last completion (rank 0)."""
+
+    def save(self, trainer: PPOTrainer, version: int, step: int) -> Path:
+        self.finish()
+        target = self.folder / f"step-{step}"
+        if not self.asynchronous:
+            save_checkpoint(self.folder, trainer, version, step)
+            self._retain()
+            return target
+        written = dcp.async_save(_state(trainer), checkpoint_id=str(target),
+                                 process_group=self._group)
+        self._pending = (written, target, version, step)
+        return target
+
+    def finish(self) -> None:
+        """Wait for the save under way, if any, and complete it."""
+        if self._pending is None:
+            return
+        written, target, version, step = self._pending
+        self._pending = None
+        written.result()
+        _complete(target, version, step)
+        self._retain()
+
+    def _retain(self) -> None:
+        self.removed = (prune_checkpoints(self.folder, self.keep_last, self.keep_every)
+                        if _is_rank0() else [])
 
 
 def _step_of(path: Path) -> int:

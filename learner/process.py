@@ -51,10 +51,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from learner.batch import BatchError, TrainBatch, to_train_batch
 from learner.checkpoint import (
+    CheckpointWriter,
+    background_saves,
     export_hf,
     load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
     select_checkpoint,
     set_aside_later,
 )
@@ -171,6 +171,9 @@ class Learner:
                                                      trust_remote_code=remote)
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
+        self.checkpoints = CheckpointWriter(
+            checkpoints, background_saves(self.config.async_checkpoint, self.device.type),
+            self.config.keep_last, self.config.keep_every)
         chosen = (select_checkpoint(checkpoints, self.settings.resume)
                   if self.settings.resume else None)
         if chosen is not None:
@@ -212,7 +215,7 @@ class Learner:
                 # version newer than the learner has asked with
                 peers.request(batch_size, self.version)
             self._steps(peers, publisher, batch_size)
-            self._checkpoint()
+            self._checkpoint(final=True)
             export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export",
                       self.export_dtype, self.config.export_timeout_s, remote)
             if self.rank == 0:
@@ -264,19 +267,18 @@ class Learner:
         self.health.beat()
         return self.stopping
 
-    def _checkpoint(self) -> None:
-        """Save, export where ``export_every`` says, then apply retention."""
-        checkpoints = self.run_dir / "checkpoints"
-        save_checkpoint(checkpoints, self.trainer, self.version, self.step)
+    def _checkpoint(self, final: bool = False) -> None:
+        """Save (in the background unless ``final``), export where
+        ``export_every`` says; retention follows each completed save."""
+        self.checkpoints.save(self.trainer, self.version, self.step)
+        if final:
+            self.checkpoints.finish()
+        if self.checkpoints.removed:
+            log.info("retention removed %s", ", ".join(p.name for p in self.checkpoints.removed))
         if self.config.export_every and self.step % self.config.export_every == 0:
             export_hf(self.trainer.policy, self.settings.model,
                       self.run_dir / "exports" / f"step-{self.step}", self.export_dtype,
                       self.config.export_timeout_s, self.settings.trust_remote_code)
-        if self.rank == 0:
-            removed = prune_checkpoints(checkpoints, self.config.keep_last,
-                                        self.config.keep_every)
-            if removed:
-                log.info("retention removed %s", ", ".join(p.name for p in removed))
 
     def _train(self, frame: bytes) -> bool:
         """One step on the batch in ``frame``; False if it was refused."""

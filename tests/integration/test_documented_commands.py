@@ -459,6 +459,8 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         ("--quick",), ("push_vs_raw_100m", "ipc_push_vs_raw_100m", "stall_vs_load",
                        "stall_keep_vs_recompute"),
         slow=True),
+    ".venv/bin/python bench/checkpoint.py --json": Run(
+        ("--quick",), ("sync_save_s", "async_stall_s", "async_stall_vs_sync")),
     ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
     # the dry run's two learner models share one tiny shape: one of them is enough
     # here (tests/unit/test_gpu_check.py runs both)

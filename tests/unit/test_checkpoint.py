@@ -15,6 +15,8 @@ from learner.batch import to_train_batch
 from learner.checkpoint import (
     WEIGHT_SUFFIXES,
     CheckpointNotFound,
+    CheckpointWriter,
+    background_saves,
     export_hf,
     latest_checkpoint,
     load_checkpoint,
@@ -58,6 +60,30 @@ def test_two_steps_resume_two_steps_equals_four_steps(tiny_model_dir: Path, tmp_
 
     modules = ("policy",) if critic == "value_head" else ("policy", "critic")
     for module in modules:
+        for (name, a), b in zip(getattr(straight, module).named_parameters(),
+                                getattr(resumed, module).parameters(), strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"{module}.{name}")
+
+
+def test_a_background_save_writes_the_state_of_its_step_while_training_goes_on(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The copy is taken when save returns: steps trained while the write
+    runs are not in it; the checkpoint counts once finished; resumed, it
+    trains on exactly as the uninterrupted run."""
+    straight = fresh(tiny_model_dir)
+    run(straight, range(4))
+
+    trainer = fresh(tiny_model_dir)
+    run(trainer, range(2))
+    writer = CheckpointWriter(tmp_path, asynchronous=True, keep_last=3, keep_every=0)
+    writer.save(trainer, version=2, step=2)
+    run(trainer, range(2, 3))  # training goes on while the write runs
+    writer.finish()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
+    resumed = fresh(tiny_model_dir)
+    assert load_checkpoint(tmp_path / "step-2", resumed) == (2, 2)
+    run(resumed, range(2, 4))
+    for module in ("policy", "critic"):
         for (name, a), b in zip(getattr(straight, module).named_parameters(),
                                 getattr(resumed, module).parameters(), strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"{module}.{name}")
@@ -154,3 +180,8 @@ def test_resuming_from_an_earlier_step_sets_the_later_branch_aside(tmp_path: Pat
     assert steps_in(tmp_path) == [1, 2] and steps_in(aside) == [3, 4]
     assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
     assert set_aside_later(tmp_path, tmp_path / "step-2") is None
+
+
+def test_background_saves_are_on_for_gpus_by_default_and_as_set_otherwise() -> None:
+    assert background_saves("auto", "cuda") and not background_saves("auto", "cpu")
+    assert background_saves("on", "cpu") and not background_saves("off", "cuda")
