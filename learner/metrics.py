@@ -39,6 +39,13 @@ class LearnerMetrics:
         self.success_rate = Gauge("crl_learner_success_rate",
                                   "Success rate of the last batch, by compaction",
                                   ["compacted"], registry=r)
+        self.rollout_reward = Histogram(
+            "crl_learner_rollout_reward", "Final reward of each rollout trained on (the "
+            "distribution behind crl_learner_reward, the batch mean)",
+            buckets=(-1.0, -0.5, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 2.0), registry=r)
+        self.rollout_compactions = Histogram(
+            "crl_learner_rollout_compactions", "Compactions of each rollout trained on",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16), registry=r)
         self.tagged_success_rate = Gauge(
             "crl_learner_tagged_success_rate",
             "Success rate of the last batch's rollouts whose task has this tag value "
@@ -101,6 +108,9 @@ class LearnerMetrics:
         if rewards:
             self.reward.set(sum(rewards) / len(rewards))
             self.compactions.set(sum(compactions) / len(compactions))
+        for reward, count in zip(rewards, compactions, strict=True):
+            self.rollout_reward.observe(reward)
+            self.rollout_compactions.observe(count)
         for label, chosen in (("true", [s for s, c in zip(successes, compactions, strict=True)
                                         if c > 0]),
                               ("false", [s for s, c in zip(successes, compactions, strict=True)

@@ -67,6 +67,10 @@ BY_ENGINE = f'* on(instance) group_left(device) crl_actor_engine_info{{{ACTORS},
 DASHBOARDS: dict[str, tuple[Panel, ...]] = {
     "CompactionRL: training": (
         Panel("Reward (batch mean)", (("reward", f"crl_learner_reward{{{RUN}}}"),)),
+        Panel("Rollout reward and compactions (quantiles over rollouts trained on)", tuple(
+            (f"{name} p{q}", f"histogram_quantile(0.{q}, sum by (le) "
+                             f"(rate(crl_learner_rollout_{name}_bucket{{{RUN}}}{RANGE})))")
+            for name in ("reward", "compactions") for q in (10, 50, 90))),
         Panel("Success rate by compaction", (
             ("compacted", f'crl_learner_success_rate{{{RUN}, compacted="true"}}'),
             ("uncompacted", f'crl_learner_success_rate{{{RUN}, compacted="false"}}')),

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from learner.checkpoint import export_hf
 from learner.models import Sharding, load_critic, load_policy
+from tests.processes import leave_process_group
 
 #: Elements of each tensor this rank read from a safetensors file.
 READS: list[int] = []
@@ -106,10 +107,7 @@ def main() -> None:
         "export": str(exported) if exported else None}))
     if rank == 0:
         save_file({k: v.contiguous() for k, v in full.items()}, out / "parameters.safetensors")
-    # no rank leaves before rank 0 has written: a gloo rank that exits while
-    # a peer still runs can abort ("terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()  # after rank 0 has written
 
 
 if __name__ == "__main__":

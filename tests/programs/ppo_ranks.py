@@ -24,6 +24,7 @@ from learner.config import LearnerConfig
 from learner.models import Sharding, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from protocol.synthetic import synthetic_batch
+from tests.processes import leave_process_group
 from tests.trainers import plain_sgd
 
 #: Whitening's all-reduce is joined by a rank with an empty share: 7 rollouts
@@ -65,10 +66,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous().clone() for k, v in state.items()}, out)
         Path(out).with_suffix(".json").write_text(json.dumps(metrics))
-    # no rank leaves before rank 0 has written: a gloo rank that exits while
-    # a peer still runs can abort ("terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()  # after rank 0 has written
 
 
 if __name__ == "__main__":

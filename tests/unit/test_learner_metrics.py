@@ -18,6 +18,9 @@ def test_a_step_is_recorded_under_the_design_names() -> None:
     assert value("crl_learner_success_rate", {"compacted": "true"}) == 1.0
     assert value("crl_learner_success_rate", {"compacted": "false"}) == 0.0
     assert value("crl_learner_step_seconds_count") == 1
+    assert value("crl_learner_rollout_reward_count") == 3
+    assert value("crl_learner_rollout_reward_bucket", {"le": "0.0"}) == 1
+    assert value("crl_learner_rollout_compactions_bucket", {"le": "1.0"}) == 2
     assert value("crl_learner_idle_seconds_total") == 0
     for name in STEP_GAUGES:
         assert value(name) == 0.5
