@@ -16,9 +16,10 @@ STALL_REASONS = ("weights", "credits", "summary")
 class EngineMetrics(Collector):
     """vLLM's own engine metrics (KV-cache usage, running and waiting
     requests, time to first token, ...), which vLLM registers in the
-    process's default registry, served beside ours under ``vllm_*`` names:
-    ``vllm:x`` becomes ``vllm_x`` (a Prometheus name may contain ``:`` only
-    in recording rules; ``promtool check metrics`` refuses it)."""
+    process's default registry, served beside ours under names that pass
+    ``promtool check metrics``: ``vllm:x`` becomes ``vllm_x`` (``:`` is for
+    recording rules), and a histogram or gauge named ``..._total``
+    (``vllm:iteration_tokens_total``) loses the suffix, which counters own."""
 
     def __init__(self, source: CollectorRegistry = REGISTRY) -> None:
         self.source = source
@@ -27,11 +28,13 @@ class EngineMetrics(Collector):
         for family in self.source.collect():
             if not family.name.startswith("vllm:"):
                 continue
-            renamed = Metric(family.name.replace(":", "_"), family.documentation, family.type,
-                             family.unit)
+            name = family.name.replace(":", "_")
+            clean = (name.removesuffix("_total") if family.type != "counter" else name)
+            renamed = Metric(clean, family.documentation, family.type, family.unit)
             for sample in family.samples:
-                renamed.add_sample(sample.name.replace(":", "_"), sample.labels, sample.value,
-                                   sample.timestamp, sample.exemplar)
+                sample_name = clean + sample.name.replace(":", "_")[len(name):]
+                renamed.add_sample(sample_name, sample.labels, sample.value, sample.timestamp,
+                                   sample.exemplar)
             yield renamed
 
 

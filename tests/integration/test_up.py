@@ -11,6 +11,7 @@ dashboard panel and alert returns data over the run's time range."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -126,8 +127,15 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        if process.poll() is None:  # failed before the clean stop: stop the whole tree
+            # (up's children run in sessions of their own: not in its group)
+            tree = process_tree(process.pid)
+            process.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=120)
+            for pid in [process.pid, *tree]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.wait()
         prometheus.stop()
     assert process.returncode == 130, output[-4000:]

@@ -124,6 +124,8 @@ def test_vllm_engine_metrics_are_served_renamed_and_lint_clean() -> None:
             registry=vllm).labels("m").inc(3)
     Histogram("vllm:time_to_first_token_seconds", "Time to first token", ["model_name"],
               registry=vllm).labels("m").observe(0.2)
+    Histogram("vllm:iteration_tokens_total", "Tokens per engine step", ["model_name"],
+              registry=vllm).labels("m").observe(7)
     Gauge("unrelated", "not vLLM's", registry=vllm).set(1)
     served = CollectorRegistry()
     served.register(EngineMetrics(vllm))
@@ -131,7 +133,10 @@ def test_vllm_engine_metrics_are_served_renamed_and_lint_clean() -> None:
     assert 'vllm_kv_cache_usage_perc{model_name="m"} 0.5' in text
     assert 'vllm_prompt_tokens_total{model_name="m"} 3.0' in text
     assert "vllm_time_to_first_token_seconds_bucket" in text
-    assert "unrelated" not in text and "vllm:" not in text
+    assert 'vllm_iteration_tokens_bucket{le="10.0",model_name="m"} 1.0' in text
+    names = [line.split("{")[0].split(" ")[0] for line in text.splitlines()
+             if not line.startswith("#")]
+    assert "unrelated" not in text and not any(":" in name for name in names)
     if shutil.which("promtool"):
         lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
                               text=True, timeout=60)
