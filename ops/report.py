@@ -18,7 +18,7 @@ from pathlib import Path
 
 #: Plot area; the legend is to its right, the axis labels around it.
 PLOT_W, PLOT_H = 460, 200
-LEFT, TOP, BOTTOM, LEGEND_W = 70, 16, 46, 190
+LEFT, TOP, BOTTOM, LEGEND_W = 70, 16, 46, 250
 WIDTH, HEIGHT = LEFT + PLOT_W + LEGEND_W, TOP + PLOT_H + BOTTOM
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
 STALL_REASONS = ("weights", "credits", "summary")
