@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 
 from actors.config import EngineConfig
 from actors.engine import engine_kwargs
+from tests.processes import VENV_BIN, run_command
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OLDER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -43,12 +42,10 @@ def hub_cache(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def shown_model(cache: Path, model: str) -> str:
     """run.model as ``compactionrl config show`` resolves it, offline."""
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    shown = subprocess.run(
-        [str(Path(sys.executable).parent / "compactionrl"), "config", "show", "--run.model",
-         model],
-        capture_output=True, text=True, env=env, timeout=120, check=True).stdout
-    return tomllib.loads(shown)["run"]["model"]
+    shown = run_command([str(VENV_BIN / "compactionrl"), "config", "show", "--run.model", model],
+                        timeout=120, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    return tomllib.loads(shown.stdout)["run"]["model"]
 
 
 def test_a_model_id_resolves_to_its_snapshot_in_the_local_cache(hub_cache: Path) -> None:
