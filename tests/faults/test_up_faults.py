@@ -24,6 +24,7 @@ phase 6.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -505,8 +506,10 @@ def _loaded(log: str) -> list[int]:
 
 
 def _checkpoint_version(folder: Path) -> int:
-    versions = [json.loads(meta.read_text())["version"]
-                for meta in (folder / "checkpoints").glob("step-*/meta.json")]
+    versions = []
+    for meta in (folder / "checkpoints").glob("step-*/meta.json"):
+        with contextlib.suppress(FileNotFoundError):  # retention may remove it meanwhile
+            versions.append(json.loads(meta.read_text())["version"])
     return max(versions, default=0)
 
 
