@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from actors.config import EngineConfig, SamplingConfig, read_model_config
 from actors.context import Generation
-from protocol import GroupInfo, WeightManifest
+from protocol import NO_COMPLETE_VERSION, GroupInfo, WeightManifest
 
 
 def quiet_vllm_logging() -> None:
@@ -207,9 +207,9 @@ class Engine:
         new ones on resume ("recompute"). Either way no request submitted
         after the pause reuses a prefix-cache block of the old weights.
 
-        If the broadcast fails the engine stays paused and keeps its old
-        version: its weights are a mix until the next full publication, which
-        must not be generated from.
+        If the broadcast fails the engine stays paused, its version
+        ``NO_COMPLETE_VERSION``: its weights are a mix until the next full
+        publication, and must not be generated from.
         """
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -222,16 +222,20 @@ class Engine:
             self._cache_epoch += 1
         await asyncio.sleep(0)  # let readers take the deltas delivered before the pause
         marks.append(("pause", time.perf_counter()))
-        await self._llm.start_weight_update()
-        marks.append(("prepare", time.perf_counter()))
-        await self._llm.update_weights(WeightTransferUpdateRequest(update_info={
-            "names": [t.name for t in manifest.tensors],
-            "dtypes": [t.dtype for t in manifest.tensors],
-            "shapes": [list(t.shape) for t in manifest.tensors],
-            "bucket_bytes": manifest.bucket_bytes}))
-        marks.append(("receive", time.perf_counter()))
-        await self._llm.finish_weight_update()
-        marks.append(("finish", time.perf_counter()))
+        try:
+            await self._llm.start_weight_update()
+            marks.append(("prepare", time.perf_counter()))
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info={
+                "names": [t.name for t in manifest.tensors],
+                "dtypes": [t.dtype for t in manifest.tensors],
+                "shapes": [list(t.shape) for t in manifest.tensors],
+                "bucket_bytes": manifest.bucket_bytes}))
+            marks.append(("receive", time.perf_counter()))
+            await self._llm.finish_weight_update()
+            marks.append(("finish", time.perf_counter()))
+        except BaseException:
+            self.version = NO_COMPLETE_VERSION
+            raise
         self.version = version
         await self._llm.resume_generation()
         marks.append(("resume", time.perf_counter()))

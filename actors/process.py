@@ -63,6 +63,7 @@ from actors.metrics import ActorMetrics
 from actors.state import CreditAccount, LearnerView, Outbox
 from ops.metrics import Health, MetricsServer
 from protocol import (
+    NO_COMPLETE_VERSION,
     Ack,
     Array,
     EngineInfo,
@@ -479,6 +480,10 @@ class Actor:
                 self.weights.group = None
                 self.metrics.weight_failures.inc()
                 log.warning("weights of version %d not loaded: %s", announce.version, exc)
+                if self.engine.version == NO_COMPLETE_VERSION:
+                    # paused on a mix of weights: tell the learner (a Hello
+                    # reporting it), which publishes again at once
+                    self._forgotten_by_learner()
                 continue
             self.metrics.stall("weights", times.stall_seconds)
             self.metrics.policy_version.set(announce.version)

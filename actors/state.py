@@ -123,4 +123,5 @@ class LearnerView:
         self.changed.set()
 
     def fresh(self, engine_version: int) -> bool:
-        return self.version - engine_version <= self.max_staleness
+        # NO_COMPLETE_VERSION (< 0): a mix of two versions is never fresh
+        return engine_version >= 0 and self.version - engine_version <= self.max_staleness

@@ -38,6 +38,7 @@ import zmq
 from learner.metrics import LearnerMetrics
 from ops.files import atomic_write_text
 from protocol import (
+    NO_COMPLETE_VERSION,
     EngineInfo,
     ErrorCode,
     GroupInfo,
@@ -126,10 +127,13 @@ class ControlPlane:
             return sorted(self._members.values(), key=lambda m: m.actor_id)
 
     def publication_wanted(self, version: int) -> bool:
-        """Whether a member needs weights now: one is older than the staleness
+        """Whether a member needs weights now: its weights are a mix (a load
+        failed midway: its engine waits, paused), or older than the staleness
         bound (it cannot contribute), or a late joiner asks for them at once."""
         with self._lock:
             for member in self._members.values():
+                if member.version == NO_COMPLETE_VERSION:
+                    return True
                 behind = version - member.version
                 if behind > self.max_staleness:
                     return True
@@ -140,8 +144,22 @@ class ControlPlane:
     def delivered(self, members: list[Member], version: int) -> None:
         """A broadcast of ``version`` reached ``members``."""
         with self._lock:
-            for member in members:
+            for member in self._current(members):
                 member.version = max(member.version, version)
+
+    def broken(self, members: list[Member]) -> None:
+        """A broadcast to ``members`` failed midway: their engines hold a mix
+        of versions, paused, until a publication reaches them."""
+        with self._lock:
+            for member in self._current(members):
+                member.version = NO_COMPLETE_VERSION
+
+    def _current(self, members: list[Member]) -> list[Member]:
+        """The registered members of these incarnations (a lane keeps the
+        ``Member`` it was formed with; one that left and came back is another)."""
+        current = [self._members.get(m.actor_id) for m in members]
+        return [c for c, m in zip(current, members, strict=True)
+                if c is not None and c.incarnation == m.incarnation]
 
     @property
     def announced(self) -> int:
@@ -157,7 +175,7 @@ class ControlPlane:
             atomic_write_text(self._record, json.dumps({"version": version}))
         with self._lock:
             self._announced = max(self._announced, version)
-            for member, _, _ in announcements:
+            for member in self._current([member for member, _, _ in announcements]):
                 member.fresh = False
         for member, manifest, group in announcements:
             frame = encode(WeightsAnnounce(**self._stamp.next(), version=version,
@@ -211,7 +229,14 @@ class ControlPlane:
         hello, identity = received.message, received.identity
         with self._lock:
             member = self._members.get(hello.sender_id)
-            if member is None or hello.incarnation >= member.incarnation:
+            if member is not None and hello.incarnation == member.incarnation:
+                # its Hello again (retried, or after a failed load): the same
+                # member; an older report may be late, a broken one is not
+                member.identity = identity
+                member.version = (NO_COMPLETE_VERSION
+                                  if hello.policy_version == NO_COMPLETE_VERSION
+                                  else max(member.version, hello.policy_version))
+            elif member is None or hello.incarnation > member.incarnation:
                 self._members[hello.sender_id] = Member(
                     hello.sender_id, hello.incarnation, identity, hello.engine,
                     hello.policy_version)

@@ -164,6 +164,7 @@ class WeightPublisher:
                 log.warning("publication of version %d to the %s lane (generation %d) "
                             "failed: %s", version, lane.dtype, lane.generation, exc)
                 lane.group = None
+                self.control.broken(lane.members)  # the next step boundary publishes again
         # a broadcast has completed at every receiver when its wait returns
         seconds = self.metrics.weight_sync_seconds
         seconds.labels("gather").observe(self._gather_seconds)

@@ -9,6 +9,7 @@ from protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
     MESSAGE_TYPES,
+    NO_COMPLETE_VERSION,
     PROTOCOL_VERSION,
     Ack,
     Batch,
@@ -36,7 +37,7 @@ from protocol.messages import (
 
 __all__ = [
     "ALLOWED_DTYPES", "Array", "DEFAULT_MAX_MESSAGE_BYTES", "decode", "encode",
-    "ErrorCode", "ProtocolError", "MESSAGE_TYPES",
+    "ErrorCode", "ProtocolError", "MESSAGE_TYPES", "NO_COMPLETE_VERSION",
     "PROTOCOL_VERSION", "Ack", "Batch",
     "BatchRequest", "EngineInfo", "Error", "GroupInfo", "Heartbeat", "Hello", "LearnerHello",
     "LearnerWelcome", "MemberWelcome", "Message",

@@ -114,7 +114,13 @@ class Hello(Message, tag="hello"):
     capacity: int
     """How many episodes the actor runs concurrently."""
     policy_version: int = 0
-    """Version of the weights the actor's engine holds (0 = the starting model)."""
+    """Version of the weights the actor's engine holds (0 = the starting model;
+    ``NO_COMPLETE_VERSION``: a weight load failed midway, the engine holds a mix
+    and waits, paused, for the next publication)."""
+
+
+NO_COMPLETE_VERSION = -1
+"""``Hello.policy_version`` of an engine whose weights are a mix of two versions."""
 
 
 class Welcome(Message, tag="welcome"):

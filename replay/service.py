@@ -286,6 +286,10 @@ class ReplayService:
                                            oldest_version=0, newest_version=self.learner_version)
         except ProtocolError as exc:
             self.actors.refuse(received, exc.code, str(exc))
+            # its rollout can never complete: drop it now and return its credit
+            # (a rollout left pending, or never stored, would hold the credit)
+            if not self.buffer.settled(segment.rollout_id):
+                self._drop(segment.rollout_id, "invalid", segment.sender_id)
             return
         # a late segment takes no memory: the bound must not drop its complete rollout
         if (not self.buffer.settled(segment.rollout_id)

@@ -581,10 +581,7 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
     trees = {"actor-0": children["actor-0"], "proxied": run.proxied.process.pid,
              "replay": children["replay"], "learner": children["learner"]}
     learner = process_tree(trees["learner"])  # torchrun and its ranks
-    # no episode runs and no segment is sent. (The replay's credits out are
-    # not compared with the actors' credits: fresh-clone runs showed one
-    # credit out that no actor holds after the earlier phases, a leak whose
-    # cause is open; the failure print below shows both.)
+    # no episode runs and no segment is sent
     segments_seen: list[float] = []
 
     def idle() -> bool:
@@ -675,6 +672,10 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
               (round(step_s, 1), round(stall() - stall_before)))
     assert sent_in_stall == 0
     assert ready <= (MAX_STALENESS + 1) * 4
+    # no credit out that no actor holds (a leak starves an actor whose slots
+    # it fills); fewer is possible: a restarted replay's ledgers start empty
+    # while its actors' episodes of before still finish
+    assert credits[0] <= credits[1], credits
     for name, values in samples.items():
         assert max(values) <= values[0] + RSS_GROWTH_ALLOWANCE, (name, mib[name])
     # the stall shows where users look: at least one slot waited the whole time

@@ -14,6 +14,7 @@ import zmq
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from protocol import (
+    NO_COMPLETE_VERSION,
     EngineInfo,
     Error,
     GroupInfo,
@@ -147,3 +148,57 @@ def test_the_newest_announced_version_outlives_the_learner(tmp_path) -> None:
     assert starting_version(restored=4, announced=4, replay_version=5) == 6
     assert starting_version(restored=7, announced=7, replay_version=7) == 7
     assert starting_version(restored=0, announced=0, replay_version=0) == 0
+
+
+def _wait(condition, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(control) -> None:
+    """A Hello repeated by the same incarnation (retried, or after the learner
+    dropped it) is the same member: what a lane formed before learns reaches
+    it, and a late report of an older version does not undo a delivery. A
+    publication that failed midway, or an actor that says its load failed
+    (NO_COMPLETE_VERSION), makes a publication wanted at once, and only a
+    delivery satisfies it."""
+    plane, _, address = control
+    context = zmq.Context()
+    try:
+        actor = ControlClient(context, address, "actor-1")
+        plane.version = 5
+        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=4)
+        assert isinstance(actor.receive(), MemberWelcome)
+        [in_lane] = plane.members()  # what a lane holds
+        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=3)  # a late retry
+        assert isinstance(actor.receive(), MemberWelcome)
+        plane.delivered([in_lane], 5)
+        assert [m.version for m in plane.members()] == [5]
+
+        plane.broken([in_lane])
+        assert plane.members()[0].version == NO_COMPLETE_VERSION
+        assert plane.publication_wanted(5)
+        plane.delivered([in_lane], 5)
+        assert not plane.publication_wanted(5)
+
+        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=NO_COMPLETE_VERSION)
+        assert isinstance(actor.receive(), MemberWelcome)
+        assert plane.publication_wanted(5)
+        plane.delivered([in_lane], 5)
+        assert not plane.publication_wanted(5)
+
+        # dropped (silent), then back as the same incarnation: the lane's
+        # Member still names it
+        _wait(lambda: not plane.members(), "drop of the silent member")
+        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=4)
+        assert isinstance(actor.receive(), MemberWelcome)
+        [member] = plane.members()
+        assert member is not in_lane
+        plane.broken([in_lane])
+        assert plane.publication_wanted(5)
+        plane.delivered([in_lane], 5)
+        assert member.version == 5 and not plane.publication_wanted(5)
+    finally:
+        context.destroy(linger=0)

@@ -160,14 +160,23 @@ def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segm
     """Before any learner has spoken the window is [0, 0]: a rollout of a
     version no learner has asked with is never stored, so it can never be
     served with a negative staleness. The learner asks with a version before
-    it publishes it, so no real actor's tokens are newer."""
-    actor = replay.actor()
+    it publishes it, so no real actor's tokens are newer. A refused rollout
+    can never complete: it is dropped at once and its credit returned (held,
+    it would starve an actor whose capacity it fills), and its later
+    segments are late, not dropped again."""
+    actor = replay.actor(capacity=1)
     actor.hello()
-    actor.push_rollout(segments=1, version=7)
-    assert actor.pump_until(lambda: not actor.unacked)
-    [error] = actor.errors
-    assert (error.code, error.ref_seq) == (ErrorCode.INVALID, max(actor.sent))
+    assert actor.pump_until(lambda: actor.credits == 1)
+    actor.credits -= 1
+    rollout = actor.push_rollout(segments=2, version=7)
+    assert actor.pump_until(lambda: not actor.unacked and actor.credits == 1)
+    [error, _] = actor.errors
+    assert (error.code, error.ref_seq) == (ErrorCode.INVALID, min(actor.sent))
     assert "outside the window [0, 0]" in error.text
+    assert replay.metric("crl_replay_dropped_total", reason="invalid") == 1
+    assert actor.pump_until(lambda: replay.metric("crl_replay_credits_outstanding") == 1)
+    assert rollout not in replay.service.buffer.pending
+    actor.errors.clear()
     learner = replay.learner()
     learner.request(1, version=7)
     assert learner.receive(1.0) is None
@@ -175,7 +184,7 @@ def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segm
     batch = learner.receive(10.0)
     assert batch is not None and [r.staleness for r in batch.rollouts] == [0]
     assert replay.metric("crl_replay_staleness_sum") == 0
-    assert replay.metric("crl_replay_segments_total", result="rejected") == 1
+    assert replay.metric("crl_replay_segments_total", result="rejected") == 2
 
 
 def test_a_restarted_replay_holds_the_learner_s_version_window_before_it_speaks(

@@ -8,6 +8,7 @@ update carries both versions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import torch
 
 from actors.config import ActorConfig, EngineConfig
 from actors.engine import Engine, quiet_vllm_logging
-from protocol import GroupInfo
+from protocol import NO_COMPLETE_VERSION, GroupInfo
 from protocol.weights import WeightChannel, host_store, join_channel, manifest_of, member_ranks
 from tests.ports import free_ports
 
@@ -66,8 +67,9 @@ class _Learner:
     """Rank 0 of a broadcast group, in a thread (as learner rank 0 would be),
     with one engine of ``workers`` tensor-parallel workers."""
 
-    def __init__(self, workers: int = 1) -> None:
+    def __init__(self, workers: int = 1, timeout_s: float = 30.0) -> None:
         [self.port] = free_ports(1)
+        self.timeout_s = timeout_s
         self.store = host_store(self.port)
         self.generation = 0
         self.backend = "gloo"
@@ -77,13 +79,13 @@ class _Learner:
     def group_info(self) -> GroupInfo:
         return GroupInfo(generation=self.generation, master_addr="127.0.0.1",
                          master_port=self.port, world_size=self.world_size, rank=self.base,
-                         backend=self.backend)
+                         backend=self.backend, timeout_s=self.timeout_s)
 
     def join(self, engine_loop, engine: Engine, backend: str = "gloo") -> None:
         self.generation += 1
         self.backend = backend
         thread = threading.Thread(target=lambda: setattr(self, "group", join_channel(
-            self.store, self.generation, self.world_size, 0, backend)))
+            self.store, self.generation, self.world_size, 0, backend, self.timeout_s)))
         thread.start()
         engine_loop.run(engine.join_weight_group(self.group_info()))
         thread.join(timeout=60)
@@ -155,6 +157,39 @@ def test_a_request_in_flight_across_an_update_carries_both_versions(
     versions = engine_loop.run(generate_then_update())
     assert versions[0] == start and versions[-1] == start + 1
     assert versions == sorted(versions)  # one switch, old then new
+
+
+def test_a_publication_cut_midway_leaves_no_version_until_a_full_one(
+        live_engine: Engine, trained_dir: Path, tiny_model_dir: Path, engine_loop) -> None:
+    """The learner stops after half the tensors: the engine's load fails
+    within the group timeout and its weights are a mix, so its version is
+    NO_COMPLETE_VERSION (never fresh: the actor reports it to the learner,
+    which publishes again). The next full publication, in a new group
+    generation, makes it generate exactly as before the cut."""
+    learner = _Learner(timeout_s=3.0)
+    original = _tensors(tiny_model_dir)
+    learner.join(engine_loop, live_engine)
+    engine_loop.run(learner.push(live_engine, original, version=10))
+    before = [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS]
+
+    trained = _tensors(trained_dir)
+    manifest = manifest_of(trained, 0)
+
+    def send_half() -> None:
+        with contextlib.suppress(ValueError):  # "buckets were never filled"
+            learner.group.send(manifest, (t for _, t in trained[: len(trained) // 2]))
+
+    sender = threading.Thread(target=send_half)
+    sender.start()
+    with pytest.raises(Exception, match="did not complete|timed out|Timed out"):
+        engine_loop.run(live_engine.load_weights(11, manifest))
+    sender.join(timeout=60)
+    assert live_engine.version == NO_COMPLETE_VERSION
+
+    learner.join(engine_loop, live_engine)  # the failed group is gone: a new generation
+    engine_loop.run(learner.push(live_engine, original, version=12))
+    assert live_engine.version == 12
+    assert [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS] == before
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a TP=2 CPU engine binds a core "

@@ -4,6 +4,7 @@ replay's ledger, segments awaiting acknowledgement, and weight freshness."""
 from __future__ import annotations
 
 from actors.state import CreditAccount, LearnerView, Outbox
+from protocol import NO_COMPLETE_VERSION
 
 
 def test_a_grant_adds_what_the_ledger_total_has_not_yet_counted() -> None:
@@ -76,3 +77,10 @@ def test_weights_are_fresh_within_the_replays_staleness_bound() -> None:
     view.heard(3)  # an older reply never moves the learner back
     assert view.version == 5 and view.changed.is_set()
     assert view.fresh(engine_version=3) and not view.fresh(engine_version=2)
+
+
+def test_weights_left_a_mix_by_a_failed_load_are_never_fresh() -> None:
+    view = LearnerView()
+    view.max_staleness = 2
+    assert view.fresh(engine_version=0)
+    assert not view.fresh(engine_version=NO_COMPLETE_VERSION)  # 0 - (-1) <= 2 all the same
