@@ -26,13 +26,14 @@ import asyncio
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from actors.config import EngineConfig, SamplingConfig, read_model_config
 from actors.context import Generation
 from protocol import NO_COMPLETE_VERSION, GroupInfo, WeightManifest
+from protocol.transport import CurveConfig
 
 
 def quiet_vllm_logging() -> None:
@@ -185,16 +186,18 @@ class Engine:
 
     # ------------------------------------------------------------------ live weights
 
-    async def join_weight_group(self, group: GroupInfo) -> None:
+    async def join_weight_group(self, group: GroupInfo,
+                                curve: CurveConfig | None = None) -> None:
         """Join a broadcast group generation (returns when every member has
-        joined; raises after ``group.timeout_s``)."""
+        joined; raises after ``group.timeout_s``), reaching its rendezvous
+        store with ``curve`` (the actor's keys) when CURVE is on."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
             "master_addr": group.master_addr, "master_port": group.master_port,
             "world_size": group.world_size, "rank": group.rank,
             "generation": group.generation, "backend": group.backend,
-            "timeout_s": group.timeout_s}))
+            "timeout_s": group.timeout_s, "curve": asdict(curve or CurveConfig())}))
 
     async def load_weights(self, version: int, manifest: WeightManifest,
                            kv_on_update: KVOnUpdate = "keep") -> LoadTimes:

@@ -472,7 +472,8 @@ class Actor:
             try:
                 if group != self.weights.group:
                     self.weights.group = None
-                    await self.engine.join_weight_group(announce.group)
+                    await self.engine.join_weight_group(announce.group,
+                                                        self.settings.transport.curve)
                     self.weights.group = group
                 times = await self.engine.load_weights(announce.version, announce.manifest,
                                                        self.config.kv_on_update)

@@ -47,6 +47,9 @@ class GroupInitInfo:
     generation: int = 0
     backend: str = "gloo"
     timeout_s: float = 30.0
+    curve: dict = field(default_factory=dict)
+    """The actor's ``transport.curve`` (key file paths on this host): the
+    rendezvous store answers only clients with an authorized key."""
 
 
 @dataclass
@@ -67,6 +70,7 @@ def _engine_class() -> type:
     )
 
     from protocol.messages import TensorSpec, WeightManifest
+    from protocol.transport import CurveConfig, TransportConfig
     from protocol.weights import connect_store, join_channel, worker_rank
 
     class BroadcastWeightTransferEngine(WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
@@ -77,7 +81,8 @@ def _engine_class() -> type:
         def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
             self.group = None  # leave the previous generation first
             store = connect_store(init_info.master_addr, init_info.master_port,
-                                  init_info.timeout_s)
+                                  init_info.timeout_s,
+                                  TransportConfig(curve=CurveConfig(**init_info.curve)))
             # every worker of a tensor-parallel engine holds a rank of its own
             rank = worker_rank(init_info.rank, self.parallel_config.rank)
             self.group = join_channel(store, init_info.generation, init_info.world_size,

@@ -30,7 +30,7 @@ from actors.config import ActorConfig, read_model_config
 from deploy.device_plan import static_device_problems
 from learner.config import LearnerConfig, TrackingConfig
 from protocol.schema import attribute_docs
-from protocol.transport import TransportConfig, bound_endpoint, is_loopback
+from protocol.transport import TransportConfig, bound_endpoint, is_loopback, listen_address
 from recipes.config import BootstrapConfig
 from replay.config import ReplayConfig
 
@@ -120,20 +120,33 @@ class JobConfig:
         problems += self._shared_ports()
         problems += static_device_problems(self.learner, self.actors)
         problems += self.model_problems()
-        addresses = [self.replay.actor_address, self.replay.learner_address,
-                     self.learner.control_address]
-        # Without CURVE, anyone who reaches a service port joins the run.
-        exposed = [f"{name} = {address!r}" for name, address in zip(
-            ("replay.actor_address", "replay.learner_address", "learner.control_address"),
-            addresses, strict=True) if not is_loopback(address)]
+        # Without CURVE, anyone who reaches a service port joins the run (and
+        # whoever reaches the weight store joins a weight group).
+        exposed = [f"{name} = {address!r}" for name, address in self.listening()
+                   if not is_loopback(address)]
         if exposed and not (self.transport.curve.enabled
                             or self.transport.allow_insecure_network):
             problems.append(
                 f"{', '.join(exposed)}: beyond loopback with transport.curve.enabled = false, "
-                "anyone who reaches the port can register, push segments and take batches; "
-                "enable CURVE (`compactionrl keys init DIR`) or, on a network you trust, set "
-                "transport.allow_insecure_network = true")
+                "anyone who reaches the port can register, push segments, take batches and "
+                "receive the weights; enable CURVE (`compactionrl keys init DIR`) or, on a "
+                "network you trust, set transport.allow_insecure_network = true")
         return problems
+
+    def listening(self) -> list[tuple[str, str]]:
+        """(setting, address) of every service socket the run binds:
+        the bind setting where one is given, else the advertised address."""
+        replay, learner = self.replay, self.learner
+        store = ("learner.weight_store_bind" if learner.weight_store_bind
+                 else "learner.weight_store_address",
+                 listen_address(learner.weight_store_bind, learner.weight_store_address))
+        return [("replay.actor_bind" if replay.actor_bind else "replay.actor_address",
+                 listen_address(replay.actor_bind, replay.actor_address)),
+                ("replay.learner_bind" if replay.learner_bind else "replay.learner_address",
+                 listen_address(replay.learner_bind, replay.learner_address)),
+                ("learner.control_bind" if learner.control_bind else "learner.control_address",
+                 listen_address(learner.control_bind, learner.control_address)),
+                store]
 
     def model_problems(self) -> list[str]:
         """The engine's settings against run.model's config.json, where the
@@ -154,11 +167,8 @@ class JobConfig:
         """Every port the run listens on must differ: ``compactionrl up`` runs
         all its processes on one machine, where the second bind fails (and
         the process would be restarted into the same failure)."""
-        listening = [(f"{name} = {address!r}", bound_endpoint(address)) for name, address in (
-            ("replay.actor_address", self.replay.actor_address),
-            ("replay.learner_address", self.replay.learner_address),
-            ("learner.control_address", self.learner.control_address),
-            ("learner.weight_store_address", self.learner.weight_store_address))]
+        listening = [(f"{name} = {address!r}", bound_endpoint(address))
+                     for name, address in self.listening()]
         for name in ("replay", "learner"):
             if port := getattr(self, name).metrics_port:
                 listening.append((f"{name}.metrics_port = {port}", f"port {port}"))

@@ -159,10 +159,15 @@ class LearnerConfig:
     once; this bounds a hung one. An hour writes a 70B model's 140 GB of bf16
     at 40 MB/s."""
     control_address: str = "tcp://127.0.0.1:5557"
-    """Rank 0's ROUTER for actor membership and weight announcements."""
+    """Where actors reach rank 0's control socket (membership, weight
+    announcements): the address it advertises."""
+    control_bind: str = ""
+    """Where rank 0's control socket listens ("" = ``control_address``)."""
     weight_store_address: str = "127.0.0.1:5558"
-    """host:port of the weight broadcast's rendezvous store: rank 0 listens on
-    the port, actors connect to the host."""
+    """HOST:PORT where actors reach the weight groups' rendezvous store on rank 0
+    (protocol/weights_store.py; CURVE-authenticated with ``transport.curve``)."""
+    weight_store_bind: str = ""
+    """HOST:PORT where the store listens ("" = ``weight_store_address``)."""
     weight_bucket_bytes: int = bounded(0, ge=0)
     """Broadcast bucket size (0 = one broadcast per tensor, the fast choice on gloo)."""
     weight_timeout_s: float = bounded(30.0, gt=0)
@@ -189,8 +194,9 @@ class LearnerConfig:
                 problems.append(f"{section}.rdzv_endpoint = {self.rdzv_endpoint!r}: a learner on "
                                 f"{self.nnodes} nodes needs node 0's HOST:PORT, reachable from "
                                 "every node")
-        host, _, port = self.weight_store_address.rpartition(":")
-        if not host or not port.isdigit():
-            problems.append(f"{section}.weight_store_address = {self.weight_store_address!r} "
-                            "must be host:port")
+        for name in ("weight_store_address", "weight_store_bind"):
+            value = getattr(self, name)
+            host, _, port = value.rpartition(":")
+            if (value or name == "weight_store_address") and (not host or not port.isdigit()):
+                problems.append(f"{section}.{name} = {value!r} must be HOST:PORT")
         return problems

@@ -83,7 +83,7 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.transport import TransportConfig, connect_dealer
+from protocol.transport import TransportConfig, connect_dealer, listen_address
 
 log = logging.getLogger("compactionrl.learner")
 
@@ -200,8 +200,9 @@ class Learner:
         try:
             self.health.waiting_for = "joining the replay"
             batch_size = self._broadcast_int(peers.join())
-            publisher = WeightPublisher(self.trainer.policy, self.config, self.rank,
-                                        peers.control, self.metrics, self._broadcast_int)
+            publisher = WeightPublisher(self.trainer.policy, self.config, self.settings.transport,
+                                        self.rank, peers.control, self.metrics,
+                                        self._broadcast_int)
             restored = self.version
             self.version = self._broadcast_int(peers.starting_version(restored))
             if self.version != restored and self.rank == 0:
@@ -391,7 +392,8 @@ class _RankZeroPeers(_Peers):
         welcome = self.link.hello()
         self.replay_version = welcome.policy_version
         config = self.settings.learner
-        self.control = ControlPlane(config.control_address, self.settings.transport,
+        self.control = ControlPlane(listen_address(config.control_bind, config.control_address),
+                                    self.settings.transport,
                                     self.settings.run_id, welcome.max_staleness,
                                     config.late_joiner, self.metrics, self.announced_record)
         return welcome.rollouts_per_batch

@@ -42,6 +42,7 @@ from learner.control import ControlPlane, Member
 from learner.metrics import LearnerMetrics
 from learner.models import engine_parameters
 from protocol import GroupInfo, WeightManifest
+from protocol.transport import TransportConfig, listen_address
 from protocol.weights import (
     TransferFailed,
     WeightChannel,
@@ -107,8 +108,8 @@ def plan_lanes(members: list[Member], trained: torch.dtype) -> list[Lane]:
 
 
 class WeightPublisher:
-    def __init__(self, policy: nn.Module, config: LearnerConfig, rank: int,
-                 control: ControlPlane | None, metrics: LearnerMetrics,
+    def __init__(self, policy: nn.Module, config: LearnerConfig, transport: TransportConfig,
+                 rank: int, control: ControlPlane | None, metrics: LearnerMetrics,
                  agree: Callable[[int], int]) -> None:
         """``agree(value)`` broadcasts rank 0's ``value`` to every rank."""
         self.parameters = engine_parameters(policy)
@@ -119,8 +120,13 @@ class WeightPublisher:
         self.metrics = metrics
         self.agree = agree
         self.backend = weight_backend(config.weight_transport, dist.get_backend())
+        # members connect to the advertised address; the store listens on the bind
         self.host, self.port = split_address(config.weight_store_address)
-        self.store = host_store(self.port, config.weight_timeout_s) if rank == 0 else None
+        bind_host, bind_port = split_address(listen_address(config.weight_store_bind,
+                                                            config.weight_store_address))
+        self.store = (host_store(bind_port, config.weight_timeout_s, transport, bind_host,
+                                 lambda reason: metrics.rejected_frames.labels(reason).inc())
+                      if rank == 0 else None)
         self.generation = 0
         self.lanes: list[Lane] = []
         self.lane_key: tuple = ()

@@ -96,6 +96,12 @@ class TransportConfig:
         return bound_problems(self, section) + self.curve.validate(section)
 
 
+def listen_address(bind: str, address: str) -> str:
+    """Where a service listens: its bind setting, or (empty) the address it
+    advertises to its clients."""
+    return bind or address
+
+
 def bound_endpoint(address: str) -> str:
     """What binding ``address`` (``tcp://HOST:PORT``, ``HOST:PORT``, ``ipc://...``
     or ``inproc://...``) takes on its machine: ``port N`` for TCP, whatever
@@ -108,9 +114,11 @@ def bound_endpoint(address: str) -> str:
 
 
 def is_loopback(address: str) -> bool:
-    """Whether ``address`` (``tcp://HOST:PORT``, ``ipc://...`` or ``inproc://...``)
-    can be reached only from this machine."""
-    scheme, _, rest = address.partition("://")
+    """Whether ``address`` (``tcp://HOST:PORT``, ``HOST:PORT``, ``ipc://...`` or
+    ``inproc://...``) can be reached only from this machine."""
+    scheme, separator, rest = address.partition("://")
+    if not separator:
+        scheme, rest = "tcp", address
     if scheme in ("ipc", "inproc"):
         return True
     host = rest.rpartition(":")[0].strip("[]")

@@ -1,7 +1,10 @@
 """How weights travel from learner rank 0 to the actors' engines: the one
 interface every transport implements, and what all of them share.
 
-Learner rank 0 hosts a ``TCPStore``. Every publication goes to one *group
+Learner rank 0 hosts the rendezvous store (:mod:`protocol.weights_store`: a
+ZeroMQ service, CURVE-authenticated like the others, since a ``TCPStore``
+lets anyone who reaches its port list and read the keys a group forms from).
+Every publication goes to one *group
 generation* made of rank 0 (the sender) and the current actors' engine
 workers, formed under the store prefix ``weights/<generation>``; a new
 generation is formed whenever the member set changes or a publication failed.
@@ -48,14 +51,14 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from queue import Full, Queue
 
 import torch
-import torch.distributed as dist
 
 from protocol.messages import TensorSpec, WeightManifest
+from protocol.transport import TransportConfig
+from protocol.weights_store import HostedStore, StoreClient
 
 #: Each tensor starts at a multiple of this many bytes inside a bucket, so
 #: that it can be viewed in its own dtype without a copy.
@@ -89,15 +92,21 @@ def worker_rank(base: int, worker: int) -> int:
     return base + worker
 
 
-def host_store(port: int, timeout_s: float = GROUP_TIMEOUT_S) -> dist.TCPStore:
-    """The rendezvous store, on learner rank 0 (listens on every interface)."""
-    return dist.TCPStore("0.0.0.0", port, None, is_master=True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def host_store(port: int, timeout_s: float = GROUP_TIMEOUT_S,
+               transport: TransportConfig | None = None, host: str = "127.0.0.1",
+               refused: Callable[[str], None] = lambda reason: None) -> HostedStore:
+    """The rendezvous store, on learner rank 0, listening on ``host:port``
+    (port 0: any free one, ``.port`` says which), CURVE-authenticated when
+    ``transport.curve`` is on (:mod:`protocol.weights_store`); ``refused``
+    counts the requests it refuses."""
+    return HostedStore(f"tcp://{host}:{port}", transport or TransportConfig(), timeout_s,
+                       refused)
 
 
-def connect_store(host: str, port: int, timeout_s: float = GROUP_TIMEOUT_S) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
+def connect_store(host: str, port: int, timeout_s: float = GROUP_TIMEOUT_S,
+                  transport: TransportConfig | None = None) -> StoreClient:
+    """A member's client of the rendezvous store at ``host:port``."""
+    return StoreClient(f"tcp://{host}:{port}", transport or TransportConfig(), timeout_s)
 
 
 def buckets(manifest: WeightManifest) -> list[list[int]]:
@@ -147,7 +156,7 @@ def manifest_of(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
         bucket_bytes=bucket_bytes)
 
 
-def join_channel(store: dist.Store, generation: int, world_size: int, rank: int,
+def join_channel(store: StoreClient, generation: int, world_size: int, rank: int,
                  backend: str, timeout_s: float = GROUP_TIMEOUT_S) -> WeightChannel:
     """This member's end of ``generation`` on ``backend`` (``gloo``, ``nccl``
     or ``ipc``); returns once every member has joined, or raises after

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from protocol.messages import TensorSpec
 from protocol.weights import GROUP_TIMEOUT_S, TransferFailed, WeightChannel, dtype_of
+from protocol.weights_store import StoreClient
 
 
 def wait_within(work: dist.Work, timeout_s: float) -> None:
@@ -39,12 +40,13 @@ def wait_within(work: dist.Work, timeout_s: float) -> None:
 class WeightGroup(WeightChannel):
     """One generation of the broadcast group, as seen by one member."""
 
-    def __init__(self, store: dist.Store, generation: int, world_size: int, rank: int,
+    def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
                  backend: str = "gloo", timeout_s: float = GROUP_TIMEOUT_S) -> None:
         """Join; returns when every member has joined (or raises after ``timeout_s``)."""
         super().__init__(generation, world_size, rank, timeout_s)
         timeout = timedelta(seconds=timeout_s)
-        prefixed = dist.PrefixStore(f"weights/{generation}", store)
+        # kept: the group's C++ side calls into this Python object
+        self._store = prefixed = store.prefixed(f"weights/{generation}")
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

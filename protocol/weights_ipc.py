@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from protocol.weights import GROUP_TIMEOUT_S, TransferFailed, WeightChannel
+from protocol.weights_store import StoreClient
 
 #: Shared files (the CPU twin) are named so; a receiver maps no other file.
 SHARED_FILE_PREFIX = "compactionrl-weights-"
@@ -149,13 +149,13 @@ class IpcChannel(WeightChannel):
     #: Staging buffers rank 0 alternates between.
     SLOTS = 2
 
-    def __init__(self, store: dist.Store, generation: int, world_size: int, rank: int,
+    def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
                  timeout_s: float = GROUP_TIMEOUT_S) -> None:
         """Join; returns when every member has joined (or raises after ``timeout_s``)."""
         super().__init__(generation, world_size, rank, timeout_s)
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
-        self._store = dist.PrefixStore(f"weights/{generation}", store)
+        self._store = store.prefixed(f"weights/{generation}")
         self._timeout = timedelta(seconds=timeout_s)
         self._aborted = False
         self._publication = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from protocol.bounds import bound_problems, bounded
+from protocol.transport import listen_address
 
 
 @dataclass
@@ -15,9 +16,15 @@ class ReplayConfig:
     bound: the learner and the actors learn both from its ``Welcome``."""
 
     actor_address: str = "tcp://127.0.0.1:5555"
-    """ROUTER that actors connect to (loopback unless you open it on purpose)."""
+    """Where actors connect to the replay (loopback unless you open it on
+    purpose): the address it advertises, a Service name or a host's address."""
+    actor_bind: str = ""
+    """Where the replay listens for actors ("" = ``actor_address``), e.g.
+    ``tcp://0.0.0.0:5555`` behind a Service, or one interface of a host."""
     learner_address: str = "tcp://127.0.0.1:5556"
-    """ROUTER that the learner connects to."""
+    """Where the learner connects to the replay."""
+    learner_bind: str = ""
+    """Where the replay listens for the learner ("" = ``learner_address``)."""
     rollouts_per_batch: int = bounded(8, ge=1)
     """B: complete rollouts in one learner batch (one learner step)."""
     max_staleness: int = bounded(2, ge=0, why="0 = on-policy")
@@ -52,4 +59,7 @@ class ReplayConfig:
             problems.append(f"{section}.log_path is empty but {section}.durable_log = true")
         if self.actor_address == self.learner_address:
             problems.append(f"{section}.actor_address and {section}.learner_address must differ")
+        if listen_address(self.actor_bind, self.actor_address) == listen_address(
+                self.learner_bind, self.learner_address):
+            problems.append(f"{section}.actor_bind and {section}.learner_bind must differ")
         return problems

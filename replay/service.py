@@ -52,7 +52,13 @@ from protocol import (
     encode,
 )
 from protocol.endpoint import Handler, Received, ServerEndpoint
-from protocol.transport import Authenticator, Liveness, TransportConfig, bind_router
+from protocol.transport import (
+    Authenticator,
+    Liveness,
+    TransportConfig,
+    bind_router,
+    listen_address,
+)
 from protocol.validation import check_segment_content
 from replay.batches import BatchServer, ServedBatch
 from replay.buffer import RolloutBuffer, RolloutEntry, to_rollout
@@ -123,8 +129,10 @@ class ReplayService:
         """Actors whose heartbeat showed an older credit total than granted."""
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
-        self.actor_socket = bind_router(self._context, config.actor_address, transport)
-        self.learner_socket = bind_router(self._context, config.learner_address, transport)
+        self.actor_socket = bind_router(
+            self._context, listen_address(config.actor_bind, config.actor_address), transport)
+        self.learner_socket = bind_router(
+            self._context, listen_address(config.learner_bind, config.learner_address), transport)
         undelivered = self.metrics.replies_undelivered.inc
         self.actors = ServerEndpoint(self.actor_socket, self._stamp,
                                      transport.max_message_bytes, self._refused, undelivered)

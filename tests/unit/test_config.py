@@ -87,6 +87,35 @@ def test_services_beyond_loopback_need_curve_or_an_explicit_opt_in() -> None:
         assert load_config(None, ["--replay.actor_address", loopback])
 
 
+def test_what_a_service_binds_is_what_is_exposed_not_what_it_advertises() -> None:
+    """Behind a Service (or on a host with several interfaces) a service binds
+    a wildcard and advertises a name: the bind decides the exposure, and the
+    weight store, which hands out the weights, counts like every socket."""
+    advertised = ["--replay.actor_address", "tcp://replay:5555",
+                  "--replay.learner_address", "tcp://replay:5556",
+                  "--learner.control_address", "tcp://learner-0.learner:5557",
+                  "--learner.weight_store_address", "learner-0.learner:5558"]
+    binds = ["--replay.actor_bind", "tcp://0.0.0.0:5555",
+             "--replay.learner_bind", "tcp://127.0.0.1:5556",
+             "--learner.control_bind", "tcp://0.0.0.0:5557",
+             "--learner.weight_store_bind", "0.0.0.0:5558"]
+    [problem] = problems_of([*advertised, *binds])
+    for exposed in ("replay.actor_bind = 'tcp://0.0.0.0:5555'",
+                    "learner.control_bind = 'tcp://0.0.0.0:5557'",
+                    "learner.weight_store_bind = '0.0.0.0:5558'"):
+        assert exposed in problem
+    assert "replay.learner" not in problem  # bound on loopback, whatever it advertises
+    assert "receive the weights" in problem
+    [problem] = problems_of(["--learner.weight_store_address", "10.0.0.2:5558"])
+    assert "learner.weight_store_address = '10.0.0.2:5558'" in problem
+    config = load_config(None, [*advertised, *binds, "--transport.allow_insecure_network",
+                                "true"])
+    assert config.replay.actor_bind == "tcp://0.0.0.0:5555"
+    [problem] = problems_of(["--learner.weight_store_bind", "5558",
+                             "--transport.allow_insecure_network", "true"])
+    assert "learner.weight_store_bind = '5558' must be HOST:PORT" in problem
+
+
 def test_two_settings_on_one_port_are_rejected_by_name() -> None:
     """A second bind would fail, and `up` would restart the process into the
     same failure until it gave up."""
@@ -96,8 +125,9 @@ def test_two_settings_on_one_port_are_rejected_by_name() -> None:
     assert "learner.control_address = 'tcp://127.0.0.1:7000'" in problem
     # actor i serves on actors.metrics_port + i; a wildcard bind takes the port too
     [problem] = problems_of(["--actors.count", "3", "--actors.metrics_port", "7000",
-                             "--learner.weight_store_address", "0.0.0.0:7002"])
-    assert "actor 2's metrics port" in problem and "weight_store_address" in problem
+                             "--learner.weight_store_bind", "0.0.0.0:7002",
+                             "--transport.allow_insecure_network", "true"])
+    assert "actor 2's metrics port" in problem and "weight_store_bind" in problem
     assert load_config(None, ["--replay.actor_address", "ipc:///tmp/actors",
                               "--replay.learner_address", "ipc:///tmp/learner"])
     [problem] = problems_of(["--replay.actor_address", "ipc:///tmp/replay",

@@ -138,13 +138,14 @@ def test_run_toml_is_gpu_7b_with_the_cluster_addresses(run_toml: Path) -> None:
     differing = {key for key in example if cluster[key] != example[key]}
     assert differing == {"replay.actor_address", "replay.learner_address",
                          "learner.control_address", "learner.weight_store_address",
-                         "replay.vocab_size", "replay.log_path"}
+                         "replay.actor_bind", "replay.learner_bind", "learner.control_bind",
+                         "learner.weight_store_bind", "replay.vocab_size", "replay.log_path"}
 
 
 def test_services_bind_on_the_pod_and_clients_reach_the_services(rendered: list[dict],
                                                                   run_toml: Path) -> None:
-    """One config field is both the bind and the connect address, so each
-    service overrides its own bind addresses; clients keep the Service names."""
+    """Every process reads run.toml unchanged: services bind the pod's ports
+    (*_bind), clients connect to the Service names (*_address)."""
     pods = workloads(rendered)
     actor_port = service_port(rendered, "replay", "actors")
     learner_port = service_port(rendered, "replay", "learner")
@@ -153,12 +154,14 @@ def test_services_bind_on_the_pod_and_clients_reach_the_services(rendered: list[
 
     replay_args, replay = effective(pods["replay"], run_toml)
     assert replay_args.command == "replay"
-    assert replay.replay.actor_address == f"tcp://0.0.0.0:{actor_port}"
-    assert replay.replay.learner_address == f"tcp://0.0.0.0:{learner_port}"
+    assert replay.replay.actor_bind == f"tcp://0.0.0.0:{actor_port}"
+    assert replay.replay.learner_bind == f"tcp://0.0.0.0:{learner_port}"
+    assert not any(arg.startswith("--replay.") for arg in container(pods["replay"])["args"])
 
     learner_args, learner = effective(pods["learner"], run_toml)
     assert (learner_args.command, learner_args.resume) == ("learner", "latest")
-    assert learner.learner.control_address == f"tcp://0.0.0.0:{control_port}"
+    assert learner.learner.control_bind == f"tcp://0.0.0.0:{control_port}"
+    assert learner.learner.weight_store_bind == f"0.0.0.0:{store_port}"
     assert learner.replay.learner_address == f"tcp://replay:{learner_port}"  # it connects
     # the announced store host: the StatefulSet pod behind the headless Service
     statefulset = pods["learner"]
@@ -378,20 +381,25 @@ def test_slurm_dry_run_wires_every_process(tmp_path: Path) -> None:
     assert len(actors) == 4  # 2 nodes x ACTOR_GPUS_PER_NODE
 
     run_dir = runs / "qwen2.5-7b-keyvault"
-    assert replay["config"]["replay"]["actor_address"] == "tcp://0.0.0.0:5555"
-    assert replay["config"]["replay"]["learner_address"] == "tcp://127.0.0.1:5556"
+    # one set of settings for every process: services bind every interface,
+    # everyone connects to the head node
+    for p in processes:
+        replay_config, learner_config = p["config"]["replay"], p["config"]["learner"]
+        assert (replay_config["actor_address"], replay_config["actor_bind"]) == (
+            "tcp://head1:5555", "tcp://0.0.0.0:5555")
+        assert replay_config["learner_address"] == "tcp://127.0.0.1:5556"
+        assert (learner_config["control_address"], learner_config["control_bind"]) == (
+            "tcp://head1:5557", "tcp://0.0.0.0:5557")
+        assert (learner_config["weight_store_address"],
+                learner_config["weight_store_bind"]) == ("head1:5558", "0.0.0.0:5558")
     assert replay["config"]["replay"]["log_path"] == f"{run_dir}/replay/segments.log"
     assert learner["args"]["resume"] == "latest"
-    assert learner["config"]["replay"]["learner_address"] == "tcp://127.0.0.1:5556"
-    assert learner["config"]["learner"]["control_address"] == "tcp://0.0.0.0:5557"
-    assert learner["config"]["learner"]["weight_store_address"] == "head1:5558"
     for p in processes:
         curve = p["config"]["transport"]["curve"]
         assert curve["client_secret_key"] == f"{run_dir}/keys/client-0.key_secret"
     assert (run_dir / "keys" / "authorized" / "client-0.key").is_file()
 
-    assert {a["args"]["replay"] for a in actors} == {"tcp://head1:5555"}
-    assert {a["args"]["learner"] for a in actors} == {"tcp://head1:5557"}
+    assert {(a["args"]["replay"], a["args"]["learner"]) for a in actors} == {(None, None)}
     ids = sorted(a["args"]["actor_id"] for a in actors)
     assert ids == ["gpu1-gpu0", "gpu1-gpu1", "gpu2-gpu0", "gpu2-gpu1"]
     # distinct metrics ports per node, distinct engine seeds overall
