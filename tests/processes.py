@@ -66,12 +66,14 @@ class Background:
             learner.wait_for("published version 1", timeout=120)
     """
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None
-                 ) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> None:
+        """``launcher``: a command that runs the rest (``ip netns exec NS``)."""
         self.args = args
         self.log_path = log_path
         self._log = log_path.open("w")
-        self.process = subprocess.Popen([str(VENV_BIN / "compactionrl"), *args],
+        self.process = subprocess.Popen([*(launcher or []), str(VENV_BIN / "compactionrl"),
+                                         *args],
                                         stdout=subprocess.DEVNULL, stderr=self._log,
                                         start_new_session=True,
                                         env={**os.environ, **(env or {})})

@@ -1,0 +1,119 @@
+"""A host on the run's network without the run's keys: it knows every
+service address and tries each socket, without CURVE and with a key pair of
+its own, then tries to join weight-group generations through the store.
+Prints one JSON object: per attempt, the replies it got (all must be 0) and
+how it ended.
+
+    python tests/programs/intruder.py --replay HOST:PORT --replay-learner HOST:PORT \\
+        --control HOST:PORT --store HOST:PORT --key DIR/intruder.key_secret \\
+        --server-key DIR/server.key
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+
+import zmq
+
+from protocol import EngineInfo, Hello, LearnerHello, Stamp, encode
+from protocol.transport import CurveConfig, TransportConfig, connect_dealer
+from protocol.weights import connect_store, join_channel
+
+#: How long each attempt waits for a reply that must not come.
+SILENCE_S = 3.0
+ENGINE = EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1, model="m")
+
+
+def _socket_attempt(context: zmq.Context, address: str, transport: TransportConfig,
+                    message: bytes) -> dict:
+    dealer = connect_dealer(context, address, transport, b"intruder")
+    try:
+        sent = bool(dealer.poll(int(SILENCE_S * 1000), zmq.POLLOUT))
+        if sent:
+            dealer.send(message, zmq.NOBLOCK)
+        replies = 0
+        end = time.monotonic() + SILENCE_S
+        while (left := end - time.monotonic()) > 0:
+            if dealer.poll(int(left * 1000), zmq.POLLIN):
+                dealer.recv()
+                replies += 1
+        return {"replies": replies, "sent": sent}
+    finally:
+        dealer.close(linger=0)
+
+
+def _store_attempts(host: str, port: int, transport: TransportConfig) -> dict:
+    """Read the store, then join generations 1..4 as every rank a small
+    group could give an actor: each must fail without a byte received."""
+    outcome: dict[str, object] = {"replies": 0, "joined": 0, "tensors": 0}
+    store = connect_store(host, port, 2.0, transport)
+    for read in (lambda: store.num_keys(), lambda: store.get("weights/1/rank_0")):
+        try:
+            read()
+            outcome["replies"] += 1
+        except RuntimeError as exc:  # DistStoreError: no answer
+            outcome["read_error"] = str(exc)[:200]
+    for generation in range(1, 5):
+        for rank in (1, 2):
+            try:
+                join_channel(store, generation, 3, rank, "gloo", 2.0)
+                outcome["joined"] += 1
+            except RuntimeError as exc:
+                outcome["join_error"] = str(exc)[:200]
+    return outcome
+
+
+def _raw_bytes(host: str, port: int) -> int:
+    """Bytes a plain TCP client reads from the store's port: the ZeroMQ
+    greeting at most, never an answer (it speaks no CURVE)."""
+    with socket.create_connection((host, port), timeout=SILENCE_S) as raw:
+        raw.sendall(b"GET weights\r\n\r\n")
+        raw.settimeout(SILENCE_S)
+        received = 0
+        try:
+            while chunk := raw.recv(4096):
+                received += len(chunk)
+        except (TimeoutError, ConnectionResetError):  # silence, or dropped for garbage
+            pass
+    return received
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("replay", "replay-learner", "control", "store"):
+        parser.add_argument(f"--{name}", required=True, help="HOST:PORT")
+    parser.add_argument("--key", required=True, help="the intruder's own secret key")
+    parser.add_argument("--server-key", required=True, help="the run's public server key")
+    args = parser.parse_args()
+    stamp = Stamp("intruder", 1)
+    hello = encode(Hello(**stamp.next(), engine=ENGINE, capacity=1))
+    learner_hello = encode(LearnerHello(**stamp.next()))
+    transports = {
+        "no CURVE": TransportConfig(),
+        "its own key": TransportConfig(curve=CurveConfig(
+            enabled=True, client_secret_key=args.key, server_public_key=args.server_key)),
+    }
+    results: dict[str, dict] = {}
+    context = zmq.Context()
+    try:
+        for why, transport in transports.items():
+            for target, address, message in (("replay", args.replay, hello),
+                                             ("replay-learner", args.replay_learner,
+                                              learner_hello),
+                                             ("control", args.control, hello)):
+                results[f"{target} / {why}"] = _socket_attempt(
+                    context, f"tcp://{address}", transport, message)
+            host, _, port = args.store.rpartition(":")
+            results[f"store / {why}"] = _store_attempts(host, int(port), transport)
+        host, _, port = args.store.rpartition(":")
+        results["store / plain TCP"] = {"bytes": _raw_bytes(host, int(port))}
+    finally:
+        context.destroy(linger=0)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
