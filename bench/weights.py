@@ -11,8 +11,14 @@ buffer of those bytes (the transport's limit here) — in the same run.
 ``wire_bytes_vs_fp32`` is the bytes sent over what fp32 master weights would
 be; ``ipc_push_vs_raw_100m`` the same push into one engine over the ipc
 transport (staging files, the CPU twin of CUDA IPC) against the raw gloo
-broadcast; ``push_seconds_by_receivers`` the sender's push of the larger model
-(conversion included) to 1, 2 and 4 plain receiving processes. Also the
+broadcast. The fan-out: ``push_seconds_by_receivers`` is the sender's push of
+the larger model (conversion included) to 1, 2, 4 and 8 plain receiving
+processes, one-to-all, with ``push_growth_per_doubling`` (2 to the slope of
+log time against log receivers) and a linear fit; ``relay_*`` the same
+relayed (rank 0 to one leader per node of ``--node-size`` receivers, each
+forwarding to its node as tensors arrive); ``projected_push_s`` the model
+projected to 64 and 512 GPU actors (assumptions: ``PROJECTED_BYTES`` and the
+bandwidths below; docs/weights.md). Also the
 generation stall per push against the load time, and where a push's time
 goes (phases of ``Engine.load_weights``). And the generation stall of a
 publication into an engine with ``--stall-requests`` requests in flight
@@ -23,7 +29,7 @@ again first); ``stall_keep_vs_recompute`` is the ratio of their means, on the
 larger model.
 
     python bench/weights.py [--json] [--quick] [--big-params 1e8] [--engines 1 2] [--pushes 3]
-        [--receivers 1 2 4]
+        [--receivers 1 2 4 8] [--node-size 4] [--fanout-only]
         [--stall-requests 16] [--stall-prompt-tokens 1024]
 
 ``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters), one
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import random
 import statistics
@@ -112,6 +119,113 @@ def raw_broadcast(tensors: list[tuple[str, torch.Tensor]], receivers: int, round
     for process in processes:
         process.join(timeout=120)
     return statistics.median(times)
+
+
+def _relay_member(port: int, trunk: tuple[int, int, int] | None,
+                  node: tuple[int, int, int] | None, manifest: bytes, rounds: int) -> None:
+    """A receiver of the relay: a node's leader takes each tensor from the
+    trunk group and forwards it at once in its node's group; the others of
+    the node receive from their leader. ``trunk`` / ``node``: (generation,
+    world, rank) of the groups this process is in."""
+    import msgspec
+
+    spec = msgspec.msgpack.decode(manifest, type=WeightManifest)
+    up = (WeightGroup(connect_store("127.0.0.1", port), *trunk) if trunk is not None
+          else None)
+    down = (WeightGroup(connect_store("127.0.0.1", port), *node) if node is not None
+            else None)
+    for _ in range(rounds):
+        if up is None:  # a member of a node
+            for _ in down.receive(spec):
+                pass
+            continue
+        sender = down.sender(spec) if down is not None else None
+        for index, (_, tensor) in enumerate(up.receive(spec)):
+            if sender is not None:
+                sender.add(index, tensor)
+        if sender is not None:
+            sender.finish()
+        up._group.barrier().wait()  # rank 0 times the publication to here
+
+
+def relay_broadcast(tensors: list[tuple[str, torch.Tensor]], receivers: int, node_size: int,
+                    rounds: int, store, port: int, generations, wire: torch.dtype | None = None
+                    ) -> float:
+    """Median seconds until every receiver holds the tensors, relayed: rank 0
+    broadcasts to one leader per node of ``node_size`` receivers (the trunk),
+    each leader forwards to its node while the next tensor travels."""
+    import msgspec
+
+    manifest = manifest_of(tensors, 0, wire)
+    encoded = msgspec.msgpack.encode(manifest)
+    nodes = [list(range(start, min(start + node_size, receivers)))
+             for start in range(0, receivers, node_size)]
+    trunk_generation = next(generations)
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for leader, node in enumerate(nodes, start=1):
+        node_generation = next(generations) if len(node) > 1 else None
+        for position, _ in enumerate(node):
+            trunk = (trunk_generation, len(nodes) + 1, leader) if position == 0 else None
+            down = ((node_generation, len(node), position) if node_generation is not None
+                    else None)
+            processes.append(context.Process(target=_relay_member, args=(
+                port, trunk, down, encoded, rounds + 1)))
+    for process in processes:
+        process.start()
+    group = WeightGroup(store, trunk_generation, len(nodes) + 1, 0)
+    times = []
+    for round_ in range(rounds + 1):  # the first is a warm-up
+        began = time.perf_counter()
+        group.send(manifest, (t for _, t in tensors))
+        group._group.barrier().wait()
+        if round_:
+            times.append(time.perf_counter() - began)
+    for process in processes:
+        process.join(timeout=120)
+    return statistics.median(times)
+
+
+def growth_per_doubling(seconds_by_receivers: dict[int, float]) -> float:
+    """The factor push time grows by when the receivers double: the slope of
+    log2(time) against log2(receivers), least squares, as 2 ** slope."""
+    points = [(math.log2(n), math.log2(t)) for n, t in sorted(seconds_by_receivers.items())]
+    mean_x = statistics.mean(x for x, _ in points)
+    mean_y = statistics.mean(y for _, y in points)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    return 2 ** slope
+
+
+def linear_fit(seconds_by_receivers: dict[int, float]) -> tuple[float, float]:
+    """(fixed seconds, seconds per receiver) of t(n) = a + b n, least squares."""
+    xs, ys = list(seconds_by_receivers), list(seconds_by_receivers.values())
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    b = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+         / sum((x - mean_x) ** 2 for x in xs))
+    return mean_y - b * mean_x, b
+
+
+#: Assumptions of the projection (docs/weights.md, "Fan-out"): a 7B policy in
+#: bf16, 8 GPUs per actor node, one 400 Gb/s NIC per GPU (rank 0's own NIC
+#: is the one that carries a one-to-all broadcast), NVLink 4 within a node.
+PROJECTED_BYTES = 15.2e9
+GPUS_PER_NODE = 8
+NIC_BYTES_PER_S = 50e9
+NVLINK_BYTES_PER_S = 450e9
+
+
+def projected_push_seconds(actors: int) -> dict[str, float]:
+    """Seconds to push ``PROJECTED_BYTES`` to ``actors`` GPU engines:
+    one-to-all (rank 0 sends every copy over its NIC, what the gloo curve
+    measured here grows like), relay (rank 0 sends one copy per node over the
+    NIC, pipelined; each node's leader forwards over NVLink) and a pipelined
+    broadcast tree (NCCL's: about one transfer at the slowest link)."""
+    nodes = -(-actors // GPUS_PER_NODE)
+    return {"one_to_all": round(actors * PROJECTED_BYTES / NIC_BYTES_PER_S, 1),
+            "relay": round(nodes * PROJECTED_BYTES / NIC_BYTES_PER_S
+                           + PROJECTED_BYTES / NVLINK_BYTES_PER_S, 1),
+            "pipelined_tree": round(PROJECTED_BYTES / NIC_BYTES_PER_S, 1)}
 
 
 async def push_into_engines(engines: list[Engine], tensors: list[tuple[str, torch.Tensor]],
@@ -205,6 +319,39 @@ async def stall_in_flight(engine: Engine, tensors: list[tuple[str, torch.Tensor]
     return results
 
 
+def fanout(tensors: list[tuple[str, torch.Tensor]], wire: torch.dtype,
+           args: argparse.Namespace, store, port: int, generations) -> dict:
+    """Push time against the number of plain receiving processes, one-to-all
+    and relayed, with the growth per doubling, a linear fit and the
+    projection to GPU fleets."""
+    # engines do not fit beside each other here: plain receivers
+    one_to_all = {n: raw_broadcast(tensors, n, args.pushes, store, port, next(generations),
+                                   wire) for n in args.receivers}
+    relay = {n: relay_broadcast(tensors, n, args.node_size, args.pushes, store, port,
+                                generations, wire) for n in args.receivers}
+    fixed, per_receiver = linear_fit(one_to_all)
+    return {
+        "push_seconds_by_receivers": {str(n): round(t, 4) for n, t in one_to_all.items()},
+        "push_growth_per_doubling": round(growth_per_doubling(one_to_all), 3),
+        "push_fit_fixed_s": round(fixed, 4), "push_fit_per_receiver_s": round(per_receiver, 4),
+        "relay_node_size": args.node_size,
+        "relay_push_seconds_by_receivers": {str(n): round(t, 4) for n, t in relay.items()},
+        "relay_push_growth_per_doubling": round(growth_per_doubling(relay), 3),
+        "projected_push_s": {str(n): projected_push_seconds(n) for n in (64, 512)},
+    }
+
+
+async def fanout_only(args: argparse.Namespace) -> dict:
+    """The fan-out curves alone (no engines): the larger model's tensors."""
+    store = host_store(0)
+    with tempfile.TemporaryDirectory() as folder:
+        model = build_models(Path(folder), args.big_params)["big"]
+        tensors = load_tensors(model, "float32")
+    report = {"big_params": sum(t.numel() for _, t in tensors), "pushes": args.pushes}
+    report.update(fanout(tensors, torch.bfloat16, args, store, store.port, iter(range(1, 1000))))
+    return report
+
+
 async def main(args: argparse.Namespace) -> dict:
     store = host_store(0)  # any free port
     port = store.port
@@ -261,11 +408,7 @@ async def main(args: argparse.Namespace) -> dict:
                 for engine in engines:
                     await engine.shutdown()
             if label == "big":
-                # engines do not fit beside each other here: plain receivers
-                report["push_seconds_by_receivers"] = {
-                    str(n): round(raw_broadcast(tensors, n, args.pushes, store, port,
-                                                next(generations), wire), 4)
-                    for n in args.receivers}
+                report.update(fanout(tensors, wire, args, store, port, generations))
     first = min(args.engines)
     report["push_vs_raw_100m"] = report[f"big_{first}_push_vs_raw"]
     report["push_vs_flat_100m"] = report[f"big_{first}_push_vs_flat"]
@@ -294,7 +437,11 @@ if __name__ == "__main__":
     parser.add_argument("--pushes", type=int, default=None,
                         help="timed pushes per case: 3 (--quick: 1)")
     parser.add_argument("--receivers", type=int, nargs="+", default=None,
-                        help="plain receiver counts of the push curve: 1 2 4 (--quick: 1 2)")
+                        help="plain receiver counts of the push curve: 1 2 4 8 (--quick: 1 2)")
+    parser.add_argument("--node-size", type=int, default=4,
+                        help="receivers per node of the relayed curve: 4")
+    parser.add_argument("--fanout-only", action="store_true",
+                        help="only the fan-out curves (no engines)")
     parser.add_argument("--stall-requests", type=int, default=16,
                         help="requests in flight for the keep-vs-recompute stall: 16")
     parser.add_argument("--stall-prompt-tokens", type=int, default=1024,
@@ -307,8 +454,18 @@ if __name__ == "__main__":
     if arguments.pushes is None:
         arguments.pushes = 1 if arguments.quick else 3
     if arguments.receivers is None:
-        arguments.receivers = [1, 2] if arguments.quick else [1, 2, 4]
+        arguments.receivers = [1, 2] if arguments.quick else [1, 2, 4, 8]
     quiet_vllm_logging()
+    if arguments.fanout_only:
+        result = asyncio.run(fanout_only(arguments))
+        print(f"push to 1..N receivers: {result['push_seconds_by_receivers']} s "
+              f"(x{result['push_growth_per_doubling']} per doubling); relayed through nodes "
+              f"of {arguments.node_size}: {result['relay_push_seconds_by_receivers']} s "
+              f"(x{result['relay_push_growth_per_doubling']}); projected for a 7B policy: "
+              f"{result['projected_push_s']}")
+        if arguments.json:
+            print(json.dumps(result))
+        raise SystemExit(0)
     result = asyncio.run(main(arguments))
     for label in ("tiny", "big"):
         for n in arguments.engines:
@@ -325,5 +482,9 @@ if __name__ == "__main__":
               f"{figures['recompute'][0]}/{figures['recompute'][1]} s "
               f"({figures['recompute'][2]} s)")
     print(f"stall_keep_vs_recompute = {result['stall_keep_vs_recompute']}")
+    print(f"push to 1..N receivers: {result['push_seconds_by_receivers']} s "
+          f"(x{result['push_growth_per_doubling']} per doubling); relayed: "
+          f"{result['relay_push_seconds_by_receivers']} s "
+          f"(x{result['relay_push_growth_per_doubling']})")
     if arguments.json:
         print(json.dumps(result))

@@ -451,13 +451,18 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         ("--quick",), ("vs_raw_vllm", "summary_token_share", "compactions"), slow=True),
     ".venv/bin/python bench/replay_ingest.py --json": Run(
         ("--quick",), ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
+    # --quick measures 16 and 64 actors (the full run 64, 256 and 1,024: _1024 keys)
+    ".venv/bin/python bench/replay_scale.py --json": Run(
+        ("--quick",), ("vs_raw_zmq_64", "ack_p99_ms_64", "replay_rss_mb_64",
+                       "replay_cpu_us_per_segment_64")),
     ".venv/bin/python bench/ppo_step.py --json": Run(
         ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
     ".venv/bin/python bench/learner_memory.py --json": Run(
         ("--quick",), ("peak_vs_today_8k", "tokens_per_s_vs_today_8k", "table")),
     ".venv/bin/python bench/weights.py --json": Run(
         ("--quick",), ("push_vs_raw_100m", "ipc_push_vs_raw_100m", "stall_vs_load",
-                       "stall_keep_vs_recompute"),
+                       "stall_keep_vs_recompute", "push_seconds_by_receivers",
+                       "push_growth_per_doubling", "relay_push_growth_per_doubling"),
         slow=True),
     ".venv/bin/python bench/checkpoint.py --json": Run(
         ("--quick",), ("sync_save_s", "async_stall_s", "async_stall_vs_sync")),
