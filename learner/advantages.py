@@ -11,6 +11,13 @@ each segment is discounted by the trainable tokens after it in its rollout:
 
     A_i = (gamma * lam) ** N_{>s} * A_loc_i,   N_{>s} = sum of n_j over later segments j
 
+With a segment-length-adaptive lambda (``lam`` per segment: :func:`adaptive_lambdas`,
+lambda_s = 1 - 1/(alpha * n_s)) each segment's local GAE uses its own
+gamma*lambda_s and the discount is the product over the later segments:
+
+    A_i = prod_{j later} (gamma * lambda_j) ** n_j * A_loc_i
+
+which is the fixed-lambda form when every lambda_j is the same.
 ``mode="independent"`` skips that discount (the ablation). Value targets are
 the local returns A_loc + V. ``"grpo"`` (the ablation without a critic's
 credit) gives every token of a rollout (R - mean) / (std + eps) over the
@@ -32,6 +39,17 @@ GRPO_EPSILON = 1e-6
 AdvantageMode = Literal["cross", "independent", "grpo"]
 
 
+def adaptive_lambdas(segment_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """[S] lambda_s = 1 - 1/(alpha * n_s) of segments of ``n_s`` trainable
+    tokens (clipped at 0; an empty segment's is 1, it has no tokens to
+    discount): a long segment bootstraps little, a short one much."""
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, not {alpha}")
+    n = segment_lengths.double()
+    lam = 1.0 - 1.0 / (alpha * n.clamp(min=1.0))
+    return torch.where(n > 0, lam.clamp(min=0.0), torch.ones_like(lam))
+
+
 def advantages_and_returns(
     mode: AdvantageMode,
     values: torch.Tensor,
@@ -40,7 +58,7 @@ def advantages_and_returns(
     rewards: torch.Tensor,
     task_ids: Sequence[str],
     gamma: float,
-    lam: float,
+    lam: float | torch.Tensor,
     token_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [T], returns [T]) of the trainable tokens of some of a
@@ -49,7 +67,8 @@ def advantages_and_returns(
     ``rewards`` [R] and ``task_ids`` [R] (grpo's groups span the whole batch);
     ``token_rewards`` [T], the environment's per-step rewards on the trainable
     tokens, join the final reward in GAE's per-token rewards (grpo compares
-    final rewards only); the returns are the local returns whatever the mode."""
+    final rewards only); the returns are the local returns whatever the mode.
+    ``lam``: one lambda, or [S] one per segment (:func:`adaptive_lambdas`)."""
     if mode not in ("cross", "independent", "grpo"):
         raise ValueError(f"mode must be 'cross', 'independent' or 'grpo', not {mode!r}")
     rollouts, local = torch.unique_consecutive(segment_rollout, return_inverse=True)
@@ -84,9 +103,10 @@ def _segment_ids(segment_lengths: torch.Tensor) -> torch.Tensor:
         torch.arange(len(segment_lengths), device=segment_lengths.device), segment_lengths)
 
 
-def discounted_suffix_sum(x: torch.Tensor, segment_ids: torch.Tensor, discount: float
-                          ) -> torch.Tensor:
-    """y_i = sum_{l>=0} discount^l x_{i+l}, summing only within i's segment.
+def discounted_suffix_sum(x: torch.Tensor, segment_ids: torch.Tensor,
+                          discount: float | torch.Tensor) -> torch.Tensor:
+    """y_i = sum_{l>=0} discount^l x_{i+l}, summing only within i's segment
+    (``discount``: one number, or [T] each token's, the same within a segment).
 
     A log-depth doubling scan: after the step of span k, y_i covers
     x_i .. x_{i+2k-1} (clipped at the segment's end), so ceil(log2(longest
@@ -98,9 +118,10 @@ def discounted_suffix_sum(x: torch.Tensor, segment_ids: torch.Tensor, discount: 
     factor = discount
     while span < longest:
         same = segment_ids[span:] == segment_ids[:-span]
-        y[:-span] = y[:-span] + torch.where(same, factor * y[span:], torch.zeros_like(y[span:]))
+        scale = factor if isinstance(factor, float) else factor[:-span]
+        y[:-span] = y[:-span] + torch.where(same, scale * y[span:], torch.zeros_like(y[span:]))
         span *= 2
-        factor *= factor
+        factor = factor * factor
     return y
 
 
@@ -110,15 +131,15 @@ def cross_trajectory_gae(
     segment_rollout: torch.Tensor,
     rewards: torch.Tensor,
     gamma: float,
-    lam: float,
+    lam: float | torch.Tensor,
     mode: str = "cross",
     token_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [T], returns [T]) for trainable tokens concatenated rollout
     by rollout, segment by segment. ``segment_lengths`` [S] counts trainable
     tokens per segment (0 allowed), ``segment_rollout`` [S] is non-decreasing
-    in 0..R-1, ``rewards`` [R] the final rewards. Computed in float64 and
-    returned in ``values``' dtype."""
+    in 0..R-1, ``rewards`` [R] the final rewards, ``lam`` one lambda or [S]
+    one per segment. Computed in float64 and returned in ``values``' dtype."""
     if mode not in ("cross", "independent"):
         raise ValueError(f"mode must be 'cross' or 'independent', not {mode!r}")
     if int(segment_lengths.sum()) != len(values):
@@ -127,6 +148,8 @@ def cross_trajectory_gae(
         raise ValueError("one rollout index per segment")
     if len(segment_rollout) and bool((segment_rollout[1:] < segment_rollout[:-1]).any()):
         raise ValueError("segment_rollout must be non-decreasing")
+    if isinstance(lam, torch.Tensor) and lam.shape != segment_lengths.shape:
+        raise ValueError("one lambda per segment")
     lengths = segment_lengths.long()
     v = values.detach().double()
     segment_ids = _segment_ids(lengths)
@@ -142,7 +165,11 @@ def cross_trajectory_gae(
         same = segment_ids[1:] == segment_ids[:-1]
         next_v[:-1] = torch.where(same, v[1:], torch.zeros_like(v[1:]))
     delta = r + gamma * next_v - v
-    local = discounted_suffix_sum(delta, segment_ids, gamma * lam)
+    per_segment = isinstance(lam, torch.Tensor)
+    # gamma * lambda of each segment (per token), or the one of every segment
+    gamma_lam = gamma * lam.double() if per_segment else gamma * lam
+    local = discounted_suffix_sum(delta, segment_ids, gamma_lam[segment_ids] if per_segment
+                                  else gamma_lam)
     returns = local + v
 
     if mode == "cross" and len(lengths):
@@ -152,8 +179,34 @@ def cross_trajectory_gae(
                                   device=lengths.device)
         rollout_end.scatter_reduce_(0, rollout, ends, reduce="amax")
         later = rollout_end[rollout] - ends
-        discount = torch.pow(torch.tensor(gamma * lam, dtype=torch.float64), later.double())
+        if per_segment:
+            discount = _later_segments_product(gamma_lam, lengths, rollout)
+        else:
+            discount = torch.pow(torch.tensor(gamma_lam, dtype=torch.float64), later.double())
         advantages = local * torch.repeat_interleave(discount, lengths)
     else:
         advantages = local
     return advantages.to(values.dtype), returns.to(values.dtype)
+
+
+def _later_segments_product(gamma_lam: torch.Tensor, lengths: torch.Tensor,
+                            rollout: torch.Tensor) -> torch.Tensor:
+    """[S] prod over the later segments j of the same rollout of
+    (gamma * lambda_j) ** n_j: sums of n_j log(gamma * lambda_j) after each
+    segment, a zero factor counted apart (its log is -inf)."""
+    zero = (lengths > 0) & (gamma_lam == 0)
+    logs = torch.where((lengths > 0) & ~zero, lengths.double() * torch.log(gamma_lam),
+                       torch.zeros_like(gamma_lam))
+
+    def later_sum(x: torch.Tensor) -> torch.Tensor:
+        # suffix[s] = sum_{j >= s} x_j over all segments (suffix[S] = 0); the
+        # later part of s's rollout ends where the next rollout begins
+        suffix = torch.cat([torch.flip(torch.cumsum(torch.flip(x, [0]), 0), [0]),
+                            torch.zeros(1, dtype=x.dtype, device=x.device)])
+        index = torch.arange(len(x), device=x.device)
+        end = torch.zeros(int(rollout.max()) + 1, dtype=torch.long, device=x.device)
+        end.scatter_reduce_(0, rollout, index + 1, reduce="amax")
+        return suffix[index + 1] - suffix[end[rollout]]
+
+    return torch.where(later_sum(zero.double()) > 0, torch.zeros_like(logs),
+                       torch.exp(later_sum(logs)))

@@ -102,7 +102,18 @@ class LearnerConfig:
     gamma: float = bounded(1.0, ge=0, le=1)
     """Discount of the GAE."""
     lam: float = bounded(0.999, ge=0, le=1)
-    """lambda of the GAE; (gamma*lam)^N_{>s} discounts early segments."""
+    """lambda of the GAE with lam_mode = "fixed"; (gamma*lam)^N_{>s} discounts
+    early segments."""
+    lam_mode: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: one lambda (``lam``); adaptive: each segment's own, lambda_s =
+    1 - 1/(lam_alpha * n_s) of its n_s trainable tokens (the paper's), in its
+    GAE and in the discount of the segments before it."""
+    lam_alpha: float = bounded(1.5, gt=0)
+    """alpha of the adaptive lambda (the paper: 1.5)."""
+    critic_warmup_steps: int = bounded(0, ge=0)
+    """Value-only updates on the first batches: the critic (a value head
+    alone, without the shared body) learns while the policy, its version and
+    the actors' weights stay put."""
     advantage: Literal["cross", "independent", "grpo"] = "cross"
     """cross: cross-trajectory GAE; independent: each segment alone; grpo:
     group-relative outcome advantage (ablations)."""

@@ -45,6 +45,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from learner.advantages import advantages_and_returns
+from learner.advantages import adaptive_lambdas, advantages_and_returns
 from learner.batch import Sequence, TrainBatch, microbatches
 from learner.config import LearnerConfig
 from learner.losses import (
@@ -276,9 +277,11 @@ class PPOTrainer:
                                    else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
                                    for s in sequences])
                         if any(s.token_rewards is not None for s in sequences) else None)
+        lam = (adaptive_lambdas(lengths, self.config.lam_alpha)
+               if self.config.lam_mode == "adaptive" else self.config.lam)
         flat_adv, flat_ret = advantages_and_returns(
             self.config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
-            batch.task_ids, self.config.gamma, self.config.lam, step_rewards)
+            batch.task_ids, self.config.gamma, lam, step_rewards)
         advantages, returns, offset = [], [], 0
         for sequence in sequences:
             n = sum(sequence.segment_lengths)
@@ -304,7 +307,10 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, batch: TrainBatch) -> dict[str, float]:
+    def step(self, batch: TrainBatch, value_only: bool = False) -> dict[str, float]:
+        """One PPO step on ``batch``; ``value_only`` (the critic's warm-up):
+        the critic learns, the policy does not move (its losses are still
+        measured)."""
         shares = [batch.assign(m, self.world_size)[self.rank]
                   for m in batch.minibatches(self.config.minibatches)]
         fused = len(shares) == 1
@@ -312,7 +318,7 @@ class PPOTrainer:
         statistics = StepStatistics()
         for _ in range(self.config.ppo_epochs):
             for part in prepared:
-                self._update(part, statistics, batch)
+                self._update(part, statistics, batch, value_only)
         return statistics.summed_over_ranks().metrics(self.config.ppo_epochs)
 
     def _policy_weights(self, part: _Prepared, tokens: float, segments: float
@@ -327,7 +333,8 @@ class PPOTrainer:
             weights.append(row)
         return weights
 
-    def _update(self, part: _Prepared, statistics: StepStatistics, batch: TrainBatch) -> None:
+    def _update(self, part: _Prepared, statistics: StepStatistics, batch: TrainBatch,
+                value_only: bool = False) -> None:
         """One optimizer step on ``part``: per micro-batch, the value loss
         and the policy loss with the minibatch's global counts in their
         weights (a critic model's backward before the policy's forward; a
@@ -359,7 +366,8 @@ class PPOTrainer:
             if logp is None:  # a critic model: its backward before the policy's forward
                 # FSDP averages gradients over ranks: times the world size, a sum
                 (v_loss * self.world_size).backward()
-                logp, _ = self._evaluate(ids, True, False)
+                with torch.no_grad() if value_only else contextlib.nullcontext():
+                    logp, _ = self._evaluate(ids, True, False)
             if taking_prox:  # the policy is at the step's start weights until this step
                 logp_prox.append(logp.detach())
                 prox = logp.detach()
@@ -369,11 +377,19 @@ class PPOTrainer:
                                           config.clip_low, config.clip_high, config.is_cap,
                                           config.is_mode)
             loss = p_loss if self.critic is not None else p_loss + config.value_loss_coef * v_loss
-            (loss * self.world_size).backward()
+            if value_only:  # the critic's backward only (a critic model's is done)
+                loss = None if self.critic is not None else config.value_loss_coef * v_loss
+            if loss is not None:
+                (loss * self.world_size).backward()
             statistics.add_pass(float(trainable.sum()), p_loss, v_loss, p_stats, v_stats,
                                 residual_moments(returns, old_values, trainable))
         if taking_prox:
             part.logp_prox = _unpad(part.sequences, part.groups, logp_prox)
+        if value_only and self.critic is None:
+            # the value loss reaches the shared body too: only the head moves
+            for name, parameter in self.policy.named_parameters():
+                if not is_value_head(name):
+                    parameter.grad = None
         if config.max_grad_norm > 0:
             # with a value head, one norm over the body and both heads
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)

@@ -259,7 +259,8 @@ class Learner:
                 # after the request: a checkpoint never holds a batch the replay
                 # would serve again to a learner resumed from it
                 self._checkpoint()
-            if self.step % self.config.publish_every == 0:
+            if (self.step % self.config.publish_every == 0
+                    and self.step > self.config.critic_warmup_steps):  # a version to publish
                 publisher.publish(self.version)
 
     def _waiting(self) -> bool:
@@ -295,8 +296,10 @@ class Learner:
             if self.rank == 0:
                 log.warning("refused a batch: %s", exc)
             return False
-        metrics = self.trainer.step(batch)
-        self.version += 1
+        # the critic's warm-up: value-only steps; the policy, so its version, stays
+        warming = self.step < self.config.critic_warmup_steps
+        metrics = self.trainer.step(batch, value_only=warming)
+        self.version += 0 if warming else 1
         self.step += 1
         self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,
                             batch.compactions, time.perf_counter() - began, self.version,

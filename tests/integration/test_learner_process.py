@@ -1,6 +1,7 @@
 """The learner under torchrun (2 ranks) against the real replay service:
 it pulls batches, trains, checkpoints, exports, and resumes. Its critic is a
-value head here (`compactionrl up`'s tests run the default, a critic model)."""
+value head here (`compactionrl up`'s tests run the default, a critic model),
+warmed up for one value-only step, with the paper's adaptive lambda."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
         assert actor.pump_until(lambda: not actor.unacked)
 
         first = compactionrl("learner", *common, "--learner.max_steps", "3",
+                             "--learner.critic_warmup_steps", "1",
+                             "--learner.lam_mode", "adaptive",
                              "--learner.keep_last", "2", "--learner.export_every", "2",
                              "--tracking.backends", '["tensorboard"]',
                              "--tracking.samples_every", "2", timeout=300)
@@ -62,10 +65,12 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
         assert [e.step for e in events.Scalars("rollouts/reward")] == [1, 2, 3]
         assert [t.step for t in events.Tensors("rollouts/samples/text_summary")] == [2]
         checkpoints = run / "checkpoints"
-        # retention: the newest two; an export beside the checkpoint of step 2
+        # retention: the newest two; an export beside the checkpoint of step 2;
+        # the warm-up step moved no version
         assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-2", "step-3"]
         assert json.loads((checkpoints / "step-2" / "meta.json").read_text()) == {
-            "version": 2, "step": 2}
+            "version": 1, "step": 2}
+        assert "step 1: version 0" in first.stderr and "step 3: version 2" in first.stderr
         assert (run / "exports" / "step-2" / "model.safetensors").is_file()
 
         # resuming from step 2 sets the later branch aside and goes on from there

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.advantages import advantages_and_returns, cross_trajectory_gae
+from learner.advantages import adaptive_lambdas, advantages_and_returns, cross_trajectory_gae
 from tests.tolerances import rounding_tolerance
 
 
@@ -168,3 +168,78 @@ def test_the_entry_point_refuses_a_rollout_in_two_places() -> None:
     with pytest.raises(ValueError, match="consecutive"):
         advantages_and_returns("cross", torch.zeros(3), torch.tensor([1, 1, 1]),
                                torch.tensor([0, 1, 0]), torch.ones(2), ["a", "a"], 1.0, 1.0)
+
+
+def adaptive_loop_reference(values, lengths, rollout_of, rewards, gamma, alpha, mode):
+    """The segment-length-adaptive form written out: each segment's lambda_s =
+    1 - 1/(alpha n_s), its own in its local GAE, and the later segments'
+    (gamma lambda_j)^n_j multiplied into the discount."""
+    lams = [max(0.0, 1 - 1 / (alpha * n)) if n else 1.0 for n in lengths]
+    advantages, returns = [], []
+    start = 0
+    for s, n in enumerate(lengths):
+        segment_values = values[start: start + n]
+        adv, ret = loop_reference(segment_values, [n], [0], [rewards[rollout_of[s]]], gamma,
+                                  lams[s], "independent")
+        factor = 1.0
+        if mode == "cross":
+            for j in range(s + 1, len(lengths)):
+                if rollout_of[j] == rollout_of[s] and lengths[j]:
+                    factor *= (gamma * lams[j]) ** lengths[j]
+        advantages += (adv * factor).tolist()
+        returns += ret.tolist()
+        start += n
+    return torch.tensor(advantages, dtype=torch.float64), torch.tensor(returns,
+                                                                        dtype=torch.float64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=batches(), gamma=st.sampled_from([1.0, 0.99]), alpha=st.sampled_from([0.5, 1.5, 4.0]),
+       mode=st.sampled_from(["cross", "independent"]))
+def test_adaptive_lambda_matches_its_loop_reference(batch, gamma: float, alpha: float,
+                                                   mode: str) -> None:
+    lengths, rollout_of, values, rewards, _ = batch
+    lam = adaptive_lambdas(torch.tensor(lengths), alpha)
+    got_adv, got_ret = cross_trajectory_gae(
+        torch.tensor(values, dtype=torch.float64), torch.tensor(lengths),
+        torch.tensor(rollout_of), torch.tensor(rewards, dtype=torch.float64), gamma, lam, mode)
+    want_adv, want_ret = adaptive_loop_reference(values, lengths, rollout_of, rewards, gamma,
+                                                 alpha, mode)
+    # as the fixed-lambda test bounds it, plus the discount taken as exp of a
+    # sum of n_j log(gamma lambda_j) (relative error of a few eps per segment
+    # and per unit of the log) instead of a product
+    longest = max(lengths, default=0)
+    largest_value = max(map(abs, values), default=0.0)
+    largest_delta = max(map(abs, rewards)) + (1 + gamma) * largest_value
+    logs = sum(n * abs(torch.log(torch.tensor(gamma) * lam[i]).item())
+               for i, n in enumerate(lengths) if n and lam[i] > 0)
+    tolerance = rounding_tolerance(longest * largest_delta + largest_value,
+                                   2 * longest + 2 + 2 * len(lengths) + int(logs) + 1,
+                                   torch.float64)
+    torch.testing.assert_close(got_adv, want_adv, rtol=0, atol=tolerance)
+    torch.testing.assert_close(got_ret, want_ret, rtol=0, atol=tolerance)
+
+
+def test_adaptive_lambdas_follow_the_segment_length() -> None:
+    lam = adaptive_lambdas(torch.tensor([0, 1, 2, 100]), alpha=1.5)
+    assert lam.tolist() == pytest.approx([1.0, 1 / 3, 2 / 3, 1 - 1 / 150])
+    # the discount an earlier segment gets is far from 1: exp(-N/(alpha L)) for long ones
+    adv, _ = cross_trajectory_gae(torch.zeros(200, dtype=torch.float64), torch.tensor([100, 100]),
+                                  torch.tensor([0, 0]), torch.tensor([1.0], dtype=torch.float64),
+                                  1.0, adaptive_lambdas(torch.tensor([100, 100]), 1.5))
+    factor = float(adv[0] / adv[100])  # same local advantages, only the discount differs
+    assert factor == pytest.approx((1 - 1 / 150) ** 100)
+    assert factor < 0.52
+    with pytest.raises(ValueError, match="alpha"):
+        adaptive_lambdas(torch.tensor([3]), 0.0)
+
+
+def test_one_lambda_for_every_segment_is_the_fixed_form_exactly() -> None:
+    values = torch.linspace(-1, 1, 9, dtype=torch.float64)
+    lengths, rollout = torch.tensor([4, 0, 5]), torch.tensor([0, 0, 1])
+    rewards = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    fixed = cross_trajectory_gae(values, lengths, rollout, rewards, 0.99, 0.95)
+    tensor = cross_trajectory_gae(values, lengths, rollout, rewards, 0.99,
+                                  torch.full((3,), 0.95, dtype=torch.float64))
+    for a, b in zip(fixed, tensor, strict=True):
+        assert torch.allclose(a, b, atol=1e-12, rtol=0)

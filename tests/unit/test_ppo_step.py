@@ -376,3 +376,18 @@ def test_minibatches_and_rank_shares_are_the_same_cut_for_any_world_size() -> No
     for world in (1, 2, 3):
         shares = batch.assign(minibatches[0], world)
         assert sorted(r for share in shares for r in share) == minibatches[0]
+
+
+@pytest.mark.parametrize("critic", ["model", "value_head"])
+def test_a_critic_warmup_step_moves_the_critic_and_not_the_policy(tiny_model_dir: Path,
+                                                                 critic: str) -> None:
+    """learner.critic_warmup_steps: value-only updates. With a value head the
+    shared body stays put too (it is the policy); only the head learns."""
+    ppo = trainer(tiny_model_dir, critic=critic, lam_mode="adaptive")
+    policy = [p for n, p in ppo.policy.named_parameters() if not is_value_head(n)]
+    value = list(value_modules(ppo).parameters())
+    before_policy, before_value = ([p.detach().clone() for p in ps] for ps in (policy, value))
+    metrics = ppo.step(to_train_batch(synthetic_batch(), train_summary=True), value_only=True)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert all(torch.equal(a, b) for a, b in zip(before_policy, policy, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(before_value, value, strict=True))
