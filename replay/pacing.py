@@ -60,14 +60,13 @@ class CreditPacer:
         """The last batch served, until the learner asks for the next one."""
         self.accepted = 0
         self.outstanding: dict[str, int] = {}
+        self.running = 0
+        """sum(outstanding.values()), kept as it changes: read for every
+        grant, it would cost O(actors) each time, O(actors^2) an ingest pass."""
         self._ledgers: dict[str, tuple[int, int]] = {}
         """actor -> (ledger id, credits granted under it)."""
         self._bytes_seen = 0
         self._rollouts_seen = 0
-
-    @property
-    def running(self) -> int:
-        return sum(self.outstanding.values())
 
     @property
     def estimated_rollout_bytes(self) -> int:
@@ -90,6 +89,7 @@ class CreditPacer:
         granted = max(0, min(wanted, self.available(buffer_bytes, ready)))
         if granted:
             self.outstanding[actor] = self.outstanding.get(actor, 0) + granted
+            self.running += granted
             ledger, total = self.ledger(actor)
             self._ledgers[actor] = ledger, total + granted
         return granted
@@ -105,6 +105,7 @@ class CreditPacer:
         """A rollout of ``actor`` completed (``accepted``) or was lost."""
         if self.outstanding.get(actor, 0) > 0:
             self.outstanding[actor] -= 1
+            self.running -= 1
         if accepted:
             self.accepted += 1
             self._bytes_seen += rollout_bytes
@@ -137,5 +138,5 @@ class CreditPacer:
 
     def forget(self, actor: str) -> None:
         """The actor is gone: its unreturned credits are void, and so is its ledger."""
-        self.outstanding.pop(actor, None)
+        self.running -= self.outstanding.pop(actor, 0)
         self._ledgers.pop(actor, None)

@@ -92,6 +92,10 @@ class PacingModel(RuleBasedStateMachine):
     def memory_bound(self) -> None:
         assert self.buffer_bytes <= self.pacer.max_buffer_bytes
 
+    @invariant()
+    def running_is_the_sum_of_the_actors_outstanding(self) -> None:
+        assert self.pacer.running == sum(self.pacer.outstanding.values())
+
 
 TestPacing = PacingModel.TestCase
 TestPacing.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
