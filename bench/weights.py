@@ -116,8 +116,7 @@ def raw_broadcast(tensors: list[tuple[str, torch.Tensor]], receivers: int, round
         began = time.perf_counter()
         group.send(manifest, (t for _, t in tensors))
         times.append(time.perf_counter() - began)
-    for process in processes:
-        process.join(timeout=120)
+    _reap(processes)
     return statistics.median(times)
 
 
@@ -181,9 +180,17 @@ def relay_broadcast(tensors: list[tuple[str, torch.Tensor]], receivers: int, nod
         group._group.barrier().wait()
         if round_:
             times.append(time.perf_counter() - began)
+    _reap(processes)
+    return statistics.median(times)
+
+
+def _reap(processes: list[multiprocessing.Process]) -> None:
+    """Wait for the receivers; kill one that hangs (the benchmark must end)."""
     for process in processes:
         process.join(timeout=120)
-    return statistics.median(times)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def growth_per_doubling(seconds_by_receivers: dict[int, float]) -> float:

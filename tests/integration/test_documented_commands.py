@@ -640,7 +640,7 @@ def test_documented_command_runs(command: str, entry: Run, tmp_path: Path,
         report = json.loads(result.stdout.strip().splitlines()[-1])
         for key in entry.json_keys:
             value = report[key]
-            assert (len(value) > 0 if isinstance(value, list) else value > 0), (key, value)
+            assert (len(value) > 0 if isinstance(value, list | dict) else value > 0), (key, value)
 
 
 @pytest.mark.parametrize("command, entry", _params(Elsewhere))

@@ -50,13 +50,14 @@ def _config(hosts: Hosts, model: Path, out: Path, keys: Path) -> str:
 name = "hosts"
 out_dir = "{out}"
 model = "{model}"
+max_minutes = 0.0
 
 [actors]
 concurrent_episodes = 2
 metrics_port = {METRICS["actor"]}
 
 [actors.environment]
-max_steps = 12
+max_steps = 12  # with the window of 260 tokens: episodes compact
 
 [replay]
 actor_address = "tcp://{replay}:{PORTS["actors"]}"
@@ -125,7 +126,10 @@ def test_a_run_across_hosts_with_curve_trains_and_keeps_an_intruder_out(
     generate_keys(tmp_path / "intruder-keys", ["intruder"])
     config = tmp_path / "hosts.toml"
     config.write_text(_config(hosts, tiny_model_dir, tmp_path / "runs", keys))
-    common = ["--config", str(config)]
+    # the local configuration (its small window makes episodes compact), then
+    # the hosts' settings over it
+    common = ["--config", str(ROOT / "deploy" / "configs" / "local-cpu.toml"),
+              "--config", str(config)]
     # gloo picks its interface by the host name, which names no namespace's address
     env = {"GLOO_SOCKET_IFNAME": INTERFACE}
     logs = tmp_path / "logs"
