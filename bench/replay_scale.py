@@ -160,7 +160,10 @@ def raw_router(address: multiprocessing.Queue, stop: multiprocessing.Event) -> N
                     identity, _ = socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                socket.send_multipart([identity, b"ok"])
+                try:
+                    socket.send_multipart([identity, b"ok"])
+                except zmq.ZMQError:  # a client gone at the end (ROUTER_MANDATORY)
+                    pass
     socket.close(linger=0)
     context.term()
 

@@ -464,6 +464,10 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
                        "stall_keep_vs_recompute", "push_seconds_by_receivers",
                        "push_growth_per_doubling", "relay_push_growth_per_doubling"),
         slow=True),
+    # docs/weights.md: the fan-out curves alone
+    ".venv/bin/python bench/weights.py --fanout-only --json": Run(
+        ("--quick",), ("push_seconds_by_receivers", "push_growth_per_doubling",
+                       "relay_push_growth_per_doubling", "projected_push_s")),
     ".venv/bin/python bench/checkpoint.py --json": Run(
         ("--quick",), ("sync_save_s", "async_stall_s", "async_stall_vs_sync")),
     ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
