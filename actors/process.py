@@ -465,9 +465,18 @@ class Actor:
             self._forgotten_by_learner()
 
     async def _apply_weights(self) -> None:
-        """Announcements, one at a time, in order."""
+        """Announcements, one at a time, the newest waiting first: an older
+        one's generation was given up by the learner when it announced the
+        next (joining it would wait out the group timeout for nothing, and
+        an actor that did so for each would never catch up)."""
         while True:
             learner_incarnation, announce = await self.announcements.get()
+            superseded = 0
+            while not self.announcements.empty():
+                learner_incarnation, announce = self.announcements.get_nowait()
+                superseded += 1
+            if superseded:
+                log.info("skipped %d superseded weight announcements", superseded)
             group = (learner_incarnation, announce.group.generation)
             try:
                 if group != self.weights.group:
