@@ -47,8 +47,8 @@ def _socket_attempt(context: zmq.Context, address: str, transport: TransportConf
 
 def _store_attempts(host: str, port: int, transport: TransportConfig) -> dict:
     """Read the store, then join generations 1..4 as every rank a small
-    group could give an actor: each must fail without a byte received."""
-    outcome: dict[str, object] = {"replies": 0, "joined": 0, "tensors": 0}
+    group could give an actor: each must fail (no group, so no tensor)."""
+    outcome: dict[str, object] = {"replies": 0, "joined": 0}
     store = connect_store(host, port, 2.0, transport)
     for read in (lambda: store.num_keys(), lambda: store.get("weights/1/rank_0")):
         try:
