@@ -7,23 +7,29 @@ only by spending a credit, sends its two segments of ``--tokens`` tokens,
 counts its credits by the replay's ledger and sends heartbeats. A learner
 client takes batches as fast as the replay serves them (no training), so
 credits come back. For 64, 256 and 1,024 actors (``--actors``), with the
-durable log on (fsync per batch):
+durable log on (fsync per ingest pass):
 
-- accepted segments/s at the replay, against a raw ZeroMQ ROUTER that answers
-  each frame of the same clients (same sockets, frames and sizes; no credits)
-  with a small reply: ``vs_raw_zmq_<N>``;
-- acknowledgement latency, send to the ``Ack`` listing the segment, p50/p99:
-  ``ack_p50_ms_<N>``, ``ack_p99_ms_<N>``;
+- saturation, every actor starting a rollout as soon as it may: accepted
+  segments/s at the replay against a raw ZeroMQ ROUTER that answers each
+  frame of the same clients (same sockets, frames and sizes; no credits) with
+  a small reply, ``vs_raw_zmq_<N>``; and the acknowledgement latency there,
+  ``ack_p99_ms_saturated_<N>`` (raw: ``raw_ack_p99_ms_saturated_<N>``), which
+  is queueing: in a closed loop it is the clients in flight over the rate;
+- an offered load of ``--load`` (0.5) times the replay's saturated rate,
+  each actor starting a rollout once per interval at a random phase: the
+  acknowledgement latency, send to the ``Ack`` listing the segment, p50/p99,
+  ``ack_p50_ms_<N>``, ``ack_p99_ms_<N>``, against the raw router at the same
+  load, ``raw_ack_p99_ms_<N>``;
 - the replay process's RSS at the end and its CPU seconds per accepted
-  segment: ``replay_rss_mb_<N>``, ``replay_cpu_us_per_segment_<N>``.
+  segment at saturation: ``replay_rss_mb_<N>``, ``replay_cpu_us_per_segment_<N>``.
+
+The server under test (replay or raw router) runs on core 0, the clients on
+the others (see :data:`SERVER_CORES`).
 
     python bench/replay_scale.py [--json] [--quick] [--actors 64 256 1024] [--seconds 10]
-        [--processes 4] [--tokens 2048]
+        [--processes 4] [--tokens 2048] [--load 0.5]
 
 ``--quick``: 16 and 64 actors for 2 s each (a smoke test of the same code).
-The client processes share this machine's cores with the replay: on 2 cores
-they take CPU the replay would otherwise have, for both the replay and the raw
-router alike.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import argparse
 import json
 import multiprocessing
 import os
-import statistics
+import random
 import tempfile
 import threading
 import time
@@ -53,12 +59,23 @@ TRANSPORT = TransportConfig(heartbeat_interval_s=HEARTBEAT_S, heartbeat_liveness
                             max_message_bytes=512 * 1024 * 1024)
 
 
+#: The server under test (the replay, or the raw router) gets a core of its
+#: own; the clients (and the learner) the others: on a shared pair of cores the
+#: clients' CPU would count against the server, as it does not across hosts.
+SERVER_CORES = {0}
+CLIENT_CORES = set(range(1, os.cpu_count() or 1)) or {0}
+
+
+def pin(cores: set[int]) -> None:
+    os.sched_setaffinity(0, cores)
+
+
 class SimulatedActor:
     """One actor's socket and ledger; ``raw``: no protocol, every frame answered."""
 
-    def __init__(self, context: zmq.Context, address: str, name: str, tokens: int,
-                 raw: bool) -> None:
-        self.stamp = Stamp(name, 1)
+    def __init__(self, context: zmq.Context, address: str, name: str, incarnation: int,
+                 tokens: int, raw: bool) -> None:
+        self.stamp = Stamp(name, incarnation)
         self.socket = connect_dealer(context, address, TRANSPORT, name.encode())
         self.raw = raw
         self.tokens = tokens
@@ -74,7 +91,7 @@ class SimulatedActor:
     def start_rollout(self, now: float) -> None:
         """Spend a credit: both segments of a rollout go out at once."""
         self.credits -= 1
-        rollout = f"{self.stamp.sender_id}-{self.rollouts}"
+        rollout = f"{self.stamp.sender_id}-{self.stamp.incarnation}-{self.rollouts}"
         self.rollouts += 1
         for index in (0, 1):
             segment = synthetic_segment(self.stamp, rollout, index, index == 1,
@@ -118,10 +135,16 @@ class SimulatedActor:
 
 
 def client_process(address: str, first: int, count: int, tokens: int, raw: bool,
-                   seconds: float, start: multiprocessing.Event,
+                   seconds: float, interval: float, incarnation: int,
+                   start: multiprocessing.Event,
                    results: multiprocessing.Queue) -> None:
+    """``interval`` 0: each actor starts a rollout as soon as it may
+    (saturation); otherwise one every ``interval`` seconds, at a random phase
+    (an offered load), or as soon as it may after that if it could not."""
+    pin(CLIENT_CORES)
+    phases = random.Random(first)
     context = zmq.Context()
-    actors = [SimulatedActor(context, address, f"sim-{first + i}", tokens, raw)
+    actors = [SimulatedActor(context, address, f"sim-{first + i}", incarnation, tokens, raw)
               for i in range(count)]
     poller = zmq.Poller()
     by_socket = {}
@@ -135,10 +158,12 @@ def client_process(address: str, first: int, count: int, tokens: int, raw: bool,
     acked = 0
     began = time.monotonic()
     end = began + seconds
+    due = [began + phases.uniform(0, interval) for _ in actors]
     while (now := time.monotonic()) < end:
-        for actor in actors:
-            if actor.credits > 0 and not actor.sent:
+        for i, actor in enumerate(actors):
+            if actor.credits > 0 and not actor.sent and now >= due[i]:
                 actor.start_rollout(now)
+                due[i] += interval
             actor.heartbeat(now)
         for socket, _ in poller.poll(10):
             acked += by_socket[socket].receive(time.monotonic(), latencies)
@@ -150,6 +175,7 @@ def client_process(address: str, first: int, count: int, tokens: int, raw: bool,
 
 def raw_router(address: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     """Answers each frame at once: the transport's ceiling with these clients."""
+    pin(SERVER_CORES)
     context = zmq.Context()
     socket = bind_router(context, "tcp://127.0.0.1:*", TRANSPORT)
     address.put(socket.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -170,6 +196,7 @@ def raw_router(address: multiprocessing.Queue, stop: multiprocessing.Event) -> N
 
 def replay_process(folder: str, batch: int, addresses: multiprocessing.Queue,
                    stop: multiprocessing.Event) -> None:
+    pin(SERVER_CORES)
     config = ReplayConfig(actor_address="tcp://127.0.0.1:0", learner_address="tcp://127.0.0.1:0",
                           durable_log=True, log_path=f"{folder}/segments.log", metrics_port=0,
                           rollouts_per_batch=batch, max_staleness=8,
@@ -210,14 +237,15 @@ def rss_mb(pid: int) -> float:
 
 
 def run_clients(address: str, actors: int, processes: int, tokens: int, raw: bool,
-                seconds: float) -> tuple[float, list[float]]:
+                seconds: float, interval: float = 0.0, incarnation: int = 1
+                ) -> tuple[float, list[float]]:
     """Acknowledged segments per second over the window, and every latency."""
     spawn = multiprocessing.get_context("spawn")
     start, results = spawn.Event(), spawn.Queue()
     shares = [actors // processes + (i < actors % processes) for i in range(processes)]
     firsts = [sum(shares[:i]) for i in range(processes)]
     workers = [spawn.Process(target=client_process, args=(
-        address, first, share, tokens, raw, seconds, start, results))
+        address, first, share, tokens, raw, seconds, interval, incarnation, start, results))
         for first, share in zip(firsts, shares, strict=True) if share]
     for worker in workers:
         worker.start()
@@ -231,41 +259,61 @@ def run_clients(address: str, actors: int, processes: int, tokens: int, raw: boo
     return acked / window, [latency for o in outcomes for latency in o[2]]
 
 
+def percentile_ms(latencies: list[float], q: float) -> float:
+    ordered = sorted(latencies)
+    return round(ordered[int(q * (len(ordered) - 1))] * 1000, 2)
+
+
 def measure(actors: int, args: argparse.Namespace) -> dict:
+    """Saturation (every actor starts a rollout as soon as it may) for the raw
+    router and the replay, then both again at an offered load of
+    ``args.load`` times the replay's saturated rate, for latency."""
     spawn = multiprocessing.get_context("spawn")
     stop, addresses = spawn.Event(), spawn.Queue()
     router = spawn.Process(target=raw_router, args=(addresses, stop))
     router.start()
-    raw_rate, _ = run_clients(addresses.get(timeout=60), actors, args.processes, args.tokens,
-                              True, args.seconds)
-    stop.set()
-    router.join(timeout=30)
-
+    raw_address = addresses.get(timeout=60)
+    raw_rate, raw_saturated = run_clients(raw_address, actors, args.processes, args.tokens,
+                                          True, args.seconds)
     with tempfile.TemporaryDirectory() as folder:
-        stop, addresses = spawn.Event(), spawn.Queue()
+        replay_stop, addresses = spawn.Event(), spawn.Queue()
         batch = max(8, actors // 8)
-        replay = spawn.Process(target=replay_process, args=(folder, batch, addresses, stop))
+        replay = spawn.Process(target=replay_process,
+                               args=(folder, batch, addresses, replay_stop))
         replay.start()
         actor_address, learner_address = addresses.get(timeout=60)
         drained = threading.Event()
         learner = threading.Thread(target=drain_batches, args=(learner_address, batch, drained))
         learner.start()
         cpu_before = cpu_seconds(replay.pid)
-        rate, latencies = run_clients(actor_address, actors, args.processes, args.tokens, False,
+        rate, saturated = run_clients(actor_address, actors, args.processes, args.tokens, False,
                                       args.seconds)
         cpu = cpu_seconds(replay.pid) - cpu_before
+        offered = args.load * rate
+        interval = 2 * actors / offered  # two segments per rollout
+        # a new incarnation: the same seqs again would be taken as duplicates
+        paced_rate, paced = run_clients(actor_address, actors, args.processes, args.tokens,
+                                        False, args.seconds, interval, incarnation=2)
         rss = rss_mb(replay.pid)
         drained.set()
         learner.join(timeout=30)
-        stop.set()
+        replay_stop.set()
         replay.join(timeout=60)
-    latencies.sort()
+    _, raw_paced = run_clients(raw_address, actors, args.processes, args.tokens, True,
+                               args.seconds, interval)
+    stop.set()
+    router.join(timeout=30)
     accepted = rate * args.seconds
     return {f"raw_zmq_segments_per_s_{actors}": round(raw_rate, 1),
             f"replay_segments_per_s_{actors}": round(rate, 1),
             f"vs_raw_zmq_{actors}": round(rate / raw_rate, 3),
-            f"ack_p50_ms_{actors}": round(statistics.median(latencies) * 1000, 2),
-            f"ack_p99_ms_{actors}": round(latencies[int(0.99 * (len(latencies) - 1))] * 1000, 2),
+            f"offered_segments_per_s_{actors}": round(offered, 1),
+            f"replay_paced_segments_per_s_{actors}": round(paced_rate, 1),
+            f"ack_p50_ms_{actors}": percentile_ms(paced, 0.5),
+            f"ack_p99_ms_{actors}": percentile_ms(paced, 0.99),
+            f"raw_ack_p99_ms_{actors}": percentile_ms(raw_paced, 0.99),
+            f"ack_p99_ms_saturated_{actors}": percentile_ms(saturated, 0.99),
+            f"raw_ack_p99_ms_saturated_{actors}": percentile_ms(raw_saturated, 0.99),
             f"replay_rss_mb_{actors}": round(rss, 1),
             f"replay_cpu_us_per_segment_{actors}": round(cpu / max(1.0, accepted) * 1e6, 1)}
 
@@ -281,23 +329,28 @@ def main() -> None:
                         help="measured window per case: 10 (--quick: 2)")
     parser.add_argument("--processes", type=int, default=4, help="client processes: 4")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per segment: 2048")
+    parser.add_argument("--load", type=float, default=0.5,
+                        help="offered load for latency, times the replay's saturated rate: 0.5")
     args = parser.parse_args()
     if args.actors is None:
         args.actors = [16, 64] if args.quick else [64, 256, 1024]
     if args.seconds is None:
         args.seconds = 2.0 if args.quick else 10.0
     result: dict = {"actors": args.actors, "seconds": args.seconds, "tokens": args.tokens,
-                    "durable_log": True}
+                    "load": args.load, "durable_log": True}
     for actors in args.actors:
         figures = measure(actors, args)
         result.update(figures)
-        print(f"{actors} actors: replay {figures[f'replay_segments_per_s_{actors}']} segments/s "
-              f"vs raw {figures[f'raw_zmq_segments_per_s_{actors}']} "
-              f"= {figures[f'vs_raw_zmq_{actors}']}x; ack p50/p99 "
-              f"{figures[f'ack_p50_ms_{actors}']}/{figures[f'ack_p99_ms_{actors}']} ms; "
+        print(f"{actors} actors: saturated, replay {figures[f'replay_segments_per_s_{actors}']} "
+              f"segments/s vs raw {figures[f'raw_zmq_segments_per_s_{actors}']} "
+              f"= {figures[f'vs_raw_zmq_{actors}']}x, ack p99 "
+              f"{figures[f'ack_p99_ms_saturated_{actors}']} ms (raw "
+              f"{figures[f'raw_ack_p99_ms_saturated_{actors}']}); at "
+              f"{figures[f'offered_segments_per_s_{actors}']} segments/s offered, ack p50/p99 "
+              f"{figures[f'ack_p50_ms_{actors}']}/{figures[f'ack_p99_ms_{actors}']} ms (raw p99 "
+              f"{figures[f'raw_ack_p99_ms_{actors}']}); "
               f"RSS {figures[f'replay_rss_mb_{actors}']} MB, "
-              f"{figures[f'replay_cpu_us_per_segment_{actors}']} us CPU per segment",
-              flush=True)
+              f"{figures[f'replay_cpu_us_per_segment_{actors}']} us CPU per segment", flush=True)
     if args.json:
         print(json.dumps(result))
 

@@ -22,7 +22,8 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
 }
 
 
-class Array(msgspec.Struct, array_like=True, frozen=True):
+# gc=False: no cycles through it (see protocol.messages.Message)
+class Array(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A typed n-dimensional array carried as raw bytes."""
 
     dtype: str

@@ -129,7 +129,8 @@ class ServerEndpoint:
 
     def send_frame(self, identity: bytes, frame: bytes) -> None:
         try:
-            self.socket.send_multipart([identity, frame], zmq.NOBLOCK)
+            # no copy of a large frame (a batch): bytes cannot change under ZeroMQ
+            self.socket.send_multipart([identity, frame], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
             if self.undelivered is not None:
                 self.undelivered()

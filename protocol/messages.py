@@ -41,7 +41,10 @@ EpisodeOutcome = Literal[
 ]
 
 
-class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+# gc=False, here and on every struct below: a message is a tree, never a
+# cycle, and the replay holds tens of thousands; tracked, the collector's passes
+# over them cost a third of its CPU per segment at 1,024 actors (bench/replay_scale.py).
+class Message(msgspec.Struct, tag_field="kind", kw_only=True, gc=False):
     """The common header. ``seq`` increases by one per message a sender sends
     in one incarnation; ``(sender_id, incarnation, seq)`` identifies a message."""
 
@@ -91,7 +94,7 @@ class Stamp:
 # --------------------------------------------------------------------------- actor <-> replay
 
 
-class EngineInfo(msgspec.Struct, kw_only=True):
+class EngineInfo(msgspec.Struct, kw_only=True, gc=False):
     """What an actor runs on; the replay and dashboards show it per actor."""
 
     device: str
@@ -164,7 +167,7 @@ class MemberWelcome(Message, tag="member_welcome"):
     """Intervals of silence after which the learner counts the actor gone."""
 
 
-class RolloutStats(msgspec.Struct, kw_only=True):
+class RolloutStats(msgspec.Struct, kw_only=True, gc=False):
     """Episode summary sent with the final segment of a rollout."""
 
     outcome: EpisodeOutcome
@@ -322,7 +325,7 @@ class BatchRequest(Message, tag="batch_request"):
     it."""
 
 
-class Rollout(msgspec.Struct, kw_only=True):
+class Rollout(msgspec.Struct, kw_only=True, gc=False):
     """A complete rollout: its segments in index order, the last one final."""
 
     rollout_id: str
@@ -345,7 +348,7 @@ class Rollout(msgspec.Struct, kw_only=True):
                                     f"rollout {self.rollout_id}: final flag on a non-last segment")
 
 
-class StalenessStats(msgspec.Struct, kw_only=True):
+class StalenessStats(msgspec.Struct, kw_only=True, gc=False):
     """Staleness (in learner versions) over the rollouts of one batch."""
 
     min: int
@@ -378,7 +381,7 @@ class Batch(Message, tag="batch"):
 # --------------------------------------------------------------------------- learner <-> actors
 
 
-class TensorSpec(msgspec.Struct, array_like=True):
+class TensorSpec(msgspec.Struct, array_like=True, gc=False):
     """One parameter of a weight publication, in broadcast order."""
 
     name: str
@@ -389,7 +392,7 @@ class TensorSpec(msgspec.Struct, array_like=True):
     """Its shape."""
 
 
-class WeightManifest(msgspec.Struct, kw_only=True):
+class WeightManifest(msgspec.Struct, kw_only=True, gc=False):
     """What a broadcast carries and how it is cut. Sender and receivers both
     use this, never a locally derived value."""
 
@@ -400,7 +403,7 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     one broadcast per tensor)."""
 
 
-class GroupInfo(msgspec.Struct, kw_only=True):
+class GroupInfo(msgspec.Struct, kw_only=True, gc=False):
     """How to join the weight-broadcast process group of one generation."""
 
     generation: int

@@ -28,17 +28,17 @@ def check_segment_content(
     tokens = segment.tokens.numpy()
     if tokens.size == 0:
         return None
-    if tokens.min() < 0 or tokens.max() >= vocab_size:
+    # one pass: a negative id read as unsigned is larger than any vocabulary
+    if int(tokens.view(np.uint32).max()) >= vocab_size:
         raise ProtocolError(ErrorCode.INVALID, f"token id outside the vocabulary [0, {vocab_size})")
     mask = segment.loss_mask.numpy()
     if mask.max() > 1:
         raise ProtocolError(ErrorCode.INVALID, "loss_mask holds values other than 0 and 1")
     logprobs = segment.logprobs.numpy()
-    # One reduction: NaN and +-inf propagate into the sum (absurd magnitudes
-    # that overflow it are rejected too, rightly, without a warning in the log).
-    with np.errstate(over="ignore"):
-        total = float(logprobs.sum())
-    if not math.isfinite(total) or logprobs.max() > 0:
+    # NaN propagates into both extremes (without a warning, unlike a sum of
+    # +inf and -inf); -inf is the minimum, +inf the maximum
+    low, high = float(logprobs.min()), float(logprobs.max())
+    if not (math.isfinite(low) and high <= 0):
         raise ProtocolError(ErrorCode.INVALID, "log-probabilities must be finite and <= 0")
     if segment.token_rewards is not None:
         rewards = segment.token_rewards.numpy()

@@ -31,8 +31,6 @@ class StoredSegment:
     segment: Segment
     frame: bytes | memoryview
     """The wire frame (kept for log compaction; the arrays are views into it)."""
-    min_version: int | None
-    """Oldest policy version among its trainable tokens (None: none trainable)."""
 
     @property
     def nbytes(self) -> int:
@@ -49,15 +47,14 @@ class RolloutEntry:
     final_index: int | None = None
     ready_at: float | None = None
     nbytes: int = 0
+    min_version: int | None = None
+    """Oldest policy version among its segments' trainable tokens (None: none
+    trainable), kept as segments arrive: staleness reads it for every ready
+    rollout on every learner request."""
 
     @property
     def complete(self) -> bool:
         return self.final_index is not None and len(self.segments) == self.final_index + 1
-
-    @property
-    def min_version(self) -> int | None:
-        versions = [s.min_version for s in self.segments.values() if s.min_version is not None]
-        return min(versions) if versions else None
 
     def staleness(self, learner_version: int) -> int:
         oldest = self.min_version
@@ -95,10 +92,13 @@ class RolloutBuffer:
                 entry.final_index is not None and segment.index > entry.final_index) or (
                 segment.final and any(i > segment.index for i in entry.segments)):
             return "conflict"
-        stored = StoredSegment(segment, frame, min_version)
+        stored = StoredSegment(segment, frame)
         entry.segments[segment.index] = stored
         entry.nbytes += stored.nbytes
         self.nbytes += stored.nbytes
+        if min_version is not None and (entry.min_version is None
+                                        or min_version < entry.min_version):
+            entry.min_version = min_version
         if segment.final:
             entry.final_index = segment.index
         return "stored"

@@ -71,7 +71,7 @@ from replay.registry import ActorRegistry, Peer
 log = logging.getLogger("compactionrl.replay")
 
 #: Actor messages handled per loop turn: one fsync covers them all.
-INGEST_BATCH = 256
+INGEST_BATCH = 64
 #: Poll timeout: how late periodic work (expiry, liveness, interval fsync) may run.
 POLL_MS = 100
 #: Seconds between periodic checks.
@@ -210,6 +210,8 @@ class ReplayService:
                 self._ingest()
             if self.learner_socket in events:
                 self._serve_learner()
+            if self.log is not None and self.log.compacting:
+                self._swap_compacted_log()
             if time.monotonic() >= next_tick:
                 self._tick()
                 next_tick = time.monotonic() + TICK_S
@@ -327,9 +329,12 @@ class ReplayService:
     def _top_up(self, identity: bytes) -> int:
         peer = self.registry.peers[identity]
         wanted = peer.capacity - self.pacer.outstanding.get(peer.actor_id, 0)
+        if wanted <= 0:
+            return 0
         granted = self.pacer.grant(peer.actor_id, wanted, self.buffer.nbytes,
                                    len(self.buffer.ready))
-        self.metrics.credits_granted.inc(granted)
+        if granted:
+            self.metrics.credits_granted.inc(granted)
         return granted
 
     def _actor_gone(self, peer: Peer) -> None:
@@ -388,6 +393,8 @@ class ReplayService:
         actor's next message: in synchronous mode (S = 0) idle actors would
         otherwise wait up to a heartbeat interval every step."""
         for identity in list(self.registry.peers):
+            if not self.pacer.available(self.buffer.nbytes, len(self.buffer.ready)):
+                return  # none left to offer: asking the other actors is O(actors) for nothing
             credits = self._top_up(identity)
             if credits:
                 self._ack(identity, [], credits)
@@ -487,12 +494,27 @@ class ReplayService:
             self._drop(entry.rollout_id, "expired")
         if self.log is not None:
             self.log.sync()
-            live = self.buffer.nbytes
-            if self.log.released_bytes > max(self.compact_min_bytes, live):
-                self.log.compact(self.buffer.live_frames()  # and batches not confirmed
-                                 + list(self.batches.unconfirmed_frames()), self.learner_version)
+            self._compact_log()
         self._update_gauges()
         self._try_serve_parked()
+
+    def _swap_compacted_log(self) -> None:
+        """Put a finished background compaction in the log's place, as soon as
+        it is done: what the log gains until then is copied in the loop."""
+        try:
+            self.log.finish_compaction()
+        except OSError as exc:  # the old log is whole: the next tick tries again
+            log.warning("%s", exc)
+
+    def _compact_log(self) -> None:
+        """Start a background compaction once released records outweigh the
+        live ones (the log's write amplification stays under 2x and its size
+        under twice the live bytes plus the minimum)."""
+        if (not self.log.compacting
+                and self.log.released_bytes > max(self.compact_min_bytes, self.buffer.nbytes)):
+            self.log.start_compaction(self.buffer.live_frames()  # and batches not confirmed
+                                      + list(self.batches.unconfirmed_frames()),
+                                      self.learner_version)
 
     def _update_gauges(self) -> None:
         self.metrics.rollouts.labels("pending").set(len(self.buffer.pending))

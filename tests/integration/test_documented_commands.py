@@ -453,7 +453,8 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         ("--quick",), ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
     # --quick measures 16 and 64 actors (the full run 64, 256 and 1,024: _1024 keys)
     ".venv/bin/python bench/replay_scale.py --json": Run(
-        ("--quick",), ("vs_raw_zmq_64", "ack_p99_ms_64", "replay_rss_mb_64",
+        ("--quick",), ("vs_raw_zmq_64", "ack_p99_ms_64", "raw_ack_p99_ms_64",
+                       "ack_p99_ms_saturated_64", "replay_rss_mb_64",
                        "replay_cpu_us_per_segment_64")),
     ".venv/bin/python bench/ppo_step.py --json": Run(
         ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.log import RELEASED, SEGMENT, VERSION, DurableLog, decode_version
+from replay.log import CATCH_UP_BYTES, RELEASED, SEGMENT, VERSION, DurableLog, decode_version
 
 
 def records(path: Path) -> list[tuple[int, bytes]]:
@@ -77,3 +77,44 @@ def test_compaction_keeps_only_live_frames_and_the_learner_version(tmp_path: Pat
     assert [(kind, decode_version(p)) for kind, p in kept if kind == VERSION] == [(VERSION, 9)]
     assert [p for kind, p in kept if kind == SEGMENT] == [b"frame-8", b"frame-9", b"frame-10"]
     assert not path.with_suffix(".compacting").exists()
+
+
+@pytest.mark.parametrize("catch_up_bytes", [0, CATCH_UP_BYTES])
+def test_records_appended_during_a_background_compaction_follow_the_live_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, catch_up_bytes: int) -> None:
+    """Whether the thread or the swap copies them (0: the thread copies
+    whatever it finds flushed), the new log replays to the same records."""
+    monkeypatch.setattr("replay.log.CATCH_UP_BYTES", catch_up_bytes)
+    path = tmp_path / "log"
+    log = DurableLog(path)
+    for i in range(4):
+        log.append_segment(b"frame-%d" % i)
+    log.append_released("r0", 14)
+    log.sync()
+    log.start_compaction([b"frame-2", b"frame-3"], version=5)
+    assert log.compacting
+    log.append_segment(b"during")  # the service goes on while the thread writes
+    log.append_released("r1", 14)
+    log.sync()
+    assert log.finish_compaction(wait=True) and not log.compacting
+    log.append_segment(b"after")
+    log.close()
+    assert records(path) == [(VERSION, (5).to_bytes(8, "little")), (SEGMENT, b"frame-2"),
+                             (SEGMENT, b"frame-3"), (SEGMENT, b"during"), (RELEASED, b"r1"),
+                             (SEGMENT, b"after")]
+    assert not path.with_suffix(".compacting").exists()
+
+
+def test_a_compaction_that_cannot_write_leaves_the_log_whole(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    log = DurableLog(path)
+    log.append_segment(b"kept")
+    log.sync()
+    path.with_suffix(".compacting").mkdir()  # the rewrite's file cannot be opened
+    log.start_compaction([], version=1)
+    with pytest.raises(OSError, match="the log is unchanged"):
+        log.finish_compaction(wait=True)
+    path.with_suffix(".compacting").rmdir()
+    log.append_segment(b"next")
+    log.close()
+    assert records(path) == [(SEGMENT, b"kept"), (SEGMENT, b"next")]
