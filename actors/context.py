@@ -34,9 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
 
 from actors.config import CompactionConfig
+from protocol import Array, RolloutStats, Segment
 
 #: A step needs at least this many tokens for the action itself beyond its
 #: header and footer; fewer means the window is full.
@@ -98,6 +101,20 @@ class SegmentData:
     versions: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     """Per-step rewards, each on the last token of the action that earned it."""
+
+    def to_message(self, header: dict[str, Any], rollout_id: str, task_id: str, index: int,
+                   reward: float | None = None, stats: RolloutStats | None = None) -> Segment:
+        """The wire message; ``reward`` (and ``stats``) make it the rollout's final one."""
+        return Segment(
+            **header, rollout_id=rollout_id, task_id=task_id, index=index,
+            segment_type=self.segment_type,
+            tokens=Array.from_numpy(np.asarray(self.tokens, dtype=np.int32)),
+            loss_mask=Array.from_numpy(np.asarray(self.loss_mask, dtype=np.uint8)),
+            logprobs=Array.from_numpy(np.asarray(self.logprobs, dtype=np.float32)),
+            versions=Array.from_numpy(np.asarray(self.versions, dtype=np.int32)),
+            final=reward is not None, reward=reward, stats=stats,
+            token_rewards=(Array.from_numpy(np.asarray(self.rewards, dtype=np.float32))
+                           if any(self.rewards) else None))
 
     def append_context(self, ids: list[int]) -> None:
         self.tokens += ids

@@ -61,9 +61,12 @@ only with the last segment."""
 
 async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat,
                       config: ActorConfig, seed: int, emit: Emit,
-                      greedy: bool = False, sampling_seed: int | None = None) -> EpisodeResult:
+                      greedy: bool = False, sampling_seed: int | None = None,
+                      summariser: Policy | None = None) -> EpisodeResult:
     """Play one episode of the task ``seed``; turns are sampled with seeds
-    derived from ``sampling_seed`` (default: ``seed``)."""
+    derived from ``sampling_seed`` (default: ``seed``). ``summariser`` writes
+    the summaries (default: ``policy``; another: a frozen summariser, to
+    tell what learning to compact adds)."""
     start = time.monotonic()
     task = await environment.reset(seed)
     chat = chat.with_tools(task.tools)
@@ -105,8 +108,9 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
             outcome = "compaction_limit"
             break
         began = time.monotonic()
-        summary = await policy.generate(context.summary_prompt(), context.summary_budget(),
-                                        seed=next(turn_seeds), temperature=temperature)
+        summary = await (summariser or policy).generate(
+            context.summary_prompt(), context.summary_budget(), seed=next(turn_seeds),
+            temperature=temperature)
         summary_seconds += time.monotonic() - began
         generated += len(summary.token_ids)
         try:

@@ -49,7 +49,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -65,7 +64,6 @@ from ops.metrics import Health, MetricsServer
 from protocol import (
     NO_COMPLETE_VERSION,
     Ack,
-    Array,
     EngineInfo,
     Error,
     ErrorCode,
@@ -74,7 +72,6 @@ from protocol import (
     MemberWelcome,
     Message,
     ProtocolError,
-    Segment,
     Stamp,
     WeightsAnnounce,
     WeightsLoaded,
@@ -324,17 +321,9 @@ class Actor:
     async def _send_segment(self, rollout_id: str, task_id: str, index: int, segment: SegmentData,
                             result: EpisodeResult | None) -> None:
         header = self.stamp.next()
-        message = Segment(
-            **header, rollout_id=rollout_id, task_id=task_id, index=index,
-            segment_type=segment.segment_type,
-            tokens=Array.from_numpy(np.asarray(segment.tokens, dtype=np.int32)),
-            loss_mask=Array.from_numpy(np.asarray(segment.loss_mask, dtype=np.uint8)),
-            logprobs=Array.from_numpy(np.asarray(segment.logprobs, dtype=np.float32)),
-            versions=Array.from_numpy(np.asarray(segment.versions, dtype=np.int32)),
-            final=result is not None, reward=None if result is None else result.reward,
-            stats=None if result is None else result.stats,
-            token_rewards=(Array.from_numpy(np.asarray(segment.rewards, dtype=np.float32))
-                           if any(segment.rewards) else None))
+        message = segment.to_message(header, rollout_id, task_id, index,
+                                     None if result is None else result.reward,
+                                     None if result is None else result.stats)
         frame = encode(message)
         self.outbox.sent(header["seq"], frame, time.monotonic())
         self.metrics.unacked_segments.set(len(self.outbox))

@@ -10,8 +10,10 @@ same batch size from the same base policy, with an environment step latency
 typical of tool calls. Reported, per mode: learner tokens per second over the
 training window (first to last step), learner idle fraction (waiting for a
 batch), actor idle fraction (episode slots stalled on credits or weights),
-rollouts dropped stale, and held-out compacted success after training; and
-``async_vs_sync_throughput``.
+rollouts dropped stale (and, of the complete rollouts, the fraction dropped
+and the mean length and success of those trained against all of them), and
+held-out compacted success after training; and ``async_vs_sync_throughput``
+and ``stale_fraction_async``.
 
 Episode slots: both modes run ``(1 + max_staleness of the async mode) *
 rollouts_per_batch`` episodes at once per actor (``--concurrent-episodes``
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.config import JobConfig, load_config
+from ops.summary import finished_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
@@ -126,6 +129,7 @@ def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> di
         "learner_idle_fraction": (last["learner_idle_s"] - first["learner_idle_s"]) / seconds,
         "actor_idle_fraction": stalled / (seconds * slots),
         "stale_rollouts": last["stale_rollouts"],
+        **(finished_rollouts(last) or {}),
         "success": report["success"], "success_ci95": report["success_ci95"],
     }
 
@@ -162,11 +166,13 @@ def main() -> int:
     summary = {
         "async_vs_sync_throughput": (results["async"]["learner_tokens_per_s"]
                                      / results["sync"]["learner_tokens_per_s"]),
+        "stale_fraction_async": results["async"].get("stale_fraction"),
         "success_sync": results["sync"]["success"], "success_async": results["async"]["success"],
         "steps": args.steps, "step_latency_s": args.step_latency,
         "concurrent_episodes": args.concurrent_episodes, "modes": results,
     }
-    print(f"async_vs_sync_throughput {summary['async_vs_sync_throughput']:.2f}")
+    print(f"async_vs_sync_throughput {summary['async_vs_sync_throughput']:.2f}, "
+          f"stale_fraction_async {summary['stale_fraction_async']}")
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -20,6 +20,7 @@ import asyncio
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.chat import ChatFormat
@@ -101,35 +102,48 @@ def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
 
 async def run_evaluation(model: str, actors: ActorConfig, episodes: int,
                          show_progress: bool = True) -> EvalReport:
-    from rich.progress import Progress
-
     began = time.perf_counter()
     engine = await Engine.start(model, actors.engine, actors.sampling)
     try:
-        chat = ChatFormat(engine.tokenizer, actors.compaction, actors.environment)
-        slots = asyncio.Semaphore(CONCURRENT_EPISODES)
-        with Progress(disable=not show_progress, transient=True) as progress:
-            bar = progress.add_task("evaluating", total=episodes)
-
-            async def one(n: int) -> EpisodeResult:
-                async with slots:
-                    environment = load_environment(actors.environment.factory,
-                                                   actors.environment.options)
-                    try:
-                        return await run_episode(engine, environment, chat, actors,
-                                                 EVALUATION_SEEDS_FROM + n, _discard)
-                    finally:
-                        await environment.close()
-                        progress.advance(bar)
-
-            results = await asyncio.gather(*(one(n) for n in range(episodes)))
+        results = await play_held_out(engine, actors, episodes, show_progress)
     finally:
         await engine.shutdown()
-    return summarise(model, actors, list(results), time.perf_counter() - began)
+    return summarise(model, actors, results, time.perf_counter() - began)
 
 
-async def _discard(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
-    return None
+async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
+                        show_progress: bool = True, summariser: Engine | None = None,
+                        keep: Callable[[int, SegmentData], None] | None = None
+                        ) -> list[EpisodeResult]:
+    """The held-out episodes 0 .. ``episodes`` - 1 on ``engine``,
+    :data:`CONCURRENT_EPISODES` at a time; ``summariser`` writes the
+    summaries (default: the same engine); ``keep(n, segment)`` is told each
+    segment of episode ``n``."""
+    from rich.progress import Progress
+
+    chat = ChatFormat(engine.tokenizer, actors.compaction, actors.environment)
+    slots = asyncio.Semaphore(CONCURRENT_EPISODES)
+    with Progress(disable=not show_progress, transient=True) as progress:
+        bar = progress.add_task("evaluating", total=episodes)
+
+        async def one(n: int) -> EpisodeResult:
+            async def emit(task_id: str, segment: SegmentData,
+                           result: EpisodeResult | None) -> None:
+                if keep is not None:
+                    keep(n, segment)
+
+            async with slots:
+                environment = load_environment(actors.environment.factory,
+                                               actors.environment.options)
+                try:
+                    return await run_episode(engine, environment, chat, actors,
+                                             EVALUATION_SEEDS_FROM + n, emit,
+                                             summariser=summariser)
+                finally:
+                    await environment.close()
+                    progress.advance(bar)
+
+        return list(await asyncio.gather(*(one(n) for n in range(episodes))))
 
 
 def evaluate(model: str, actors: ActorConfig, episodes: int,

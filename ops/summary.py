@@ -56,6 +56,13 @@ TOTALS: dict[str, tuple[str, str, dict[str, str]]] = {
     "stall_summary_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "summary"}),
     "expired_rollouts": ("replay", "crl_replay_dropped_total", {"reason": "expired"}),
     "stale_rollouts": ("replay", "crl_replay_dropped_total", {"reason": "stale"}),
+    "trained_rollouts": ("replay", "crl_replay_finished_rollouts_total", {"fate": "trained"}),
+    "trained_successes": ("replay", "crl_replay_finished_rollouts_total",
+                          {"fate": "trained", "success": "true"}),
+    "trained_tokens": ("replay", "crl_replay_finished_rollout_tokens_total", {"fate": "trained"}),
+    "stale_successes": ("replay", "crl_replay_finished_rollouts_total",
+                        {"fate": "stale", "success": "true"}),
+    "stale_tokens": ("replay", "crl_replay_finished_rollout_tokens_total", {"fate": "stale"}),
     "batches": ("replay", "crl_replay_batches_total", {}),
     "staleness_count": ("replay", "crl_replay_staleness_count", {}),
 }
@@ -110,6 +117,34 @@ def _counters(samples: Samples, source: str) -> dict[str, float]:
             if labels["le"] != "+Inf":
                 raw[f"{STALENESS_BUCKET}{float(labels['le']):g}"] = count
     return raw
+
+
+def finished_rollouts(snapshot: Snapshot) -> dict[str, float] | None:
+    """What dropping stale rollouts does, from the replay's complete
+    rollouts: ``stale_fraction`` of them dropped, and the mean sampled tokens
+    and success of those trained against all of them (a bias toward short or
+    easy episodes shows as a gap). None before any finished."""
+    trained, stale = snapshot.get("trained_rollouts") or 0.0, snapshot.get("stale_rollouts") or 0.0
+    if trained + stale <= 0 or not trained:
+        return None
+    finished = trained + stale
+    return {"stale_fraction": stale / finished,
+            "trained_tokens_mean": (snapshot.get("trained_tokens") or 0.0) / trained,
+            "finished_tokens_mean": ((snapshot.get("trained_tokens") or 0.0)
+                                     + (snapshot.get("stale_tokens") or 0.0)) / finished,
+            "trained_success": (snapshot.get("trained_successes") or 0.0) / trained,
+            "finished_success": ((snapshot.get("trained_successes") or 0.0)
+                                 + (snapshot.get("stale_successes") or 0.0)) / finished}
+
+
+def stale_bias(snapshot: Snapshot) -> str:
+    figures = finished_rollouts(snapshot)
+    if figures is None:
+        return ""
+    return (f" ({100 * figures['stale_fraction']:.1f} % of finished); trained vs all finished: "
+            f"{figures['trained_tokens_mean']:.0f} vs {figures['finished_tokens_mean']:.0f} "
+            f"sampled tokens, success {figures['trained_success']:.2f} vs "
+            f"{figures['finished_success']:.2f}")
 
 
 def staleness_quantile(snapshot: Snapshot, q: float) -> float | None:
@@ -258,7 +293,7 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
                  f"{now['stall_summary_s'] or 0.0:.1f} s",
         "staleness": f"p50 {_number(p50, missing='-')}, p95 {_number(p95, missing='-')}; "
                      f"expired rollouts {now['expired_rollouts'] or 0.0:.0f}, "
-                     f"stale {now['stale_rollouts'] or 0.0:.0f}",
+                     f"stale {now['stale_rollouts'] or 0.0:.0f}" + stale_bias(now),
         "restarts": f"actors {now.get('actor_restarts') or 0:.0f}, replay "
                     f"{now.get('replay_restarts') or 0:.0f}, learner "
                     f"{now.get('learner_restarts') or 0:.0f}",

@@ -160,7 +160,10 @@ async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapCo
     With ``held_out``, that many further episodes instead (never trained on)."""
     options = actors.environment.options
     probe = _keyvault(actors)
-    codes, digits = CODE_NAMES[: probe.codes], probe.digits
+    if any(low != high for low, high in (probe.sizes["codes"], probe.sizes["digits"])):
+        raise ValueError("bootstrap demonstrates a fixed number of codes and digits (ranges "
+                         "of rooms and distractor words are fine)")
+    codes, digits = CODE_NAMES[: probe.sizes["codes"][0]], probe.sizes["digits"][0]
     rng = random.Random(recipe.seed)
     segments: list[SegmentData] = []
     results: list[EpisodeResult] = []

@@ -9,7 +9,8 @@ is served or dropped, and late segments of it are recognised and ignored.
 
 Serving order (``serve_order``): ``fifo`` serves the rollouts that became
 ready first; ``freshest`` serves those with the newest oldest-token version
-first (least stale), ties by readiness.
+first (least stale), ``oldest`` those with the oldest first (nearest the
+bound), ties by readiness.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ AddResult = Literal["stored", "late", "conflict"]
 
 
 class RolloutBuffer:
-    def __init__(self, max_staleness: int, serve_order: Literal["fifo", "freshest"],
+    def __init__(self, max_staleness: int, serve_order: Literal["fifo", "freshest", "oldest"],
                  rollout_timeout_s: float) -> None:
+        """``max_staleness``: the most a rollout may be served at (the
+        configured bound plus its grace)."""
         self.max_staleness = max_staleness
         self.serve_order = serve_order
         self.rollout_timeout_s = rollout_timeout_s
@@ -161,10 +164,12 @@ class RolloutBuffer:
         if self.serve_order == "fifo":
             chosen = list(self.ready)[:size]
         else:
-            chosen = [e.rollout_id for e in heapq.nlargest(
-                size, self.ready.values(),
-                key=lambda e: (e.min_version if e.min_version is not None else learner_version,
-                               -e.ready_at))]
+            def version(entry: RolloutEntry) -> int:
+                return entry.min_version if entry.min_version is not None else learner_version
+            pick = heapq.nlargest if self.serve_order == "freshest" else heapq.nsmallest
+            sign = -1 if self.serve_order == "freshest" else 1  # ties: the first ready first
+            chosen = [e.rollout_id for e in pick(
+                size, self.ready.values(), key=lambda e: (version(e), sign * e.ready_at))]
         return [self.remove(rollout_id) for rollout_id in chosen]
 
     def live_frames(self) -> list[bytes | memoryview]:

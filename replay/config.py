@@ -34,9 +34,17 @@ class ReplayConfig:
     """Memory bound of stored segments; credits stop before it is reached."""
     rollout_timeout_s: float = bounded(600.0, gt=0)
     """A rollout not completed this long after its first segment expires."""
-    serve_order: Literal["fifo", "freshest"] = "fifo"
-    """Order in which ready rollouts are served: oldest-finished first, or
-    newest policy version first."""
+    stale_grace: int = bounded(0, ge=0)
+    """Versions past ``max_staleness`` a ready rollout may still be served at
+    instead of being dropped (its tokens' importance weights are truncated at
+    ``learner.is_cap``, as every token's are). Credits keep pacing at
+    ``max_staleness``: only the rollouts that generation time pushes past it
+    are kept, and those are the long ones (dropping them biases training
+    toward short episodes)."""
+    serve_order: Literal["fifo", "freshest", "oldest"] = "fifo"
+    """Order in which ready rollouts are served: oldest-finished first, newest
+    policy version first, or oldest policy version first (those nearest the
+    staleness bound)."""
     durable_log: bool = True
     """Acknowledge a segment only after it is in the append-only log."""
     fsync: Literal["batch", "interval"] = "batch"

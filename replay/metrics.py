@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 DROP_REASONS = ("stale", "expired", "full", "invalid")
 SEGMENT_RESULTS = ("accepted", "duplicate", "rejected")
+#: What becomes of a complete rollout: trained (its batch arrived), or dropped.
+FINISHED_FATES = ("trained", "stale")
 
 
 class ReplayMetrics:
@@ -23,6 +25,14 @@ class ReplayMetrics:
                               registry=r)
         self.dropped = Counter("crl_replay_dropped", "Rollouts dropped, by reason", ["reason"],
                                registry=r)
+        self.finished = Counter(
+            "crl_replay_finished_rollouts",
+            "Complete rollouts by fate (trained, or dropped: stale) and success: against "
+            "every finished one, whether dropping biases what is trained", ["fate", "success"],
+            registry=r)
+        self.finished_tokens = Counter(
+            "crl_replay_finished_rollout_tokens",
+            "Sampled (trainable) tokens of complete rollouts, by fate", ["fate"], registry=r)
         self.staleness = Histogram("crl_replay_staleness",
                                    "Staleness of served rollouts (learner versions)",
                                    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16), registry=r)
@@ -59,5 +69,9 @@ class ReplayMetrics:
             self.segments.labels(result)
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
+        for fate in FINISHED_FATES:
+            self.finished_tokens.labels(fate)
+            for success in ("true", "false"):
+                self.finished.labels(fate, success)
         for state in ("pending", "ready"):
             self.rollouts.labels(state)

@@ -110,8 +110,8 @@ class ReplayService:
         self.run_id = run_id
         self.vocab_size = vocab_size or config.vocab_size or 2**31 - 1
         self.metrics = ReplayMetrics()
-        self.buffer = RolloutBuffer(config.max_staleness, config.serve_order,
-                                    config.rollout_timeout_s)
+        self.buffer = RolloutBuffer(config.max_staleness + config.stale_grace,
+                                    config.serve_order, config.rollout_timeout_s)
         self.pacer = CreditPacer(config.rollouts_per_batch, config.max_staleness,
                                  config.max_buffer_bytes)
         self.seen = _SeenSeqs()
@@ -414,6 +414,7 @@ class ReplayService:
         new incarnation) its learner died with it."""
         if request.incarnation == served.request[0]:
             for entry in served.entries:
+                self._count_finished(entry, "trained")
                 self._release(entry)
         else:
             self.buffer.restore(served.entries)
@@ -465,6 +466,14 @@ class ReplayService:
         if self.log is not None:
             self.log.append_released(entry.rollout_id, entry.nbytes)
 
+    def _count_finished(self, entry: RolloutEntry, fate: str) -> None:
+        final = entry.segments[entry.final_index].segment
+        success = (final.stats.success if final.stats is not None
+                   else (final.reward or 0.0) > 0)
+        self.metrics.finished.labels(fate, str(success).lower()).inc()
+        self.metrics.finished_tokens.labels(fate).inc(
+            sum(int(s.segment.loss_mask.numpy().sum()) for s in entry.segments.values()))
+
     def _drop(self, rollout_id: str, reason: str, actor_id: str | None = None) -> None:
         """Drop a rollout, counted, and free its place. With ``actor_id`` the
         rollout may have nothing stored yet (its first segment was refused):
@@ -479,6 +488,7 @@ class ReplayService:
             return
         self.metrics.dropped.labels(reason).inc()
         if entry.ready_at is not None:
+            self._count_finished(entry, reason)
             self.pacer.dropped()
         else:
             self.pacer.finished(entry.actor_id, accepted=False)

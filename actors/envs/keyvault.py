@@ -14,6 +14,13 @@ order. That removes *binding* (which value goes with which position) from
 the task, which a tiny model cannot learn in minutes (docs/running.md), and
 leaves what compaction is about: keeping every fact.
 
+Sizes: ``codes``, ``digits``, ``rooms`` and ``distractor_words`` each take a
+number, or a ``[low, high]`` range from which each episode draws its own
+(inclusive, from the episode's seed): training on a distribution of horizons
+(more rooms and distractors, more windows, more compactions; more facts to
+keep) instead of one. Each task's tags name its sizes, so an evaluation
+reports success by size.
+
 Reward: 1 for an exact answer (all codes, all digits), else 0; with
 ``partial_credit`` the fraction of digits right. Deterministic in the seed.
 All text uses :mod:`actors.envs.vocabulary` words, one token each in the
@@ -44,22 +51,43 @@ ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "
 SYSTEM = "you are an agent . each reply is one action : next , or answer with every code ."
 
 
+Size = int | list[int] | tuple[int, int]
+"""A number, or an inclusive ``[low, high]`` range drawn from per episode."""
+
+
+def size_range(name: str, size: Size) -> tuple[int, int]:
+    """``(low, high)`` of a size option; ValueError unless it is an integer or
+    a pair of integers with low <= high."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size, size
+    if (isinstance(size, list | tuple) and len(size) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in size)
+            and size[0] <= size[1]):
+        return size[0], size[1]
+    raise ValueError(f"{name} must be an integer or [low, high] with low <= high, not {size!r}")
+
+
 class KeyVault:
     """One keyvault episode at a time (see the module docstring)."""
 
-    def __init__(self, codes: int = 2, digits: int = 4, rooms: int = 24,
-                 distractor_words: int = 30, partial_credit: bool = False,
+    def __init__(self, codes: Size = 2, digits: Size = 4, rooms: Size = 24,
+                 distractor_words: Size = 30, partial_credit: bool = False,
                  ordered: bool = True, step_latency_s: float = 0.0) -> None:
-        if not 1 <= codes <= len(CODE_NAMES):
+        self.sizes = {name: size_range(name, size) for name, size in (
+            ("codes", codes), ("digits", digits), ("rooms", rooms),
+            ("distractor_words", distractor_words))}
+        if not 1 <= self.sizes["codes"][0] <= self.sizes["codes"][1] <= len(CODE_NAMES):
             raise ValueError(f"codes must be in [1, {len(CODE_NAMES)}]")
-        if not 1 <= digits <= 10:
+        if not 1 <= self.sizes["digits"][0] <= self.sizes["digits"][1] <= 10:
             raise ValueError("digits must be in [1, 10]")
-        if rooms < codes * digits:
-            raise ValueError(f"rooms = {rooms} cannot hold codes x digits = {codes * digits} notes")
-        if distractor_words < 0 or step_latency_s < 0:
+        most_notes = self.sizes["codes"][1] * self.sizes["digits"][1]
+        if self.sizes["rooms"][0] < most_notes:
+            raise ValueError(f"rooms = {self.sizes['rooms'][0]} cannot hold codes x digits = "
+                             f"{most_notes} notes")
+        if self.sizes["distractor_words"][0] < 0 or step_latency_s < 0:
             raise ValueError("distractor_words and step_latency_s must be >= 0")
-        self.codes, self.digits, self.rooms = codes, digits, rooms
-        self.distractor_words = distractor_words
+        self.codes = self.digits = self.rooms = self.distractor_words = 0
+        """This episode's sizes (drawn at reset)."""
         self.partial_credit = partial_credit
         self.ordered = ordered
         self.step_latency_s = step_latency_s
@@ -70,6 +98,9 @@ class KeyVault:
 
     async def reset(self, seed: int) -> Task:
         self._rng = random.Random(seed)
+        self.codes, self.digits, self.rooms, self.distractor_words = (
+            self._rng.randint(*self.sizes[name])
+            for name in ("codes", "digits", "rooms", "distractor_words"))
         names = CODE_NAMES[: self.codes]
         self._answer = {name: ([self._rng.randrange(10) for _ in range(self.digits)]
                                if self.ordered else self._rng.sample(range(10), self.digits))
@@ -85,7 +116,9 @@ class KeyVault:
             f"{which}codes : " + " , ".join(names) + f" , {self.digits} digits each . after the "
             "last room say answer " + " ".join(f"{n} " + " ".join("0" * self.digits)
                                                for n in names) + " .")
-        return Task(task_id=f"keyvault-{seed}", system=SYSTEM, instruction=instruction)
+        tags = {name: str(getattr(self, name)) for name, (low, high) in self.sizes.items()
+                if low < high}  # the sizes that vary
+        return Task(task_id=f"keyvault-{seed}", system=SYSTEM, instruction=instruction, tags=tags)
 
     async def step(self, action: str) -> StepResult:
         if self.step_latency_s:

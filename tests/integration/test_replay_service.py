@@ -153,6 +153,26 @@ def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
     assert not actor.errors
     batch = learner.receive(10.0)
     assert batch is not None and all(r.staleness == 0 for r in batch.rollouts)
+    learner.request(2, version=2)  # the batch arrived: its rollouts count as trained
+    assert actor.pump_until(lambda: replay.metric("crl_replay_finished_rollouts_total",
+                                                  fate="trained", success="true") == 2)
+    assert replay.metric("crl_replay_finished_rollouts_total", fate="stale",
+                         success="true") == 1
+    assert replay.metric("crl_replay_finished_rollout_tokens_total", fate="stale") > 0
+
+
+@pytest.mark.parametrize("replay", [{"stale_grace": 1}], indirect=True)
+def test_a_grace_serves_rollouts_one_version_past_the_bound(replay: Running) -> None:
+    actor = replay.actor()
+    actor.hello()
+    learner = replay.learner()
+    actor.push_rollout(version=0)
+    actor.push_rollout(version=0)
+    assert actor.pump_until(lambda: not actor.unacked)
+    learner.request(2, version=2)  # max_staleness 1 plus a grace of 1: served at 2
+    batch = learner.receive(10.0)
+    assert batch is not None and [r.staleness for r in batch.rollouts] == [2, 2]
+    assert replay.metric("crl_replay_dropped_total", reason="stale") == 0
 
 
 def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segment(

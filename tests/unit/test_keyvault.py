@@ -90,8 +90,26 @@ def test_text_stays_inside_the_vocabulary(ordered: bool) -> None:
     assert {w for w in text.split() if w not in known and not w.isdigit()} == set()
 
 
+def test_sizes_given_as_ranges_are_drawn_per_episode_and_tagged() -> None:
+    env = KeyVault(codes=1, digits=3, rooms=[6, 20], distractor_words=[2, 9])
+    drawn = set()
+    for seed in range(40):
+        task = asyncio.run(env.reset(seed))
+        assert 6 <= env.rooms <= 20 and 2 <= env.distractor_words <= 9
+        assert task.tags == {"rooms": str(env.rooms), "distractor_words": str(env.distractor_words)}
+        assert f"{env.rooms} rooms" in task.instruction
+        drawn.add(env.rooms)
+        again = asyncio.run(env.reset(seed))  # the seed decides
+        assert again == task
+    assert len(drawn) > 5
+    fixed = asyncio.run(KeyVault(rooms=12).reset(0))
+    assert fixed.tags == {}  # nothing varies: nothing to tell apart
+
+
 @pytest.mark.parametrize("options", [{"codes": 0}, {"digits": 11}, {"rooms": 3},
-                                     {"distractor_words": -1}])
+                                     {"distractor_words": -1}, {"rooms": [20, 10]},
+                                     {"rooms": [3, 30]}, {"codes": [1, 9]},
+                                     {"rooms": "many"}, {"digits": [1, 2, 3]}])
 def test_impossible_sizes_are_rejected(options: dict) -> None:
     with pytest.raises(ValueError):
         KeyVault(**options)

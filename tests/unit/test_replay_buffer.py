@@ -90,11 +90,20 @@ def test_staleness_is_measured_from_the_oldest_trainable_token() -> None:
     assert b.stale(5) == []
 
 
-def test_fifo_and_freshest_orders() -> None:
-    for order, expected in (("fifo", ["a", "b"]), ("freshest", ["c", "b"])):
+def test_fifo_freshest_and_oldest_orders() -> None:
+    for order, expected in (("fifo", ["a", "b"]), ("freshest", ["c", "b"]),
+                            ("oldest", ["a", "b"])):
         b = buffer(serve_order=order)
         add(b, segment("a", 0, final=True, version=1), now=1.0)
         add(b, segment("b", 0, final=True, version=3), now=2.0)
         add(b, segment("c", 0, final=True, version=4), now=3.0)
         assert [e.rollout_id for e in b.take(2, learner_version=4)] == expected
         assert b.take(2, learner_version=4) == []  # only one left
+
+
+def test_oldest_order_breaks_ties_by_readiness_and_skips_the_fresher() -> None:
+    b = buffer(serve_order="oldest")
+    add(b, segment("fresh", 0, final=True, version=4), now=1.0)
+    add(b, segment("old-late", 0, final=True, version=2), now=3.0)
+    add(b, segment("old-early", 0, final=True, version=2), now=2.0)
+    assert [e.rollout_id for e in b.take(2, learner_version=4)] == ["old-early", "old-late"]

@@ -126,3 +126,21 @@ def test_a_finished_run_shows_how_it_ended_not_liveness_or_an_eta() -> None:
     assert "ETA" not in lines["learner"]
     assert "processes" not in lines and "throughput" not in lines
     assert lines["ended"] == "wall time of 5 min reached; wall time 301 s"
+
+
+def test_the_summary_compares_the_trained_rollouts_with_every_finished_one() -> None:
+    """Dropping the long episodes as stale would show as trained rollouts
+    shorter (and here also more successful) than all finished ones."""
+    replay = _replay(expired=0, stale=25)
+    replay |= _samples(
+        crl_replay_finished_rollouts_total={(("fate", "trained"), ("success", "true")): 60,
+                                            (("fate", "trained"), ("success", "false")): 15,
+                                            (("fate", "stale"), ("success", "true")): 5,
+                                            (("fate", "stale"), ("success", "false")): 20},
+        crl_replay_finished_rollout_tokens_total={(("fate", "trained"),): 75 * 100,
+                                                  (("fate", "stale"),): 25 * 300})
+    snapshot = RunScraper({}).fold({"replay": replay}, {})
+    lines = summarise(snapshot, None, snapshot, RunEnds(max_steps=10))
+    assert lines["staleness"].endswith(
+        "stale 25 (25.0 % of finished); trained vs all finished: 100 vs 150 sampled tokens, "
+        "success 0.80 vs 0.65")
