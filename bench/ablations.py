@@ -45,6 +45,7 @@ from typing import Any
 
 from deploy.config import load_config, to_toml
 from deploy.evaluate import wilson_interval
+from ops.files import write_section
 from ops.report import bar_chart
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +118,7 @@ def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path) -> 
                (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = history[-1] if history else {}
     return {"run_dir": str(run_dir), "export": str(run_dir / "export"),
-            "learner_steps": int(last.get("learner_step_count") or 0),
+            "learner_steps": int(last.get("learner_step") or 0),
             "wall_seconds": float((run_dir / "wall_seconds").read_text())}
 
 
@@ -245,7 +246,7 @@ The effective configuration of the `full` runs (seed 0):
 
 Raw numbers: [results.json](results.json).
 """
-    (docs / "results.md").write_text(text)
+    write_section(docs / "results.md", "ablations", text)
     (docs / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
 

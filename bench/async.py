@@ -59,10 +59,11 @@ def run(command: list[str], log: Path) -> None:
 
 def window(history: list[dict[str, Any]], steps: int) -> tuple[dict, dict]:
     """Snapshots at the first completed learner step and at the last."""
-    trained = [h for h in history if h.get("learner_up") and h["learner_step_count"] >= 1]
+    # learner_step: None until the learner serves it (a snapshot before it resumed)
+    trained = [h for h in history if h.get("learner_up") and (h.get("learner_step") or 0) >= 1]
     if len(trained) < 2:
         raise SystemExit("too few metric snapshots with the learner training: raise --steps")
-    last = next((h for h in trained if h["learner_step_count"] >= steps), trained[-1])
+    last = next((h for h in trained if h["learner_step"] >= steps), trained[-1])
     return trained[0], last
 
 
@@ -123,7 +124,7 @@ def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> di
     report = json.loads((run_dir / "eval-compacted.json").read_text())
     return {
         "max_staleness": MODES[mode],
-        "steps_timed": last["learner_step_count"] - first["learner_step_count"],
+        "steps_timed": last["learner_step"] - first["learner_step"],
         "seconds": seconds,
         "learner_tokens_per_s": (last["learner_tokens"] - first["learner_tokens"]) / seconds,
         "learner_idle_fraction": (last["learner_idle_s"] - first["learner_idle_s"]) / seconds,

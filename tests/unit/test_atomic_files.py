@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from ops.files import atomic_write_text
+from ops.files import atomic_write_text, write_section
 
 
 def test_replaces_the_content_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -34,3 +34,12 @@ def test_a_writer_killed_mid_write_leaves_the_old_content(tmp_path: Path) -> Non
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status)
     assert target.read_text() == "old"
+
+
+def test_a_section_is_replaced_in_place_and_the_rest_kept(tmp_path: Path) -> None:
+    page = tmp_path / "results.md"
+    write_section(page, "table", "# one\n")
+    write_section(page, "costs", "two")
+    write_section(page, "table", "# one, again\n")
+    assert page.read_text() == ("<!-- begin table -->\n# one, again\n<!-- end table -->\n\n"
+                                "<!-- begin costs -->\ntwo\n<!-- end costs -->\n")
