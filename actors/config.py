@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from protocol.bounds import bound_problems, bounded
 
+OptionValue = int | float | str | bool
+
 DEFAULT_SUMMARY_INSTRUCTION = (
     "stop . write a summary of the history for your successor : the goal , every fact found "
     "with its exact value , the actions done and their results , and the next step . keep it "
@@ -186,8 +188,8 @@ class EnvironmentConfig:
 
     factory: str = "actors.envs.keyvault:KeyVault"
     """``module:Name`` of a class or function returning an Environment."""
-    options: dict[str, int | float | str | bool] = field(default_factory=dict)
-    """Keyword arguments for the factory."""
+    options: dict[str, OptionValue | list[OptionValue]] = field(default_factory=dict)
+    """Keyword arguments for the factory (a list: keyvault's size ranges)."""
     max_steps: int = bounded(64, ge=1)
     """Episode step limit (outcome ``step_limit``, reward 0)."""
     observation_max_tokens: int = bounded(256, ge=1)

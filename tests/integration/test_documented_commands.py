@@ -472,9 +472,12 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     ".venv/bin/python bench/checkpoint.py --json": Run(
         ("--quick",), ("sync_save_s", "async_stall_s", "async_stall_vs_sync")),
     ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
+    ".venv/bin/python bench/stale.py --json": Run(BENCH_DRY_RUN, ("commands",)),
     ".venv/bin/python bench/compaction_cost.py --json": Run(
         ("--quick",), ("base", "trained", "trained_frozen_summariser",
                        "frozen_vs_trained_stall"), slow=True),
+    ".venv/bin/python bench/horizons.py --json": Run(
+        ("--quick",), ("policies", "sizes", "success"), slow=True),
     # the dry run's two learner models share one tiny shape: one of them is enough
     # here (tests/unit/test_gpu_check.py runs both)
     ".venv/bin/python bench/gpu_check.py --json": Run(

@@ -200,6 +200,18 @@ def test_a_dotted_override_reaches_into_free_form_tables() -> None:
     assert options["codes"] == 1  # the rest of the table is kept
 
 
+def test_an_option_may_be_a_list_a_size_range_and_survives_the_run_s_config_file(
+        tmp_path: Path) -> None:
+    config = load_config(None, ["--actors.environment.options.rooms", "[6, 14]"])
+    assert config.actors.environment.options["rooms"] == [6, 14]
+    saved = tmp_path / "config.toml"  # what each process of the run loads
+    saved.write_text(to_toml(config))
+    assert load_config([saved], []).actors.environment.options["rooms"] == [6, 14]
+    saved.write_text(to_toml(config).replace('"rooms" = [6, 14]', '"rooms" = [[6], {a = 1}]'))
+    with pytest.raises(ConfigError, match="options.rooms"):
+        load_config([saved], [])
+
+
 def test_config_files_compose_later_over_earlier_then_overrides(tmp_path: Path) -> None:
     """``--config A --config B`` kept only B."""
     base, gpu = tmp_path / "base.toml", tmp_path / "gpu.toml"
