@@ -200,16 +200,26 @@ class DurableLog:
             new.write(tail)
             new.flush()
             os.fsync(new.fileno())
-        self._file.close()
         # freeing the old log's blocks takes tens of ms per hundred MB here:
         # a second link keeps them, and a thread drops it off the loop
-        retired = self.path.with_suffix(".retired")
+        retired: Path | None = self.path.with_suffix(".retired")
         self._retire_thread.join()
-        os.link(self.path, retired)
-        os.replace(compaction.path, self.path)
-        self._retire_thread = threading.Thread(target=os.unlink, args=(retired,),
-                                               name="log-retire", daemon=True)
-        self._retire_thread.start()
+        try:
+            os.link(self.path, retired)
+        except OSError:  # no hard links here: the rename frees them, in the loop
+            retired = None
+        self._file.close()
+        try:
+            os.replace(compaction.path, self.path)
+        except OSError:
+            self._file = self._open_for_append()  # the old log is whole: go on with it
+            if retired is not None:
+                retired.unlink(missing_ok=True)
+            raise
+        if retired is not None:
+            self._retire_thread = threading.Thread(target=os.unlink, args=(retired,),
+                                                   name="log-retire", daemon=True)
+            self._retire_thread.start()
         directory = os.open(self.path.parent, os.O_RDONLY)
         try:
             os.fsync(directory)

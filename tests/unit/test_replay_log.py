@@ -118,3 +118,21 @@ def test_a_compaction_that_cannot_write_leaves_the_log_whole(tmp_path: Path) -> 
     log.append_segment(b"next")
     log.close()
     assert records(path) == [(SEGMENT, b"kept"), (SEGMENT, b"next")]
+
+
+def test_without_hard_links_a_compaction_still_swaps_the_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_links(*args: object) -> None:
+        raise OSError("hard links not supported")
+
+    monkeypatch.setattr("replay.log.os.link", no_links)
+    path = tmp_path / "log"
+    log = DurableLog(path)
+    log.append_segment(b"dead")
+    log.append_segment(b"live")
+    log.sync()
+    log.compact([b"live"], version=2)
+    log.append_segment(b"next")
+    log.close()
+    assert [p for kind, p in records(path) if kind == SEGMENT] == [b"live", b"next"]
+    assert not path.with_suffix(".retired").exists()
