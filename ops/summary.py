@@ -125,7 +125,7 @@ def finished_rollouts(snapshot: Snapshot) -> dict[str, float] | None:
     and success of those trained against all of them (a bias toward short or
     easy episodes shows as a gap). None before any finished."""
     trained, stale = snapshot.get("trained_rollouts") or 0.0, snapshot.get("stale_rollouts") or 0.0
-    if trained + stale <= 0 or not trained:
+    if not trained:
         return None
     finished = trained + stale
     return {"stale_fraction": stale / finished,

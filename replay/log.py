@@ -89,8 +89,7 @@ class DurableLog:
         self._flushed = self.bytes_written
         """The file's length as the OS has it: a compaction thread may read up to here."""
         self.path.with_suffix(".retired").unlink(missing_ok=True)  # a crash mid-retirement
-        self._retire_thread = threading.Thread()
-        self._retire_thread.start()  # joinable before the first compaction
+        self._retire_thread: threading.Thread | None = None
 
     def _open_for_append(self) -> BinaryIO:
         # held open for the service's life; a buffer larger than a segment
@@ -203,7 +202,7 @@ class DurableLog:
         # freeing the old log's blocks takes tens of ms per hundred MB here:
         # a second link keeps them, and a thread drops it off the loop
         retired: Path | None = self.path.with_suffix(".retired")
-        self._retire_thread.join()
+        self._join_retirement()
         try:
             os.link(self.path, retired)
         except OSError:  # no hard links here: the rename frees them, in the loop
@@ -235,7 +234,11 @@ class DurableLog:
             self.finish_compaction(wait=True)
         self.sync(force=True)
         self._file.close()
-        self._retire_thread.join()
+        self._join_retirement()
+
+    def _join_retirement(self) -> None:
+        if self._retire_thread is not None:
+            self._retire_thread.join()
 
 
 class _Compaction:
