@@ -19,8 +19,13 @@ The base is evaluated the same way. ``docs/results.md`` (generated, with
 the command, the machine, wall time and every parameter), its raw JSON and a
 plot are written at the end.
 
+``--recipe paper`` runs the same table under the paper's recipe (over the
+local default: :data:`RECIPES`) in its own run folder, results section and
+JSON. ``--variants`` trains only those (in that order): a long table can be
+made in parts, each part reusing the finished runs of the others.
+
     python bench/ablations.py [--quick] [--seeds 3] [--minutes 5] [--episodes 300] [--json]
-                              [--dry-run] [--render]
+                              [--recipe today|paper] [--variants full,...] [--dry-run] [--render]
 
 ``--dry-run`` checks every command the table needs (the command line's parser
 and the configuration loader, on each variant's overrides), prints them and
@@ -47,6 +52,7 @@ from deploy.config import load_config, to_toml
 from deploy.evaluate import wilson_interval
 from ops.files import write_section
 from ops.report import bar_chart
+from ops.summary import cross_factors
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
@@ -63,6 +69,21 @@ VARIANTS: dict[str, list[str]] = {
                        "--actors.group_size", str(GRPO_GROUP_SIZE)],
     "compaction=false": ["--actors.compaction.enabled", "false"],
 }
+#: Recipe name -> configuration overrides (over the local default) of every
+#: variant. "paper": the length-adaptive lambda of the paper (gamma = 1,
+#: lambda_s = 1 - 1/(1.5 n_s)) and a critic warm-up. The warm-up is GLM-5.2's
+#: 10 value-only steps rather than the paper's reported 50: a 5-minute run
+#: here makes about 170 learner steps, and 50 would hold the policy still
+#: for a third of them. The critic's learning rate stays the local default's
+#: (the reports give none to copy).
+RECIPES: dict[str, list[str]] = {
+    "today": [],
+    "paper": ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
+              "--learner.gamma", "1", "--learner.critic_warmup_steps", "10"],
+}
+#: Where each recipe's table goes: run folder, results.md section, file stem.
+RECIPE_OUTPUTS = {"today": ("runs/ablations", "ablations", "results"),
+                  "paper": ("runs/ablations-paper", "ablations-paper", "results-paper")}
 #: Learner steps are not the budget (time is): this only keeps max_steps out of the way.
 UNBOUNDED_STEPS = 1_000_000
 
@@ -94,10 +115,11 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant.replace('=', '-')}-seed{seed}"
 
 
-def up_command(variant: str, seed: int, minutes: float, out_dir: Path) -> list[str]:
+def up_command(variant: str, seed: int, minutes: float, out_dir: Path, recipe: str
+               ) -> list[str]:
     return [COMPACTIONRL, "up", "--run.out_dir", str(out_dir), "--run.name",
             run_name(variant, seed), "--run.seed", str(seed), "--run.max_minutes", str(minutes),
-            "--learner.max_steps", str(UNBOUNDED_STEPS), *VARIANTS[variant]]
+            "--learner.max_steps", str(UNBOUNDED_STEPS), *RECIPES[recipe], *VARIANTS[variant]]
 
 
 def evaluate(model: Path, episodes: int, compaction: bool, out: Path, log: Path
@@ -107,19 +129,34 @@ def evaluate(model: Path, episodes: int, compaction: bool, out: Path, log: Path
     return json.loads(out.read_text())
 
 
-def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path) -> dict[str, Any]:
+def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path, recipe: str
+          ) -> dict[str, Any]:
     run_dir = out_dir / run_name(variant, seed)
     if not (run_dir / "export" / "config.json").is_file():
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short: start it over
         began = time.perf_counter()
-        run(up_command(variant, seed, minutes, out_dir), log)
+        run(up_command(variant, seed, minutes, out_dir, recipe), log)
         (run_dir / "wall_seconds").write_text(f"{time.perf_counter() - began:.1f}\n")
     history = [json.loads(line) for line in
                (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = history[-1] if history else {}
     return {"run_dir": str(run_dir), "export": str(run_dir / "export"),
             "learner_steps": int(last.get("learner_step") or 0),
-            "wall_seconds": float((run_dir / "wall_seconds").read_text())}
+            "wall_seconds": float((run_dir / "wall_seconds").read_text()),
+            # runs made before the learner counted them have none
+            "cross_factor": cross_factors(last)}
+
+
+def evaluation_name(compaction: bool) -> str:
+    return "eval-compacted.json" if compaction else "eval-single.json"
+
+
+def finished(out_dir: Path, variant: str, seeds: list[int]) -> bool:
+    """Whether every seed of ``variant`` is trained and evaluated."""
+    names = [evaluation_name(True)] + ([evaluation_name(False)]
+                                       if variant == "compaction=false" else [])
+    return all((out_dir / run_name(variant, seed) / name).is_file()
+               for seed in seeds for name in names)
 
 
 def pooled(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
@@ -148,10 +185,24 @@ def point(value: float) -> str:
     return f"{100 * value:.1f}"
 
 
+def mean_factors(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each segment type's cross-trajectory factor, averaged over the runs that measured it."""
+    measured = [run.get("cross_factor") or {} for run in runs]
+    return {kind: statistics.fmean(values) for kind in ("summary", "execution")
+            if (values := [m[kind] for m in measured if kind in m])}
+
+
+def factor_cell(factors: dict[str, float], kind: str) -> str:
+    return f"{factors[kind]:.3f}" if kind in factors else "-"
+
+
 def write_results(results: dict[str, Any], docs: Path) -> None:
+    recipe = results.get("recipe_name", "today")
+    _, section, stem = RECIPE_OUTPUTS[recipe]
     rows = ["| variant | runs | learner steps | compacted success % (95% CI) | per seed % "
-            "| mean reward | single-window success % | compactions/episode | summary tokens |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| mean reward | single-window success % | compactions/episode | summary tokens "
+            "| cross factor: summary / execution |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     table = {"base": results["base"], **results["variants"]}
     for name, entry in table.items():
         compacted, single = entry["compacted"], entry.get("single_window")
@@ -164,22 +215,21 @@ def write_results(results: dict[str, Any], docs: Path) -> None:
                     f"| {compacted['mean_reward']:.3f} "
                     f"| {point(single['success']) if single else '-'} "
                     f"| {compacted['compactions_per_episode']:.2f} "
-                    f"| {compacted['summary_tokens']:.1f} |")
-    full, masked = table["full"]["compacted"], table["train_summary=false"]["compacted"]
-    base = results["base"]["compacted"]
-    gain = full["success"] - base["success"]
-    margin = full["success"] - masked["success"]
-    half_widths = [(c["ci95"][1] - c["ci95"][0]) / 2 for c in (full, masked)]
+                    f"| {compacted['summary_tokens']:.1f} "
+                    f"| {factor_cell(factors := mean_factors(entry.get('runs', [])), 'summary')}"
+                    f" / {factor_cell(factors, 'execution')} |")
     chart = bar_chart("compacted success after training (pooled over seeds)",
                       {name: entry["compacted"]["success"] for name, entry in table.items()},
                       "variant", "compacted success")
     svg = chart[chart.index("<svg"):]
     (docs / "images").mkdir(parents=True, exist_ok=True)
-    (docs / "images" / "ablations.svg").write_text(svg)
+    (docs / "images" / f"{section}.svg").write_text(svg)
     params = results["parameters"]
     runs = [run for entry in results["variants"].values() for run in entry["runs"]]
     training_minutes = sum(run["wall_seconds"] for run in runs) / 60
-    text = f"""# Results: the ablation table
+    title = "the ablation table" + (", the paper's recipe" if recipe == "paper" else "")
+    missing = [name for name in VARIANTS if name not in results["variants"]]
+    text = f"""# Results: {title}
 
 Generated by `bench/ablations.py` — do not edit by hand; rerun:
 
@@ -198,25 +248,26 @@ sampling temperature it trains at ({params['temperature']:g}).
 
 {chr(10).join(rows)}
 
-![compacted success by variant](images/ablations.svg)
+![compacted success by variant](images/{section}.svg)
 
-- Full CompactionRL vs the base: **{100 * gain:+.1f} points** of compacted success
-  (target: at least +40).
-- Full vs `train_summary=false`: **{100 * margin:+.1f} points**; the 95 % CI half-widths
-  are {100 * half_widths[0]:.1f} and {100 * half_widths[1]:.1f} points (target: a margin
-  larger than both).
-- What the summaries became (tokens per compaction; a kept fact, `alpha seven .`, is 3):
-  base {base['summary_tokens']:.1f}, full {full['summary_tokens']:.1f},
-  `train_summary=false` {masked['summary_tokens']:.1f}. Mean reward (fraction of digits
-  right): base {base['mean_reward']:.3f}, full {full['mean_reward']:.3f},
-  `train_summary=false` {masked['mean_reward']:.3f}.
-
+{key_figures(table)}{"Not run yet: " + ", ".join(f"`{m}`" for m in missing) + "." + chr(10)
+                     if missing else ""}
 Success (the exact answer) is pooled over seeds (Wilson interval over all
 evaluated episodes); mean reward is the fraction of digits right (the local
 default trains on partial credit);
 "per seed" lists each training seed's evaluation. `compaction=false` trains in
 one window (an episode ends when it is full) and is evaluated both in one window
-and with compaction.
+and with compaction. The cross factor is the learner's mean over the segments it
+trained of `(γλ)^N_{{>s}}` (adaptive λ: the product of the later segments'
+`(γλ_j)^{{n_j}}`) under the recipe's λ, whatever `advantage` applied
+(`crl_learner_cross_factor_sum_total` over `crl_learner_trained_segments_total`;
+"-" where the runs predate the counter or trained no segment of that type).
+
+Recipe overrides (over the configuration below, in every variant):
+
+```json
+{json.dumps(RECIPES[recipe])}
+```
 
 ## The base policy's recipe
 
@@ -246,25 +297,53 @@ The effective configuration of the `full` runs (seed 0):
 
 Raw numbers: [results.json](results.json).
 """
-    write_section(docs / "results.md", "ablations", text)
-    (docs / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_section(docs / "results.md", section, text)
+    (docs / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
-def dry_run(seeds: list[int], minutes: float, episodes: int, base: Path, out_dir: Path
-            ) -> list[str]:
+def key_figures(table: dict[str, Any]) -> str:
+    """The table's headline comparisons, those its variants allow."""
+    base = table["base"]["compacted"]
+    lines = []
+    if "full" in table:
+        full = table["full"]["compacted"]
+        gain = full["success"] - base["success"]
+        lines.append(f"- Full CompactionRL vs the base: **{100 * gain:+.1f} points** of "
+                     "compacted success (target: at least +40).")
+    if "full" in table and "train_summary=false" in table:
+        masked = table["train_summary=false"]["compacted"]
+        half = [(c["ci95"][1] - c["ci95"][0]) / 2 for c in (full, masked)]
+        lines += [
+            f"- Full vs `train_summary=false`: **{100 * (full['success'] - masked['success']):+.1f}"
+            f" points**; the 95 % CI half-widths are {100 * half[0]:.1f} and {100 * half[1]:.1f}"
+            " points (target: a margin larger than both).",
+            "- What the summaries became (tokens per compaction; a kept fact, `alpha seven .`, "
+            f"is 3): base {base['summary_tokens']:.1f}, full {full['summary_tokens']:.1f}, "
+            f"`train_summary=false` {masked['summary_tokens']:.1f}. Mean reward (fraction of "
+            f"digits right): base {base['mean_reward']:.3f}, full {full['mean_reward']:.3f}, "
+            f"`train_summary=false` {masked['mean_reward']:.3f}."]
+    if "full" in table and "advantage=independent" in table:
+        alone = table["advantage=independent"]["compacted"]
+        lines.append(f"- Cross-trajectory GAE vs `advantage=independent`: "
+                     f"**{100 * (full['success'] - alone['success']):+.1f} points**.")
+    return "\n".join(lines) + "\n"
+
+
+def dry_run(seeds: list[int], minutes: float, episodes: int, base: Path, out_dir: Path,
+            recipe: str, variants: list[str]) -> list[str]:
     """Check and print every command the table would run; run none."""
     commands = [] if (base / "config.json").is_file() else [[COMPACTIONRL, "bootstrap"]]
     commands += [eval_command(base, episodes, compaction, out_dir / f"base-{name}.json")
                  for compaction, name in ((True, "compacted"), (False, "single"))]
-    for variant in VARIANTS:
+    for variant in variants:
         for seed in seeds:
             run_dir = out_dir / run_name(variant, seed)
-            commands += [up_command(variant, seed, minutes, out_dir),
+            commands += [up_command(variant, seed, minutes, out_dir, recipe),
                          eval_command(run_dir / "export", episodes, True,
-                                      run_dir / "eval-compacted.json")]
+                                      run_dir / evaluation_name(True))]
             if variant == "compaction=false":
                 commands.append(eval_command(run_dir / "export", episodes, False,
-                                             run_dir / "eval-single.json"))
+                                             run_dir / evaluation_name(False)))
     for command in commands:
         check(command)
         print("  $ " + shlex.join(command), flush=True)
@@ -279,26 +358,39 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=None,
                         help="wall-time budget of each training run (default: run.max_minutes)")
     parser.add_argument("--episodes", type=int, default=300, help="evaluation episodes")
-    parser.add_argument("--out", default="runs/ablations", help="run folders")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="today",
+                        help="overrides of every variant (RECIPES); its own folder and section")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants to train, in that order; the table "
+                             "also shows the others whose runs are all finished")
+    parser.add_argument("--out", default=None,
+                        help="run folders (default: runs/ablations, runs/ablations-paper)")
     parser.add_argument("--docs", default="docs", help="where results.md goes")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--render", action="store_true",
-                        help="only write results.md again from DOCS/results.json")
+                        help="only write results.md again from the recipe's JSON in DOCS")
     parser.add_argument("--dry-run", action="store_true",
                         help="check and print the commands the table needs; train nothing")
     args = parser.parse_args()
+    default_out, _, stem = RECIPE_OUTPUTS[args.recipe]
     if args.render:
-        write_results(json.loads((Path(args.docs) / "results.json").read_text()),
+        write_results(json.loads((Path(args.docs) / f"{stem}.json").read_text()),
                       Path(args.docs))
         return 0
+    requested = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = sorted(set(requested) - set(VARIANTS))
+    if unknown or not requested:
+        parser.error(f"--variants: {', '.join(unknown) or 'none given'}; "
+                     f"choose among {', '.join(VARIANTS)}")
     seeds = list(range(1 if args.quick else args.seeds))
-    out_dir = Path(args.out)
+    out_dir = Path(args.out or default_out)
     began = time.perf_counter()
-    config = load_config(None, [])
+    config = load_config(None, RECIPES[args.recipe])
     minutes = args.minutes or config.run.max_minutes
     base = Path(config.run.model)
     if args.dry_run:
-        commands = dry_run(seeds, minutes, args.episodes, base, out_dir)
+        commands = dry_run(seeds, minutes, args.episodes, base, out_dir, args.recipe,
+                           requested)
         if args.json:
             print(json.dumps({"dry_run": True, "commands": commands}))
         return 0
@@ -327,22 +419,30 @@ def main() -> int:
                                                    out_dir / "base-single.json", log)])},
         "variants": {},
     }
-    for variant in VARIANTS:
+    for variant in requested:
+        for seed in seeds:
+            print(f"{variant}, seed {seed}", flush=True)
+            trained = train(variant, seed, minutes, out_dir, log, args.recipe)
+            print(f"  {trained['learner_steps']} learner steps", flush=True)
+            for compaction in (True, False) if variant == "compaction=false" else (True,):
+                evaluation = evaluate(Path(trained["export"]), args.episodes, compaction,
+                                      Path(trained["run_dir"]) / evaluation_name(compaction), log)
+                print(f"  {'compacted' if compaction else 'single-window'} success "
+                      f"{evaluation['success']:.1%}", flush=True)
+    for variant in [v for v in VARIANTS if finished(out_dir, v, seeds)]:
         entry: dict[str, Any] = {"runs": [], "learner_steps": []}
         compacted, single = [], []
         for seed in seeds:
-            print(f"{variant}, seed {seed}", flush=True)
-            trained = train(variant, seed, minutes, out_dir, log)
+            trained = train(variant, seed, minutes, out_dir, log, args.recipe)
             export = Path(trained["export"])
+            run_dir = Path(trained["run_dir"])
             compacted.append(evaluate(export, args.episodes, True,
-                                      Path(trained["run_dir"]) / "eval-compacted.json", log))
+                                      run_dir / evaluation_name(True), log))
             if variant == "compaction=false":
                 single.append(evaluate(export, args.episodes, False,
-                                       Path(trained["run_dir"]) / "eval-single.json", log))
+                                       run_dir / evaluation_name(False), log))
             entry["runs"].append(trained)
             entry["learner_steps"].append(trained["learner_steps"])
-            print(f"  {trained['learner_steps']} learner steps; compacted success "
-                  f"{compacted[-1]['success']:.1%}", flush=True)
         entry["compacted"] = pooled(compacted)
         if single:
             entry["single_window"] = pooled(single)
@@ -352,21 +452,26 @@ def main() -> int:
         machine=machine(), wall_minutes=(time.perf_counter() - began) / 60,
         parameters={"seeds": seeds, "minutes": minutes, "episodes": args.episodes,
                     "temperature": config.actors.sampling.temperature},
+        recipe_name=args.recipe,
         recipe=asdict(config.bootstrap),
         bootstrap={key: value for key, value in
                    json.loads(made).items()
                    if key in ("demonstrations", "copy_accuracy", "seconds")},
-        config_toml=to_toml(load_config(None, ["--run.seed", "0"])))
+        config_toml=to_toml(load_config(None, [*RECIPES[args.recipe], "--run.seed", "0"])))
     write_results(results, Path(args.docs))
-    full = results["variants"]["full"]["compacted"]["success"]
+    success = {name: entry["compacted"]["success"]
+               for name, entry in results["variants"].items()}
+    base_success = results["base"]["compacted"]["success"]
     summary = {
-        "base_compacted_success": results["base"]["compacted"]["success"],
-        "full_compacted_success": full,
-        "full_minus_base": full - results["base"]["compacted"]["success"],
-        "full_minus_masked_summary": full - results["variants"]["train_summary=false"][
-            "compacted"]["success"],
-        **{f"success[{name}]": entry["compacted"]["success"]
-           for name, entry in results["variants"].items()},
+        "base_compacted_success": base_success,
+        **({"full_compacted_success": success["full"],
+            "full_minus_base": success["full"] - base_success} if "full" in success else {}),
+        **({"full_minus_masked_summary": success["full"] - success["train_summary=false"]}
+           if {"full", "train_summary=false"} <= success.keys() else {}),
+        **{f"success[{name}]": value for name, value in success.items()},
+        **{f"cross_factor_{kind}[{name}]": value
+           for name, entry in results["variants"].items()
+           for kind, value in mean_factors(entry["runs"]).items()},
         "wall_minutes": results["wall_minutes"],
     }
     for key, value in summary.items():

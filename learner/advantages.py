@@ -172,21 +172,32 @@ def cross_trajectory_gae(
                                   else gamma_lam)
     returns = local + v
 
-    if mode == "cross" and len(lengths):
-        # N_{>s}: trainable tokens of later segments in the same rollout
-        rollout = segment_rollout.long()
-        rollout_end = torch.zeros(int(rollout.max()) + 1, dtype=torch.long,
-                                  device=lengths.device)
-        rollout_end.scatter_reduce_(0, rollout, ends, reduce="amax")
-        later = rollout_end[rollout] - ends
-        if per_segment:
-            discount = _later_segments_product(gamma_lam, lengths, rollout)
-        else:
-            discount = torch.pow(torch.tensor(gamma_lam, dtype=torch.float64), later.double())
-        advantages = local * torch.repeat_interleave(discount, lengths)
+    if mode == "cross":
+        factors = cross_trajectory_factors(lengths, segment_rollout, gamma_lam)
+        advantages = local * torch.repeat_interleave(factors, lengths)
     else:
         advantages = local
     return advantages.to(values.dtype), returns.to(values.dtype)
+
+
+def cross_trajectory_factors(segment_lengths: torch.Tensor, segment_rollout: torch.Tensor,
+                             gamma_lam: float | torch.Tensor) -> torch.Tensor:
+    """[S] float64 discount of each segment's local advantages by the
+    trainable tokens after it in its rollout: (gamma*lam) ** N_{>s}, or with
+    ``gamma_lam`` [S] one per segment, prod over the later segments j of
+    (gamma * lambda_j) ** n_j. ``segment_rollout`` [S] non-decreasing."""
+    lengths = segment_lengths.long()
+    if not len(lengths):
+        return torch.zeros(0, dtype=torch.float64)
+    rollout = segment_rollout.long()
+    if isinstance(gamma_lam, torch.Tensor):
+        return _later_segments_product(gamma_lam.double(), lengths, rollout)
+    # N_{>s}: trainable tokens of later segments in the same rollout
+    ends = torch.cumsum(lengths, 0)
+    rollout_end = torch.zeros(int(rollout.max()) + 1, dtype=torch.long, device=lengths.device)
+    rollout_end.scatter_reduce_(0, rollout, ends, reduce="amax")
+    later = rollout_end[rollout] - ends
+    return torch.pow(torch.tensor(gamma_lam, dtype=torch.float64), later.double())
 
 
 def _later_segments_product(gamma_lam: torch.Tensor, lengths: torch.Tensor,

@@ -83,6 +83,15 @@ class LearnerMetrics:
         self.rejected_frames = Counter("crl_learner_rejected_frames",
                                        "Frames refused on the control socket, by reason",
                                        ["reason"], registry=r)
+        self.cross_factor_sum = Counter(
+            "crl_learner_cross_factor_sum",
+            "Sum over trained segments of the cross-trajectory factor "
+            "(gamma*lambda)^N_>s under the run's lambda (applied with advantage = cross), "
+            "by segment type; over crl_learner_trained_segments_total, its mean",
+            ["segment_type"], registry=r)
+        self.trained_segments = Counter(
+            "crl_learner_trained_segments", "Segments with trainable tokens trained on, by type",
+            ["segment_type"], registry=r)
         self.gauges = {name: Gauge(name, f"PPO statistic {key}", registry=r)
                        for name, key in STEP_GAUGES.items()}
 
@@ -102,6 +111,9 @@ class LearnerMetrics:
         self.step_seconds.observe(seconds)
         self.tokens.inc(metrics.get("tokens", 0.0))
         self.resumed(version, step)
+        for kind in ("summary", "execution"):
+            self.cross_factor_sum.labels(kind).inc(metrics.get(f"advantages/{kind}_factor_sum", 0))
+            self.trained_segments.labels(kind).inc(metrics.get(f"advantages/{kind}_segments", 0))
         for name, key in STEP_GAUGES.items():
             if key in metrics:
                 self.gauges[name].set(metrics[key])

@@ -53,7 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from learner.advantages import adaptive_lambdas, advantages_and_returns
+from learner.advantages import (
+    adaptive_lambdas,
+    advantages_and_returns,
+    cross_trajectory_factors,
+)
 from learner.batch import Sequence, TrainBatch, microbatches
 from learner.config import LearnerConfig
 from learner.losses import (
@@ -113,6 +117,11 @@ class StepStatistics:
     return_square_sum: float = 0.0
     residual_sum: float = 0.0
     residual_square_sum: float = 0.0
+    summary_factor_sum: float = 0.0
+    """This and the next three: :meth:`add_factors`."""
+    summary_segments: float = 0.0
+    execution_factor_sum: float = 0.0
+    execution_segments: float = 0.0
     updates: int = 0
     policy_grad_norm: float = 0.0
 
@@ -130,6 +139,15 @@ class StepStatistics:
             setattr(self, name, getattr(self, name) + float(mean) * tokens)
         for name, total in moments.items():
             setattr(self, name, getattr(self, name) + total)
+
+    def add_factors(self, factors: torch.Tensor, segment_types: list[str]) -> None:
+        """The cross-trajectory factors of the step's segments with trainable
+        tokens (``factors`` [S], one type each), summed by segment type."""
+        for kind in ("summary", "execution"):
+            chosen = [f for f, t in zip(factors.tolist(), segment_types, strict=True)
+                      if t == kind]
+            setattr(self, f"{kind}_factor_sum", getattr(self, f"{kind}_factor_sum") + sum(chosen))
+            setattr(self, f"{kind}_segments", getattr(self, f"{kind}_segments") + len(chosen))
 
     def summed_over_ranks(self) -> StepStatistics:
         names = [f.name for f in dataclasses.fields(self) if f.name not in self.RANK_INVARIANT]
@@ -153,6 +171,9 @@ class StepStatistics:
                                                         "residual_sum", "residual_square_sum")},
                 self.tokens),
             "tokens": self.tokens / epochs,
+            **{f"advantages/{name}": getattr(self, name)
+               for name in ("summary_factor_sum", "summary_segments", "execution_factor_sum",
+                            "execution_segments")},
         }
 
 
@@ -277,11 +298,9 @@ class PPOTrainer:
                                    else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
                                    for s in sequences])
                         if any(s.token_rewards is not None for s in sequences) else None)
-        lam = (adaptive_lambdas(lengths, self.config.lam_alpha)
-               if self.config.lam_mode == "adaptive" else self.config.lam)
         flat_adv, flat_ret = advantages_and_returns(
             self.config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
-            batch.task_ids, self.config.gamma, lam, step_rewards)
+            batch.task_ids, self.config.gamma, self._lambda(lengths), step_rewards)
         advantages, returns, offset = [], [], 0
         for sequence in sequences:
             n = sum(sequence.segment_lengths)
@@ -293,6 +312,25 @@ class PPOTrainer:
             returns.append(ret.float())
             offset += n
         return advantages, returns
+
+    def _lambda(self, lengths: torch.Tensor) -> float | torch.Tensor:
+        """GAE's lambda: the configured one, or [S] one per segment of these lengths."""
+        return (adaptive_lambdas(lengths, self.config.lam_alpha)
+                if self.config.lam_mode == "adaptive" else self.config.lam)
+
+    def _cross_factors(self, sequences: list[Sequence]) -> tuple[torch.Tensor, list[str]]:
+        """The factor (gamma*lambda)^{N_>s} (per-segment lambdas: their
+        product) of each segment with trainable tokens, under this run's gamma
+        and lambda, whatever the advantage mode applies, and its type."""
+        lengths = torch.tensor([n for s in sequences for n in s.segment_lengths])
+        rollout_of = torch.tensor([s.rollout for s in sequences for _ in s.segment_lengths])
+        # a sequence of two segments holds an execution segment, then its summary
+        types = [t for s in sequences
+                 for t in ["execution"] * (len(s.segment_lengths) - 1) + [s.segment_type]]
+        factors = cross_trajectory_factors(lengths, rollout_of,
+                                           self.config.gamma * self._lambda(lengths))
+        kept = lengths > 0
+        return factors[kept], [t for t, k in zip(types, kept.tolist(), strict=True) if k]
 
     def _whiten(self, sequences: list[Sequence], advantages: list[torch.Tensor]
                 ) -> list[torch.Tensor]:
@@ -316,6 +354,8 @@ class PPOTrainer:
         fused = len(shares) == 1
         prepared = [self._prepare(batch, share, fused) for share in shares]
         statistics = StepStatistics()
+        for part in prepared:
+            statistics.add_factors(*self._cross_factors(part.sequences))
         for _ in range(self.config.ppo_epochs):
             for part in prepared:
                 self._update(part, statistics, batch, value_only)

@@ -64,6 +64,14 @@ TOTALS: dict[str, tuple[str, str, dict[str, str]]] = {
                         {"fate": "stale", "success": "true"}),
     "stale_tokens": ("replay", "crl_replay_finished_rollout_tokens_total", {"fate": "stale"}),
     "batches": ("replay", "crl_replay_batches_total", {}),
+    "summary_factor_sum": ("learner", "crl_learner_cross_factor_sum_total",
+                           {"segment_type": "summary"}),
+    "summary_segments": ("learner", "crl_learner_trained_segments_total",
+                         {"segment_type": "summary"}),
+    "execution_factor_sum": ("learner", "crl_learner_cross_factor_sum_total",
+                             {"segment_type": "execution"}),
+    "execution_segments": ("learner", "crl_learner_trained_segments_total",
+                           {"segment_type": "execution"}),
     "staleness_count": ("replay", "crl_replay_staleness_count", {}),
 }
 #: The learner's position: it only goes up within a run (snapshot key -> gauge).
@@ -145,6 +153,15 @@ def stale_bias(snapshot: Snapshot) -> str:
             f"{figures['trained_tokens_mean']:.0f} vs {figures['finished_tokens_mean']:.0f} "
             f"sampled tokens, success {figures['trained_success']:.2f} vs "
             f"{figures['finished_success']:.2f}")
+
+
+def cross_factors(snapshot: Snapshot) -> dict[str, float]:
+    """The mean cross-trajectory factor (gamma*lambda)^N_>s of the trained
+    segments of each type (``summary``, ``execution``) over the run so far;
+    a type with none trained yet is absent."""
+    return {kind: (snapshot.get(f"{kind}_factor_sum") or 0.0) / count
+            for kind in ("summary", "execution")
+            if (count := snapshot.get(f"{kind}_segments") or 0.0)}
 
 
 def staleness_quantile(snapshot: Snapshot, q: float) -> float | None:
@@ -294,6 +311,8 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
         "staleness": f"p50 {_number(p50, missing='-')}, p95 {_number(p95, missing='-')}; "
                      f"expired rollouts {now['expired_rollouts'] or 0.0:.0f}, "
                      f"stale {now['stale_rollouts'] or 0.0:.0f}" + stale_bias(now),
+        "credit": "cross-trajectory factor: " + (", ".join(
+            f"{kind} {mean:.3f}" for kind, mean in cross_factors(now).items()) or "-"),
         "restarts": f"actors {now.get('actor_restarts') or 0:.0f}, replay "
                     f"{now.get('replay_restarts') or 0:.0f}, learner "
                     f"{now.get('learner_restarts') or 0:.0f}",

@@ -7,7 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.advantages import adaptive_lambdas, advantages_and_returns, cross_trajectory_gae
+from learner.advantages import (
+    adaptive_lambdas,
+    advantages_and_returns,
+    cross_trajectory_factors,
+    cross_trajectory_gae,
+)
 from tests.tolerances import rounding_tolerance
 
 
@@ -243,3 +248,22 @@ def test_one_lambda_for_every_segment_is_the_fixed_form_exactly() -> None:
                                   torch.full((3,), 0.95, dtype=torch.float64))
     for a, b in zip(fixed, tensor, strict=True):
         assert torch.allclose(a, b, atol=1e-12, rtol=0)
+
+
+def test_cross_trajectory_factors_are_the_discount_the_gae_applies() -> None:
+    lengths, rollout = torch.tensor([3, 0, 4, 5, 2]), torch.tensor([0, 0, 0, 1, 1])
+    assert cross_trajectory_factors(lengths, rollout, 0.9).tolist() == pytest.approx(
+        [0.9 ** 4, 0.9 ** 4, 1.0, 0.9 ** 2, 1.0])
+    lam = adaptive_lambdas(lengths, 1.5)
+    per_segment = cross_trajectory_factors(lengths, rollout, lam)
+    assert per_segment.tolist() == pytest.approx(
+        [float(lam[2]) ** 4, float(lam[2]) ** 4, 1.0, float(lam[4]) ** 2, 1.0])
+    # the GAE's cross advantages are the independent ones times these factors
+    values = torch.linspace(-1, 1, 14, dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    cross, _ = cross_trajectory_gae(values, lengths, rollout, rewards, 1.0, lam)
+    alone, _ = cross_trajectory_gae(values, lengths, rollout, rewards, 1.0, lam, "independent")
+    assert torch.allclose(cross, alone * torch.repeat_interleave(per_segment, lengths),
+                          atol=1e-12, rtol=0)
+    assert cross_trajectory_factors(torch.tensor([], dtype=torch.long),
+                                    torch.tensor([], dtype=torch.long), 0.9).shape == (0,)

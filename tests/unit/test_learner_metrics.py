@@ -7,7 +7,9 @@ from learner.metrics import STEP_GAUGES, LearnerMetrics
 
 def test_a_step_is_recorded_under_the_design_names() -> None:
     metrics = LearnerMetrics()
-    step = {"tokens": 120.0, **{key: 0.5 for key in STEP_GAUGES.values()}}
+    step = {"tokens": 120.0, **{key: 0.5 for key in STEP_GAUGES.values()},
+            "advantages/summary_factor_sum": 1.5, "advantages/summary_segments": 3.0,
+            "advantages/execution_factor_sum": 4.0, "advantages/execution_segments": 5.0}
     metrics.record(step, rewards=[1.0, 0.0, 1.0], successes=[True, False, True],
                    compactions=[2, 0, 1], seconds=1.5, version=7, step=5)
     value = metrics.registry.get_sample_value
@@ -22,6 +24,8 @@ def test_a_step_is_recorded_under_the_design_names() -> None:
     assert value("crl_learner_rollout_reward_bucket", {"le": "0.0"}) == 1
     assert value("crl_learner_rollout_compactions_bucket", {"le": "1.0"}) == 2
     assert value("crl_learner_idle_seconds_total") == 0
+    assert value("crl_learner_cross_factor_sum_total", {"segment_type": "summary"}) == 1.5
+    assert value("crl_learner_trained_segments_total", {"segment_type": "execution"}) == 5
     for name in STEP_GAUGES:
         assert value(name) == 0.5
 

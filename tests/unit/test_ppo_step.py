@@ -391,3 +391,24 @@ def test_a_critic_warmup_step_moves_the_critic_and_not_the_policy(tiny_model_dir
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert all(torch.equal(a, b) for a, b in zip(before_policy, policy, strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(before_value, value, strict=True))
+
+
+@pytest.mark.parametrize("lam_mode", ["fixed", "adaptive"])
+def test_a_step_reports_the_cross_trajectory_factors_of_summary_and_execution_segments(
+        tiny_model_dir: Path, lam_mode: str) -> None:
+    ppo = trainer(tiny_model_dir, lam_mode=lam_mode, lam=0.9)
+    batch = to_train_batch(synthetic_batch(rollouts=8), train_summary=True)
+    metrics = ppo.step(batch)
+    kinds: dict[str, list[int]] = {"summary": [], "execution": []}
+    for sequence in batch.sequences:
+        types = ["execution"] * (len(sequence.segment_lengths) - 1) + [sequence.segment_type]
+        for kind, n in zip(types, sequence.segment_lengths, strict=True):
+            if n:
+                kinds[kind].append(n)
+    assert metrics["advantages/summary_segments"] == len(kinds["summary"]) > 0
+    assert metrics["advantages/execution_segments"] == len(kinds["execution"]) > 0
+    # every summary is followed by an execution segment: its factor is < 1;
+    # each rollout's last (execution) segment has factor 1
+    summary_mean = metrics["advantages/summary_factor_sum"] / len(kinds["summary"])
+    assert 0 < summary_mean < 1
+    assert metrics["advantages/execution_factor_sum"] >= batch.num_rollouts

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ops.summary import RunEnds, RunScraper, Samples, summarise
+from ops.summary import RunEnds, RunScraper, Samples, cross_factors, summarise
 
 
 def _samples(**metrics: float | dict[tuple[tuple[str, str], ...], float]) -> Samples:
@@ -144,3 +144,18 @@ def test_the_summary_compares_the_trained_rollouts_with_every_finished_one() -> 
     assert lines["staleness"].endswith(
         "stale 25 (25.0 % of finished); trained vs all finished: 100 vs 150 sampled tokens, "
         "success 0.80 vs 0.65")
+
+
+def test_the_summary_gives_the_mean_cross_trajectory_factor_by_segment_type() -> None:
+    learner = _learner(3, 3) | _samples(
+        crl_learner_cross_factor_sum_total={(("segment_type", "summary"),): 12.0,
+                                            (("segment_type", "execution"),): 45.0},
+        crl_learner_trained_segments_total={(("segment_type", "summary"),): 40,
+                                            (("segment_type", "execution"),): 50})
+    snapshot = RunScraper({}).fold({"learner": learner}, {})
+    assert cross_factors(snapshot) == {"summary": 0.3, "execution": 0.9}
+    lines = summarise(snapshot, None, snapshot, RunEnds(max_steps=10))
+    assert lines["credit"] == "cross-trajectory factor: summary 0.300, execution 0.900"
+    empty = RunScraper({}).fold({"learner": _learner(0, 0)}, {})
+    assert cross_factors(empty) == {}
+    assert summarise(empty, None, empty, RunEnds(max_steps=10))["credit"].endswith(": -")
