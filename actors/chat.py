@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 from actors.config import CompactionConfig, EnvironmentConfig
@@ -42,6 +43,19 @@ _MARK = "\u2063"
 
 def _slot(name: str) -> str:
     return f"{_MARK}CRL-{name}{_MARK}"
+
+
+def message_text(message: _Message) -> str:
+    """A chat message's text content: a string, or its text parts joined
+    (OpenAI's content parts); None is empty. Other parts are refused."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str)
+                                         for part in content):
+        return "".join(part["text"] for part in content)
+    raise TemplateError("a message's content must be text or a list of text parts")
 
 
 class TemplateError(ValueError):
@@ -99,7 +113,7 @@ class ChatFormat:
             raise TemplateError(f"the template refuses a conversation of roles [{roles}]: "
                                 f"{exc}") from exc
 
-    def _split(self, messages: list[_Message], generation_prompt: bool) -> list[str]:
+    def split(self, messages: list[_Message], generation_prompt: bool) -> list[str]:
         """The rendering of ``messages`` (each content a sentinel) cut at
         the sentinels: the framing before, between and after the contents."""
         text = self.render(messages, generation_prompt)
@@ -132,7 +146,7 @@ class ChatFormat:
                         {"role": "tool", "content": _slot("o1")},
                         {"role": "assistant", "content": _slot("a2")},
                         {"role": "tool", "content": _slot("o2")}]
-        pieces = self._split(conversation, generation_prompt=True)
+        pieces = self.split(conversation, generation_prompt=True)
         after_action, after_observation = pieces[3], pieces[4]
         if not pieces[2].endswith(header):
             raise TemplateError("an assistant turn in the history does not open with the "
@@ -144,7 +158,7 @@ class ChatFormat:
             raise TemplateError("the framing of a step depends on its position (the template "
                                 "numbers, merges or otherwise varies repeated turns)")
         # where the assistant turn ends: rendered as the last turn, before any tool turn
-        closing = self._split(conversation[:3], generation_prompt=False)[-1]
+        closing = self.split(conversation[:3], generation_prompt=False)[-1]
         if not after_action.startswith(closing):
             raise TemplateError("an assistant turn closes differently once a tool turn "
                                 f"follows ({closing!r} vs {after_action!r})")
@@ -159,7 +173,7 @@ class ChatFormat:
         """The user turn holding q_sum, as it follows an observation."""
         header = self._generation_prompt()
         instruction = self.compaction.summary_instruction
-        pieces = self._split([{"role": "system", "content": _slot("s")},
+        pieces = self.split([{"role": "system", "content": _slot("s")},
                               {"role": "user", "content": _slot("u")},
                               {"role": "assistant", "content": _slot("a")},
                               {"role": "tool", "content": _slot("o")},
@@ -169,6 +183,39 @@ class ChatFormat:
                                 "an observation followed by the assistant")
         return (pieces[4][len(observation_close):] + instruction
                 + pieces[5][:len(pieces[5]) - len(header)])
+
+    def conversation_ids(self, messages: list[_Message],
+                         recorded: Callable[[int, _Message], list[int] | None]) -> list[int]:
+        """Token ids of a whole conversation, ready for the assistant's next
+        turn: the template's framing between the contents, each content
+        tokenised alone, except the assistant turns for which ``recorded``
+        (given the message's index and the message) returns the policy's own
+        sampled ids: those go in as sampled (the end-of-turn token they hold is
+        not framed again). A recorded turn is rendered as plain content (its
+        tool calls are in its sampled text)."""
+        framed = []
+        spliced: dict[int, list[int]] = {}
+        for index, message in enumerate(messages):
+            ids = recorded(index, message) if message.get("role") == "assistant" else None
+            plain = {key: value for key, value in message.items()
+                     if ids is None or key not in ("tool_calls", "reasoning_content")}
+            if ids is not None:
+                spliced[index] = ids
+            framed.append(plain | {"content": _slot(f"m{index}")})
+        pieces = self.split(framed, generation_prompt=True)
+        end = self.decode(self.assistant_end, keep_special=True)
+        result = self._ids(pieces[0])
+        for index, message in enumerate(messages):
+            after = pieces[index + 1]
+            if index in spliced:
+                ids = spliced[index]
+                result += ids
+                if end and ids[-len(self.assistant_end):] == self.assistant_end:
+                    after = after.removeprefix(end)
+            else:
+                result += self._ids(message_text(message))
+            result += self._ids(after)
+        return result
 
     # ------------------------------------------------------------------ pieces
 
@@ -196,7 +243,7 @@ class ChatFormat:
 
     def turns(self, task: Task) -> TurnTokens:
         """The token pieces of one episode."""
-        system, task_turn, after_task = self._split(
+        system, task_turn, after_task = self.split(
             [{"role": "system", "content": _slot("s")}, {"role": "user", "content": _slot("u")}],
             generation_prompt=False)
         resume_head, resume_tail = self._resume_pieces(task)
@@ -215,7 +262,7 @@ class ChatFormat:
         goes in as the policy's tokens)."""
         summary = _slot("summary")
         content = self.compaction.resume_template.format(task=task.instruction, summary=summary)
-        between, after = self._split([{"role": "system", "content": _slot("s")},
+        between, after = self.split([{"role": "system", "content": _slot("s")},
                                       {"role": "user", "content": content}],
                                      generation_prompt=False)[1:]
         head, _, tail = content.partition(summary)

@@ -203,6 +203,34 @@ class EnvironmentConfig:
 
 
 @dataclass
+class EndpointConfig:
+    """The recording endpoint (actors/endpoint.py, docs/endpoint.md): an
+    OpenAI-compatible chat completions server in front of the actor's engine,
+    so that an agent harness drives the policy and its calls are trained."""
+
+    enabled: bool = False
+    """Serve harnesses instead of running the actor's own episodes: each
+    harness session is one rollout."""
+    port: int = bounded(8100, ge=0, le=65535)
+    """First actor's HTTP port; actor i serves on port + i (0: any free port, logged)."""
+    bind: str = "127.0.0.1"
+    """Address the HTTP server listens on. Not authenticated: keep it on
+    loopback or a private network (docs/endpoint.md)."""
+    session_header: str = "X-Session-Id"
+    """Request header naming the session (the rollout); without it, the
+    request's ``user`` field."""
+    summary_prompt: str = ""
+    """A call whose last user message contains this text is a summarisation
+    (the harness's own compaction prompt); a request field ``segment_type =
+    "summary"`` marks one too. Empty: only the field does."""
+    session_timeout_s: float = bounded(300.0, gt=0)
+    """A session without a call or its reward this long is abandoned (its
+    credit returned, its segments dropped by the replay, counted)."""
+    max_recorded_turns: int = bounded(64, ge=1)
+    """Completions per session whose tokens are kept for splicing back in."""
+
+
+@dataclass
 class ActorConfig:
     """One actor process: engine, sampling, compaction, and where to connect."""
 
@@ -210,6 +238,7 @@ class ActorConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     count: int = bounded(2, ge=0)
     """Actor processes `compactionrl up` starts on this machine."""
     gpus: list[int] = field(default_factory=list)
@@ -245,7 +274,7 @@ class ActorConfig:
         """Problems that make this section unusable, each naming field and fix."""
         c, e = self.compaction, self.engine
         problems = bound_problems(self, section)
-        for name in ("engine", "sampling", "compaction", "environment"):
+        for name in ("engine", "sampling", "compaction", "environment", "endpoint"):
             problems += bound_problems(getattr(self, name), f"{section}.{name}")
         if c.reserve_tokens >= c.context_tokens:
             problems.append(

@@ -60,6 +60,12 @@ class Generation:
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
             raise ValueError("one log-probability and one version per sampled token")
 
+    def extend(self, more: Generation) -> None:
+        """Append the tokens sampled after these (a stream's next delta)."""
+        self.token_ids += more.token_ids
+        self.logprobs += more.logprobs
+        self.versions += more.versions
+
 
 @dataclass
 class TurnTokens:

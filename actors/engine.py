@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -159,6 +160,15 @@ class Engine:
                        temperature: float | None = None) -> Generation:
         """Sample one turn. ``seed`` makes the sampling reproducible;
         ``temperature`` 0 is greedy (evaluation)."""
+        whole = Generation([], [], [])
+        async for delta in self.stream(prompt, max_tokens, seed, temperature):
+            whole.extend(delta)
+        return whole
+
+    async def stream(self, prompt: list[int], max_tokens: int, seed: int | None = None,
+                     temperature: float | None = None) -> AsyncIterator[Generation]:
+        """:meth:`generate`'s turn, as the engine delivers it: the tokens
+        sampled since the last delta, each with its log-probability and version."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -166,9 +176,6 @@ class Engine:
             temperature=self.sampling.temperature if temperature is None else temperature,
             top_p=self.sampling.top_p, max_tokens=max_tokens, logprobs=0, seed=seed,
             output_kind=RequestOutputKind.DELTA)
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
         # Deltas arrive in order, and those sampled before a pause are
         # delivered before the pause returns (load_weights bumps the version
         # only after that), so the version current on arrival is the one each
@@ -178,11 +185,10 @@ class Engine:
         async for output in self._llm.generate(prompt_input, params,
                                                request_id=f"turn-{next(self._request_ids)}"):
             completion = output.outputs[0]
-            token_ids += completion.token_ids
-            logprobs += [entry[token].logprob for entry, token
-                         in zip(completion.logprobs, completion.token_ids, strict=True)]
-            versions += [self.version] * len(completion.token_ids)
-        return Generation(token_ids, logprobs, versions)
+            yield Generation(list(completion.token_ids),
+                             [entry[token].logprob for entry, token
+                              in zip(completion.logprobs, completion.token_ids, strict=True)],
+                             [self.version] * len(completion.token_ids))
 
     # ------------------------------------------------------------------ live weights
 

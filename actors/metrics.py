@@ -113,6 +113,20 @@ class ActorMetrics:
             "crl_actor_tool_call_errors", "Tool calls answered with an error observation "
             "instead of being run, by reason (malformed, unknown_tool, invalid_arguments)",
             ["reason"], registry=r)
+        self.endpoint_calls = Counter(
+            "crl_actor_endpoint_calls", "Chat completions the recording endpoint served, by "
+            "segment type (summary: marked as the harness's summarisation)",
+            ["segment_type"], registry=r)
+        self.endpoint_errors = Counter(
+            "crl_actor_endpoint_errors", "Requests the recording endpoint refused, by reason "
+            "(no_credit is the 429 a harness retries)", ["reason"], registry=r)
+        self.endpoint_rebuilds = Counter(
+            "crl_actor_endpoint_rebuilds", "Calls whose prompt did not extend the session's "
+            "context (a new execution segment: the harness rewrote its history)", registry=r)
+        self.endpoint_sessions = Counter(
+            "crl_actor_endpoint_sessions", "Harness sessions ended, by how (rewarded, "
+            "abandoned: no call or reward within session_timeout_s, or the actor stopping)",
+            ["end"], registry=r)
         self._stall = dict.fromkeys(STALL_REASONS, 0.0)
         for reason in STALL_REASONS:
             self.stall_seconds.labels(reason)

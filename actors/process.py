@@ -27,6 +27,11 @@ Protocol with the replay (DEALER -> ROUTER):
   paused only meanwhile: stall ``reason="weights"``), then ``WeightsLoaded``.
   No episode starts while the engine's weights are more than
   ``max_staleness`` versions behind the learner (also stall ``weights``).
+- With ``actors.endpoint.enabled`` the actor runs no episodes of its own:
+  an agent harness drives its engine through the recording endpoint
+  (actors/endpoint.py), each harness session one rollout, started with a
+  credit like an episode; a session given up is told to the replay
+  (``Abandon``), which drops it and returns its credit.
 - On SIGTERM: no new episode; in-flight ones are abandoned or finished
   (``on_shutdown``); unacknowledged segments are flushed until
   ``shutdown_deadline_s``. Exit code 0 only if every segment was acknowledged.
@@ -55,6 +60,7 @@ import zmq.asyncio
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import SegmentData
+from actors.endpoint import EndpointError, RecordingEndpoint, serve_until
 from actors.engine import Engine
 from actors.envs.base import Environment, load_environment
 from actors.episode import EpisodeResult, run_episode
@@ -63,6 +69,7 @@ from actors.state import CreditAccount, LearnerView, Outbox
 from ops.metrics import Health, MetricsServer
 from protocol import (
     NO_COMPLETE_VERSION,
+    Abandon,
     Ack,
     EngineInfo,
     Error,
@@ -182,6 +189,8 @@ class Actor:
         self._stopping = asyncio.Event()
         self._episode_numbers = itertools.count()
         self._slots: list[asyncio.Task] = []
+        self.endpoint = (RecordingEndpoint(self, settings.model)
+                         if self.config.endpoint.enabled else None)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,6 +224,10 @@ class Actor:
                 self.learner.serve(self.learner_handlers, self._dropped("learner")),
                 self.learner.register(self._learner_hello, retry_s), self._apply_weights(),
                 self.learner.count_disconnects(self.metrics.disconnects.labels("learner").inc)]
+        if self.endpoint is not None:
+            port = self.config.endpoint.port
+            coroutines.append(serve_until(self.endpoint, port + self.settings.index if port else 0,
+                                          self._stopping))
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
         self._start_slots()
         await self._stopping.wait()
@@ -227,6 +240,8 @@ class Actor:
         await asyncio.wait(slots, timeout=max(0.0, deadline - time.monotonic()))
         for task in slots:
             task.cancel()
+        if self.endpoint is not None:  # its sessions abandoned, told to the replay
+            await self.endpoint.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.outbox.empty.wait(),
                                    max(0.0, deadline - time.monotonic()))
@@ -241,8 +256,10 @@ class Actor:
     # ------------------------------------------------------------------ episodes
 
     def _start_slots(self) -> None:
+        """The actor's own episodes (none where a harness drives the endpoint)."""
         self._slots = [asyncio.create_task(self._episode_slot(slot))
-                       for slot in range(self.config.concurrent_episodes)]
+                       for slot in range(self.config.concurrent_episodes
+                                         if self.endpoint is None else 0)]
 
     def _abandon_episodes(self) -> None:
         """Cancel the episodes in flight (their engine requests are aborted)."""
@@ -311,24 +328,63 @@ class Actor:
         index = itertools.count()
 
         async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
-            await self._send_segment(rollout_id, task_id, next(index), segment, result)
+            await self.send_segment(rollout_id, task_id, next(index), segment, result)
 
         result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit,
                                    sampling_seed=sampling_seed)
         self.metrics.episode_finished(result.reward, result.stats, result.summary_seconds,
                                       result.observations_cut, result.tool_call_errors)
 
-    async def _send_segment(self, rollout_id: str, task_id: str, index: int, segment: SegmentData,
-                            result: EpisodeResult | None) -> None:
+    async def send_segment(self, rollout_id: str, task_id: str, index: int,
+                           segment: SegmentData, result: EpisodeResult | None) -> None:
         header = self.stamp.next()
         message = segment.to_message(header, rollout_id, task_id, index,
                                      None if result is None else result.reward,
                                      None if result is None else result.stats)
-        frame = encode(message)
-        self.outbox.sent(header["seq"], frame, time.monotonic())
-        self.metrics.unacked_segments.set(len(self.outbox))
         self.metrics.segments_sent.inc()
+        await self._send_kept(header["seq"], encode(message))
+
+    async def _send_kept(self, seq: int, frame: bytes) -> None:
+        """Send a frame the replay acknowledges by seq, kept and resent until it does."""
+        self.outbox.sent(seq, frame, time.monotonic())
+        self.metrics.unacked_segments.set(len(self.outbox))
         await self.replay.send_frame(frame)
+
+    # ------------------------------------------------------------------ harness sessions
+
+    @property
+    def policy(self) -> Engine:
+        return self.engine
+
+    async def open_rollout(self) -> str:
+        """A harness session's rollout, started like an episode: with weights
+        fresh enough and a credit, or refused (429, the harness retries)."""
+        if self._stopping.is_set():
+            raise EndpointError(503, "stopping", "the actor is stopping")
+        if not self._weights_fresh():
+            raise EndpointError(429, "weights_behind", "the actor's weights are more than "
+                                "max_staleness versions behind the learner's: retry shortly")
+        if not self.credits.spend():
+            raise EndpointError(429, "no_credit", "no rollout credit is free: retry shortly")
+        self.metrics.credits_held.set(self.credits.credits)
+        self.active_episodes += 1
+        self.metrics.active_rollouts.inc()
+        await self._send_heartbeat(self.replay)
+        return f"{self.settings.actor_id}-{self.incarnation}-{next(self._episode_numbers)}"
+
+    async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
+        """A harness session ended; ``abandoned``: without a reward, so the
+        replay drops the rollout and returns its credit. A rollout of an
+        incarnation already declared dead is not told: the replay expired it."""
+        self.active_episodes -= 1
+        self.metrics.active_rollouts.dec()
+        self.episode_ended.set()
+        if abandoned:
+            self.metrics.abandoned_rollouts.inc()
+            if rollout_id.startswith(f"{self.settings.actor_id}-{self.incarnation}-"):
+                header = self.stamp.next()
+                await self._send_kept(header["seq"], encode(Abandon(**header,
+                                                                    rollout_id=rollout_id)))
 
     # ------------------------------------------------------------------ both links
 

@@ -32,6 +32,8 @@ class ParsedAction:
     error: str | None = None
     """What was wrong, as the observation tells the model."""
     reason: ToolCallErrorReason | None = None
+    content: str | None = None
+    """With calls: the text around them, as the parser extracted it."""
 
 
 class ToolCallParser:
@@ -91,7 +93,7 @@ class ToolCallParser:
                 return ParsedAction(error=f"the arguments of {name!r} do not fit its schema: "
                                           f"{problem}", reason="invalid_arguments")
             calls.append(ToolCall(name, arguments))
-        return ParsedAction(calls)
+        return ParsedAction(calls, content=extracted.content)
 
     @staticmethod
     def _attempted(parser: Any, text: str) -> bool:

@@ -11,6 +11,7 @@ from protocol.messages import (
     MESSAGE_TYPES,
     NO_COMPLETE_VERSION,
     PROTOCOL_VERSION,
+    Abandon,
     Ack,
     Batch,
     BatchRequest,
@@ -38,7 +39,7 @@ from protocol.messages import (
 __all__ = [
     "ALLOWED_DTYPES", "Array", "DEFAULT_MAX_MESSAGE_BYTES", "decode", "encode",
     "ErrorCode", "ProtocolError", "MESSAGE_TYPES", "NO_COMPLETE_VERSION",
-    "PROTOCOL_VERSION", "Ack", "Batch",
+    "PROTOCOL_VERSION", "Abandon", "Ack", "Batch",
     "BatchRequest", "EngineInfo", "Error", "GroupInfo", "Heartbeat", "Hello", "LearnerHello",
     "LearnerWelcome", "MemberWelcome", "Message",
     "Rollout", "RolloutStats", "Segment", "StalenessStats", "Stamp", "TensorSpec",

@@ -28,7 +28,8 @@ from protocol.errors import ErrorCode, ProtocolError
 #: 2: credit ledgers in ``Welcome``, ``Ack`` and ``Heartbeat``.
 #: 3: a handshake per peer kind (``LearnerHello`` / ``LearnerWelcome`` on the
 #: replay's learner socket, ``MemberWelcome`` from the learner's control socket).
-PROTOCOL_VERSION = 3
+#: 4: ``Abandon`` (a rollout given up by a living actor).
+PROTOCOL_VERSION = 4
 
 SegmentType = Literal["execution", "summary"]
 EpisodeOutcome = Literal[
@@ -257,6 +258,20 @@ class Segment(Message, tag="segment"):
             raise ProtocolError(ErrorCode.INVALID, f"reward {self.reward} is not finite")
 
 
+class Abandon(Message, tag="abandon"):
+    """actor -> replay: a rollout that will never finish, though its actor
+    lives on (a harness session given up or idle past its timeout, at the
+    recording endpoint). The replay drops what it holds of it (counted
+    ``crl_replay_dropped_total{reason="abandoned"}``) and returns its credit;
+    its later segments are late. Acknowledged like a segment: its seq in an
+    ``Ack``'s ``stored_seqs``, resent until then. Not written to the replay's
+    log: after a replay restart, the rollout's logged segments expire after
+    ``rollout_timeout_s``."""
+
+    rollout_id: str
+    """The rollout given up (``Segment.rollout_id``)."""
+
+
 class Ack(Message, tag="ack"):
     """replay -> actor: the segments now stored (durably, when the log is on),
     the credits granted with this reply, and the learner's version."""
@@ -461,6 +476,7 @@ class Error(Message, tag="error"):
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
-    Hello, Welcome, MemberWelcome, Segment, Ack, Heartbeat, LearnerHello, LearnerWelcome,
+    Hello, Welcome, MemberWelcome, Segment, Abandon, Ack, Heartbeat, LearnerHello,
+    LearnerWelcome,
     BatchRequest, Batch, WeightsAnnounce, WeightsLoaded, Error,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-DROP_REASONS = ("stale", "expired", "full", "invalid")
+DROP_REASONS = ("stale", "expired", "full", "invalid", "abandoned")
 SEGMENT_RESULTS = ("accepted", "duplicate", "rejected")
 #: What becomes of a complete rollout: trained (its batch arrived), or dropped.
 FINISHED_FATES = ("trained", "stale")

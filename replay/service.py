@@ -34,6 +34,7 @@ import zmq
 
 from ops.metrics import Health, MetricsServer, watch_disk
 from protocol import (
+    Abandon,
     Ack,
     Batch,
     BatchRequest,
@@ -140,7 +141,8 @@ class ReplayService:
                                        transport.max_message_bytes, self._refused, undelivered,
                                        check_identity=False)
         self._actor_handlers: dict[type[Message], Handler] = {
-            Hello: self._on_hello, Segment: self._on_segment, Heartbeat: self._on_heartbeat}
+            Hello: self._on_hello, Segment: self._on_segment, Heartbeat: self._on_heartbeat,
+            Abandon: self._on_abandon}
         self._learner_handlers: dict[type[Message], Handler] = {
             LearnerHello: self._on_learner_hello, BatchRequest: self._on_batch_request,
             Heartbeat: lambda received: None}
@@ -325,6 +327,18 @@ class ReplayService:
         entry = self.buffer.promote(segment.rollout_id, now)
         if entry is not None:
             self.pacer.finished(entry.actor_id, accepted=True, rollout_bytes=entry.nbytes)
+
+    def _on_abandon(self, received: Received) -> None:
+        """A rollout its living actor gave up: dropped, its credit returned
+        (once: a resent one is a duplicate, acknowledged again)."""
+        identity, abandon = received.identity, received.message
+        key = (abandon.sender_id, abandon.incarnation, abandon.seq)
+        self._acks[identity].append(abandon.seq)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        if not self.buffer.settled(abandon.rollout_id):
+            self._drop(abandon.rollout_id, "abandoned", abandon.sender_id)
 
     def _top_up(self, identity: bytes) -> int:
         peer = self.registry.peers[identity]

@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from protocol import (
+    Abandon,
     Ack,
     Array,
     Batch,
@@ -81,7 +82,7 @@ def rollouts(draw) -> Rollout:
         segments=[draw(segments(rollout_id, i, final=i == k - 1)) for i in range(k)])
 
 
-KINDS = ("hello", "welcome", "member_welcome", "segment", "ack", "heartbeat",
+KINDS = ("hello", "welcome", "member_welcome", "segment", "abandon", "ack", "heartbeat",
          "learner_hello", "learner_welcome", "batch_request", "batch", "weights_announce",
          "weights_loaded", "error")
 
@@ -111,6 +112,8 @@ def messages(draw, kind: str | None = None):
     if kind == "learner_welcome":
         return LearnerWelcome(**h, run_id=draw(ids), policy_version=draw(counts),
                               rollouts_per_batch=draw(counts), max_staleness=draw(counts))
+    if kind == "abandon":
+        return Abandon(**h, rollout_id=draw(ids))
     if kind == "ack":
         return Ack(**h, stored_seqs=draw(st.lists(counts, max_size=20)), credits=draw(counts),
                    policy_version=draw(counts), credit_ledger=draw(counts),

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import PROTOCOL_VERSION, ErrorCode, Stamp, encode
+from protocol import PROTOCOL_VERSION, Abandon, ErrorCode, Stamp, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -263,6 +263,30 @@ def test_a_rollout_dropped_at_the_memory_bound_leaves_no_ghost_and_returns_its_c
     # its credit is back: with fewer ready rollouts than a batch and none
     # running, the replay grants one (a ghost would keep it running)
     assert actor.pump_until(lambda: actor.credits >= 1)
+
+
+def test_an_abandoned_rollout_is_dropped_once_and_its_credit_returned(replay: Running) -> None:
+    """A living actor gives up two rollouts (a harness session at the
+    recording endpoint): one with a segment stored, one it sent nothing of.
+    Both credits come back; the resent Abandon is acknowledged, not counted
+    again; a later segment of the abandoned rollout is late."""
+    actor = replay.actor(capacity=2)
+    actor.hello()
+    assert actor.pump_until(lambda: actor.credits == 2)
+    started = synthetic_segment(actor.stamp, "started", 0, final=False)
+    actor.send(started)
+    abandons = [Abandon(**actor.stamp.next(), rollout_id=rollout)
+                for rollout in ("started", "never-sent")]
+    for message in abandons + abandons[:1]:
+        actor.send(message)
+    assert actor.pump_until(lambda: actor.credits == 4)
+    assert replay.metric("crl_replay_dropped_total", reason="abandoned") == 2
+    late = synthetic_segment(actor.stamp, "started", 1, final=True)
+    actor.send(late)
+    assert actor.pump_until(
+        lambda: replay.metric("crl_replay_segments_total", result="duplicate") == 1)
+    assert actor.errors == []
+    assert actor.pump_until(lambda: replay.metric("crl_replay_rollouts", state="pending") == 0)
 
 
 @pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)

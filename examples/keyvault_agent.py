@@ -1,0 +1,125 @@
+"""A short agent harness written against the ``openai`` client alone: the
+kind of harness CompactionRL did not write, driving the policy through an
+actor's recording endpoint (docs/endpoint.md).
+
+It plays a built-in environment (any ``module:Name`` of ``actors.envs``
+style: ``reset(seed)`` and ``step(text)``) with its own framing (observations
+come back as user messages) and its own compaction: when the last call's
+prompt plus a turn would pass ``--context-tokens``, it asks the policy for a
+summary with its own prompt, marked ``segment_type = "summary"``, and starts
+over from the task and that summary. At the end it posts the episode's
+reward to the endpoint. Everything it knows of the endpoint: the base URL,
+the session header, the summary marker and the reward route.
+
+    python examples/keyvault_agent.py --base-url http://127.0.0.1:8100/v1 --episodes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import uuid
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+
+SUMMARY_PROMPT = "stop . write a summary of the facts found , with their exact values ."
+
+
+def load_environment(factory: str, options: dict[str, Any]) -> Any:
+    module, name = factory.split(":")
+    return getattr(importlib.import_module(module), name)(**options)
+
+
+async def play(client: AsyncOpenAI, base_url: str, environment: Any, seed: int,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One episode in its own session; returns what happened."""
+    session = f"keyvault-{seed}-{uuid.uuid4().hex[:8]}"
+    headers = {"X-Session-Id": session}
+    task = await environment.reset(seed)
+    start = [{"role": "system", "content": task.system},
+             {"role": "user", "content": task.instruction}]
+    messages = list(start)
+    reward, success, steps, summaries, prompt_tokens = 0.0, False, 0, 0, 0
+    while steps < args.max_steps:
+        if prompt_tokens + 2 * args.turn_tokens > args.context_tokens:
+            if summaries == args.max_summaries:
+                break
+            summary = await client.chat.completions.create(
+                model=args.model, messages=messages + [{"role": "user",
+                                                        "content": SUMMARY_PROMPT}],
+                max_tokens=args.summary_tokens, extra_headers=headers,
+                extra_body={"segment_type": "summary"})
+            summaries += 1
+            messages = [start[0], {"role": "user", "content": (
+                f"{task.instruction}\n\nsummary :\n{summary.choices[0].message.content}"
+                "\n\ncontinue .")}]
+        completion = await client.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=args.turn_tokens,
+            extra_headers=headers)
+        prompt_tokens = completion.usage.prompt_tokens + completion.usage.completion_tokens
+        action = completion.choices[0].message.content or ""
+        result = await environment.step(action)
+        steps += 1
+        # the completion goes back exactly as it came (token-in/token-out)
+        messages += [{"role": "assistant", "content": action},
+                     {"role": "user", "content": result.observation}]
+        if result.done:
+            reward, success = result.reward, result.success
+            break
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        response = await http.post(f"/sessions/{session}/reward",
+                                   json={"reward": reward, "success": success})
+        response.raise_for_status()
+    return {"session": session, "steps": steps, "summaries": summaries, "reward": reward,
+            "success": success, "recorded": response.json()}
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    # a session waits for a rollout credit: the endpoint answers 429 with
+    # Retry-After, which the client's retries honour
+    client = AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=args.retries,
+                         timeout=300)
+    options = json.loads(args.options)
+    seeds = iter(range(args.first_seed, args.first_seed + args.episodes))
+    results: list[dict[str, Any]] = []
+
+    async def worker() -> None:
+        environment = load_environment(args.environment, options)
+        for seed in seeds:
+            results.append(await play(client, args.base_url, environment, seed, args))
+
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    await client.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8100/v1")
+    parser.add_argument("--model", default="policy", help="any name: one model is served")
+    parser.add_argument("--episodes", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--environment", default="actors.envs.keyvault:KeyVault")
+    parser.add_argument("--options", default=json.dumps(
+        {"codes": 1, "digits": 3, "rooms": 10, "distractor_words": 3, "ordered": False,
+         "partial_credit": True}), help="the environment's options, as JSON")
+    parser.add_argument("--context-tokens", type=int, default=260)
+    parser.add_argument("--turn-tokens", type=int, default=16)
+    parser.add_argument("--summary-tokens", type=int, default=24)
+    parser.add_argument("--max-summaries", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=32)
+    parser.add_argument("--retries", type=int, default=100)
+    args = parser.parse_args()
+    results = asyncio.run(main_async(args))
+    for result in results:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
