@@ -25,7 +25,8 @@ JSON. ``--variants`` trains only those (in that order): a long table can be
 made in parts, each part reusing the finished runs of the others.
 
     python bench/ablations.py [--quick] [--seeds 3] [--minutes 5] [--episodes 300] [--json]
-                              [--recipe today|paper] [--variants full,...] [--dry-run] [--render]
+                              [--recipe today|paper] [--variants full,...] [--fresh]
+                              [--dry-run] [--render]
 
 ``--dry-run`` checks every command the table needs (the command line's parser
 and the configuration loader, on each variant's overrides), prints them and
@@ -369,6 +370,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--render", action="store_true",
                         help="only write results.md again from the recipe's JSON in DOCS")
+    parser.add_argument("--fresh", action="store_true",
+                        help="delete the run folder's runs if they were made with other settings")
     parser.add_argument("--dry-run", action="store_true",
                         help="check and print the commands the table needs; train nothing")
     args = parser.parse_args()
@@ -407,7 +410,11 @@ def main() -> int:
     made_with = out_dir / "settings.json"
     kept = [path for path in out_dir.iterdir() if path != log]
     if kept and (not made_with.is_file() or made_with.read_text() != settings):
-        print(f"{out_dir} holds runs of other settings: starting over", flush=True)
+        if not args.fresh:  # hours of runs: never deleted unasked
+            raise SystemExit(f"{out_dir} holds runs made with other settings (base, budget "
+                             "or configuration): pass --fresh to delete them and start over, "
+                             "or --out another folder")
+        print(f"{out_dir} holds runs of other settings: starting over (--fresh)", flush=True)
         shutil.rmtree(out_dir)
         out_dir.mkdir(parents=True)
     made_with.write_text(settings)
