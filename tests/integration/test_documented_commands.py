@@ -473,6 +473,20 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         ("--quick",), ("sync_save_s", "async_stall_s", "async_stall_vs_sync")),
     ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
     ".venv/bin/python bench/stale.py --json": Run(BENCH_DRY_RUN, ("commands",)),
+    # docs/endpoint.md
+    ".venv/bin/python bench/endpoint.py --json": Run(
+        ("--quick",), ("endpoint_vs_own_loop", "endpoint_vs_raw_vllm", "own_loop_vs_raw_vllm"),
+        slow=True),
+    "compactionrl up --actors.endpoint.enabled true": Elsewhere(
+        "tests/integration/test_endpoint_harness.py",
+        ("compactionrl", "up", "--actors.endpoint.enabled", "true"),
+        "as written it bootstraps (~5 min) and serves for 5 min; that test runs it on the "
+        "tiny model with a harness; here: the arguments parse and configure", check_up_parses),
+    ".venv/bin/python examples/keyvault_agent.py --base-url http://127.0.0.1:8100/v1 "
+    "--episodes 8": Elsewhere(
+        "tests/integration/test_endpoint_harness.py",
+        ("keyvault_agent.py", "--base-url", "--episodes"),
+        "needs a running endpoint: that test runs the harness against one"),
     ".venv/bin/python bench/compaction_cost.py --json": Run(
         ("--quick",), ("base", "trained", "trained_frozen_summariser",
                        "frozen_vs_trained_stall"), slow=True),

@@ -1,0 +1,161 @@
+"""What the recording endpoint costs against the actor's own agent loop.
+
+Both paths play KeyVault episodes on one tiny-model engine, with the same
+window, turn and summary budgets and concurrency: the actor's own loop
+(actors/episode.py, as bench/actor.py runs it), and the harness of
+examples/keyvault_agent.py (the ``openai`` client, its own framing and
+compaction) through the endpoint's HTTP server on loopback. Each path's
+requests (prompt ids, tokens sampled) are recorded and replayed on the raw
+``AsyncLLM`` (``ignore_eos``, ``max_tokens`` = the recorded count) in the
+same run, so each path is measured against raw generation of exactly its own
+requests; the endpoint's ratio over the own loop's is the cost of HTTP, the
+client, rendering the messages and the session bookkeeping.
+
+    python bench/endpoint.py [--json] [--quick] [--episodes 16] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from actor import SMALL_WINDOW, agent_loop, raw_replay  # bench/actor.py
+
+from actors.chat import ChatFormat
+from actors.config import ActorConfig
+from actors.context import SegmentData
+from actors.endpoint import RecordingEndpoint
+from actors.engine import Engine, quiet_vllm_logging
+from actors.envs.base import load_environment
+from actors.episode import EpisodeResult
+from actors.metrics import ActorMetrics
+from deploy.config import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from keyvault_agent import play  # noqa: E402  (the harness, as users run it)
+
+
+class BenchHost:
+    """An actor that always has a credit and keeps, of the segments it is
+    sent, each call's request: the tokens before each run of sampled tokens
+    (its prompt) and the run's length."""
+
+    def __init__(self, engine: Engine, config: ActorConfig) -> None:
+        self.config = config
+        self.chat = ChatFormat(engine.tokenizer, config.compaction, config.environment)
+        self.metrics = ActorMetrics()
+        self.policy = engine
+        self.rollouts = 0
+        self.requests: dict[str, list[tuple[list[int], int]]] = {}
+
+    async def open_rollout(self) -> str:
+        self.rollouts += 1
+        return f"bench-{self.rollouts}"
+
+    async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
+        return None
+
+    async def send_segment(self, rollout_id: str, task_id: str, index: int,
+                           segment: SegmentData, result: EpisodeResult | None) -> None:
+        requests = self.requests.setdefault(rollout_id, [])
+        mask = segment.loss_mask
+        for i, sampled in enumerate(mask):
+            if sampled and (i == 0 or not mask[i - 1]):
+                length = next((j for j in range(i, len(mask)) if not mask[j]), len(mask)) - i
+                requests.append((segment.tokens[:i], length))
+
+
+async def harness_episodes(engine: Engine, config: ActorConfig, episodes: int,
+                           concurrency: int) -> tuple[float, list[list[tuple[list[int], int]]],
+                                                      int]:
+    """The harness through the endpoint: wall seconds, each session's requests, summaries."""
+    from openai import AsyncOpenAI
+
+    host = BenchHost(engine, config)
+    endpoint = RecordingEndpoint(host, "policy")
+    port = await endpoint.start(0)
+    base = f"http://127.0.0.1:{port}/v1"
+    client = AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+    args = SimpleNamespace(model="policy", context_tokens=config.compaction.context_tokens,
+                           turn_tokens=config.sampling.max_turn_tokens,
+                           summary_tokens=config.compaction.max_summary_tokens,
+                           max_summaries=config.compaction.max_compactions,
+                           max_steps=config.environment.max_steps)
+    seeds = iter(range(episodes))
+    summaries = 0
+
+    async def worker() -> None:
+        nonlocal summaries
+        environment = load_environment(config.environment.factory, config.environment.options)
+        for seed in seeds:
+            result = await play(client, base, environment, seed, args)
+            summaries += result["summaries"]
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    finally:
+        await client.close()
+        await endpoint.close()
+    return seconds, list(host.requests.values()), summaries
+
+
+async def main(args: argparse.Namespace) -> dict:
+    from recipes.tiny_model import build_tiny_model
+
+    config = load_config(None, SMALL_WINDOW).actors
+    with tempfile.TemporaryDirectory() as folder:
+        model = build_tiny_model(Path(folder) / "tiny")
+        engine = await Engine.start(str(model), config.engine, config.sampling)
+        try:
+            await agent_loop(engine, args.concurrency, args.concurrency)  # warm-up
+            own_s, own_requests, _ = await agent_loop(engine, args.episodes, args.concurrency)
+            own_raw_s = await raw_replay(engine, own_requests, args.concurrency)
+            endpoint_s, endpoint_requests, summaries = await harness_episodes(
+                engine, config, args.episodes, args.concurrency)
+            endpoint_raw_s = await raw_replay(engine, endpoint_requests, args.concurrency)
+        finally:
+            await engine.shutdown()
+    own_tokens = sum(n for requests in own_requests for _, n in requests)
+    endpoint_tokens = sum(n for requests in endpoint_requests for _, n in requests)
+    own_ratio, endpoint_ratio = own_raw_s / own_s, endpoint_raw_s / endpoint_s
+    return {
+        "episodes": args.episodes, "concurrency": args.concurrency,
+        "own_loop_tokens": own_tokens, "endpoint_tokens": endpoint_tokens,
+        "endpoint_requests": sum(len(r) for r in endpoint_requests),
+        "endpoint_summaries": summaries,
+        "own_loop_tokens_per_s": round(own_tokens / own_s, 1),
+        "endpoint_tokens_per_s": round(endpoint_tokens / endpoint_s, 1),
+        "own_loop_vs_raw_vllm": round(own_ratio, 3),
+        "endpoint_vs_raw_vllm": round(endpoint_ratio, 3),
+        "endpoint_vs_own_loop": round(endpoint_ratio / own_ratio, 3),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 episodes, 2 at a time, unless given (smoke test)")
+    parser.add_argument("--episodes", type=int, default=None, help="16 (--quick: 4)")
+    parser.add_argument("--concurrency", type=int, default=None, help="8 (--quick: 2)")
+    arguments = parser.parse_args()
+    if arguments.episodes is None:
+        arguments.episodes = 4 if arguments.quick else 16
+    if arguments.concurrency is None:
+        arguments.concurrency = 2 if arguments.quick else 8
+    quiet_vllm_logging()
+    report = asyncio.run(main(arguments))
+    print(f"endpoint {report['endpoint_tokens_per_s']} tokens/s ({report['endpoint_vs_raw_vllm']}"
+          f" of raw vLLM on its requests), own loop {report['own_loop_tokens_per_s']} tokens/s "
+          f"({report['own_loop_vs_raw_vllm']}): endpoint vs own loop "
+          f"{report['endpoint_vs_own_loop']}")
+    if arguments.json:
+        print(json.dumps(report))
