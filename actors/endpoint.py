@@ -193,10 +193,15 @@ class RecordingEndpoint:
 
     async def close(self) -> None:
         """Stop serving; sessions still open are abandoned."""
-        for session_id in list(self.sessions):
-            await self._end(session_id, "abandoned")
+        await self.abandon_all()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def abandon_all(self) -> None:
+        """End every open session, abandoned (the actor stops, or starts
+        over as a new incarnation: then their calls would count nowhere)."""
+        for session_id in list(self.sessions):
+            await self._end(session_id, "abandoned")
 
     async def expire_idle(self) -> None:
         """Abandon sessions idle past ``session_timeout_s``, until cancelled."""
@@ -221,6 +226,11 @@ class RecordingEndpoint:
         except web.HTTPException as error:  # aiohttp's own: no route, body too large
             reason = {404: "no_route", 405: "method", 413: "too_large"}.get(error.status, "http")
             return self._refuse(EndpointError(error.status, reason, error.reason))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away: nothing to answer
+        except Exception as error:  # the engine failed: this request only
+            log.exception("request failed")
+            return self._refuse(EndpointError(500, "internal", f"the request failed: {error}"))
 
     def _refuse(self, error: EndpointError) -> web.Response:
         self.host.metrics.endpoint_errors.labels(error.reason).inc()
@@ -257,7 +267,12 @@ class RecordingEndpoint:
         async with session.lock:
             if session.ended:
                 raise EndpointError(409, "session_ended", f"session {session_id!r} has ended")
-            return await self._complete(request, session, body, messages)
+            try:
+                return await self._complete(request, session, body, messages)
+            except BaseException:
+                if not session.record.calls:  # nothing recorded: its credit back at once
+                    await self._end(session_id, "abandoned", remember=False)
+                raise
 
     async def _complete(self, request: web.Request, session: Session, body: ChatRequest,
                         messages: list[dict[str, Any]]) -> web.StreamResponse:
@@ -326,17 +341,20 @@ class RecordingEndpoint:
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
             await response.write(b"data: " + json.dumps(chunk | (extra or {})).encode() + b"\n\n")
 
-        await event({"role": "assistant", "content": ""})
         generation = Generation([], [], [])
         shown = ""
-        async for delta in stream:
-            generation.extend(delta)
-            if body.tools:
-                continue
-            text = chat.decode(chat.strip_end(generation.token_ids))
-            if len(text) > len(shown) and not text.endswith("\ufffd"):  # whole characters
-                await event({"content": text[len(shown):]})
-                shown = text
+        try:
+            await event({"role": "assistant", "content": ""})
+            async for delta in stream:
+                generation.extend(delta)
+                if body.tools:
+                    continue
+                text = chat.decode(chat.strip_end(generation.token_ids))
+                if len(text) > len(shown) and not text.endswith("\ufffd"):  # whole characters
+                    await event({"content": text[len(shown):]})
+                    shown = text
+        finally:  # a client gone midway: the engine's request is aborted, nothing recorded
+            await stream.aclose()  # type: ignore[attr-defined]
         message, finish = completion_message(chat, generation, body.tools, max_tokens)
         if body.tools:
             await event({key: value for key, value in message.items() if key != "role"}
@@ -402,14 +420,18 @@ class RecordingEndpoint:
             raise EndpointError(404, "unknown_session", f"no session {session_id!r} is open")
         return session
 
-    async def _end(self, session_id: str, how: Literal["rewarded", "abandoned"]) -> None:
+    async def _end(self, session_id: str, how: Literal["rewarded", "abandoned"],
+                   remember: bool = True) -> None:
+        """End a session; ``remember``: refuse its id from now on (False
+        for a session whose first call failed, which recorded nothing)."""
         session = self.sessions.pop(session_id, None)
         if session is None or session.ended:
             return
         session.ended = True
-        self.ended[session_id] = None
-        while len(self.ended) > ENDED_SESSIONS_KEPT:
-            self.ended.popitem(last=False)
+        if remember:
+            self.ended[session_id] = None
+            while len(self.ended) > ENDED_SESSIONS_KEPT:
+                self.ended.popitem(last=False)
         self.host.metrics.endpoint_sessions.labels(how).inc()
         await self.host.close_rollout(session.record.rollout_id, abandoned=how == "abandoned")
 

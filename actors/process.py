@@ -191,6 +191,7 @@ class Actor:
         self._slots: list[asyncio.Task] = []
         self.endpoint = (RecordingEndpoint(self, settings.model)
                          if self.config.endpoint.enabled else None)
+        self._ending_sessions: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -473,6 +474,9 @@ class Actor:
         self.metrics.credits_held.set(0)
         self._forgotten_by_learner()
         self.replay.forgotten()
+        if self.endpoint is not None:  # harness sessions of the dead incarnation end too
+            self._ending_sessions = asyncio.get_running_loop().create_task(
+                self.endpoint.abandon_all())
         self._start_slots()
 
     async def _resend(self) -> None:

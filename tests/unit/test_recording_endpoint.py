@@ -287,3 +287,19 @@ def test_an_idle_session_is_abandoned(chat: ChatFormat) -> None:
     assert [abandoned for _, abandoned in host.closed] == [True]
     assert host.metrics.registry.get_sample_value(
         "crl_actor_endpoint_sessions_total", {"end": "abandoned"}) == 1
+
+
+def test_a_session_whose_first_call_fails_returns_its_credit_at_once(chat: ChatFormat) -> None:
+    """Nothing was recorded: the rollout is given up now (not after the idle
+    timeout), and the harness may retry under the same id."""
+    async def scenario(host: Host, base: str, client: aiohttp.ClientSession) -> None:
+        host.policy.script = ["look"]
+        url = f"{base}/chat/completions"
+        status, _, _ = await post(client, url, {"messages": [
+            {"role": "user", "content": "word " * 400}]}, session="a")
+        assert status == 400
+        assert host.closed == [("rollout-0-0", True)]
+        host.credits += 1  # the replay returned it
+        assert (await post(client, url, {"messages": [TASK]}, session="a"))[0] == 200
+
+    serve(chat, scenario, credits=1)
