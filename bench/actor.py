@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from actors.chat import ChatFormat
+from actors.config import ActorConfig
 from actors.context import Generation
 from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import load_environment
@@ -102,7 +105,10 @@ async def raw_replay(engine: Engine, episodes: list[list[tuple[list[int], int]]]
     return time.perf_counter() - start
 
 
-async def main(args: argparse.Namespace) -> dict:
+@contextlib.asynccontextmanager
+async def warm_tiny_engine(concurrency: int) -> AsyncIterator[tuple[Engine, ActorConfig]]:
+    """An engine on a fresh tiny model, warmed up by ``concurrency`` episodes,
+    with the small-window actor configuration; shut down on exit."""
     from recipes.tiny_model import build_tiny_model
 
     config = load_config(None, SMALL_WINDOW).actors
@@ -110,11 +116,16 @@ async def main(args: argparse.Namespace) -> dict:
         model = build_tiny_model(Path(folder) / "tiny")
         engine = await Engine.start(str(model), config.engine, config.sampling)
         try:
-            await agent_loop(engine, args.concurrency, args.concurrency)  # warm-up
-            agent_s, episodes, totals = await agent_loop(engine, args.episodes, args.concurrency)
-            raw_s = await raw_replay(engine, episodes, args.concurrency)
+            await agent_loop(engine, concurrency, concurrency)
+            yield engine, config
         finally:
             await engine.shutdown()
+
+
+async def main(args: argparse.Namespace) -> dict:
+    async with warm_tiny_engine(args.concurrency) as (engine, _):
+        agent_s, episodes, totals = await agent_loop(engine, args.episodes, args.concurrency)
+        raw_s = await raw_replay(engine, episodes, args.concurrency)
     tokens = totals["generated_tokens"]
     result = {
         "episodes": args.episodes, "concurrency": args.concurrency, "generated_tokens": tokens,
@@ -130,8 +141,9 @@ async def main(args: argparse.Namespace) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def episode_arguments(description: str) -> argparse.Namespace:
+    """The command line of a benchmark of episodes (this one, bench/endpoint.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true",
                         help="4 episodes, 2 at a time, unless given (smoke test)")
@@ -142,6 +154,11 @@ if __name__ == "__main__":
         arguments.episodes = 4 if arguments.quick else 16
     if arguments.concurrency is None:
         arguments.concurrency = 2 if arguments.quick else 8
+    return arguments
+
+
+if __name__ == "__main__":
+    arguments = episode_arguments(__doc__.splitlines()[0])
     quiet_vllm_logging()
     report = asyncio.run(main(arguments))
     print(f"agent loop {report['agent_tokens_per_s']} tokens/s, raw vLLM "

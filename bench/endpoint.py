@@ -20,12 +20,16 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from actor import SMALL_WINDOW, agent_loop, raw_replay  # bench/actor.py
+from actor import (  # bench/actor.py
+    agent_loop,
+    episode_arguments,
+    raw_replay,
+    warm_tiny_engine,
+)
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
@@ -35,7 +39,6 @@ from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import load_environment
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
-from deploy.config import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from keyvault_agent import play  # noqa: E402  (the harness, as users run it)
@@ -108,21 +111,12 @@ async def harness_episodes(engine: Engine, config: ActorConfig, episodes: int,
 
 
 async def main(args: argparse.Namespace) -> dict:
-    from recipes.tiny_model import build_tiny_model
-
-    config = load_config(None, SMALL_WINDOW).actors
-    with tempfile.TemporaryDirectory() as folder:
-        model = build_tiny_model(Path(folder) / "tiny")
-        engine = await Engine.start(str(model), config.engine, config.sampling)
-        try:
-            await agent_loop(engine, args.concurrency, args.concurrency)  # warm-up
-            own_s, own_requests, _ = await agent_loop(engine, args.episodes, args.concurrency)
-            own_raw_s = await raw_replay(engine, own_requests, args.concurrency)
-            endpoint_s, endpoint_requests, summaries = await harness_episodes(
-                engine, config, args.episodes, args.concurrency)
-            endpoint_raw_s = await raw_replay(engine, endpoint_requests, args.concurrency)
-        finally:
-            await engine.shutdown()
+    async with warm_tiny_engine(args.concurrency) as (engine, config):
+        own_s, own_requests, _ = await agent_loop(engine, args.episodes, args.concurrency)
+        own_raw_s = await raw_replay(engine, own_requests, args.concurrency)
+        endpoint_s, endpoint_requests, summaries = await harness_episodes(
+            engine, config, args.episodes, args.concurrency)
+        endpoint_raw_s = await raw_replay(engine, endpoint_requests, args.concurrency)
     own_tokens = sum(n for requests in own_requests for _, n in requests)
     endpoint_tokens = sum(n for requests in endpoint_requests for _, n in requests)
     own_ratio, endpoint_ratio = own_raw_s / own_s, endpoint_raw_s / endpoint_s
@@ -140,17 +134,7 @@ async def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true",
-                        help="4 episodes, 2 at a time, unless given (smoke test)")
-    parser.add_argument("--episodes", type=int, default=None, help="16 (--quick: 4)")
-    parser.add_argument("--concurrency", type=int, default=None, help="8 (--quick: 2)")
-    arguments = parser.parse_args()
-    if arguments.episodes is None:
-        arguments.episodes = 4 if arguments.quick else 16
-    if arguments.concurrency is None:
-        arguments.concurrency = 2 if arguments.quick else 8
+    arguments = episode_arguments(__doc__.splitlines()[0])
     quiet_vllm_logging()
     report = asyncio.run(main(arguments))
     print(f"endpoint {report['endpoint_tokens_per_s']} tokens/s ({report['endpoint_vs_raw_vllm']}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from typing import NoReturn
 
 from deploy.up import child_pids
 from ops.summary import scrape
-from tests.ports import free_ports, loopback_addresses
+from tests.ports import free_port_range, free_ports, loopback_addresses
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -226,3 +227,62 @@ def leave_process_group() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class UpOnLoopback:
+    """`compactionrl up` of a test: replay, learner and ``actors`` actors on
+    free loopback ports (each process's metrics port in ``ports``), the run
+    folder under ``root``; started by :meth:`start` in a session of its own,
+    and stopped with its whole process tree by :meth:`stop_tree` (the engines'
+    and torchrun's processes run in sessions of their own too).
+
+    Usage::
+
+        up = UpOnLoopback(tmp_path, "my-run", model, actors=1, "--replay.rollouts_per_batch", "4")
+        process = up.start()
+        try:
+            ...
+        finally:
+            up.stop_tree()
+    """
+
+    def __init__(self, root: Path, name: str, model: Path, actors: int, *overrides: str) -> None:
+        actor_address, learner_address, control_address = loopback_addresses(3)
+        store, replay_port, learner_port = free_ports(3)
+        self.actor_ports = free_port_range(actors)  # actor i serves on actors.metrics_port + i
+        self.ports = {"replay": replay_port, "learner": learner_port,
+                      "actor": self.actor_ports.start}
+        self.folder = root / "runs" / name
+        self.args = [
+            str(VENV_BIN / "compactionrl"), "up", "--run.name", name,
+            "--run.out_dir", str(root / "runs"), "--run.model", str(model),
+            "--learner.nproc", "1", "--learner.control_address", control_address,
+            "--learner.weight_store_address", f"127.0.0.1:{store}",
+            "--learner.metrics_port", str(learner_port),
+            "--replay.actor_address", actor_address, "--replay.learner_address", learner_address,
+            "--replay.metrics_port", str(replay_port),
+            "--replay.log_path", str(root / "replay" / "segments.log"),
+            "--actors.metrics_port", str(self.actor_ports.start), "--actors.count", str(actors),
+            *overrides]
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self) -> subprocess.Popen[str]:
+        self.process = subprocess.Popen(self.args, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+        return self.process
+
+    def stop_tree(self) -> None:
+        """If still running (a test failed before its clean stop): SIGINT,
+        then SIGKILL to whatever of the tree is left."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        tree = process_tree(process.pid)
+        process.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=120)
+        for pid in [process.pid, *tree]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()

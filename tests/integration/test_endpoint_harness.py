@@ -8,9 +8,7 @@ the learner trains on them (summary segments included)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_ports, loopback_addresses
-from tests.processes import VENV_BIN, metric, process_tree
+from tests.ports import free_ports
+from tests.processes import UpOnLoopback, metric
 
 pytestmark = pytest.mark.slow
 
@@ -30,26 +28,16 @@ EPISODES = 8
 
 def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: Path,
                                                                tmp_path: Path) -> None:
-    actor_address, learner_address, control_address = loopback_addresses(3)
-    store, replay_port, learner_port, actor_port, endpoint_port = free_ports(5)
-    run = tmp_path / "runs" / "harness"
-    up = [str(VENV_BIN / "compactionrl"), "up", "--run.name", "harness",
-          "--run.out_dir", str(tmp_path / "runs"), "--run.model", str(tiny_model_dir),
-          "--learner.max_steps", "1000", "--learner.nproc", "1",
-          "--learner.control_address", control_address,
-          "--learner.weight_store_address", f"127.0.0.1:{store}",
-          "--learner.metrics_port", str(learner_port),
-          "--replay.actor_address", actor_address, "--replay.learner_address", learner_address,
-          "--replay.metrics_port", str(replay_port), "--replay.rollouts_per_batch", "4",
-          "--replay.log_path", str(tmp_path / "replay" / "segments.log"),
-          "--actors.metrics_port", str(actor_port), "--actors.count", "1",
-          "--actors.concurrent_episodes", "4", "--actors.endpoint.enabled", "true",
-          "--actors.endpoint.port", str(endpoint_port)]
-    process = subprocess.Popen(up, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    [endpoint_port] = free_ports(1)
+    up = UpOnLoopback(tmp_path, "harness", tiny_model_dir, 1, "--learner.max_steps", "1000",
+                      "--replay.rollouts_per_batch", "4", "--actors.concurrent_episodes", "4",
+                      "--actors.endpoint.enabled", "true",
+                      "--actors.endpoint.port", str(endpoint_port))
+    ports = up.ports
+    process = up.start()
     try:
         end = time.monotonic() + 300
-        while metric(actor_port, "crl_actor_credits_held") < 1:  # engine up, registered
+        while metric(ports["actor"], "crl_actor_credits_held") < 1:  # engine up, registered
             assert process.poll() is None, process.stdout.read()[-4000:]
             assert time.monotonic() < end, "the actor got no credit within 300 s"
             time.sleep(1)
@@ -61,29 +49,21 @@ def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: P
         episodes = [json.loads(line) for line in harness.stdout.splitlines()]
         assert len(episodes) == EPISODES
         end = time.monotonic() + 300
-        while metric(learner_port, "crl_learner_step") < 1:
+        while metric(ports["learner"], "crl_learner_step") < 1:
             assert process.poll() is None, process.stdout.read()[-4000:]
             assert time.monotonic() < end, "no learner step within 300 s"
             time.sleep(1)
-        trained = {kind: metric(learner_port, "crl_learner_trained_segments_total",
+        trained = {kind: metric(ports["learner"], "crl_learner_trained_segments_total",
                                 segment_type=kind) for kind in ("execution", "summary")}
-        calls = {kind: metric(actor_port, "crl_actor_endpoint_calls_total", segment_type=kind)
-                 for kind in ("execution", "summary")}
-        rewarded = metric(actor_port, "crl_actor_endpoint_sessions_total", end="rewarded")
-        errors = metric(actor_port, "crl_actor_endpoint_errors_total")
-        accepted = metric(replay_port, "crl_replay_segments_total", result="accepted")
+        calls = {kind: metric(ports["actor"], "crl_actor_endpoint_calls_total",
+                              segment_type=kind) for kind in ("execution", "summary")}
+        rewarded = metric(ports["actor"], "crl_actor_endpoint_sessions_total", end="rewarded")
+        errors = metric(ports["actor"], "crl_actor_endpoint_errors_total")
+        accepted = metric(ports["replay"], "crl_replay_segments_total", result="accepted")
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:
-        if process.poll() is None:
-            tree = process_tree(process.pid)
-            process.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=120)
-            for pid in [process.pid, *tree]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            process.wait()
+        up.stop_tree()
     assert process.returncode == 130, output[-4000:]
     summaries = sum(e["summaries"] for e in episodes)
     assert summaries > 0, episodes  # the harness compacted with its own prompt
@@ -95,4 +75,4 @@ def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: P
     assert accepted >= sum(2 * e["summaries"] + 1 for e in episodes)
     assert sum(e["recorded"]["segments"] for e in episodes) == accepted
     assert trained["summary"] > 0 and trained["execution"] > 0, trained
-    assert (run / "export" / "config.json").is_file()
+    assert (up.folder / "export" / "config.json").is_file()

@@ -11,7 +11,6 @@ dashboard panel and alert returns data over the run's time range."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -25,8 +24,7 @@ import pytest
 
 from ops.observability import promql_expressions, scrape_config
 from ops.summary import scrape
-from tests.ports import free_port_range, free_ports, loopback_addresses
-from tests.processes import SMALL_EPISODES, VENV_BIN, compactionrl, process_tree, running
+from tests.processes import SMALL_EPISODES, UpOnLoopback, compactionrl, process_tree, running
 from tests.prometheus import PrometheusServer
 
 ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
@@ -66,28 +64,17 @@ def _get(port: int, path: str) -> str:
 
 def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
-    actor_address, learner_address, control_address = loopback_addresses(3)
-    store, replay_metrics, learner_metrics = free_ports(3)
-    actor_ports = free_port_range(2)  # actor i serves on actors.metrics_port + i
-    actor_metrics = actor_ports.start
-    run = tmp_path / "runs" / "up-test"
-    args = [str(VENV_BIN / "compactionrl"), "up", "--run.name", "up-test",
-            "--run.out_dir", str(tmp_path / "runs"), "--run.model", str(tiny_model_dir),
-            "--learner.max_steps", "1000", "--learner.nproc", "1",
-            "--learner.control_address", control_address,
-            "--learner.weight_store_address", f"127.0.0.1:{store}",
-            "--learner.metrics_port", str(learner_metrics),
-            "--replay.actor_address", actor_address, "--replay.learner_address", learner_address,
-            "--replay.metrics_port", str(replay_metrics), "--replay.rollouts_per_batch", "4",
-            "--replay.log_path", str(tmp_path / "replay" / "segments.log"),
-            "--actors.metrics_port", str(actor_metrics), "--actors.count", "2",
-            *SMALL_EPISODES, "--transport.heartbeat_interval_s", "0.5"]
+    up = UpOnLoopback(tmp_path, "up-test", tiny_model_dir, 2, "--learner.max_steps", "1000",
+                      "--replay.rollouts_per_batch", "4", *SMALL_EPISODES,
+                      "--transport.heartbeat_interval_s", "0.5")
+    run, actor_ports = up.folder, up.actor_ports
+    replay_metrics, learner_metrics, actor_metrics = (up.ports[name] for name in
+                                                      ("replay", "learner", "actor"))
     prometheus = PrometheusServer(tmp_path / "prometheus", scrape_config(
         replay_metrics, learner_metrics, list(actor_ports), interval_s=1),
         rules=ALERTS)
     began = time.time()
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = up.start()
     try:
         actor_log = run / "logs" / "actor-0.log"
         learner_log = run / "logs" / "learner.log"
@@ -127,16 +114,7 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:
-        if process.poll() is None:  # failed before the clean stop: stop the whole tree
-            # (up's children run in sessions of their own: not in its group)
-            tree = process_tree(process.pid)
-            process.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=120)
-            for pid in [process.pid, *tree]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            process.wait()
+        up.stop_tree()  # failed before the clean stop
         prometheus.stop()
     assert process.returncode == 130, output[-4000:]
     assert "interrupted (SIGINT): stopped cleanly" in output
