@@ -87,6 +87,8 @@ LAST_BATCH: dict[str, tuple[str, dict[str, str]]] = {
     "success_uncompacted": ("crl_learner_success_rate", {"compacted": "false"}),
     "compactions_per_rollout": ("crl_learner_compactions_per_rollout", {}),
     "policy_loss": ("crl_learner_policy_loss", {}),
+    "explained_variance": ("crl_learner_explained_variance", {}),
+    "approx_kl": ("crl_learner_approx_kl", {}),
 }
 #: Run-level counts that ``up`` adds (restarts), summed over ``up`` invocations.
 UP_COUNTS = ("actor_restarts", "replay_restarts", "learner_restarts", "up_invocations",
