@@ -133,7 +133,7 @@ def evaluate(model: Path, episodes: int, compaction: bool, out: Path, log: Path
 def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path, recipe: str
           ) -> dict[str, Any]:
     run_dir = out_dir / run_name(variant, seed)
-    if not (run_dir / "export" / "config.json").is_file():
+    if not all((run_dir / name).is_file() for name in ("export/config.json", "wall_seconds")):
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short: start it over
         began = time.perf_counter()
         run(up_command(variant, seed, minutes, out_dir, recipe), log)
@@ -327,7 +327,7 @@ def key_figures(table: dict[str, Any]) -> str:
         alone = table["advantage=independent"]["compacted"]
         lines.append(f"- Cross-trajectory GAE vs `advantage=independent`: "
                      f"**{100 * (full['success'] - alone['success']):+.1f} points**.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n"
 
 
 def dry_run(seeds: list[int], minutes: float, episodes: int, base: Path, out_dir: Path,

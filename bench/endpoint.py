@@ -86,6 +86,7 @@ async def harness_episodes(engine: Engine, config: ActorConfig, episodes: int,
     base = f"http://127.0.0.1:{port}/v1"
     client = AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
     args = SimpleNamespace(model="policy", context_tokens=config.compaction.context_tokens,
+                           reserve_tokens=config.compaction.reserve_tokens,
                            turn_tokens=config.sampling.max_turn_tokens,
                            summary_tokens=config.compaction.max_summary_tokens,
                            max_summaries=config.compaction.max_compactions,
@@ -97,7 +98,7 @@ async def harness_episodes(engine: Engine, config: ActorConfig, episodes: int,
         nonlocal summaries
         environment = load_environment(config.environment.factory, config.environment.options)
         for seed in seeds:
-            result = await play(client, base, environment, seed, args)
+            result = await play(client, environment, seed, args)
             summaries += result["summaries"]
 
     start = time.perf_counter()

@@ -5,7 +5,8 @@ actor's recording endpoint (docs/endpoint.md).
 It plays a built-in environment (any ``module:Name`` of ``actors.envs``
 style: ``reset(seed)`` and ``step(text)``) with its own framing (observations
 come back as user messages) and its own compaction: when the last call's
-prompt plus a turn would pass ``--context-tokens``, it asks the policy for a
+prompt and completion leave fewer than ``--reserve-tokens`` of
+``--context-tokens``, it asks the policy for a
 summary with its own prompt, marked ``segment_type = "summary"``, and starts
 over from the task and that summary. At the end it posts the episode's
 reward to the endpoint. Everything it knows of the endpoint: the base URL,
@@ -34,8 +35,8 @@ def load_environment(factory: str, options: dict[str, Any]) -> Any:
     return getattr(importlib.import_module(module), name)(**options)
 
 
-async def play(client: AsyncOpenAI, base_url: str, environment: Any, seed: int,
-               args: argparse.Namespace) -> dict[str, Any]:
+async def play(client: AsyncOpenAI, environment: Any, seed: int, args: argparse.Namespace
+               ) -> dict[str, Any]:
     """One episode in its own session; returns what happened."""
     session = f"keyvault-{seed}-{uuid.uuid4().hex[:8]}"
     headers = {"X-Session-Id": session}
@@ -45,7 +46,7 @@ async def play(client: AsyncOpenAI, base_url: str, environment: Any, seed: int,
     messages = list(start)
     reward, success, steps, summaries, prompt_tokens = 0.0, False, 0, 0, 0
     while steps < args.max_steps:
-        if prompt_tokens + 2 * args.turn_tokens > args.context_tokens:
+        if prompt_tokens + args.reserve_tokens > args.context_tokens:
             if summaries == args.max_summaries:
                 break
             summary = await client.chat.completions.create(
@@ -70,12 +71,11 @@ async def play(client: AsyncOpenAI, base_url: str, environment: Any, seed: int,
         if result.done:
             reward, success = result.reward, result.success
             break
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
-        response = await http.post(f"/sessions/{session}/reward",
-                                   json={"reward": reward, "success": success})
-        response.raise_for_status()
+    # the endpoint's own route, through the client's connection pool
+    recorded = await client.post(f"/sessions/{session}/reward", cast_to=httpx.Response,
+                                 body={"reward": reward, "success": success})
     return {"session": session, "steps": steps, "summaries": summaries, "reward": reward,
-            "success": success, "recorded": response.json()}
+            "success": success, "recorded": recorded.json()}
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -90,7 +90,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     async def worker() -> None:
         environment = load_environment(args.environment, options)
         for seed in seeds:
-            results.append(await play(client, args.base_url, environment, seed, args))
+            results.append(await play(client, environment, seed, args))
 
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     await client.close()
@@ -109,6 +109,9 @@ def main() -> int:
         {"codes": 1, "digits": 3, "rooms": 10, "distractor_words": 3, "ordered": False,
          "partial_credit": True}), help="the environment's options, as JSON")
     parser.add_argument("--context-tokens", type=int, default=260)
+    parser.add_argument("--reserve-tokens", type=int, default=80,
+                        help="compact once the context leaves fewer free (room for the next "
+                             "observation, the summary request and the summary)")
     parser.add_argument("--turn-tokens", type=int, default=16)
     parser.add_argument("--summary-tokens", type=int, default=24)
     parser.add_argument("--max-summaries", type=int, default=3)

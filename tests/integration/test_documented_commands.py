@@ -352,6 +352,14 @@ def check_actor_on_cluster(check: Check) -> None:
     assert (args.replay, args.learner) == ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5557")
 
 
+def check_script_help(check: Check) -> None:
+    """The module the command runs (``python -m MODULE``) starts and knows its arguments."""
+    words = shlex.split(check.documented.shell)
+    assert words[1] == "-m", words
+    completed = run_command([str(VENV_BIN / "python"), "-m", words[2], "--help"], 120)
+    assert completed.returncode == 0, completed.stderr
+
+
 def check_up_parses(check: Check) -> None:
     args, config = cli(check.argv())
     assert args.command == "up"
@@ -479,7 +487,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         slow=True),
     "compactionrl up --actors.endpoint.enabled true": Elsewhere(
         "tests/integration/test_endpoint_harness.py",
-        ("compactionrl", "up", "--actors.endpoint.enabled", "true"),
+        ("harness", "--actors.endpoint.enabled", "true"),
         "as written it bootstraps (~5 min) and serves for 5 min; that test runs it on the "
         "tiny model with a harness; here: the arguments parse and configure", check_up_parses),
     ".venv/bin/python examples/keyvault_agent.py --base-url http://127.0.0.1:8100/v1 "
@@ -559,7 +567,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         "parse and configure", check_parses),
     # docs/running.md
     "compactionrl up": Elsewhere(
-        "tests/integration/test_up.py", ("compactionrl", "up"),
+        "tests/integration/test_up.py", ("up-test", "--learner.max_steps"),
         "as written it bootstraps (~5 min) and trains 5 min; that test runs it on the tiny "
         "model with test-sized overrides; here: the arguments parse and configure",
         check_up_parses),
@@ -588,8 +596,16 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         "both, on 2 episodes", run_eval_against_baseline, slow=True),
     "python bench/async.py --json --steps 12 --step-latency 0.3 --episodes 200": Run(
         BENCH_DRY_RUN, ("commands",)),
-    # docs/results.md (written by bench/ablations.py)
-    "python bench/ablations.py --json": Run(BENCH_DRY_RUN, ("commands",)),
+    # docs/results.md (written by bench/ablations.py: the command of the last
+    # invocation of each recipe's table, which was made in parts)
+    "python bench/ablations.py --json --out runs/ablations-grace1 --variants full": Run(
+        BENCH_DRY_RUN, ("commands",)),
+    "python bench/ablations.py --json --recipe paper --variants full": Run(
+        BENCH_DRY_RUN, ("commands",)),
+    "python -m deploy.answer_lengths runs/ablations-paper/full-seed0 runs/ablations-paper/"
+    "full-seed1": Offline(
+        "reads the replay logs of the table's runs (hours of training, not in a fresh clone); "
+        "here: the script starts and knows its arguments", check_script_help),
 }
 
 

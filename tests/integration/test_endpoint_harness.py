@@ -65,11 +65,17 @@ def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: P
                   - metric(ports["actor"], "crl_actor_endpoint_errors_total",
                            reason="weights_behind"))
         accepted = metric(ports["replay"], "crl_replay_segments_total", result="accepted")
+        steps = metric(ports["learner"], "crl_learner_step")
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:
         up.stop_tree()
     assert process.returncode == 130, output[-4000:]
+    # the run's figures (pytest -s shows them)
+    print(json.dumps({"sessions": len(episodes), "segments": accepted,
+                      "summaries_per_session": [e["summaries"] for e in episodes],
+                      "calls": calls, "trained_segments": trained,
+                      "learner_steps_when_read": steps}))
     summaries = sum(e["summaries"] for e in episodes)
     assert summaries > 0, episodes  # the harness compacted with its own prompt
     assert calls["summary"] == summaries
