@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 from actor import (  # bench/actor.py
     agent_loop,
@@ -40,8 +40,14 @@ from actors.envs.base import load_environment
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from keyvault_agent import play  # noqa: E402  (the harness, as users run it)
+
+def harness_module() -> ModuleType:
+    """examples/keyvault_agent.py, the harness as users run it (a script, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "keyvault_agent.py"
+    spec = importlib.util.spec_from_file_location("keyvault_agent", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class BenchHost:
@@ -91,6 +97,7 @@ async def harness_episodes(engine: Engine, config: ActorConfig, episodes: int,
                            summary_tokens=config.compaction.max_summary_tokens,
                            max_summaries=config.compaction.max_compactions,
                            max_steps=config.environment.max_steps)
+    play = harness_module().play
     seeds = iter(range(episodes))
     summaries = 0
 
