@@ -50,7 +50,6 @@ class SessionRecord:
     compactions, or any other rewrite of its history)."""
     generated_tokens: int = 0
     summary_tokens: int = 0
-    segments_closed: int = 0
     _open: SegmentData | None = None
 
     def record(self, prompt: list[int], generation: Generation, summary: bool
@@ -89,12 +88,6 @@ class SessionRecord:
         kept = self._emitted([last] if last is not None else [])
         return kept[0] if kept else None
 
-    def _emitted(self, segments: list[SegmentData]) -> list[SegmentData]:
-        kept = [segment for segment in segments if segment.num_trainable]
-        self.segments_closed += len(kept)
-        return kept
-
-    @property
-    def context_tokens(self) -> list[int]:
-        """The open segment's tokens (what an extending call's prompt starts with)."""
-        return [] if self._open is None else self._open.tokens
+    @staticmethod
+    def _emitted(segments: list[SegmentData]) -> list[SegmentData]:
+        return [segment for segment in segments if segment.num_trainable]

@@ -97,7 +97,6 @@ def test_a_summary_call_closes_the_execution_segment_and_is_a_segment_of_its_own
     assert session.record([1, 9, 20, 21], generation([30]), summary=False) == []
     assert session.finish().tokens == [1, 9, 20, 21, 30]
     assert (session.summaries, session.rebuilds, session.summary_tokens) == (1, 0, 2)
-    assert session.segments_closed == 3
 
 
 def test_a_prompt_that_does_not_extend_the_context_starts_a_new_segment() -> None:
