@@ -295,16 +295,16 @@ class RecordingEndpoint:
         began = time.monotonic()
         stream = self.host.policy.stream(prompt, max_tokens, seed=body.seed)
         if body.stream:
-            response, generation = await self._stream(request, chat, body, stream,
-                                                       completion_id, max_tokens, len(prompt))
+            response, generation, message = await self._stream(
+                request, chat, body, stream, completion_id, max_tokens, len(prompt))
         else:
             generation = Generation([], [], [])
             async for delta in stream:
                 generation.extend(delta)
             response = None
+            message, finish = completion_message(chat, generation, body.tools, max_tokens)
         if summary:
             session.summary_seconds += time.monotonic() - began
-        message, finish = completion_message(chat, generation, body.tools, max_tokens)
         key = turn_key(message)
         session.recorded[key] = generation.token_ids
         session.recorded.move_to_end(key)
@@ -326,7 +326,8 @@ class RecordingEndpoint:
 
     async def _stream(self, request: web.Request, chat: ChatFormat, body: ChatRequest,
                       stream: AsyncIterator[Generation], completion_id: str, max_tokens: int,
-                      prompt_tokens: int) -> tuple[web.StreamResponse, Generation]:
+                      prompt_tokens: int
+                      ) -> tuple[web.StreamResponse, Generation, dict[str, Any]]:
         """Server-sent events of the completion: text as it is sampled, or,
         with tools, the whole message at the end (its calls are parsed then)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -370,7 +371,7 @@ class RecordingEndpoint:
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response, generation
+        return response, generation, message
 
     async def _reward(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session"]

@@ -140,14 +140,13 @@ class StepStatistics:
         for name, total in moments.items():
             setattr(self, name, getattr(self, name) + total)
 
-    def add_factors(self, factors: torch.Tensor, segment_types: list[str]) -> None:
+    def add_factors(self, factors: torch.Tensor, is_summary: torch.Tensor) -> None:
         """The cross-trajectory factors of the step's segments with trainable
-        tokens (``factors`` [S], one type each), summed by segment type."""
-        for kind in ("summary", "execution"):
-            chosen = [f for f, t in zip(factors.tolist(), segment_types, strict=True)
-                      if t == kind]
-            setattr(self, f"{kind}_factor_sum", getattr(self, f"{kind}_factor_sum") + sum(chosen))
-            setattr(self, f"{kind}_segments", getattr(self, f"{kind}_segments") + len(chosen))
+        tokens (``factors`` [S]; ``is_summary`` [S] bool), summed by segment type."""
+        self.summary_factor_sum += float(factors[is_summary].sum())
+        self.summary_segments += int(is_summary.sum())
+        self.execution_factor_sum += float(factors[~is_summary].sum())
+        self.execution_segments += int((~is_summary).sum())
 
     def summed_over_ranks(self) -> StepStatistics:
         names = [f.name for f in dataclasses.fields(self) if f.name not in self.RANK_INVARIANT]
@@ -175,6 +174,14 @@ class StepStatistics:
                for name in ("summary_factor_sum", "summary_segments", "execution_factor_sum",
                             "execution_segments")},
         }
+
+
+def _segments(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S] trainable tokens and rollout index of each segment (a sequence
+    may hold two), in order."""
+    return (torch.tensor([n for s in sequences for n in s.segment_lengths], dtype=torch.long),
+            torch.tensor([s.rollout for s in sequences for _ in s.segment_lengths],
+                         dtype=torch.long))
 
 
 def _world() -> tuple[int, int]:
@@ -291,9 +298,7 @@ class PPOTrainer:
     def _gae(self, batch: TrainBatch, sequences: list[Sequence], values: list[torch.Tensor]
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
-        # per segment (a sequence may hold two), in order
-        lengths = torch.tensor([n for s in sequences for n in s.segment_lengths])
-        rollout_of = torch.tensor([s.rollout for s in sequences for _ in s.segment_lengths])
+        lengths, rollout_of = _segments(sequences)
         step_rewards = (torch.cat([s.token_rewards[s.trainable] if s.token_rewards is not None
                                    else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
                                    for s in sequences])
@@ -318,19 +323,19 @@ class PPOTrainer:
         return (adaptive_lambdas(lengths, self.config.lam_alpha)
                 if self.config.lam_mode == "adaptive" else self.config.lam)
 
-    def _cross_factors(self, sequences: list[Sequence]) -> tuple[torch.Tensor, list[str]]:
+    def _cross_factors(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """The factor (gamma*lambda)^{N_>s} (per-segment lambdas: their
         product) of each segment with trainable tokens, under this run's gamma
-        and lambda, whatever the advantage mode applies, and its type."""
-        lengths = torch.tensor([n for s in sequences for n in s.segment_lengths])
-        rollout_of = torch.tensor([s.rollout for s in sequences for _ in s.segment_lengths])
+        and lambda, whatever the advantage mode applies, and whether it is a summary."""
+        lengths, rollout_of = _segments(sequences)
         # a sequence of two segments holds an execution segment, then its summary
-        types = [t for s in sequences
-                 for t in ["execution"] * (len(s.segment_lengths) - 1) + [s.segment_type]]
+        is_summary = torch.tensor([i == len(s.segment_lengths) - 1 and s.segment_type == "summary"
+                                   for s in sequences for i in range(len(s.segment_lengths))],
+                                  dtype=torch.bool)
         factors = cross_trajectory_factors(lengths, rollout_of,
                                            self.config.gamma * self._lambda(lengths))
         kept = lengths > 0
-        return factors[kept], [t for t, k in zip(types, kept.tolist(), strict=True) if k]
+        return factors[kept], is_summary[kept]
 
     def _whiten(self, sequences: list[Sequence], advantages: list[torch.Tensor]
                 ) -> list[torch.Tensor]:
