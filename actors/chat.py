@@ -27,6 +27,7 @@ tokens or newlines).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,10 @@ from actors.tools import ToolCallParser
 _Message = dict[str, Any]
 #: Sentinels wrap their slot name in invisible separators: never in real text.
 _MARK = "\u2063"
+#: Texts (contents, framing) whose token ids :meth:`ChatFormat.conversation_ids` keeps.
+CACHED_TEXTS = 16_384
+#: Conversation shapes whose framing :meth:`ChatFormat.conversation_ids` keeps.
+CACHED_SHAPES = 1_024
 
 
 def _slot(name: str) -> str:
@@ -88,6 +93,12 @@ class ChatFormat:
         self.verify()
         self.tool_calls = ToolCallParser(environment.tool_parser, tokenizer)
         self._with_tools: dict[str, ChatFormat] = {}
+        # A harness resends its whole conversation every call: each content
+        # is tokenised alone (so its ids never depend on its neighbours) and
+        # the framing depends only on the conversation's shape (roles, slots,
+        # other keys), so both are remembered, not recomputed per call.
+        self._content_ids = functools.lru_cache(maxsize=CACHED_TEXTS)(self._ids_tuple)
+        self._framing = functools.lru_cache(maxsize=CACHED_SHAPES)(self._split_shape)
 
     def with_tools(self, tools: list[dict] | None) -> ChatFormat:
         """This format for a task that declares ``tools``: derived and
@@ -202,9 +213,9 @@ class ChatFormat:
             if ids is not None:
                 spliced[index] = ids
             framed.append(plain | {"content": _slot(f"m{index}")})
-        pieces = self.split(framed, generation_prompt=True)
+        pieces = self._framing(json.dumps(framed))
         end = self.decode(self.assistant_end, keep_special=True)
-        result = self._ids(pieces[0])
+        result = list(self._content_ids(pieces[0]))
         for index, message in enumerate(messages):
             after = pieces[index + 1]
             if index in spliced:
@@ -213,9 +224,15 @@ class ChatFormat:
                 if end and ids[-len(self.assistant_end):] == self.assistant_end:
                     after = after.removeprefix(end)
             else:
-                result += self._ids(message_text(message))
-            result += self._ids(after)
+                result += self._content_ids(message_text(message))
+            result += self._content_ids(after)
         return result
+
+    def _split_shape(self, framed: str) -> tuple[str, ...]:
+        return tuple(self.split(json.loads(framed), generation_prompt=True))
+
+    def _ids_tuple(self, text: str) -> tuple[int, ...]:
+        return tuple(self._ids(text))
 
     # ------------------------------------------------------------------ pieces
 

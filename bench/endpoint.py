@@ -4,7 +4,8 @@ Both paths play KeyVault episodes on one tiny-model engine, with the same
 window, turn and summary budgets and concurrency: the actor's own loop
 (actors/episode.py, as bench/actor.py runs it), and the harness of
 examples/keyvault_agent.py (the ``openai`` client, its own framing and
-compaction) through the endpoint's HTTP server on loopback. Each path's
+compaction), run as users run it, in its own process, through the
+endpoint's HTTP server on loopback. Each path's
 requests (prompt ids, tokens sampled) are recorded and replayed on the raw
 ``AsyncLLM`` (``ignore_eos``, ``max_tokens`` = the recorded count) in the
 same run, so each path is measured against raw generation of exactly its own
@@ -18,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
 
 from actor import (  # bench/actor.py
     agent_loop,
@@ -36,24 +36,15 @@ from actors.config import ActorConfig
 from actors.context import SegmentData
 from actors.endpoint import RecordingEndpoint
 from actors.engine import Engine, quiet_vllm_logging
-from actors.envs.base import load_environment
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
-
-
-def harness_module() -> ModuleType:
-    """examples/keyvault_agent.py, the harness as users run it (a script, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "keyvault_agent.py"
-    spec = importlib.util.spec_from_file_location("keyvault_agent", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class BenchHost:
     """An actor that always has a credit and keeps, of the segments it is
     sent, each call's request: the tokens before each run of sampled tokens
-    (its prompt) and the run's length."""
+    (its prompt) and the run's length; and when the first session opened
+    and the last one closed."""
 
     def __init__(self, engine: Engine, config: ActorConfig) -> None:
         self.config = config
@@ -62,13 +53,15 @@ class BenchHost:
         self.policy = engine
         self.rollouts = 0
         self.requests: dict[str, list[tuple[list[int], int]]] = {}
+        self.first_open = self.last_close = 0.0
 
     async def open_rollout(self) -> str:
         self.rollouts += 1
+        self.first_open = self.first_open or time.perf_counter()
         return f"bench-{self.rollouts}"
 
     async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
-        return None
+        self.last_close = time.perf_counter()
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: SegmentData, result: EpisodeResult | None) -> None:
@@ -83,39 +76,37 @@ class BenchHost:
 async def harness_episodes(engine: Engine, config: ActorConfig, episodes: int,
                            concurrency: int) -> tuple[float, list[list[tuple[list[int], int]]],
                                                       int]:
-    """The harness through the endpoint: wall seconds, each session's requests, summaries."""
-    from openai import AsyncOpenAI
-
+    """examples/keyvault_agent.py as users run it, in its own process,
+    through the endpoint: seconds from the first session's start to the last
+    one's end (the harness's own start-up left out), each session's
+    requests, summaries."""
     host = BenchHost(engine, config)
     endpoint = RecordingEndpoint(host, "policy")
     port = await endpoint.start(0)
-    base = f"http://127.0.0.1:{port}/v1"
-    client = AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
-    args = SimpleNamespace(model="policy", context_tokens=config.compaction.context_tokens,
-                           reserve_tokens=config.compaction.reserve_tokens,
-                           turn_tokens=config.sampling.max_turn_tokens,
-                           summary_tokens=config.compaction.max_summary_tokens,
-                           max_summaries=config.compaction.max_compactions,
-                           max_steps=config.environment.max_steps)
-    play = harness_module().play
-    seeds = iter(range(episodes))
-    summaries = 0
-
-    async def worker() -> None:
-        nonlocal summaries
-        environment = load_environment(config.environment.factory, config.environment.options)
-        for seed in seeds:
-            result = await play(client, environment, seed, args)
-            summaries += result["summaries"]
-
-    start = time.perf_counter()
+    harness = Path(__file__).resolve().parents[1] / "examples" / "keyvault_agent.py"
+    compaction, environment = config.compaction, config.environment
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(harness), "--base-url", f"http://127.0.0.1:{port}/v1",
+        "--episodes", str(episodes), "--concurrency", str(concurrency),
+        "--environment", environment.factory, "--options", json.dumps(environment.options),
+        "--context-tokens", str(compaction.context_tokens),
+        "--reserve-tokens", str(compaction.reserve_tokens),
+        "--turn-tokens", str(config.sampling.max_turn_tokens),
+        "--summary-tokens", str(compaction.max_summary_tokens),
+        "--max-summaries", str(compaction.max_compactions),
+        "--max-steps", str(environment.max_steps), stdout=asyncio.subprocess.PIPE)
     try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
+        output, _ = await process.communicate()
     finally:
-        await client.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
         await endpoint.close()
-    return seconds, list(host.requests.values()), summaries
+    if process.returncode != 0:
+        raise RuntimeError(f"the harness exited with {process.returncode}")
+    results = [json.loads(line) for line in output.decode().splitlines()]
+    summaries = sum(result["summaries"] for result in results)
+    return host.last_close - host.first_open, list(host.requests.values()), summaries
 
 
 async def main(args: argparse.Namespace) -> dict:

@@ -45,6 +45,8 @@ def test_a_conversation_renders_as_the_template_does_with_the_policy_s_turns_spl
     recorded = sampled_ids(chat, "look north")
     assert chat.conversation_ids(
         conversation, lambda i, m: recorded if i == 2 else None) == template_ids(chat, plain)
+    # rendered again from the framing and ids it remembered, unchanged by the splice
+    assert chat.conversation_ids(conversation, no_record) == template_ids(chat, plain)
 
 
 @pytest.mark.parametrize("family", ["chatml", "qwen2.5"])
