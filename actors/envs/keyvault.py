@@ -22,7 +22,9 @@ keep) instead of one. Each task's tags name its sizes, so an evaluation
 reports success by size.
 
 Reward: 1 for an exact answer (all codes, all digits), else 0; with
-``partial_credit`` the fraction of digits right. Deterministic in the seed.
+``partial_credit`` the fraction of digits right, each code's counted over
+the digits given for it where more were given than it has (an answer padded
+with every digit scores as a guess, not as right). Deterministic in the seed.
 All text uses :mod:`actors.envs.vocabulary` words, one token each in the
 tiny model.
 """
@@ -155,16 +157,20 @@ class KeyVault:
             elif current is not None and (word.isdigit() or word in NUMBER_WORDS[:10]):
                 current.append(int(word) if word.isdigit() else NUMBER_WORDS.index(word))
         if self.ordered:
-            right = sum(a == b for name, digits in self._answer.items()
-                        for a, b in zip(digits, given.get(name, []), strict=False))
+            rights = {name: sum(a == b for a, b in zip(digits, given.get(name, []), strict=False))
+                      for name, digits in self._answer.items()}
             exact = all(given.get(name) == digits for name, digits in self._answer.items())
         else:
-            right = sum(len(set(digits) & set(given.get(name, [])))
-                        for name, digits in self._answer.items())
+            rights = {name: len(set(digits) & set(given.get(name, [])))
+                      for name, digits in self._answer.items()}
             exact = all(sorted(given.get(name, [])) == sorted(digits)
                         for name, digits in self._answer.items())
-        total = self.codes * self.digits
-        reward = 1.0 if exact else (right / total if self.partial_credit else 0.0)
+        right, total = sum(rights.values()), self.codes * self.digits
+        # a code's credit is over the digits given where more were given than
+        # it has: padding an answer with every digit must not earn full credit
+        credit = sum(count / max(self.digits, len(given.get(name, [])))
+                     for name, count in rights.items()) / self.codes
+        reward = 1.0 if exact else (credit if self.partial_credit else 0.0)
         verdict = "correct" if exact else "wrong"
         return StepResult(f"answer {verdict} . {right} of {total} digits right .", done=True,
                           reward=reward, success=exact, info={"digits_right": right})

@@ -82,6 +82,18 @@ def test_unordered_notes_hide_positions_and_any_order_is_exact() -> None:
 
 
 @pytest.mark.parametrize("ordered", [True, False])
+def test_padding_an_answer_with_extra_digits_earns_no_credit(ordered: bool) -> None:
+    env = KeyVault(codes=2, digits=3, ordered=ordered, partial_credit=True)
+    walk(env, 9)
+    codes = env._answer
+    every_digit = "answer " + " ".join(f"{n} " + " ".join(map(str, range(10))) for n in codes)
+    result = answer(env, every_digit)
+    assert not result.success and result.reward <= 0.3  # 3 right of the 10 given, per code
+    padded = "answer " + " ".join(f"{n} " + " ".join(map(str, [*d, *d])) for n, d in codes.items())
+    assert answer(env, padded).reward == 0.5  # every digit right, given twice over
+
+
+@pytest.mark.parametrize("ordered", [True, False])
 def test_text_stays_inside_the_vocabulary(ordered: bool) -> None:
     env = KeyVault(ordered=ordered)
     task = asyncio.run(env.reset(5))
