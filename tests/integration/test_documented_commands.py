@@ -598,12 +598,12 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         BENCH_DRY_RUN, ("commands",)),
     # docs/results.md (written by bench/ablations.py: the command of the last
     # invocation of each recipe's table, which was made in parts)
-    "python bench/ablations.py --json --out runs/ablations-grace1 --variants full": Run(
+    "python bench/ablations.py --json --variants full": Run(
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe paper --variants full": Run(
         BENCH_DRY_RUN, ("commands",)),
-    "python -m deploy.answer_lengths runs/ablations-paper/full-seed0 runs/ablations-paper/"
-    "full-seed1": Offline(
+    "python -m deploy.answer_lengths runs/ablations-paper-padreward/full-seed0 "
+    "runs/ablations-paper-padreward/full-seed1": Offline(
         "reads the replay logs of the table's runs (hours of training, not in a fresh clone); "
         "here: the script starts and knows its arguments", check_script_help),
 }
