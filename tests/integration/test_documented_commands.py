@@ -598,7 +598,8 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         BENCH_DRY_RUN, ("commands",)),
     # docs/results.md (written by bench/ablations.py: the command of the last
     # invocation of each recipe's table, which was made in parts)
-    "python bench/ablations.py --json --variants full": Run(
+    "python bench/ablations.py --json --variants full,advantage=independent,"
+    "train_summary=false,loss_norm=segment,advantage=grpo,compaction=false": Run(
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe paper --variants full": Run(
         BENCH_DRY_RUN, ("commands",)),
