@@ -24,6 +24,13 @@ local default: :data:`RECIPES`) in its own run folder, results section and
 JSON. ``--variants`` trains only those (in that order): a long table can be
 made in parts, each part reusing the finished runs of the others.
 
+Each finished run (trained and evaluated) is recorded at once in
+``docs/<results>-runs.json``, with the settings it was made under (budget,
+episodes, configuration, and the base policy's weights digest): the record,
+committed, is what a later invocation reuses, so a table longer than one
+sitting is made over several, in fresh checkouts (run folders are not kept).
+Records of other settings are refused, not mixed (``--fresh`` drops them).
+
     python bench/ablations.py [--quick] [--seeds 3] [--minutes 5] [--episodes 300] [--json]
                               [--recipe today|paper] [--variants full,...] [--fresh]
                               [--dry-run] [--render]
@@ -36,6 +43,7 @@ trains nothing: seconds, where the table takes hours.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -49,6 +57,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from deploy.answer_lengths import measure as answer_lengths
 from deploy.config import load_config, to_toml
 from deploy.evaluate import wilson_interval
 from ops.files import write_section
@@ -87,6 +96,9 @@ RECIPE_OUTPUTS = {"today": ("runs/ablations", "ablations", "results"),
                   "paper": ("runs/ablations-paper", "ablations-paper", "results-paper")}
 #: Learner steps are not the budget (time is): this only keeps max_steps out of the way.
 UNBOUNDED_STEPS = 1_000_000
+#: Final answers at each end of a run's replay log checked for padding
+#: (``deploy.answer_lengths``: more digits than the codes have).
+ANSWER_WINDOW = 500
 
 
 def run(command: list[str], log: Path) -> None:
@@ -131,33 +143,79 @@ def evaluate(model: Path, episodes: int, compaction: bool, out: Path, log: Path
 
 
 def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path, recipe: str
-          ) -> dict[str, Any]:
+          ) -> Path:
+    """The run's folder, trained (a folder cut short is trained over)."""
     run_dir = out_dir / run_name(variant, seed)
     if not all((run_dir / name).is_file() for name in ("export/config.json", "wall_seconds")):
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short: start it over
         began = time.perf_counter()
         run(up_command(variant, seed, minutes, out_dir, recipe), log)
         (run_dir / "wall_seconds").write_text(f"{time.perf_counter() - began:.1f}\n")
+    return run_dir
+
+
+def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path
+               ) -> dict[str, Any]:
+    """A trained run's record: what the table needs of it, evaluated."""
     history = [json.loads(line) for line in
                (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = history[-1] if history else {}
-    return {"run_dir": str(run_dir), "export": str(run_dir / "export"),
-            "learner_steps": int(last.get("learner_step") or 0),
-            "wall_seconds": float((run_dir / "wall_seconds").read_text()),
-            # runs made before the learner counted them have none
-            "cross_factor": cross_factors(last)}
+    export = run_dir / "export"
+    record: dict[str, Any] = {
+        "variant": variant, "seed": seed, "machine": machine(),
+        "learner_steps": int(last.get("learner_step") or 0),
+        "wall_seconds": float((run_dir / "wall_seconds").read_text()),
+        "cross_factor": cross_factors(last),
+        "compacted": evaluate(export, episodes, True, run_dir / evaluation_name(True), log)}
+    if variant == "compaction=false":
+        record["single_window"] = evaluate(export, episodes, False,
+                                           run_dir / evaluation_name(False), log)
+    answers = answer_lengths(run_dir, ANSWER_WINDOW)
+    record["answers"] = {key: answers[key] for key in
+                         ("answers", "code_digits", "over_long_first", "over_long_last")}
+    return record
+
+
+def base_digest(base: Path) -> str:
+    """The base policy's identity: its weights and what it was bootstrapped
+    with (not how long that took)."""
+    digest = hashlib.sha256()
+    for weights in sorted(base.glob("*.safetensors")):
+        digest.update(weights.name.encode())
+        digest.update(weights.read_bytes())
+    made = json.loads((base / "bootstrap.json").read_text())
+    made.pop("seconds", None)
+    digest.update(json.dumps(made, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def load_records(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    """The runs recorded under ``settings`` (none yet: an empty record);
+    records of other settings are refused unless ``fresh``."""
+    empty = {"settings": settings, "base": {}, "runs": {}}
+    if not path.is_file():
+        return empty
+    records = json.loads(path.read_text())
+    if records.get("settings") == settings:
+        return records
+    if not fresh:  # hours of runs: never dropped unasked
+        changed = sorted(key for key in settings.keys() | records.get("settings", {}).keys()
+                         if settings.get(key) != records.get("settings", {}).get(key))
+        raise SystemExit(f"{path} records runs made with other settings ({', '.join(changed)}"
+                         "): pass --fresh to drop them and start over")
+    print(f"{path} records runs of other settings: starting over (--fresh)", flush=True)
+    return empty
+
+
+def save_records(path: Path, records: dict[str, Any]) -> None:
+    """Written whole, then renamed: a run cut short never leaves half a file."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(records, indent=2) + "\n")
+    partial.replace(path)
 
 
 def evaluation_name(compaction: bool) -> str:
     return "eval-compacted.json" if compaction else "eval-single.json"
-
-
-def finished(out_dir: Path, variant: str, seeds: list[int]) -> bool:
-    """Whether every seed of ``variant`` is trained and evaluated."""
-    names = [evaluation_name(True)] + ([evaluation_name(False)]
-                                       if variant == "compaction=false" else [])
-    return all((out_dir / run_name(variant, seed) / name).is_file()
-               for seed in seeds for name in names)
 
 
 def pooled(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
@@ -197,13 +255,21 @@ def factor_cell(factors: dict[str, float], kind: str) -> str:
     return f"{factors[kind]:.3f}" if kind in factors else "-"
 
 
+def padded_cell(runs: list[dict[str, Any]]) -> str:
+    """The most any run's last answers padded (more digits than the codes
+    have); "-" where the runs were not checked."""
+    fractions = [run["answers"]["over_long_last"] for run in runs
+                 if (run.get("answers") or {}).get("over_long_last") is not None]
+    return point(max(fractions)) if fractions else "-"
+
+
 def write_results(results: dict[str, Any], docs: Path) -> None:
     recipe = results.get("recipe_name", "today")
     _, section, stem = RECIPE_OUTPUTS[recipe]
     rows = ["| variant | runs | learner steps | compacted success % (95% CI) | per seed % "
             "| mean reward | single-window success % | compactions/episode | summary tokens "
-            "| cross factor: summary / execution |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| cross factor: summary / execution | padded answers % |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     table = {"base": results["base"], **results["variants"]}
     for name, entry in table.items():
         compacted, single = entry["compacted"], entry.get("single_window")
@@ -218,7 +284,8 @@ def write_results(results: dict[str, Any], docs: Path) -> None:
                     f"| {compacted['compactions_per_episode']:.2f} "
                     f"| {compacted['summary_tokens']:.1f} "
                     f"| {factor_cell(factors := mean_factors(entry.get('runs', [])), 'summary')}"
-                    f" / {factor_cell(factors, 'execution')} |")
+                    f" / {factor_cell(factors, 'execution')} "
+                    f"| {padded_cell(entry.get('runs', []))} |")
     chart = bar_chart("compacted success after training (pooled over seeds)",
                       {name: entry["compacted"]["success"] for name, entry in table.items()},
                       "variant", "compacted success")
@@ -230,6 +297,8 @@ def write_results(results: dict[str, Any], docs: Path) -> None:
     training_minutes = sum(run["wall_seconds"] for run in runs) / 60
     title = "the ablation table" + (", the paper's recipe" if recipe == "paper" else "")
     missing = [name for name in VARIANTS if name not in results["variants"]]
+    records = (f"; each run's record: [{results['records']}]({results['records']})"
+               if "records" in results else "")
     text = f"""# Results: {title}
 
 Generated by `bench/ablations.py` — do not edit by hand; rerun:
@@ -263,6 +332,8 @@ trained of `(γλ)^N_{{>s}}` (adaptive λ: the product of the later segments'
 `(γλ_j)^{{n_j}}`) under the recipe's λ, whatever `advantage` applied
 (`crl_learner_cross_factor_sum_total` over `crl_learner_trained_segments_total`;
 "-" where the runs predate the counter or trained no segment of that type).
+Padded answers: the most any seed's last {ANSWER_WINDOW} trained-on final answers listed
+more digits than the codes have (`deploy.answer_lengths`; "-" for runs not checked).
 
 Recipe overrides (over the configuration below, in every variant):
 
@@ -296,7 +367,7 @@ The effective configuration of the `full` runs (seed 0):
 ```toml
 {results['config_toml']}```
 
-Raw numbers: [results.json](results.json).
+Raw numbers: [{stem}.json]({stem}.json){records}.
 """
     write_section(docs / "results.md", section, text)
     (docs / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -371,7 +442,7 @@ def main() -> int:
     parser.add_argument("--render", action="store_true",
                         help="only write results.md again from the recipe's JSON in DOCS")
     parser.add_argument("--fresh", action="store_true",
-                        help="delete the run folder's runs if they were made with other settings")
+                        help="drop the records and run folders made with other settings")
     parser.add_argument("--dry-run", action="store_true",
                         help="check and print the commands the table needs; train nothing")
     args = parser.parse_args()
@@ -401,68 +472,65 @@ def main() -> int:
     log = out_dir / "ablations.log"
     if not (base / "config.json").is_file():
         run([COMPACTIONRL, "bootstrap"], log)
-    # Finished runs and evaluations are kept, so that a rerun resumes (with
-    # more seeds, say), but only those made from this base, budget and
-    # configuration.
-    made = (base / "bootstrap.json").read_text()
-    settings = json.dumps({"minutes": minutes, "episodes": args.episodes, "base": made,
-                           "config": to_toml(config)}, sort_keys=True)
+    # Finished runs are reused only if made from this base, budget and configuration.
+    settings = {"minutes": minutes, "episodes": args.episodes, "base": base_digest(base),
+                "config": to_toml(config)}
+    records_path = Path(args.docs) / f"{stem}-runs.json"
+    records = load_records(records_path, settings, args.fresh)
     made_with = out_dir / "settings.json"
     kept = [path for path in out_dir.iterdir() if path != log]
-    if kept and (not made_with.is_file() or made_with.read_text() != settings):
-        if not args.fresh:  # hours of runs: never deleted unasked
+    if kept and (not made_with.is_file() or made_with.read_text() != json.dumps(settings)):
+        if not args.fresh:  # runs not recorded yet (one cut short, say): never deleted unasked
             raise SystemExit(f"{out_dir} holds runs made with other settings (base, budget "
                              "or configuration): pass --fresh to delete them and start over, "
                              "or --out another folder")
         print(f"{out_dir} holds runs of other settings: starting over (--fresh)", flush=True)
         shutil.rmtree(out_dir)
         out_dir.mkdir(parents=True)
-    made_with.write_text(settings)
+    made_with.write_text(json.dumps(settings))
     print("evaluating the base policy", flush=True)
-    results: dict[str, Any] = {
-        "base": {"compacted": pooled([evaluate(base, args.episodes, True,
-                                               out_dir / "base-compacted.json", log)]),
-                 "single_window": pooled([evaluate(base, args.episodes, False,
-                                                   out_dir / "base-single.json", log)])},
-        "variants": {},
-    }
+    if not records["base"]:
+        records["base"] = {
+            "compacted": evaluate(base, args.episodes, True, out_dir / "base-compacted.json",
+                                  log),
+            "single_window": evaluate(base, args.episodes, False, out_dir / "base-single.json",
+                                      log)}
+        save_records(records_path, records)
     for variant in requested:
         for seed in seeds:
+            name = run_name(variant, seed)
             print(f"{variant}, seed {seed}", flush=True)
-            trained = train(variant, seed, minutes, out_dir, log, args.recipe)
-            print(f"  {trained['learner_steps']} learner steps", flush=True)
-            for compaction in (True, False) if variant == "compaction=false" else (True,):
-                evaluation = evaluate(Path(trained["export"]), args.episodes, compaction,
-                                      Path(trained["run_dir"]) / evaluation_name(compaction), log)
-                print(f"  {'compacted' if compaction else 'single-window'} success "
-                      f"{evaluation['success']:.1%}", flush=True)
-    for variant in [v for v in VARIANTS if finished(out_dir, v, seeds)]:
-        entry: dict[str, Any] = {"runs": [], "learner_steps": []}
-        compacted, single = [], []
-        for seed in seeds:
-            trained = train(variant, seed, minutes, out_dir, log, args.recipe)
-            export = Path(trained["export"])
-            run_dir = Path(trained["run_dir"])
-            compacted.append(evaluate(export, args.episodes, True,
-                                      run_dir / evaluation_name(True), log))
-            if variant == "compaction=false":
-                single.append(evaluate(export, args.episodes, False,
-                                       run_dir / evaluation_name(False), log))
-            entry["runs"].append(trained)
-            entry["learner_steps"].append(trained["learner_steps"])
-        entry["compacted"] = pooled(compacted)
-        if single:
-            entry["single_window"] = pooled(single)
-        results["variants"][variant] = entry
+            if name not in records["runs"]:
+                run_dir = train(variant, seed, minutes, out_dir, log, args.recipe)
+                records["runs"][name] = record_run(run_dir, variant, seed, args.episodes, log)
+                save_records(records_path, records)
+            recorded = records["runs"][name]
+            print(f"  {recorded['learner_steps']} learner steps; compacted success "
+                  f"{recorded['compacted']['success']:.1%}", flush=True)
+    results: dict[str, Any] = {
+        "base": {kind: pooled([evaluation]) for kind, evaluation in records["base"].items()},
+        "variants": {}}
+    for variant in VARIANTS:
+        runs = [records["runs"].get(run_name(variant, seed)) for seed in seeds]
+        if None in runs:
+            continue
+        results["variants"][variant] = {
+            "runs": runs, "learner_steps": [r["learner_steps"] for r in runs],
+            "compacted": pooled([r["compacted"] for r in runs]),
+            **({"single_window": pooled([r["single_window"] for r in runs])}
+               if variant == "compaction=false" else {})}
+    machines = {run["machine"] for entry in results["variants"].values()
+                for run in entry["runs"]}
     results.update(
         command="python " + shlex.join(["bench/ablations.py", *sys.argv[1:]]),
-        machine=machine(), wall_minutes=(time.perf_counter() - began) / 60,
+        machine="; ".join(sorted(machines or {machine()})),
+        wall_minutes=(time.perf_counter() - began) / 60,
         parameters={"seeds": seeds, "minutes": minutes, "episodes": args.episodes,
                     "temperature": config.actors.sampling.temperature},
-        recipe_name=args.recipe,
+        recipe_name=args.recipe, records=records_path.name,
         recipe=asdict(config.bootstrap),
         bootstrap={key: value for key, value in
-                   json.loads(made).items()
+                   json.loads((base / "bootstrap.json").read_text()).items()
                    if key in ("demonstrations", "copy_accuracy", "seconds")},
         config_toml=to_toml(load_config(None, [*RECIPES[args.recipe], "--run.seed", "0"])))
     write_results(results, Path(args.docs))

@@ -65,3 +65,61 @@ def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
     assert "the 6 training runs alone took\n30 min" in page
     assert (tmp_path / "results.json").is_file()
     assert (tmp_path / "images" / "ablations.svg").read_text().startswith("<svg")
+
+
+def test_a_runs_padded_answers_show_in_its_variants_row(ablations, tmp_path: Path) -> None:
+    checked = {"wall_seconds": 300.0, "answers": {"over_long_last": 0.02}}
+    variants = {"full": {"runs": [checked, {**checked, "answers": {"over_long_last": 0.31}}],
+                         "learner_steps": [40, 40],
+                         "compacted": ablations.pooled([evaluation(60), evaluation(62)])},
+                "advantage=grpo": {"runs": [{"wall_seconds": 300.0}], "learner_steps": [40],
+                                   "compacted": ablations.pooled([evaluation(30)])}}
+    config = load_config(None, [])
+    ablations.write_results(
+        {"base": {"compacted": ablations.pooled([evaluation(10)])}, "variants": variants,
+         "command": "python bench/ablations.py", "machine": "here", "wall_minutes": 1.0,
+         "parameters": {"seeds": [0, 1], "minutes": 5, "episodes": 100, "temperature": 1.0},
+         "recipe": asdict(config.bootstrap), "config_toml": to_toml(config), "bootstrap": {},
+         "records": "results-runs.json"}, tmp_path)
+    page = (tmp_path / "results.md").read_text()
+    full = next(line for line in page.splitlines() if line.startswith("| full |"))
+    grpo = next(line for line in page.splitlines() if line.startswith("| advantage=grpo |"))
+    assert full.endswith("| 31.0 |")  # the worse seed
+    assert grpo.endswith("| - |")  # not checked
+    assert "[results-runs.json](results-runs.json)" in page
+
+
+def _settings(base: str = "abc") -> dict:
+    return {"minutes": 5.0, "episodes": 300, "base": base, "config": "[run]\n"}
+
+
+def test_runs_recorded_under_the_same_settings_are_reused(ablations, tmp_path: Path) -> None:
+    path = tmp_path / "results-runs.json"
+    records = ablations.load_records(path, _settings(), fresh=False)
+    assert records == {"settings": _settings(), "base": {}, "runs": {}}
+    records["runs"]["full-seed0"] = {"learner_steps": 140}
+    ablations.save_records(path, records)
+    assert ablations.load_records(path, _settings(), fresh=False)["runs"] == {
+        "full-seed0": {"learner_steps": 140}}
+    assert not path.with_suffix(".partial").exists()
+
+
+def test_runs_recorded_under_other_settings_are_refused_unless_fresh(
+        ablations, tmp_path: Path) -> None:
+    path = tmp_path / "results-runs.json"
+    ablations.save_records(path, {"settings": _settings("abc"), "base": {},
+                                  "runs": {"full-seed0": {}}})
+    with pytest.raises(SystemExit, match=r"other settings \(base\)"):
+        ablations.load_records(path, _settings("def"), fresh=False)
+    assert ablations.load_records(path, _settings("def"), fresh=True)["runs"] == {}
+
+
+def test_the_base_digest_follows_the_weights_not_the_bootstrap_time(
+        ablations, tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "bootstrap.json").write_text('{"recipe": 1, "seconds": {"fine_tune": 166.4}}')
+    first = ablations.base_digest(tmp_path)
+    (tmp_path / "bootstrap.json").write_text('{"recipe": 1, "seconds": {"fine_tune": 170.0}}')
+    assert ablations.base_digest(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    assert ablations.base_digest(tmp_path) != first
