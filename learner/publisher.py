@@ -16,7 +16,10 @@ Every learner rank calls :meth:`WeightPublisher.publish` at the same point
 
 A member that dies or stalls makes the join or a broadcast of its lane fail
 within ``weight_timeout_s`` (an explicit completion wait, then the group is
-aborted: :class:`protocol.weights.TransferFailed`); rank 0 keeps feeding the
+aborted: :class:`protocol.weights.TransferFailed`), and rank 0 abandons that
+generation in the store, so that the lane's other members stop waiting on it
+at once (else each would wait out its own deadline, and join the next
+generation as late as the learner gives up on it); rank 0 keeps feeding the
 other lanes and taking part in the remaining gathers (the other ranks are in
 them), counts the failure, and the next publication forms a new generation
 with the members still alive. The learner never hangs on an actor.
@@ -46,6 +49,7 @@ from protocol.transport import TransportConfig, listen_address
 from protocol.weights import (
     TransferFailed,
     WeightChannel,
+    abandon_generation,
     host_store,
     join_channel,
     manifest_of,
@@ -170,6 +174,7 @@ class WeightPublisher:
                 log.warning("publication of version %d to the %s lane (generation %d) "
                             "failed: %s", version, lane.dtype, lane.generation, exc)
                 lane.group = None
+                abandon_generation(self.store, lane.generation)
                 self.control.broken(lane.members)  # the next step boundary publishes again
         # a broadcast has completed at every receiver when its wait returns
         seconds = self.metrics.weight_sync_seconds
@@ -217,6 +222,7 @@ class WeightPublisher:
                 except RuntimeError as exc:  # a member never joined
                     log.warning("group generation %d did not form: %s", lane.generation, exc)
                     lane.group = None
+                    abandon_generation(self.store, lane.generation)
         formed = [lane for lane in self.lanes if lane.group is not None]
         if len(formed) < len(self.lanes):
             self.lane_key = ()

@@ -34,7 +34,9 @@ tensors (vLLM's loader takes each worker's shard): :func:`member_ranks`,
 
 Every bucket completes within ``timeout_s`` on every transport, or the
 channel is aborted and :class:`TransferFailed` raised: a dead or stalled
-member fails that publication, never the sender's process.
+member fails that publication, never the sender's process. Rank 0 then
+abandons the generation in the store (:func:`abandon_generation`), and the
+members still joining or receiving it fail at once, not at their deadline.
 
 Usage (rank 0, then every actor with its rank)::
 
@@ -49,6 +51,7 @@ Usage (rank 0, then every actor with its rank)::
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -60,6 +63,8 @@ from protocol.messages import TensorSpec, WeightManifest
 from protocol.transport import TransportConfig
 from protocol.weights_store import HostedStore, StoreClient
 
+log = logging.getLogger("compactionrl.weights")
+
 #: Each tensor starts at a multiple of this many bytes inside a bucket, so
 #: that it can be viewed in its own dtype without a copy.
 BUCKET_ALIGN_BYTES = 16
@@ -67,6 +72,11 @@ BUCKET_ALIGN_BYTES = 16
 #: Default bound on joining a generation and on each broadcast: a member that
 #: died makes the others fail after this long instead of hanging.
 GROUP_TIMEOUT_S = 30.0
+
+
+#: How often a member waiting on a broadcast asks the store whether rank 0
+#: abandoned the generation (a broadcast that completes sooner never asks).
+ABANDONED_POLL_S = 0.25
 
 
 class TransferFailed(RuntimeError):
@@ -156,6 +166,23 @@ def manifest_of(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
         bucket_bytes=bucket_bytes)
 
 
+def generation_store(store: StoreClient, generation: int) -> StoreClient:
+    """The view of ``store`` that one group generation's keys live in."""
+    return store.prefixed(f"weights/{generation}")
+
+
+def abandon_generation(store: StoreClient, generation: int) -> None:
+    """Rank 0, once ``generation`` failed (a member never joined, or a
+    broadcast failed): the members still joining or receiving fail at once
+    and go on to the next generation, instead of each waiting out its
+    deadline (and then joining the next one as late). Never raises: the
+    deadlines still bound every wait."""
+    try:
+        generation_store(store, generation).abandon()
+    except RuntimeError as exc:  # DistStoreError
+        log.warning("could not mark generation %d abandoned: %s", generation, exc)
+
+
 def join_channel(store: StoreClient, generation: int, world_size: int, rank: int,
                  backend: str, timeout_s: float = GROUP_TIMEOUT_S) -> WeightChannel:
     """This member's end of ``generation`` on ``backend`` (``gloo``, ``nccl``
@@ -180,11 +207,21 @@ class WeightChannel(ABC):
     device: torch.device
     """Where received tensors are (and where rank 0 packs buckets)."""
 
-    def __init__(self, generation: int, world_size: int, rank: int, timeout_s: float) -> None:
+    def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
+                 timeout_s: float) -> None:
         self.generation = generation
         self.world_size = world_size
         self.rank = rank
         self.timeout_s = timeout_s
+        self._store = generation_store(store, generation)
+
+    def abandoned(self) -> bool:
+        """Members: whether rank 0 abandoned this generation (False if the
+        store cannot say: the wait's own deadline still holds)."""
+        try:
+            return self._store.abandoned()
+        except RuntimeError:  # DistStoreError
+            return False
 
     # ------------------------------------------------------------ transport
     def _bucket_buffer(self, nbytes: int) -> torch.Tensor:

@@ -14,24 +14,40 @@ the communicator is aborted (``ncclCommAbort`` on NCCL) and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from protocol.messages import TensorSpec
-from protocol.weights import GROUP_TIMEOUT_S, TransferFailed, WeightChannel, dtype_of
+from protocol.weights import (
+    ABANDONED_POLL_S,
+    GROUP_TIMEOUT_S,
+    TransferFailed,
+    WeightChannel,
+    dtype_of,
+)
 from protocol.weights_store import StoreClient
 
 
-def wait_within(work: dist.Work, timeout_s: float) -> None:
+def wait_within(work: dist.Work, timeout_s: float,
+                abandoned: Callable[[], bool] = lambda: False) -> None:
     """Until ``work`` completes; raises :class:`TimeoutError` after
-    ``timeout_s`` (and the op's own error if it failed)."""
-    deadline = time.monotonic() + timeout_s
+    ``timeout_s``, or as soon as ``abandoned()`` (asked every
+    ``ABANDONED_POLL_S``) says the sender gave the generation up (and the
+    op's own error if it failed)."""
+    now = time.monotonic()
+    deadline, ask_at = now + timeout_s, now + ABANDONED_POLL_S
     pause = 0.0
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TimeoutError(f"a broadcast did not complete in {timeout_s:g} s")
+        if now > ask_at:
+            if abandoned():
+                raise TimeoutError("the sender abandoned the generation")
+            ask_at = now + ABANDONED_POLL_S
         time.sleep(pause)
         pause = min(0.001, pause + 0.0001)
     work.wait()
@@ -43,17 +59,16 @@ class WeightGroup(WeightChannel):
     def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
                  backend: str = "gloo", timeout_s: float = GROUP_TIMEOUT_S) -> None:
         """Join; returns when every member has joined (or raises after ``timeout_s``)."""
-        super().__init__(generation, world_size, rank, timeout_s)
+        # the generation's store view is kept: the group's C++ side calls into it
+        super().__init__(store, generation, world_size, rank, timeout_s)
         timeout = timedelta(seconds=timeout_s)
-        # kept: the group's C++ side calls into this Python object
-        self._store = prefixed = store.prefixed(f"weights/{generation}")
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            self._group = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
-            self._group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            self._group = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
             self.device = torch.device("cpu")
         # rank 0: the broadcast in flight, and its tensor (kept alive until it completes)
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
@@ -79,7 +94,8 @@ class WeightGroup(WeightChannel):
         work, _ = self._pending
         self._pending = None  # the tensor may be freed once the work has completed
         try:
-            wait_within(work, self.timeout_s)
+            # rank 0 knows when it gave up; members are told through the store
+            wait_within(work, self.timeout_s, self.abandoned if self.rank else lambda: False)
         except (RuntimeError, TimeoutError) as exc:  # torch's DistError is a RuntimeError
             self.abort()
             raise TransferFailed(f"generation {self.generation}: {exc}") from exc

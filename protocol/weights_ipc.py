@@ -152,10 +152,9 @@ class IpcChannel(WeightChannel):
     def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
                  timeout_s: float = GROUP_TIMEOUT_S) -> None:
         """Join; returns when every member has joined (or raises after ``timeout_s``)."""
-        super().__init__(generation, world_size, rank, timeout_s)
+        super().__init__(store, generation, world_size, rank, timeout_s)
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
-        self._store = store.prefixed(f"weights/{generation}")
         self._timeout = timedelta(seconds=timeout_s)
         self._aborted = False
         self._publication = 0
@@ -220,8 +219,7 @@ class IpcChannel(WeightChannel):
         try:
             self._store.wait(acks, self._timeout)
         except RuntimeError as exc:  # DistStoreError: a receiver died or stalled
-            raise self._failed(f"bucket {bucket} was not acknowledged in "
-                               f"{self.timeout_s:g} s", exc) from exc
+            raise self._failed(f"bucket {bucket} was not acknowledged: {exc}", exc) from exc
         for key in (self._key(bucket), *acks):
             self._store.delete_key(key)
         buffer = self._slots[slot]
@@ -240,8 +238,7 @@ class IpcChannel(WeightChannel):
         try:
             raw = self._store.get(self._key(bucket))
         except RuntimeError as exc:  # DistStoreError: the sender died or stalled
-            raise self._failed(f"bucket {bucket} was not posted in {self.timeout_s:g} s",
-                               exc) from exc
+            raise self._failed(f"bucket {bucket} was not posted: {exc}", exc) from exc
         try:
             posted = json.loads(raw)
             if posted.get("nbytes") != nbytes:

@@ -15,7 +15,10 @@ it. Requests and replies are MessagePack arrays (never pickle)::
     request: [request id, op, *arguments]      reply: [request id, ok, result]
 
 ``get`` and ``wait`` block on the server until their keys are set or their
-deadline passes; other ops answer at once. Keys, values and the number of keys
+deadline passes; other ops answer at once. ``abandon`` ends everything under
+a prefix (a group generation that failed): its waits fail at once, and so do
+later ones, so that a member still joining or receiving goes on to the next
+generation instead of waiting out its deadline. Keys, values and the number of keys
 are bounded: a request beyond them is refused with an error, counted.
 
 Usage::
@@ -32,6 +35,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +54,11 @@ MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 1 << 20
 MAX_KEYS = 100_000
 POLL_MS = 50
+#: Abandoned prefixes remembered (the oldest forgotten first): generations
+#: long over are waited on by nobody.
+MAX_ABANDONED = 4096
+#: The key an abandoned prefix holds, for a member's poll (:meth:`StoreClient.abandoned`).
+ABANDONED = "abandoned"
 #: A reply may take this long (or the client's timeout, if shorter) beyond
 #: the request's own deadline before the client gives up on it.
 REPLY_GRACE_S = 5.0
@@ -81,6 +90,7 @@ class StoreServer:
         self._refused = refused
         self._data: dict[str, bytes] = {}
         self._waiters: list[_Waiter] = []
+        self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
         host, _, port = bind.removeprefix("tcp://").rpartition(":")
@@ -160,8 +170,14 @@ class StoreServer:
             wanted = [key(arguments[0])] if op == "get" else keys(arguments[0])
             waiter = _Waiter(identity, request_id, op, wanted,
                              time.monotonic() + seconds(arguments[1]))
-            if not self._answer(waiter):
+            if not (self._refuse_abandoned(waiter) or self._answer(waiter)):
                 self._waiters.append(waiter)
+        elif op == "abandon" and len(arguments) == 1:
+            prefix = key(arguments[0])
+            if not prefix.endswith("/"):
+                raise StoreRefused("an abandoned prefix ends with '/'")
+            self._abandon(prefix)
+            self._reply(identity, request_id, True, None)
         elif op == "add" and len(arguments) == 2 and isinstance(arguments[1], int):
             name = key(arguments[0])
             total = int(self._data.get(name, b"0")) + arguments[1]
@@ -190,6 +206,32 @@ class StoreServer:
             raise StoreRefused(f"the store holds {MAX_KEYS} keys already")
         self._data[key] = value
         self._waiters = [w for w in self._waiters if not self._answer(w)]
+
+    def _abandon(self, prefix: str) -> None:
+        self._abandoned[prefix] = None
+        if len(self._abandoned) > MAX_ABANDONED:
+            self._abandoned.popitem(last=False)
+        self._set(prefix + ABANDONED, b"1")
+        self._waiters = [w for w in self._waiters if not self._refuse_abandoned(w)]
+
+    def _refuse_abandoned(self, waiter: _Waiter) -> bool:
+        """Fail ``waiter`` if one of its keys is under an abandoned prefix;
+        returns whether it was."""
+        over = next((p for k in waiter.keys if (p := self._abandoned_prefix(k))), None)
+        if over is None:
+            return False
+        self._reply(waiter.identity, waiter.request_id, False, f"abandoned: {over}")
+        return True
+
+    def _abandoned_prefix(self, key: str) -> str | None:
+        """The abandoned prefix ``key`` is under, if any (each of its own
+        ``.../`` prefixes looked up: a few per key, however many were abandoned)."""
+        end = key.find("/")
+        while end != -1:
+            if key[:end + 1] in self._abandoned:
+                return key[:end + 1]
+            end = key.find("/", end + 1)
+        return None
 
     def _answer(self, waiter: _Waiter) -> bool:
         """Answer ``waiter`` if its keys are all set; returns whether it was."""
@@ -303,6 +345,15 @@ class StoreClient(dist.Store):
 
     def num_keys(self) -> int:
         return self._call("num_keys")
+
+    # ------------------------------------------------------------ beyond torch's Store
+    def abandon(self) -> None:
+        """End everything under this view's prefix: waits on its keys fail at once."""
+        self._call("abandon", self.prefix)
+
+    def abandoned(self) -> bool:
+        """Whether this view's prefix was abandoned."""
+        return self._call("check", self._keys([ABANDONED]))
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.timeout_s = timeout.total_seconds()

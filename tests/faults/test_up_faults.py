@@ -387,7 +387,10 @@ def test_actor_sigkilled_repeatedly_rejoins_with_current_weights(
     _measured("kill to restarted actor with current weights (s)",
               [round(s) for s in rejoin_s])
     _measured("episodes in flight at each kill / rollouts counted expired", lost)
-    assert all(n == counted for n, counted in lost)  # every lost rollout, exactly once
+    # every lost rollout, exactly once; else the replay's own account, to see which side erred
+    assert all(n == counted for n, counted in lost), [
+        line for line in run.log("replay").splitlines() if ACTOR_0 in line
+        and ("gone:" in line or "silent" in line)]
     assert run.learner("crl_learner_rejected_batches_total") == 0  # no partial rollout
 
 

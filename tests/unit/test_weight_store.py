@@ -129,3 +129,42 @@ def test_with_curve_a_client_without_an_authorized_key_gets_no_answer(tmp_path: 
         for client in (member, intruder, plain):
             client.close()
         store.close()
+
+
+def test_an_abandoned_prefix_fails_its_waits_at_once_and_no_others(hosted) -> None:
+    store, refused = hosted
+    waiting, other = _client(store, timeout_s=30.0), _client(store, timeout_s=30.0)
+    outcome: dict[str, BaseException | None] = {}
+
+    def wait(client: StoreClient, key: str) -> None:
+        try:
+            client.wait([key], timedelta(seconds=30))
+            outcome[key] = None
+        except dist.DistStoreError as exc:
+            outcome[key] = exc
+
+    threads = [threading.Thread(target=wait, args=(waiting, "weights/4/join/1")),
+               threading.Thread(target=wait, args=(other, "weights/41/join/1"))]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        began = time.monotonic()
+        view = store.prefixed("weights/4")
+        assert not view.abandoned()
+        view.abandon()
+        threads[0].join(timeout=10)
+        assert time.monotonic() - began < 5  # its deadline is 30 s
+        assert "abandoned: weights/4/" in str(outcome["weights/4/join/1"])
+        assert view.abandoned() and not store.prefixed("weights/41").abandoned()
+        with pytest.raises(dist.DistStoreError, match="abandoned"):  # later waits too
+            waiting.prefixed("weights/4").get("p1/b0")
+        store.set("weights/41/join/1", b"1")  # a prefix that merely starts alike waits on
+        threads[1].join(timeout=10)
+        assert outcome["weights/41/join/1"] is None
+        with pytest.raises(dist.DistStoreError, match="ends with '/'"):
+            store._call("abandon", "weights/5")
+        assert refused["refused"] == 1
+    finally:
+        waiting.close()
+        other.close()

@@ -18,6 +18,7 @@ from learner.publisher import plan_lanes, weight_backend, wire_dtype
 from protocol import EngineInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
+    abandon_generation,
     connect_store,
     host_store,
     join_channel,
@@ -143,6 +144,46 @@ def test_a_bucket_never_sent_fails_the_receiver_within_its_timeout(backend: str)
     assert outcome[0] == "TransferFailed", outcome
     assert outcome[1] < 10
     sender.abort()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_member_stops_waiting_on_a_bucket_once_the_sender_abandons_the_generation(
+        backend: str) -> None:
+    """Rank 0 gave the generation up (another member died mid-broadcast): the
+    member waiting on its next bucket fails at once, not at its deadline, and
+    is free to join the next generation."""
+    [port] = free_ports(1)
+    store = host_store(port, timeout_s=60)
+    manifest = manifest_of(TENSORS, 0)
+    process, results = _start_member(port, backend, manifest, 60.0)
+    try:
+        sender = join_channel(store, 1, 2, 0, backend, 60)
+        time.sleep(0.5)  # the member is waiting on the first bucket
+        abandon_generation(store, 1)
+        outcome = results.get(timeout=60)
+    finally:
+        process.join(timeout=30)
+        process.kill()
+    assert outcome[0] == "TransferFailed", outcome
+    assert outcome[1] < 30  # its deadline is 60 s
+    sender.abort()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_member_stops_joining_once_the_sender_abandons_the_generation(backend: str) -> None:
+    """The generation did not form (another member never came): rank 0
+    abandons it, and a member still joining fails at once; so does one that
+    comes to it later."""
+    [port] = free_ports(1)
+    store = host_store(port, timeout_s=60)
+    began = time.monotonic()
+    threading.Timer(0.5, abandon_generation, (store, 1)).start()
+    with pytest.raises(RuntimeError, match="abandoned"):
+        join_channel(connect_store("127.0.0.1", port, 60), 1, 3, 1, backend, 60)
+    with pytest.raises(RuntimeError, match="abandoned"):
+        join_channel(connect_store("127.0.0.1", port, 60), 1, 3, 2, backend, 60)
+    assert time.monotonic() - began < 30  # the deadlines are 60 s
+    store.close()
 
 
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
