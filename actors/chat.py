@@ -87,6 +87,7 @@ class ChatFormat:
         self.assistant_header = self._ids(self._generation_prompt())
         step = self._step_pieces()
         self.assistant_end, self.assistant_footer = step["end"], step["footer"]
+        self._assistant_end_text = self.decode(self.assistant_end, keep_special=True)
         self.observation_open, self.observation_close = step["open"], step["close"]
         self.truncation_marker = self._ids(environment.truncation_marker)
         self.summary_request = self._ids(self._summary_request_text(step["close_text"]))
@@ -214,7 +215,7 @@ class ChatFormat:
                 spliced[index] = ids
             framed.append(plain | {"content": _slot(f"m{index}")})
         pieces = self._framing(json.dumps(framed))
-        end = self.decode(self.assistant_end, keep_special=True)
+        end = self._assistant_end_text
         result = list(self._content_ids(pieces[0]))
         for index, message in enumerate(messages):
             after = pieces[index + 1]
