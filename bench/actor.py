@@ -141,9 +141,14 @@ async def main(args: argparse.Namespace) -> dict:
     return result
 
 
-def episode_arguments(description: str) -> argparse.Namespace:
-    """The command line of a benchmark of episodes (this one, bench/endpoint.py)."""
+def episode_arguments(description: str, repeatable: bool = False) -> argparse.Namespace:
+    """The command line of a benchmark of episodes (this one, bench/endpoint.py);
+    ``repeatable``: with ``--repeats``."""
     parser = argparse.ArgumentParser(description=description)
+    if repeatable:
+        parser.add_argument("--repeats", type=int, default=1,
+                            help="measure this many times on the same engine (the paths in "
+                                 "alternating order); report the median run and every ratio")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true",
                         help="4 episodes, 2 at a time, unless given (smoke test)")
