@@ -26,7 +26,8 @@ made in parts, each part reusing the finished runs of the others.
 
 Each finished run (trained and evaluated) is recorded at once in
 ``docs/<results>-runs.json``, with the settings it was made under (budget,
-episodes, configuration, and the base policy's weights digest): the record,
+episodes, configuration, the base policy's weights digest and the
+environment module's source digest) and its commit: the record,
 committed, is what a later invocation reuses, so a table longer than one
 sitting is made over several, in fresh checkouts (run folders are not kept).
 Records of other settings are refused, not mixed (``--fresh`` drops them).
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -162,7 +164,7 @@ def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path
     last = history[-1] if history else {}
     export = run_dir / "export"
     record: dict[str, Any] = {
-        "variant": variant, "seed": seed, "machine": machine(),
+        "variant": variant, "seed": seed, "machine": machine(), "commit": commit(),
         "learner_steps": int(last.get("learner_step") or 0),
         "wall_seconds": float((run_dir / "wall_seconds").read_text()),
         "cross_factor": cross_factors(last),
@@ -187,6 +189,22 @@ def base_digest(base: Path) -> str:
     made.pop("seconds", None)
     digest.update(json.dumps(made, sort_keys=True).encode())
     return digest.hexdigest()
+
+
+def environment_digest(factory: str) -> str:
+    """The environment's identity: its module's source (a changed reward makes
+    other runs, whatever the configuration says)."""
+    spec = importlib.util.find_spec(factory.partition(":")[0])
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"environment factory {factory!r}: no such module")
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+
+
+def commit() -> str | None:
+    """The checkout's commit, recorded with each run (None outside git)."""
+    found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                           text=True, check=False)
+    return found.stdout.strip() or None
 
 
 def load_records(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
@@ -474,6 +492,7 @@ def main() -> int:
         run([COMPACTIONRL, "bootstrap"], log)
     # Finished runs are reused only if made from this base, budget and configuration.
     settings = {"minutes": minutes, "episodes": args.episodes, "base": base_digest(base),
+                "environment": environment_digest(config.actors.environment.factory),
                 "config": to_toml(config)}
     records_path = Path(args.docs) / f"{stem}-runs.json"
     records = load_records(records_path, settings, args.fresh)

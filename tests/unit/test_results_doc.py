@@ -123,3 +123,14 @@ def test_the_base_digest_follows_the_weights_not_the_bootstrap_time(
     assert ablations.base_digest(tmp_path) == first
     (tmp_path / "model.safetensors").write_bytes(b"other weights")
     assert ablations.base_digest(tmp_path) != first
+
+
+def test_the_environment_digest_follows_its_source(ablations, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_env.py").write_text("REWARD = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = ablations.environment_digest("my_env:Env")
+    (tmp_path / "my_env.py").write_text("REWARD = 2\n")
+    assert ablations.environment_digest("my_env:Env") != first
+    with pytest.raises(SystemExit, match="no such module"):
+        ablations.environment_digest("no_such_env_module:Env")
