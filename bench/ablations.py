@@ -31,6 +31,9 @@ environment module's source digest) and its commit: the record,
 committed, is what a later invocation reuses, so a table longer than one
 sitting is made over several, in fresh checkouts (run folders are not kept).
 Records of other settings are refused, not mixed (``--fresh`` drops them).
+The base they were made from is kept beside them (``docs/<results>-base``, a
+few MB for the tiny model) and restored into a checkout that has none: a
+fresh bootstrap elsewhere need not give the same weights.
 
     python bench/ablations.py [--quick] [--seeds 3] [--minutes 5] [--episodes 300] [--json]
                               [--recipe today|paper] [--variants full,...] [--fresh]
@@ -55,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -205,6 +209,20 @@ def commit() -> str | None:
     found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                            text=True, check=False)
     return found.stdout.strip() or None
+
+
+def provide_base(base: Path, kept: Path, fresh: bool, bootstrap: Callable[[], None]) -> None:
+    """Make sure ``base`` is there: the ``kept`` base restored, else
+    bootstrapped. A base other than the kept one is refused (unless
+    ``fresh``): the kept one is what the records were made from."""
+    if not (base / "config.json").is_file():
+        if kept.is_dir() and not fresh:
+            shutil.copytree(kept, base)
+        else:
+            bootstrap()
+    if kept.is_dir() and not fresh and base_digest(base) != base_digest(kept):
+        raise SystemExit(f"{base} is not the base the records were made from ({kept}): "
+                         "move it aside to resume from the kept one, or pass --fresh")
 
 
 def load_records(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
@@ -488,14 +506,20 @@ def main() -> int:
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "ablations.log"
-    if not (base / "config.json").is_file():
-        run([COMPACTIONRL, "bootstrap"], log)
+    # The base the records were made from is kept beside them: a fresh
+    # checkout's bootstrap need not give the same weights (another CPU model,
+    # another summation order), and the records hold only for that base.
+    kept_base = Path(args.docs) / f"{stem}-base"
+    provide_base(base, kept_base, args.fresh, lambda: run([COMPACTIONRL, "bootstrap"], log))
     # Finished runs are reused only if made from this base, budget and configuration.
     settings = {"minutes": minutes, "episodes": args.episodes, "base": base_digest(base),
                 "environment": environment_digest(config.actors.environment.factory),
                 "config": to_toml(config)}
     records_path = Path(args.docs) / f"{stem}-runs.json"
     records = load_records(records_path, settings, args.fresh)
+    if not kept_base.is_dir() or args.fresh:
+        shutil.rmtree(kept_base, ignore_errors=True)
+        shutil.copytree(base, kept_base)
     made_with = out_dir / "settings.json"
     kept = [path for path in out_dir.iterdir() if path != log]
     if kept and (not made_with.is_file() or made_with.read_text() != json.dumps(settings)):

@@ -134,3 +134,30 @@ def test_the_environment_digest_follows_its_source(ablations, tmp_path: Path,
     assert ablations.environment_digest("my_env:Env") != first
     with pytest.raises(SystemExit, match="no such module"):
         ablations.environment_digest("no_such_env_module:Env")
+
+
+def _model(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "bootstrap.json").write_text('{"recipe": 1}')
+    return folder
+
+
+def test_the_kept_base_is_restored_and_another_base_refused(ablations, tmp_path: Path) -> None:
+    kept = _model(tmp_path / "results-paper-base", b"kept weights")
+    base = tmp_path / "runs" / "base-model"
+    bootstraps = []
+    ablations.provide_base(base, kept, fresh=False, bootstrap=lambda: bootstraps.append(1))
+    assert (base / "model.safetensors").read_bytes() == b"kept weights" and not bootstraps
+    (base / "model.safetensors").write_bytes(b"a fresh bootstrap elsewhere")
+    with pytest.raises(SystemExit, match="not the base the records were made from"):
+        ablations.provide_base(base, kept, fresh=False, bootstrap=lambda: None)
+    ablations.provide_base(base, kept, fresh=True, bootstrap=lambda: None)  # --fresh: its own
+
+
+def test_without_a_kept_base_the_base_is_bootstrapped(ablations, tmp_path: Path) -> None:
+    base = tmp_path / "base-model"
+    ablations.provide_base(base, tmp_path / "none", fresh=False,
+                           bootstrap=lambda: _model(base, b"new"))
+    assert (base / "model.safetensors").read_bytes() == b"new"
