@@ -211,18 +211,20 @@ def commit() -> str | None:
     return found.stdout.strip() or None
 
 
-def provide_base(base: Path, kept: Path, fresh: bool, bootstrap: Callable[[], None]) -> None:
+def provide_base(base: Path, kept: Path, fresh: bool, bootstrap: Callable[[], None]) -> str:
     """Make sure ``base`` is there: the ``kept`` base restored, else
-    bootstrapped. A base other than the kept one is refused (unless
-    ``fresh``): the kept one is what the records were made from."""
+    bootstrapped; returns its digest. A base other than the kept one is
+    refused (unless ``fresh``): the kept one is what the records were made from."""
     if not (base / "config.json").is_file():
         if kept.is_dir() and not fresh:
             shutil.copytree(kept, base)
         else:
             bootstrap()
-    if kept.is_dir() and not fresh and base_digest(base) != base_digest(kept):
+    digest = base_digest(base)
+    if kept.is_dir() and not fresh and digest != base_digest(kept):
         raise SystemExit(f"{base} is not the base the records were made from ({kept}): "
                          "move it aside to resume from the kept one, or pass --fresh")
+    return digest
 
 
 def load_records(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
@@ -510,9 +512,10 @@ def main() -> int:
     # checkout's bootstrap need not give the same weights (another CPU model,
     # another summation order), and the records hold only for that base.
     kept_base = Path(args.docs) / f"{stem}-base"
-    provide_base(base, kept_base, args.fresh, lambda: run([COMPACTIONRL, "bootstrap"], log))
+    digest = provide_base(base, kept_base, args.fresh,
+                          lambda: run([COMPACTIONRL, "bootstrap"], log))
     # Finished runs are reused only if made from this base, budget and configuration.
-    settings = {"minutes": minutes, "episodes": args.episodes, "base": base_digest(base),
+    settings = {"minutes": minutes, "episodes": args.episodes, "base": digest,
                 "environment": environment_digest(config.actors.environment.factory),
                 "config": to_toml(config)}
     records_path = Path(args.docs) / f"{stem}-runs.json"

@@ -35,7 +35,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,10 +53,8 @@ MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 1 << 20
 MAX_KEYS = 100_000
 POLL_MS = 50
-#: Abandoned prefixes remembered (the oldest forgotten first): generations
-#: long over are waited on by nobody.
-MAX_ABANDONED = 4096
-#: The key an abandoned prefix holds, for a member's poll (:meth:`StoreClient.abandoned`).
+#: The key an abandoned prefix holds: what marks it abandoned, for the
+#: server's waits and a member's poll (:meth:`StoreClient.abandoned`).
 ABANDONED = "abandoned"
 #: A reply may take this long (or the client's timeout, if shorter) beyond
 #: the request's own deadline before the client gives up on it.
@@ -90,7 +87,6 @@ class StoreServer:
         self._refused = refused
         self._data: dict[str, bytes] = {}
         self._waiters: list[_Waiter] = []
-        self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
         host, _, port = bind.removeprefix("tcp://").rpartition(":")
@@ -208,9 +204,6 @@ class StoreServer:
         self._waiters = [w for w in self._waiters if not self._answer(w)]
 
     def _abandon(self, prefix: str) -> None:
-        self._abandoned[prefix] = None
-        if len(self._abandoned) > MAX_ABANDONED:
-            self._abandoned.popitem(last=False)
         self._set(prefix + ABANDONED, b"1")
         self._waiters = [w for w in self._waiters if not self._refuse_abandoned(w)]
 
@@ -228,7 +221,7 @@ class StoreServer:
         ``.../`` prefixes looked up: a few per key, however many were abandoned)."""
         end = key.find("/")
         while end != -1:
-            if key[:end + 1] in self._abandoned:
+            if key[:end + 1] + ABANDONED in self._data:
                 return key[:end + 1]
             end = key.find("/", end + 1)
         return None
