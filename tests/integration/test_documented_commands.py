@@ -601,8 +601,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     "python bench/ablations.py --json --variants full,advantage=independent,"
     "train_summary=false,loss_norm=segment,advantage=grpo,compaction=false": Run(
         BENCH_DRY_RUN, ("commands",)),
-    "python bench/ablations.py --json --recipe paper --variants full,train_summary=false,"
-    "advantage=independent,loss_norm=segment,advantage=grpo": Run(
+    "python bench/ablations.py --json --recipe paper": Run(
         BENCH_DRY_RUN, ("commands",)),
     "python -m deploy.answer_lengths runs/ablations-paper-padreward/full-seed0 "
     "runs/ablations-paper-padreward/full-seed1": Offline(
