@@ -45,14 +45,119 @@ def quiet_vllm_logging() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
+#: Prefix of the folders that hold vLLM's ipc socket files, one per process tree.
+SOCKET_FOLDER_PREFIX = "crl-vllm-"
+#: The file in such a folder that every process using it holds a shared lock on.
+SOCKET_FOLDER_LOCK = ".users"
+#: What vLLM appends to its base path for a socket file: a slash and a uuid4.
+VLLM_SOCKET_NAME_LENGTH = 1 + 36
+#: The socket folder this process uses, and its open lock, once chosen.
+_socket_folder: tuple[Path, int] | None = None
+
+
+def vllm_socket_folder() -> Path | None:
+    """The folder for vLLM's ipc socket files in this process, chosen once;
+    None where a folder's socket paths would be longer than a Unix socket's
+    path may be (a long ``TMPDIR``): then vLLM's own default stays.
+
+    vLLM binds its engine's ZeroMQ sockets at ``ipc://<tmp>/<uuid>`` and leaves
+    the files behind when the engine shuts down (7 per engine start, measured),
+    so a long run or a test suite fills ``/tmp``. Here they go to a folder
+    that is removed once no process uses it. A process inherits its parent's
+    folder (``VLLM_RPC_BASE_PATH``) or makes one; each user holds a shared
+    ``flock`` on the folder's lock file while it lives, and a folder whose
+    lock can be taken exclusively has no user left: its last user removes it
+    at exit, and a folder whose users all died (a SIGKILL runs no exit
+    handler) is removed by the next process that makes one. A lock, unlike a
+    pid, tells that across pid namespaces that share ``/tmp``.
+    """
+    global _socket_folder
+    import atexit
+    import fcntl
+    import tempfile
+
+    import zmq
+
+    if _socket_folder is not None:
+        return _socket_folder[0]
+    inherited = os.environ.get("VLLM_RPC_BASE_PATH", "")
+    if Path(inherited).name.startswith(SOCKET_FOLDER_PREFIX) and (
+            lock := _join_socket_folder(Path(inherited))) is not None:
+        folder = Path(inherited)
+    else:
+        parent = Path(tempfile.gettempdir())
+        longest = len(str(parent / f"{SOCKET_FOLDER_PREFIX}xxxxxxxx")) + VLLM_SOCKET_NAME_LENGTH
+        if longest > zmq.IPC_PATH_MAX_LEN:
+            return None
+        for left in parent.glob(f"{SOCKET_FOLDER_PREFIX}*"):
+            _remove_if_unused(left)
+        folder = Path(tempfile.mkdtemp(prefix=SOCKET_FOLDER_PREFIX, dir=parent))
+        # locked before it appears, so no sweep finds it unlocked
+        lock = os.open(folder / f"{SOCKET_FOLDER_LOCK}.new", os.O_CREAT | os.O_WRONLY, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        os.rename(folder / f"{SOCKET_FOLDER_LOCK}.new", folder / SOCKET_FOLDER_LOCK)
+    _socket_folder = (folder, lock)
+
+    def leave() -> None:
+        os.close(lock)  # releases this process's shared lock
+        _remove_if_unused(folder)
+
+    atexit.register(leave)
+    return folder
+
+
+def _join_socket_folder(folder: Path) -> int | None:
+    """An open descriptor holding a shared lock on ``folder``'s lock file;
+    None if the folder is not (or no longer) one in use."""
+    import fcntl
+
+    path = folder / SOCKET_FOLDER_LOCK
+    try:
+        lock = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    if not path.exists():  # its last user removed it while this one waited
+        os.close(lock)
+        return None
+    return lock
+
+
+def _remove_if_unused(folder: Path) -> None:
+    """Remove a socket folder that no live process holds a lock on."""
+    import fcntl
+    import shutil
+
+    try:
+        lock = os.open(folder / SOCKET_FOLDER_LOCK, os.O_RDONLY)
+    except OSError:
+        return  # not one of ours, or being made (its maker locks it first)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # in use
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(lock)
+
+
 def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``vllm.AsyncEngineArgs``.
 
     On CPU the KV cache size (GiB), the cores of the engine's threads and how
     they wait are environment variables (``VLLM_CPU_KVCACHE_SPACE``,
     ``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_WAIT_POLICY``) read when the engine
-    starts: they are set here, the one place that decides them.
+    starts: they are set here, the one place that decides them. So is where
+    the engine's ipc socket files go (``VLLM_RPC_BASE_PATH``,
+    :func:`vllm_socket_folder`); an explicit setting wins.
     """
+    chosen = os.environ.get("VLLM_RPC_BASE_PATH")
+    if chosen is None or Path(chosen).name.startswith(SOCKET_FOLDER_PREFIX):
+        if (folder := vllm_socket_folder()) is not None:
+            os.environ["VLLM_RPC_BASE_PATH"] = str(folder)
+        else:  # vLLM's default; never a folder of ours that is gone
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     from vllm.platforms import current_platform

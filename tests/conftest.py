@@ -44,6 +44,18 @@ def soak_seconds(request: pytest.FixtureRequest) -> float:
     return request.config.getoption("--soak-seconds")
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A folder of the test's in ``/tmp``, for a ``TMPDIR`` whose socket paths
+    fit a Unix socket's 107 characters (pytest's own ``tmp_path`` is too deep)."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="crl-test-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 class LoopThread:
     """An asyncio loop in a thread, so that one async engine can serve many
     tests (an ``AsyncLLM`` is bound to the loop it first ran on)."""

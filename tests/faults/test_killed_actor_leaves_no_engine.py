@@ -1,7 +1,9 @@
 """An actor started by hand and SIGKILLed takes its vLLM engine with it:
 the engine core, its worker and multiprocessing's resource tracker, which in a
 chaos run outlived the actor for minutes (on a GPU they hold the memory the
-restarted actor's engine needs). ``up``'s case is in tests/integration/test_up.py."""
+restarted actor's engine needs). The engine's ipc socket files, left in the
+actor's socket folder, go when the next engine starts. ``up``'s case is in
+tests/integration/test_up.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.engine import SOCKET_FOLDER_PREFIX
 from tests.ports import loopback_addresses
-from tests.processes import Background, process_tree, running
+from tests.processes import Background, compactionrl, process_tree, running
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +28,14 @@ def _command_line(pid: int) -> str:
         return ""
 
 
-def test_a_sigkilled_actor_leaves_no_engine_process(tiny_model_dir: Path,
-                                                    tmp_path: Path) -> None:
+def test_a_sigkilled_actor_leaves_no_engine_process_and_its_sockets_go_at_the_next_start(
+        tiny_model_dir: Path, tmp_path: Path, short_tmp: Path) -> None:
     # nothing listens there: the actor starts its engine, then waits for a replay
     [replay] = loopback_addresses(1)
+    tmp = short_tmp
     actor = Background(["actor", "--run.model", str(tiny_model_dir), "--no-learner",
                         "--replay", replay, "--actors.engine.cpu_threads_bind", "nobind"],
-                       tmp_path / "actor.log")
+                       tmp_path / "actor.log", env={"TMPDIR": str(tmp)})
     tree: list[int] = []
     try:
         deadline = time.monotonic() + 240
@@ -48,6 +52,8 @@ def test_a_sigkilled_actor_leaves_no_engine_process(tiny_model_dir: Path,
         while (left := [p for p in tree if running(p)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == [], {p: _command_line(p) for p in left}
+        [folder] = tmp.glob(f"{SOCKET_FOLDER_PREFIX}*")
+        assert any(p.is_socket() for p in folder.iterdir())  # vLLM's, left by the kill
     finally:
         actor.stop()
         for pid in tree:  # the group's kill misses nothing that escaped it
@@ -55,3 +61,10 @@ def test_a_sigkilled_actor_leaves_no_engine_process(tiny_model_dir: Path,
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    # the next engine's process removes the dead actor's folder, and its own at exit
+    evaluation = compactionrl("eval", "--model", str(tiny_model_dir), "--episodes", "1",
+                              "--out", str(tmp_path / "eval.json"), env={"TMPDIR": str(tmp)})
+    assert evaluation.returncode == 0, evaluation.stderr[-4000:]
+    assert list(tmp.glob(f"{SOCKET_FOLDER_PREFIX}*")) == []
+    assert [p for p in tmp.rglob("*") if p.is_socket()] == []
