@@ -53,9 +53,8 @@ def metric(port: int, name: str, **labels: str) -> float:
                if all(found.get(k) == v for k, v in labels.items()))
 
 
-def compactionrl(*args: str, timeout: float = 300, env: dict[str, str] | None = None
-                 ) -> subprocess.CompletedProcess[str]:
-    return run_command([str(VENV_BIN / "compactionrl"), *args], timeout, env)
+def compactionrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return run_command([str(VENV_BIN / "compactionrl"), *args], timeout)
 
 
 class Background:
