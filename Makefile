@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PROMETHEUS_STAMP := $(VENV)/.prometheus
 # The machine's pip config lists local indexes that lack some packages, and pip
 # warns once per package; this filter drops those lines and keeps real errors.
 PIP_NOISE := { grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -22,6 +23,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# The suite's Prometheus server and promtool (Debian's package): installed
+# before any test runs, so that no check depends on which test ran first.
+# Installing needs root; without it, the Prometheus tests skip, saying why.
+$(PROMETHEUS_STAMP): deploy/observability/install-prometheus.sh | $(STAMP)
+	if [ "$$(id -u)" = 0 ]; then sh deploy/observability/install-prometheus.sh \
+		&& touch $(PROMETHEUS_STAMP); \
+	else echo "not root: Prometheus not installed (its tests will skip)"; fi
+
 # The main job: a full local training run on the embedded CPU default
 # (deploy/configs/local-cpu.toml): the base policy is bootstrapped on first
 # use (tiny model + supervised demonstrations), then replay, learner
@@ -35,8 +44,14 @@ demo: $(STAMP)
 	$(VENV)/bin/compactionrl eval --model runs/local-cpu/export --baseline runs/base-model \
 		--episodes 200 --out runs/local-cpu/evaluation.json
 
-test: $(STAMP)
-	$(PY) -m pytest tests
+# Two passes: the suite on two xdist workers, each on a core of its own
+# (tests/conftest.py), then the cases marked `exclusive` (wall-clock bounds
+# under a known load) alone. Both run; the target fails if either did.
+test: $(STAMP) $(PROMETHEUS_STAMP)
+	status=0; \
+	$(PY) -m pytest tests -n 2 --dist loadgroup -m "not exclusive" || status=$$?; \
+	$(PY) -m pytest tests -m exclusive || status=$$?; \
+	exit $$status
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,34 @@ def quiet_vllm_logging() -> None:
     (the settings are read then); explicit environment settings win."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
+#: The vLLM logger that warns once per tensor when a checkpoint's dtype is
+#: not the engine's, and the start of that warning.
+VLLM_WEIGHT_LOADER_LOGGER = "vllm.model_executor.models.utils"
+CAST_WARNING = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+#: Checkpoint -> engine casts that are what the configuration asks for: the
+#: learner exports its float32 masters, and engines run in 16 bits.
+EXPECTED_CASTS = {("torch.float32", "torch.bfloat16"), ("torch.float32", "torch.float16")}
+
+
+class ExpectedCastFilter(logging.Filter):
+    """Drops vLLM's per-tensor warning for an expected cast (a float32 export
+    loaded into a 16-bit engine: dozens of lines per engine start that hide
+    what the command itself prints); every other dtype mismatch still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == CAST_WARNING and len(args) == 3
+                    and (str(args[1]), str(args[2])) in EXPECTED_CASTS)
+
+
+def quiet_expected_casts() -> None:
+    """The ``vllm.general_plugins`` entry point: installs :class:`ExpectedCastFilter`
+    in every vLLM process (the weights load in the engine's own process)."""
+    logger = logging.getLogger(VLLM_WEIGHT_LOADER_LOGGER)
+    if not any(isinstance(f, ExpectedCastFilter) for f in logger.filters):
+        logger.addFilter(ExpectedCastFilter())
 
 
 #: Prefix of the folders that hold vLLM's ipc socket files, one per process tree.
@@ -356,6 +385,11 @@ class Engine:
         phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
         return LoadTimes(load_seconds=marks[-2][1] - marks[1][1],
                          stall_seconds=marks[-1][1] - marks[0][1], phases=phases)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (between measurements that must not
+        reuse each other's KV); call with no request running."""
+        await self._llm.reset_prefix_cache()
 
     async def shutdown(self) -> None:
         self._llm.shutdown()

@@ -113,38 +113,45 @@ def learner_summary_share(model: str, segments: dict[int, list[SegmentData]],
             "learner_summary_time_share": 1 - seconds[False] / seconds[True]}
 
 
-async def play(model: str, actors: ActorConfig, episodes: int,
-               summariser_model: str | None = None
+async def play(engine: Engine, actors: ActorConfig, episodes: int,
+               summariser: Engine | None = None
                ) -> tuple[list[EpisodeResult], dict[int, list[SegmentData]], float]:
-    engine = await Engine.start(model, actors.engine, actors.sampling)
-    summariser = (await Engine.start(summariser_model, actors.engine, actors.sampling)
-                  if summariser_model else None)
+    """The held-out episodes on ``engine`` (``summariser`` writing the
+    summaries, if given), from an empty prefix cache."""
+    for used in {engine, summariser} - {None}:
+        await used.reset_prefix_cache()
     segments: dict[int, list[SegmentData]] = defaultdict(list)
-    try:
-        began = time.perf_counter()
-        results = await play_held_out(engine, actors, episodes, show_progress=False,
-                                      summariser=summariser,
-                                      keep=lambda n, s: segments[n].append(s))
-        return results, segments, time.perf_counter() - began
-    finally:
-        await engine.shutdown()
-        if summariser is not None:
-            await summariser.shutdown()
+    began = time.perf_counter()
+    results = await play_held_out(engine, actors, episodes, show_progress=False,
+                                  summariser=summariser,
+                                  keep=lambda n, s: segments[n].append(s))
+    return results, segments, time.perf_counter() - began
 
 
-def measure(base: str, trained: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(base: str, trained: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Every policy's figures, with one engine per distinct model (the same
+    engine for both policies where they are one model, as with ``--quick``)."""
     actors = load_config(None, []).actors
     report: dict[str, Any] = {"episodes": args.episodes, "base_model": base,
                               "trained_model": trained}
-    for name, model, summariser in (("base", base, None), ("trained", trained, None),
-                                    ("trained_frozen_summariser", trained, base)):
-        results, segments, seconds = asyncio.run(play(model, actors, args.episodes, summariser))
-        report[name] = figures(results, seconds)
-        if summariser is None:
-            report[name] |= learner_summary_share(model, segments, results[:LEARNER_ROLLOUTS],
-                                                  args.learner_repeats)
-        print(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in report[name].items()),
-              flush=True)
+    engines: dict[str, Engine] = {}
+    try:
+        for model in dict.fromkeys((base, trained)):
+            engines[model] = await Engine.start(model, actors.engine, actors.sampling)
+        for name, model, summariser in (("base", base, None), ("trained", trained, None),
+                                        ("trained_frozen_summariser", trained, base)):
+            results, segments, seconds = await play(
+                engines[model], actors, args.episodes,
+                engines[summariser] if summariser else None)
+            report[name] = figures(results, seconds)
+            if summariser is None:
+                report[name] |= learner_summary_share(
+                    model, segments, results[:LEARNER_ROLLOUTS], args.learner_repeats)
+            print(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in report[name].items()),
+                  flush=True)
+    finally:
+        for engine in engines.values():
+            await engine.shutdown()
     trained_stall = report["trained"]["stall_s_per_compaction"]
     report["frozen_vs_trained_stall"] = (report["trained_frozen_summariser"]
                                          ["stall_s_per_compaction"] / trained_stall
@@ -208,13 +215,13 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as folder:
             tiny = str(build_tiny_model(Path(folder) / "tiny"))
-            report = measure(tiny, tiny, args)
+            report = asyncio.run(measure(tiny, tiny, args))
     else:
         for model in (args.base, args.trained):
             if not Path(model).is_dir():
                 raise SystemExit(f"{model} is not a model folder: run `make demo` first "
                                  "(or give --base and --trained)")
-        report = measure(args.base, args.trained, args)
+        report = asyncio.run(measure(args.base, args.trained, args))
     if args.docs:
         write_docs(report, Path(args.docs))
     if args.json:

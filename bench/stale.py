@@ -52,7 +52,9 @@ def command(variant: str, args: argparse.Namespace) -> list[str]:
     overrides = [token for key, value in VARIANTS[variant].items()
                  for token in (f"--replay.{key}", str(value))]
     return [COMPACTIONRL, "up", "--run.out_dir", args.out, "--run.name", run_name(variant),
-            "--run.max_minutes", str(args.minutes), *overrides]
+            "--run.max_minutes", str(args.minutes),
+            # time is the budget here, not the local default's fixed step count
+            "--learner.max_steps", "1000000", *overrides]
 
 
 def finished_with(run_dir: Path, settings: dict[str, Any]) -> bool:

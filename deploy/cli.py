@@ -87,8 +87,10 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_compactions is not None:
         actors.compaction.max_compactions = args.max_compactions
     models = [args.model or config.run.model] + ([args.baseline] if args.baseline else [])
-    reports = [evaluate(model, actors, args.episodes, show_progress=sys.stderr.isatty())
-               for model in models]
+    # the same held-out episodes for each: a folder named twice is evaluated once
+    evaluated = {model: evaluate(model, actors, args.episodes, show_progress=sys.stderr.isatty())
+                 for model in dict.fromkeys(models)}
+    reports = [evaluated[model] for model in models]
     for report in reports:
         print(format_report(report))
     if args.baseline:

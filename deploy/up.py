@@ -521,10 +521,11 @@ class _View:
 
 
 def prepare_model(config: JobConfig) -> None:
-    """The embedded default's base policy is bootstrapped on first use (a
-    few minutes); any other missing model folder is an error (actors and
-    learner never download). A bootstrapped model made with other settings
-    than these is used, with a note saying which differ."""
+    """The embedded default's base policy, on first use, is the checkout's
+    kept base (its digest checked), else bootstrapped (a few minutes); any
+    other missing model folder is an error (actors and learner never
+    download). A bootstrapped model made with other settings than these is
+    used, with a note saying which differ."""
     model = Path(config.run.model)
     if (model / "config.json").is_file():
         from recipes.keyvault_bootstrap import differences
@@ -537,9 +538,14 @@ def prepare_model(config: JobConfig) -> None:
     if config.run.model != RunConfig().model:
         raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "
                          "local HF-format model folder")
-    from recipes.keyvault_bootstrap import bootstrap
+    from recipes.keyvault_bootstrap import KEPT_BASE, bootstrap, restore_kept_base
 
-    print(f"bootstrapping the base policy in {model} (first run)", flush=True)
+    why_not = restore_kept_base(model, config.actors, config.bootstrap)
+    if why_not is None:
+        print(f"the base policy: the kept one ({KEPT_BASE}, digest checked) copied to {model} "
+              "(`compactionrl bootstrap` makes a new one)", flush=True)
+        return
+    print(f"bootstrapping the base policy in {model} (first run; {why_not})", flush=True)
     bootstrap(model, config.actors, config.bootstrap)
 
 

@@ -54,6 +54,14 @@ UNORDERED_FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(NUMBER_WORD
 DEMONSTRATION_SEED_SALT = "bootstrap"
 #: Demonstrations played after fine-tuning to measure copying (~5 s on CPU).
 HELD_OUT_DEMONSTRATIONS = 100
+#: The kept base policy of a checkout: the one the README's demo figure and
+#: docs/results.md's paper-recipe table start from. A fresh bootstrap is not
+#: bit-reproducible across machines, so ``up`` restores this one when the
+#: embedded default's base is missing (``compactionrl bootstrap`` makes a new one).
+KEPT_BASE = Path(__file__).parents[1] / "docs" / "results-paper-base"
+#: Its :func:`base_digest`, as docs/results-paper-runs.json records it: a kept
+#: base with other weights or another recipe is not the one the figures describe.
+KEPT_BASE_DIGEST = "987b1ac67e676e9f9dda019ea958ed35ba1e4f2febe1d30e6308ec60321c1f6d"
 
 
 def facts_in(text: str, ordered: bool) -> dict[tuple[str, str], str]:
@@ -347,6 +355,34 @@ def differences(model: Path, actors: ActorConfig, recipe: BootstrapConfig) -> li
     old, new = flat({k: then.get(k) for k in now}), flat(now)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
+def base_digest(base: Path) -> str:
+    """A base policy's identity: its weights and what it was bootstrapped
+    with (not how long that took)."""
+    digest = hashlib.sha256()
+    for weights in sorted(base.glob("*.safetensors")):
+        digest.update(weights.name.encode())
+        digest.update(weights.read_bytes())
+    made = json.loads((base / "bootstrap.json").read_text())
+    made.pop("seconds", None)
+    digest.update(json.dumps(made, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def restore_kept_base(out: Path, actors: ActorConfig, recipe: BootstrapConfig,
+                      kept: Path = KEPT_BASE, digest: str = KEPT_BASE_DIGEST) -> str | None:
+    """Copy the kept base policy to ``out`` if it is there, intact (its
+    digest) and made with these settings; else None and why not, for the
+    caller to say before it bootstraps."""
+    if not (kept / "bootstrap.json").is_file():
+        return f"no kept base at {kept}"
+    if (found := base_digest(kept)) != digest:
+        return f"the kept base at {kept} is not the recorded one (digest {found[:12]})"
+    if changed := differences(kept, actors, recipe):
+        return f"the kept base was made with other settings ({'; '.join(changed)})"
+    shutil.copytree(kept, out, dirs_exist_ok=True)
+    return None
 
 
 def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapConfig,

@@ -32,6 +32,41 @@ def environment_of_the_session() -> None:
     os.environ.update(SESSION_ENVIRONMENT)
 
 
+#: Session fixtures that start a vLLM engine: every test that uses one runs on
+#: the same xdist worker, so that each engine starts once per suite.
+SESSION_ENGINES = frozenset({"tiny_llm_float32", "actor_engine", "engine_loop"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n N`` each worker runs on its own share of the cores
+    (inherited by every process its tests start, and followed by ``up``'s and
+    vLLM's own placement, which read the affinity): two workers on two cores
+    then never run four engines and learners on one core while the other idles."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is not None and 1 < workers <= len(cores):
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % workers::workers])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """xdist's unit of work (``--dist loadgroup``): a module, whose module
+    fixtures (a whole ``up`` run, torchrun launches) must not start on both
+    workers; the tests that share a session engine, across modules; and the
+    single test, in a module marked ``independent``."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if SESSION_ENGINES.intersection(getattr(item, "fixturenames", ())):
+            group = "session-engines"
+        elif item.get_closest_marker("independent") is not None:
+            continue
+        else:
+            group = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-seconds", type=float, default=0.0,
                      help="run the fault suite's soak cases for this long (default: the "

@@ -5,11 +5,13 @@ things can take it in between: another port this test process handed out
 (two calls in one test), and any process's ``bind(0)`` or ``connect()``,
 which the kernel serves from its ephemeral range (vLLM picks its internal
 ports so). Ports here are handed out once per test process and chosen below
-that range.
+that range. Under ``pytest -n N`` each xdist worker draws from its own
+slice of that range, so two workers never hand out the same port.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -39,17 +41,31 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _worker_slice() -> tuple[int, int]:
+    """[lowest, top) of the ports this process may hand out: the whole range,
+    or the xdist worker's share of it."""
+    top = max(_ephemeral_start(), LOWEST_PORT + 1000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or workers <= 1:
+        return LOWEST_PORT, top
+    width = (top - LOWEST_PORT) // workers
+    lowest = LOWEST_PORT + int(worker.removeprefix("gw")) % workers * width
+    return lowest, lowest + width
+
+
 def free_port_range(length: int) -> range:
     """``length`` consecutive ports free on 127.0.0.1 now, none handed out
     before by this process (for actor i's ``actors.metrics_port + i``)."""
-    top = max(_ephemeral_start(), LOWEST_PORT + 1000) - length
+    lowest, top = _worker_slice()
+    top -= length
     for _ in range(1000):
-        start = _choice.randrange(LOWEST_PORT, top)
+        start = _choice.randrange(lowest, top)
         ports = range(start, start + length)
         if not _handed_out.intersection(ports) and all(map(_bindable, ports)):
             _handed_out.update(ports)
             return ports
-    raise RuntimeError(f"no {length} consecutive free ports in {LOWEST_PORT}..{top}")
+    raise RuntimeError(f"no {length} consecutive free ports in {lowest}..{top}")
 
 
 def free_ports(count: int) -> list[int]:

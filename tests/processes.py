@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -45,11 +46,40 @@ def run_command(args: list[str], timeout: float, env: dict[str, str] | None = No
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
+def wait_until(condition: Callable[[], object], timeout: float, what: str,
+               process: subprocess.Popen | None = None, context: Callable[[], str] = str,
+               poll_s: float = 0.3) -> float:
+    """Seconds until ``condition()`` holds; fails after ``timeout`` s, or as
+    soon as ``process`` (the one the condition waits on) exits, with
+    ``context()`` (log tails, say) in the message."""
+    began = time.monotonic()
+    while not condition():
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{process.args[0]} exited with {process.returncode} before "
+                                 f"{what}\n{context()}")
+        if time.monotonic() - began > timeout:
+            raise AssertionError(f"no {what} within {timeout} s\n{context()}")
+        time.sleep(poll_s)
+    return time.monotonic() - began
+
+
 def metric(port: int, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` with ``labels`` at a process's metrics
     port on loopback (0 if it does not answer)."""
     return sum(value for found, value in
                (scrape(f"http://127.0.0.1:{port}/metrics") or {}).get(name, [])
+               if all(found.get(k) == v for k, v in labels.items()))
+
+
+def answered_metric(port: int, name: str, timeout: float = 60, **labels: str) -> float:
+    """Like :func:`metric`, for a value a test asserts on: a process that
+    does not answer (busy past the scrape's timeout) is asked again, never
+    read as 0."""
+    end = time.monotonic() + timeout
+    while (samples := scrape(f"http://127.0.0.1:{port}/metrics")) is None:
+        assert time.monotonic() < end, f"no answer from the metrics port {port} in {timeout} s"
+        time.sleep(0.5)
+    return sum(value for found, value in samples.get(name, [])
                if all(found.get(k) == v for k, v in labels.items()))
 
 

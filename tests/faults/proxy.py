@@ -9,7 +9,10 @@ the learner's control socket), it forwards bytes both ways and, when told:
   bytes in flight are lost);
 - ``with partition():``: nothing is forwarded inside the block while the
   connections stay open (peers see silence, not a reset); on leaving, they
-  are aborted and whatever was held is lost.
+  are aborted and whatever was held is lost (``held_chunks``: what clients
+  wrote into it; a message a client counted as sent but had not yet written
+  when the partition ended is not held, and reaches the service over the
+  next connection).
 
 It counts what it did (``connections``, ``aborted``, ``refused``: a client
 whose service was down), so that a test can ask the system's own counters to
@@ -50,6 +53,10 @@ class FaultProxy:
         """Connections the proxy aborted (``drop`` and ``cut``)."""
         self.refused = 0
         """Clients closed at once because the service did not accept."""
+        self.held_chunks: list[int] = []
+        """Sizes of what clients wrote into the current (or last) partition,
+        one per read: lost when it ends (a frame of some size is a message,
+        small ones are heartbeats and ZMTP commands)."""
         self._open: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -78,6 +85,7 @@ class FaultProxy:
     def partition(self) -> Iterator[None]:
         """Forward nothing inside the block, then abort the connections (the
         bytes held are lost)."""
+        self.held_chunks = []
         self._call(self._set_flowing(False))
         try:
             yield
@@ -118,19 +126,25 @@ class FaultProxy:
             return
         pair = {client_writer, service_writer}
         self._open.update(pair)
-        await asyncio.gather(self._pump(client_reader, service_writer),
+        await asyncio.gather(self._pump(client_reader, service_writer, upstream=True),
                              self._pump(service_reader, client_writer))
         for writer in pair:
             writer.transport.abort()
         self._open.difference_update(pair)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    upstream: bool = False) -> None:
         """Forward one direction until either end closes."""
         try:
             while chunk := await reader.read(CHUNK_BYTES):
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
-                await self._flowing.wait()
+                if not self._flowing.is_set():
+                    # read, so that what the client wrote is seen, and dropped:
+                    # the partition ends by aborting this connection anyway
+                    if upstream:
+                        self.held_chunks.append(len(chunk))
+                    continue
                 if writer.transport.is_closing():
                     return
                 writer.write(chunk)

@@ -19,19 +19,15 @@ from safetensors.torch import load_file
 
 from protocol import Stamp
 from protocol.transport import TransportConfig, connect_dealer
-from replay.config import ReplayConfig
-from replay.service import ReplayService
-from tests.faults.test_hostile_input import control_catalogue, replay_catalogue
+from tests.hostile_frames import control_catalogue, replay_catalogue
 from tests.ports import loopback_addresses
 from tests.processes import compactionrl
-from tests.protocol_clients import ActorClient
+from tests.replay_thread import ReplayThread
 
 pytestmark = pytest.mark.slow
 
 #: Rollouts per batch, rollouts pushed, learner steps: every rollout trained once.
 BATCH, ROLLOUTS, STEPS = 2, 6, 3
-#: The tiny model's vocabulary (the replay rejects token ids outside it).
-VOCAB = 1054
 
 
 class _Flood:
@@ -73,16 +69,12 @@ def _train(model: Path, folder: Path, flood: bool) -> tuple[list[str], dict[str,
                                                            float, list[int]]:
     """Step log lines and exported weights of one learner run, the replay's
     rejected-message count, and the bad frames sent."""
-    actor_address, learner_address, control_address = loopback_addresses(3)
-    service = ReplayService(ReplayConfig(
-        actor_address=actor_address, learner_address=learner_address,
-        rollouts_per_batch=BATCH, max_staleness=8, durable_log=False, metrics_port=0),
-        TransportConfig(), vocab_size=VOCAB)
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
-    thread.start()
-    context = zmq.Context()
-    actor = ActorClient(context, actor_address, capacity=ROLLOUTS)
+    [control_address] = loopback_addresses(1)
+    replay = ReplayThread.on_loopback(rollouts_per_batch=BATCH, max_staleness=8,
+                                      durable_log=False)
+    actor_address, learner_address = replay.config.actor_address, replay.config.learner_address
+    service, context = replay.service, replay.context
+    actor = replay.actor(capacity=ROLLOUTS)
     flooding = None
     try:
         actor.hello()
@@ -108,10 +100,7 @@ def _train(model: Path, folder: Path, flood: bool) -> tuple[list[str], dict[str,
         if flooding is not None:
             flooding.close()
         actor.close()
-        context.destroy(linger=0)
-        stop.set()
-        thread.join(timeout=10)
-        service.close()
+        replay.close()
 
 
 def test_a_flood_of_bad_frames_leaves_training_bit_identical(tiny_model_dir: Path,

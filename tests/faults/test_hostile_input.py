@@ -18,21 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
-import msgspec
-import numpy as np
 import pytest
 import zmq
 
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from protocol import (
-    PROTOCOL_VERSION,
     Ack,
-    BatchRequest,
-    EngineInfo,
     Error,
     GroupInfo,
-    Heartbeat,
     Hello,
     MemberWelcome,
     Segment,
@@ -44,104 +38,23 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
+from tests.hostile_frames import (
+    ENGINE,
+    LEARNER_VERSION,
+    TOKENS,
+    VOCAB,
+    control_catalogue,
+    replay_catalogue,
+)
 from tests.ports import loopback_addresses
 from tests.processes import ReplayProcess, rss_bytes
 from tests.protocol_clients import ActorClient, ControlClient, LearnerClient
 
-VOCAB = 100
-TOKENS = 64
 #: The replay's frame limit here: small, so that an oversized frame is cheap to send.
 MAX_MESSAGE_BYTES = 1 << 20
 #: Frames in the flood.
 FLOOD = 10_000
-#: The learner version the good learner reports: trainable versions above it are out of window.
-LEARNER_VERSION = 1
-ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
-
-
-# --------------------------------------------------------------------------- frames
-
-
-def _array(dtype: str, values: np.ndarray) -> list:
-    """An array as it is on the wire: [dtype, shape, little-endian bytes]."""
-    return [dtype, list(values.shape), values.astype(dtype).tobytes()]
-
-
-def _segment(stamp: Stamp, **changes: object) -> bytes:
-    """A valid segment of ``stamp``'s sender with fields replaced, encoded by hand
-    (so that it can hold what the typed encoder would refuse)."""
-    plain = msgspec.msgpack.decode(encode(synthetic_segment(stamp, "h", 0, True,
-                                                            version=LEARNER_VERSION)))
-    return msgspec.msgpack.encode({**plain, **changes})
-
-
-def _tokenwise(name: str, dtype: str, index: int, value: float) -> dict[str, list]:
-    """One per-token array of the synthetic segment with element ``index`` set
-    (odd indices are trainable, even ones are prompt)."""
-    mask = np.arange(TOKENS) % 2
-    base = {"tokens": np.arange(TOKENS) % VOCAB, "loss_mask": mask,
-            "logprobs": np.where(mask, -1.0, 0.0),
-            "versions": np.where(mask, LEARNER_VERSION, -1)}[name].astype(dtype)
-    base[index] = value
-    return {name: _array(dtype, base)}
-
-
-def _claim_gib_bin(frame: bytes) -> bytes:
-    """``frame`` with its first 256-byte bin (the token ids) claiming 1 GiB."""
-    marker = b"\xc5\x01\x00"  # bin16 of length 256
-    at = frame.index(marker)
-    return frame[:at] + b"\xc6\x40\x00\x00\x00" + frame[at + len(marker):]
-
-
-def replay_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
-    """(what, frames of one message, the reason the replay must give)."""
-    segment = _segment(stamp)
-    return [
-        ("not MessagePack", [b"\xff\x00 not msgpack"], "malformed"),
-        ("a truncated segment", [segment[: len(segment) // 2]], "malformed"),
-        ("a message in two frames", [segment, segment], "malformed"),
-        ("a bin claiming 1 GiB", [_claim_gib_bin(segment)], "malformed"),
-        ("a map claiming 4 billion fields", [b"\xdf\xff\xff\xff\xff\xa4kind"], "malformed"),
-        ("an array shape claiming 2^40 tokens",
-         [_segment(stamp, tokens=["int32", [2**40], b"\0" * 4 * TOKENS])], "array"),
-        ("a newer protocol version", [_segment(stamp, protocol_version=PROTOCOL_VERSION + 1)],
-         "protocol_version"),
-        ("protocol version 0", [_segment(stamp, protocol_version=0)], "protocol_version"),
-        ("an unknown kind", [_segment(stamp, kind="exploit")], "unknown_kind"),
-        ("a dtype outside the allowed set",
-         [_segment(stamp, tokens=["float16", [TOKENS], b"\0" * 2 * TOKENS])], "array"),
-        ("token ids as float32", [_segment(stamp, **_tokenwise("tokens", "float32", 0, 1.0))],
-         "array"),
-        ("per-token arrays of different lengths",
-         [_segment(stamp, logprobs=_array("float32", np.zeros(3)))], "length_mismatch"),
-        ("a NaN log-probability on a trainable token",
-         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, float("nan")))], "invalid"),
-        ("a NaN log-probability on a prompt token",
-         [_segment(stamp, **_tokenwise("logprobs", "float32", 0, float("nan")))], "invalid"),
-        ("an infinite log-probability",
-         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, float("-inf")))], "invalid"),
-        ("a positive log-probability",
-         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, 0.5))], "invalid"),
-        ("a NaN reward", [_segment(stamp, reward=float("nan"))], "invalid"),
-        ("a token id equal to the vocabulary size",
-         [_segment(stamp, **_tokenwise("tokens", "int32", 5, VOCAB))], "invalid"),
-        ("a negative token id", [_segment(stamp, **_tokenwise("tokens", "int32", 5, -1))],
-         "invalid"),
-        ("a loss mask of 2", [_segment(stamp, **_tokenwise("loss_mask", "uint8", 3, 2))],
-         "invalid"),
-        ("a trainable version newer than the learner",
-         [_segment(stamp, **_tokenwise("versions", "int32", 1, LEARNER_VERSION + 5))],
-         "invalid"),
-        ("a negative version on a trainable token",
-         [_segment(stamp, **_tokenwise("versions", "int32", 1, -1))], "invalid"),
-        ("a negative segment index", [_segment(stamp, index=-1)], "invalid"),
-        ("someone else's sender_id", [_segment(stamp, sender_id="actor-good")], "identity"),
-        ("a learner's request on the actor socket",
-         [encode(BatchRequest(**stamp.next(), size=1, policy_version=0))], "unexpected"),
-    ]
-
 
 # --------------------------------------------------------------------------- the replay
 
@@ -339,39 +252,6 @@ def control() -> Iterator[tuple[ControlPlane, LearnerMetrics, str]]:
                          run_id="r", max_staleness=2, late_joiner="immediate", metrics=metrics)
     yield plane, metrics, address
     plane.close()
-
-
-def control_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
-    """Bad frames for the control socket from an actor that registered as ``stamp``."""
-    plain = msgspec.msgpack.decode(encode(Heartbeat(**stamp.next(), active_rollouts=0,
-                                                    stall_seconds={}, credit_ledger=0,
-                                                    credits_seen=0)))
-    return [
-        ("not MessagePack", [b"\xff\x00 not msgpack"], "malformed"),
-        ("a message in two frames", [encode(Heartbeat(**stamp.next(), active_rollouts=0,
-                                                      stall_seconds={}, credit_ledger=0,
-                                                      credits_seen=0))] * 2, "malformed"),
-        ("a map claiming 4 billion fields", [b"\xdf\xff\xff\xff\xff\xa4kind"], "malformed"),
-        ("a newer protocol version",
-         [msgspec.msgpack.encode({**plain, "protocol_version": PROTOCOL_VERSION + 1})],
-         "protocol_version"),
-        ("an unknown kind", [msgspec.msgpack.encode({**plain, "kind": "exploit"})],
-         "unknown_kind"),
-        ("someone else's sender_id", [msgspec.msgpack.encode({**plain, "sender_id": "a-1"})],
-         "identity"),
-        ("a segment with NaN log-probabilities",
-         [_segment(stamp, **_tokenwise("logprobs", "float32", 1, float("nan")))], "unexpected"),
-        ("a load of a version never announced",
-         [encode(WeightsLoaded(**stamp.next(), version=10**9, seconds=1.0))], "invalid"),
-        ("a load of a negative version",
-         [encode(WeightsLoaded(**stamp.next(), version=-1, seconds=1.0))], "invalid"),
-        ("a NaN load time", [encode(WeightsLoaded(**stamp.next(), version=0,
-                                                  seconds=float("nan")))], "invalid"),
-        ("a heartbeat of another incarnation",
-         [encode(Heartbeat(**Stamp(stamp.sender_id, stamp.incarnation + 1).next(),
-                           active_rollouts=0, stall_seconds={}, credit_ledger=0,
-                           credits_seen=0))], "unregistered"),
-    ]
 
 
 def _rejected(metrics: LearnerMetrics) -> Counter[str]:

@@ -47,6 +47,9 @@ from deploy.cli import build_parser, main
 from deploy.config import JobConfig, load_config, to_toml
 from tests.processes import VENV_BIN, run_command
 
+#: Each command runs in a process of its own: xdist may spread them over its workers.
+pytestmark = pytest.mark.independent
+
 ROOT = Path(__file__).parents[2]
 README = ROOT / "README.md"
 DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -246,7 +249,11 @@ def check_make_demo(check: Check) -> None:
 
 
 def check_make_test(check: Check) -> None:
-    assert any(line.split()[-3:] == ["-m", "pytest", "tests"] for line in make_dry_run("test"))
+    """The target runs the whole of tests/: the cases not marked ``exclusive``
+    on xdist workers, then the ``exclusive`` ones."""
+    commands = " ".join(make_dry_run("test"))
+    assert '-m pytest tests -n 2 --dist loadgroup -m "not exclusive"' in commands, commands
+    assert "-m pytest tests -m exclusive" in commands, commands
 
 
 def check_dockerfile(check: Check) -> None:
@@ -400,6 +407,9 @@ def run_eval_against_baseline(check: Check) -> None:
                          timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "success compacted:" in result.stdout, result.stdout[-2000:]
+    # a float32 model into the bfloat16 engine is the configured cast: not one
+    # warning per tensor
+    assert "Attempted to load weight" not in result.stderr, result.stderr[-2000:]
 
 
 # -- the registry --------------------------------------------------------------------

@@ -23,7 +23,7 @@ from actors.engine import Engine, quiet_vllm_logging
 from deploy.model_check import reference_logprobs
 from deploy.sample import FLOAT32_LOGPROB_TOLERANCE
 from protocol.weights import manifest_of
-from tests.integration.test_weight_transfer import PROMPTS, _Learner
+from tests.weight_sender import PROMPTS, WeightSender
 
 pytestmark = pytest.mark.slow
 
@@ -55,13 +55,13 @@ def engine(tiny_model_dir: Path, engine_loop):
 
 
 @pytest.fixture(scope="module")
-def learner(engine: Engine, engine_loop) -> _Learner:
-    learner = _Learner()
+def learner(engine: Engine, engine_loop) -> WeightSender:
+    learner = WeightSender()
     learner.join(engine_loop, engine)
     return learner
 
 
-async def _push(learner: _Learner, engine: Engine, model: torch.nn.Module, version: int,
+async def _push(learner: WeightSender, engine: Engine, model: torch.nn.Module, version: int,
                 kv_on_update: str) -> None:
     tensors = [(name, p.detach().contiguous()) for name, p in model.named_parameters()]
     manifest = manifest_of(tensors, 0)
@@ -104,7 +104,7 @@ def _in_flight_reference(old: torch.nn.Module, new: torch.nn.Module, prompt: lis
 
 @pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
 def test_an_update_leaves_in_flight_tokens_exact_and_new_requests_on_the_new_weights(
-        kv_on_update: str, engine: Engine, learner: _Learner, models, engine_loop) -> None:
+        kv_on_update: str, engine: Engine, learner: WeightSender, models, engine_loop) -> None:
     old, new = models["old"], models["new"]
 
     async def scenario():

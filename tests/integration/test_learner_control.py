@@ -29,6 +29,7 @@ from protocol import (
 )
 from protocol.transport import TransportConfig
 from tests.ports import loopback_addresses
+from tests.processes import wait_until
 from tests.protocol_clients import ControlClient
 
 ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
@@ -150,13 +151,6 @@ def test_the_newest_announced_version_outlives_the_learner(tmp_path) -> None:
     assert starting_version(restored=0, announced=0, replay_version=0) == 0
 
 
-def _wait(condition, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.05)
-
-
 def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(control) -> None:
     """A Hello repeated by the same incarnation (retried, or after the learner
     dropped it) is the same member: what a lane formed before learns reaches
@@ -191,7 +185,7 @@ def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(cont
 
         # dropped (silent), then back as the same incarnation: the lane's
         # Member still names it
-        _wait(lambda: not plane.members(), "drop of the silent member")
+        wait_until(lambda: not plane.members(), 5.0, "drop of the silent member", poll_s=0.05)
         actor.send(Hello, engine=ENGINE, capacity=1, policy_version=4)
         assert isinstance(actor.receive(), MemberWelcome)
         [member] = plane.members()
@@ -202,3 +196,34 @@ def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(cont
         assert member.version == 5 and not plane.publication_wanted(5)
     finally:
         context.destroy(linger=0)
+
+
+@pytest.mark.parametrize("late_joiner, wanted_at_once", [("immediate", True),
+                                                          ("next_publication", False)])
+def test_a_late_joiner_within_the_staleness_bound_waits_only_if_told_to(
+        late_joiner: str, wanted_at_once: bool) -> None:
+    """``learner.late_joiner``: a member that joins one version behind gets
+    a publication at once (``immediate``) or at the regular one
+    (``next_publication``); past the staleness bound it gets one either way."""
+    [address] = loopback_addresses(1)
+    plane = ControlPlane(address, TransportConfig(), run_id="r", max_staleness=2,
+                         late_joiner=late_joiner, metrics=LearnerMetrics())
+    context = zmq.Context()
+    try:
+        plane.version = 4
+        actor = ControlClient(context, address, "actor-1")
+        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=3)
+        assert isinstance(actor.receive(), MemberWelcome)
+        [member] = plane.members()
+        member.version = 3  # loaded version 3 (as its Hello said), one behind
+        assert plane.publication_wanted(4) is wanted_at_once
+        # once it has had an announcement it is no longer a late joiner
+        plane.announce(4, [(member, MANIFEST, GroupInfo(
+            generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
+            backend="gloo"))])
+        assert not plane.publication_wanted(4)
+        # past the staleness bound it cannot contribute: wanted, whatever the setting
+        assert plane.publication_wanted(3 + 2 + 1)
+    finally:
+        context.destroy(linger=0)
+        plane.close()

@@ -6,36 +6,27 @@ warmed up for one value-only step, with the paper's adaptive lambda."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
-import zmq
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from protocol.transport import TransportConfig
-from replay.config import ReplayConfig
-from replay.service import ReplayService
 from tests.ports import free_ports, loopback_addresses
 from tests.processes import compactionrl
-from tests.protocol_clients import ActorClient
+from tests.replay_thread import ReplayThread
 
 pytestmark = pytest.mark.slow
 
 
 def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
-    actor_address, learner_address, control = loopback_addresses(3)
+    [control] = loopback_addresses(1)
     [store] = free_ports(1)
-    service = ReplayService(ReplayConfig(
-        actor_address=actor_address, learner_address=learner_address, rollouts_per_batch=2,
-        max_staleness=8, durable_log=False, metrics_port=0), TransportConfig(), vocab_size=1054)
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
-    thread.start()
-    context = zmq.Context()
-    actor = ActorClient(context, actor_address)
+    replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=8, durable_log=False)
+    actor_address, learner_address = replay.config.actor_address, replay.config.learner_address
+    service = replay.service
+    actor = replay.actor()
     common = ["--run.model", str(tiny_model_dir), "--run.out_dir", str(tmp_path),
               "--run.name", "learn", "--replay.learner_address", learner_address,
               "--replay.actor_address", actor_address, "--learner.nproc", "2",
@@ -92,7 +83,4 @@ def test_learner_trains_checkpoints_exports_and_resumes(tiny_model_dir: Path,
                        for name in load_file(run / "export" / "model.safetensors"))
     finally:
         actor.close()
-        context.destroy(linger=0)
-        stop.set()
-        thread.join(timeout=10)
-        service.close()
+        replay.close()

@@ -4,7 +4,6 @@ credits and backpressure, and a flood of malformed input."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,36 +20,11 @@ from replay.service import ReplayService
 from tests.faults.proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
 from tests.protocol_clients import ActorClient, LearnerClient
-
-
-class Running:
-    def __init__(self, service: ReplayService) -> None:
-        self.service = service
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=service.serve, args=(self.stop,), daemon=True)
-        self.thread.start()
-        self.context = zmq.Context()
-
-    def actor(self, **kwargs) -> ActorClient:
-        return ActorClient(self.context, self.service.config.actor_address, **kwargs)
-
-    def learner(self, incarnation: int = 1) -> LearnerClient:
-        return LearnerClient(self.context, self.service.config.learner_address,
-                             incarnation=incarnation)
-
-    def metric(self, name: str, **labels: str) -> float:
-        value = self.service.metrics.registry.get_sample_value(name, labels or None)
-        return 0.0 if value is None else value
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
-        self.context.destroy(linger=0)
-        self.service.close()
+from tests.replay_thread import ReplayThread
 
 
 @pytest.fixture
-def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Running]:
+def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ReplayThread]:
     actor_address, learner_address = loopback_addresses(2)
     options = dict(actor_address=actor_address, learner_address=learner_address,
                    rollouts_per_batch=2, max_staleness=1, log_path=str(tmp_path / "log"),
@@ -60,12 +34,12 @@ def replay(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Running]:
     # (a replay declares a silent actor dead and refuses it from then on)
     liveness = options.pop("heartbeat_liveness", 100)
     transport = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=liveness)
-    running = Running(ReplayService(ReplayConfig(**options), transport, vocab_size=100))
+    running = ReplayThread(ReplayService(ReplayConfig(**options), transport, vocab_size=100))
     yield running
     running.close()
 
 
-def test_metrics_are_served_with_the_design_names(replay: Running) -> None:
+def test_metrics_are_served_with_the_design_names(replay: ReplayThread) -> None:
     import urllib.request
 
     from ops.metrics import MetricsServer
@@ -85,7 +59,7 @@ def test_metrics_are_served_with_the_design_names(replay: Running) -> None:
         assert name in text, name
 
 
-def test_hello_gets_credits_and_segments_are_acknowledged(replay: Running) -> None:
+def test_hello_gets_credits_and_segments_are_acknowledged(replay: ReplayThread) -> None:
     actor = replay.actor(capacity=3)
     actor.hello()
     assert actor.pump_until(lambda: actor.credits == 3)
@@ -95,7 +69,7 @@ def test_hello_gets_credits_and_segments_are_acknowledged(replay: Running) -> No
     assert replay.metric("crl_replay_segments_total", result="accepted") == 3
 
 
-def test_credits_in_a_lost_reply_are_repeated_after_a_heartbeat(replay: Running) -> None:
+def test_credits_in_a_lost_reply_are_repeated_after_a_heartbeat(replay: ReplayThread) -> None:
     actor = replay.actor(capacity=3)
     actor.hello()
     assert actor.socket.poll(5000)
@@ -106,7 +80,7 @@ def test_credits_in_a_lost_reply_are_repeated_after_a_heartbeat(replay: Running)
     assert not actor.socket.poll(500)
 
 
-def test_resent_segments_are_acknowledged_once_stored_once(replay: Running) -> None:
+def test_resent_segments_are_acknowledged_once_stored_once(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
     actor.push_rollout(segments=2)
@@ -121,7 +95,7 @@ def test_resent_segments_are_acknowledged_once_stored_once(replay: Running) -> N
     assert batch is not None and [len(r.segments) for r in batch.rollouts] == [2]
 
 
-def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: Running) -> None:
+def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
     learner = replay.learner()
@@ -137,7 +111,7 @@ def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: Runn
     assert (batch.staleness.min, batch.staleness.max) == (0, 1)
 
 
-def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
+def test_stale_rollouts_are_dropped_and_counted(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
     learner = replay.learner()
@@ -162,7 +136,7 @@ def test_stale_rollouts_are_dropped_and_counted(replay: Running) -> None:
 
 
 @pytest.mark.parametrize("replay", [{"stale_grace": 1}], indirect=True)
-def test_a_grace_serves_rollouts_one_version_past_the_bound(replay: Running) -> None:
+def test_a_grace_serves_rollouts_one_version_past_the_bound(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
     learner = replay.learner()
@@ -176,7 +150,7 @@ def test_a_grace_serves_rollouts_one_version_past_the_bound(replay: Running) -> 
 
 
 def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segment(
-        replay: Running) -> None:
+        replay: ReplayThread) -> None:
     """Before any learner has spoken the window is [0, 0]: a rollout of a
     version no learner has asked with is never stored, so it can never be
     served with a negative staleness. The learner asks with a version before
@@ -218,7 +192,7 @@ def test_a_restarted_replay_holds_the_learner_s_version_window_before_it_speaks(
                           rollouts_per_batch=1, max_staleness=1, metrics_port=0,
                           log_path=str(tmp_path / "log"))
     transport = TransportConfig(heartbeat_liveness=100)
-    replay = Running(ReplayService(config, transport, vocab_size=100))
+    replay = ReplayThread(ReplayService(config, transport, vocab_size=100))
     try:
         learner = replay.learner()
         learner.request(1, version=3)
@@ -228,7 +202,7 @@ def test_a_restarted_replay_holds_the_learner_s_version_window_before_it_speaks(
             time.sleep(0.05)
     finally:
         replay.close()
-    replay = Running(ReplayService(config, transport, vocab_size=100))
+    replay = ReplayThread(ReplayService(config, transport, vocab_size=100))
     try:
         assert replay.metric("crl_replay_learner_version") == 3
         actor = replay.actor()
@@ -244,7 +218,7 @@ def test_a_restarted_replay_holds_the_learner_s_version_window_before_it_speaks(
 
 @pytest.mark.parametrize("replay", [{"max_buffer_bytes": 2**20}], indirect=True)
 def test_a_rollout_dropped_at_the_memory_bound_leaves_no_ghost_and_returns_its_credit(
-        replay: Running) -> None:
+        replay: ReplayThread) -> None:
     """Its first segment does not fit: the rollout is dropped once. Its later
     segments, fitting or not, are late: not a rollout that could never
     complete, holding the actor's credit until it expired, nor a second drop."""
@@ -265,7 +239,7 @@ def test_a_rollout_dropped_at_the_memory_bound_leaves_no_ghost_and_returns_its_c
     assert actor.pump_until(lambda: actor.credits >= 1)
 
 
-def test_an_abandoned_rollout_is_dropped_once_and_its_credit_returned(replay: Running) -> None:
+def test_an_abandoned_rollout_is_dropped_once_and_its_credit_returned(replay: ReplayThread) -> None:
     """A living actor gives up two rollouts (a harness session at the
     recording endpoint): one with a segment stored, one it sent nothing of.
     Both credits come back; the resent Abandon is acknowledged, not counted
@@ -290,7 +264,7 @@ def test_an_abandoned_rollout_is_dropped_once_and_its_credit_returned(replay: Ru
 
 
 @pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
-def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running) -> None:
+def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
     actor.push_rollout(segments=1)  # complete
@@ -304,7 +278,7 @@ def test_rollouts_of_a_silent_actor_expire_and_are_never_served(replay: Running)
     assert learner.receive(1.0) is None  # the complete one is ready, the other never comes
 
 
-def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -> None:
+def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: ReplayThread) -> None:
     old = replay.actor(actor_id="actor-r", incarnation=1)
     old.hello()
     assert old.pump_until(lambda: old.credits > 0)
@@ -322,7 +296,7 @@ def test_a_new_incarnation_rejects_the_old_ones_late_segments(replay: Running) -
 
 @pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
 def test_a_frozen_incarnation_declared_dead_is_refused_until_it_comes_back_new(
-        replay: Running) -> None:
+        replay: ReplayThread) -> None:
     frozen = replay.actor(actor_id="actor-f", incarnation=1)
     frozen.hello()
     assert frozen.pump_until(lambda: frozen.credits > 0)
@@ -356,7 +330,7 @@ def test_a_frozen_incarnation_declared_dead_is_refused_until_it_comes_back_new(
     assert replay.metric("crl_replay_dropped_total", reason="expired") == 1  # not twice
 
 
-def test_a_restarted_actor_s_lost_rollouts_are_counted_once(replay: Running) -> None:
+def test_a_restarted_actor_s_lost_rollouts_are_counted_once(replay: ReplayThread) -> None:
     """Restarted before its old incarnation fell silent: the old one's rollouts
     in flight expire at the new one's first message, the pending one and the
     ones it had sent nothing of alike, each exactly once."""
@@ -379,7 +353,7 @@ def test_a_restarted_actor_s_lost_rollouts_are_counted_once(replay: Running) -> 
 
 @pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)
 def test_a_dead_actor_s_lost_rollouts_are_counted_once_when_it_comes_back(
-        replay: Running) -> None:
+        replay: ReplayThread) -> None:
     """Declared dead by the liveness first, then restarted: counted at the
     death, not again when the new incarnation registers."""
     old = replay.actor(actor_id="actor-d", incarnation=1, capacity=4)
@@ -396,7 +370,7 @@ def test_a_dead_actor_s_lost_rollouts_are_counted_once_when_it_comes_back(
     assert replay.metric("crl_replay_dropped_total", reason="expired") == 2
 
 
-def test_a_batch_lost_with_the_learner_s_connection_is_served_again(replay: Running) -> None:
+def test_a_batch_lost_with_the_learner_s_connection_is_served_again(replay: ReplayThread) -> None:
     """The connection drops with a Batch on its way: the learner asks again
     with the same request and gets the same batch; asking twice never gets a
     second batch; its next request acknowledges the first."""
@@ -433,7 +407,7 @@ def test_a_batch_lost_with_the_learner_s_connection_is_served_again(replay: Runn
 
 
 def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
-        replay: Running, tmp_path: Path) -> None:
+        replay: ReplayThread, tmp_path: Path) -> None:
     """Rank 0's link to the replay, through a proxy that cuts it: a batch lost
     on the way arrives when the link asks again on reconnecting; a batch that
     did arrive before the drop is taken once, its resend dropped and counted."""
@@ -493,7 +467,7 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
         proxy.close()
 
 
-def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> None:
+def test_the_log_is_compacted_once_served_rollouts_dominate(replay: ReplayThread) -> None:
     replay.service.compact_min_bytes = 0
     actor = replay.actor()
     actor.hello()
@@ -516,7 +490,7 @@ def test_the_log_is_compacted_once_served_rollouts_dominate(replay: Running) -> 
 
 
 @pytest.mark.parametrize("replay", [{"max_buffer_bytes": 2 * 1024 * 1024}], indirect=True)
-def test_backpressure_when_the_learner_stops(replay: Running) -> None:
+def test_backpressure_when_the_learner_stops(replay: ReplayThread) -> None:
     actor = replay.actor(capacity=64)
     actor.hello()
     started = 0
@@ -548,7 +522,7 @@ def test_backpressure_when_the_learner_stops(replay: Running) -> None:
     assert actor.pump_until(lambda: actor.credits == 2)
 
 
-def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: Running
+def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: ReplayThread
                                                                         ) -> None:
     rng = random.Random(7)
     hostile = replay.context.socket(zmq.DEALER)
@@ -640,7 +614,7 @@ def test_a_batch_taken_before_the_replay_died_is_trained_once(tmp_path: Path) ->
     link = _ReplayLink(LearnerSettings(model="m", replay_address=config.learner_address,
                                        run_dir=str(tmp_path)),
                        Counter("duplicates", "", registry=registry), duplicate_rollouts)
-    replay = Running(ReplayService(config, transport, vocab_size=100))
+    replay = ReplayThread(ReplayService(config, transport, vocab_size=100))
     taken: list[list[str]] = []
 
     def take(version: int) -> None:
@@ -660,7 +634,7 @@ def test_a_batch_taken_before_the_replay_died_is_trained_once(tmp_path: Path) ->
         assert actor.pump_until(lambda: not actor.unacked)
         take(0)  # the learner trains on it: the replay is killed before it asks again
         replay.close()
-        replay = Running(ReplayService(config, transport, vocab_size=100))
+        replay = ReplayThread(ReplayService(config, transport, vocab_size=100))
         assert replay.metric("crl_replay_recovered_segments_total") == 4
         take(1)  # served the first two again, dropped; then the next two
         assert taken == [sorted(pushed[:2]), sorted(pushed[2:])]
@@ -676,7 +650,7 @@ def test_a_new_learner_incarnation_gets_the_batch_its_predecessor_died_with(
     not received) is resumed as a new incarnation: its first request gets
     those rollouts again, not the next ones."""
     config, transport = _served_again_setup(tmp_path)
-    replay = Running(ReplayService(config, transport, vocab_size=100))
+    replay = ReplayThread(ReplayService(config, transport, vocab_size=100))
     try:
         actor = replay.actor(capacity=8)
         actor.hello()

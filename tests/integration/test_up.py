@@ -1,13 +1,15 @@
 """`compactionrl up` end to end on CPU with the tiny model: replay, learner
-under torchrun, two actors with vLLM engines. One actor is SIGKILLed with
-episodes in flight: it is restarted, rejoins and gets the current weights, and
-its lost rollouts expire. The learner keeps stepping and publishing; Ctrl-C
-(SIGINT) then stops everything cleanly: checkpoint, export, metrics history,
-report, the resume command, and no process left.
+under torchrun and an actor with a vLLM engine train until the learner has
+stepped and published; Ctrl-C (SIGINT) then stops everything cleanly:
+checkpoint, export, metrics history, report, the resume command, and no
+process left. (An actor killed, restarted and rejoining with the current
+weights is phase 2 of the fault run, tests/faults/test_up_faults.py, which
+starts the same `up`.)
 
 A real Prometheus (Debian's package) scrapes the run with the project's
 generated configuration; afterwards every PromQL expression of every
-dashboard panel and alert returns data over the run's time range."""
+dashboard panel and alert returns data over the run's time range, every
+process's exposition passes promtool's lint and each says it is ready."""
 
 from __future__ import annotations
 
@@ -23,8 +25,13 @@ from pathlib import Path
 import pytest
 
 from ops.observability import promql_expressions, scrape_config
-from ops.summary import scrape
-from tests.processes import SMALL_EPISODES, UpOnLoopback, compactionrl, process_tree, running
+from tests.processes import (
+    SMALL_EPISODES,
+    UpOnLoopback,
+    compactionrl,
+    running,
+    wait_until,
+)
 from tests.prometheus import PrometheusServer
 
 ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
@@ -33,22 +40,6 @@ pytestmark = pytest.mark.slow
 
 #: Learner steps the run must reach (after the restart) before it is stopped.
 STEPS = 3
-
-
-def _active_rollouts(port: int) -> float:
-    samples = scrape(f"http://127.0.0.1:{port}/metrics") or {}
-    return sum(value for _, value in samples.get("crl_actor_active_rollouts", []))
-
-
-def _wait(condition, timeout: float, what: str, process: subprocess.Popen) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            output = process.stdout.read() if process.stdout else ""
-            raise AssertionError(f"up exited with {process.returncode} before {what}:\n"
-                                 f"{output[-4000:]}")
-        assert time.monotonic() < end, f"no {what} within {timeout} s"
-        time.sleep(0.5)
 
 
 def _empty_panels(prometheus: PrometheusServer, since: float) -> list[str]:
@@ -62,41 +53,27 @@ def _get(port: int, path: str) -> str:
         return response.read().decode()
 
 
-def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
-                                                        tmp_path: Path) -> None:
-    up = UpOnLoopback(tmp_path, "up-test", tiny_model_dir, 2, "--learner.max_steps", "1000",
+def test_up_trains_serves_dashboards_and_stops_cleanly(tiny_model_dir: Path,
+                                                       tmp_path: Path) -> None:
+    up = UpOnLoopback(tmp_path, "up-test", tiny_model_dir, 1, "--learner.max_steps", "1000",
                       "--replay.rollouts_per_batch", "4", *SMALL_EPISODES,
                       "--transport.heartbeat_interval_s", "0.5")
     run, actor_ports = up.folder, up.actor_ports
-    replay_metrics, learner_metrics, actor_metrics = (up.ports[name] for name in
-                                                      ("replay", "learner", "actor"))
+    replay_metrics, learner_metrics = up.ports["replay"], up.ports["learner"]
     prometheus = PrometheusServer(tmp_path / "prometheus", scrape_config(
         replay_metrics, learner_metrics, list(actor_ports), interval_s=1),
         rules=ALERTS)
     began = time.time()
     process = up.start()
+
+    def up_output() -> str:  # read once it has exited: a running up's pipe would block
+        return (process.stdout.read()[-4000:]
+                if process.poll() is not None and process.stdout else "")
+
     try:
-        actor_log = run / "logs" / "actor-0.log"
         learner_log = run / "logs" / "learner.log"
-        # kill actor-0 with episodes in flight (it may be idle, waiting for credits)
-        _wait(lambda: _active_rollouts(actor_metrics) > 0, 300,
-              "episodes in flight at actor-0", process)
-        time.sleep(1.5)  # a heartbeat (0.5 s) has told the replay about them
-        _wait(lambda: _active_rollouts(actor_metrics) > 0, 60,
-              "episodes still in flight at actor-0", process)
-        children = json.loads((run / "up.json").read_text())["children"]
-        # the actor alone, as a crash or the OOM killer would: its engine's
-        # processes must not outlive it
-        dead_tree = process_tree(children["actor-0"])
-        os.kill(children["actor-0"], signal.SIGKILL)
-        killed_at = len(actor_log.read_text())
-        # restarted, it rejoins and loads the learner's current weights
-        _wait(lambda: "loaded version" in actor_log.read_text()[killed_at:], 300,
-              "weights at the restarted actor-0", process)
-        left = [pid for pid in dead_tree if running(pid)]
-        assert left == [], f"the killed actor's processes outlived its restart: {left}"
-        _wait(lambda: f"step {STEPS}:" in learner_log.read_text(), 300,
-              f"learner step {STEPS}", process)
+        wait_until(lambda: learner_log.is_file() and f"step {STEPS}:" in learner_log.read_text(),
+                   300, f"learner step {STEPS}", process, up_output)
         # every panel has data while the run is up (a rate needs two scrapes
         # after the first publication, which can come just before step 3)
         deadline = time.monotonic() + 120
@@ -124,12 +101,11 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
     program, *resume_args = shlex.split(resume)
     assert os.access(program, os.X_OK), resume
     assert resume_args == ["up", "--config", str((run / "config.toml").resolve()), "--resume"]
-    assert "actor-0 exited with code -9; restarting" in output
-    assert learner_log.read_text().count("actor up-test-actor-0 joined") >= 2
+    assert "actor up-test-actor-0 joined" in learner_log.read_text()
     # a clean stop logs a clean stop: torchrun is not signalled, its ranks are
     assert "SignalException" not in learner_log.read_text()
     assert "stopped cleanly (signal)" in learner_log.read_text()
-    assert "loaded version" in (run / "logs" / "actor-1.log").read_text()
+    assert "loaded version" in (run / "logs" / "actor-0.log").read_text()
 
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = history[-1]
@@ -139,8 +115,7 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
     assert last["published_version"] >= 1
     assert last["actor_compactions"] > 0
     assert max(s["compactions_per_rollout"] or 0 for s in history) > 0  # trained on compactions
-    assert last["expired_rollouts"] >= 1  # the killed actor's in-flight rollouts
-    assert last["actor_restarts"] == 1
+    assert last["actor_restarts"] == 0
 
     assert (run / "export" / "config.json").is_file()
     report = (run / "report.html").read_text()
@@ -156,7 +131,7 @@ def test_up_trains_survives_an_actor_kill_and_cleans_up(tiny_model_dir: Path,
     assert status.returncode == 1
     assert "not running: interrupted (SIGINT): stopped cleanly" in status.stdout
     # nothing left: the processes up started, nor their process groups
-    for pid in [*state["children"].values(), *dead_tree]:
+    for pid in state["children"].values():
         assert not running(pid)
     leftovers = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout

@@ -13,8 +13,6 @@ import json
 import os
 import re
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +20,9 @@ import pytest
 
 from ops.summary import scrape
 from protocol.transport import TransportConfig
-from replay.config import ReplayConfig
-from replay.service import ReplayService
 from tests.ports import free_ports, loopback_addresses
-from tests.processes import SMALL_EPISODES, Background
+from tests.processes import SMALL_EPISODES, Background, wait_until
+from tests.replay_thread import ReplayThread
 
 pytestmark = pytest.mark.slow
 
@@ -48,29 +45,19 @@ def _acknowledged_segments(port: int) -> float:
     return sent - unacked
 
 
-def _wait_until(condition, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, f"no {what} within {timeout} s"
-        time.sleep(0.5)
-
-
 def _versions(log: str, pattern: str) -> list[int]:
     return [int(v) for v in re.findall(pattern, log)]
 
 
 @pytest.fixture
 def run(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict]:
-    actor_address, learner_address, control_address = loopback_addresses(3)
+    [control_address] = loopback_addresses(1)
     [store_port] = free_ports(1)
-    service = ReplayService(ReplayConfig(
-        actor_address=actor_address, learner_address=learner_address, rollouts_per_batch=2,
-        max_staleness=4, durable_log=False, metrics_port=0), TransportConfig(
-            heartbeat_interval_s=0.5, heartbeat_liveness=16),
-        vocab_size=json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"])
-    stop = threading.Event()
-    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
-    thread.start()
+    replay = ReplayThread.on_loopback(
+        TransportConfig(heartbeat_interval_s=0.5, heartbeat_liveness=16),
+        vocab_size=json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"],
+        rollouts_per_batch=2, max_staleness=4, durable_log=False)
+    actor_address, learner_address = replay.config.actor_address, replay.config.learner_address
     common = ["--run.model", str(tiny_model_dir), "--run.out_dir", str(tmp_path),
               "--replay.actor_address", actor_address, "--replay.learner_address",
               learner_address, "--learner.control_address", control_address,
@@ -88,9 +75,7 @@ def run(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict]:
     finally:
         for process in started:
             process.stop()
-        stop.set()
-        thread.join(timeout=10)
-        service.close()
+        replay.close()
 
 
 def test_late_joiner_and_frozen_member(run: dict) -> None:
@@ -123,7 +108,7 @@ def test_late_joiner_and_frozen_member(run: dict) -> None:
     # the learner logs the publication once both confirmed: after they log the load
     learner.wait_for(f"published version {target} to 2 actors", timeout=30)
     # and it contributes: the replay acknowledged segments it generated
-    _wait_until(lambda: _acknowledged_segments(late_metrics) > 0, 120, "segments from actor-b")
+    wait_until(lambda: _acknowledged_segments(late_metrics) > 0, 120, "segments from actor-b")
 
     late.send(signal.SIGSTOP)  # still a member until its heartbeats are missed
     learner.wait_for("failed", timeout=120)  # the group did not form, or a broadcast timed out

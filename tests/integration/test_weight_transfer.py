@@ -19,14 +19,12 @@ import torch
 
 from actors.config import ActorConfig, EngineConfig
 from actors.engine import Engine, quiet_vllm_logging
-from protocol import NO_COMPLETE_VERSION, GroupInfo
-from protocol.weights import WeightChannel, host_store, join_channel, manifest_of, member_ranks
-from tests.ports import free_ports
+from protocol import NO_COMPLETE_VERSION
+from protocol.weights import manifest_of
+from tests.weight_sender import PROMPTS, WeightSender
 
 pytestmark = pytest.mark.slow
 
-#: Longer than one KV block (128 tokens on CPU): the prefix cache must be cleared.
-PROMPTS = [list(range(10, 200)), list(range(300, 460)), [7, 8, 9] * 50]
 
 
 @pytest.fixture(scope="module")
@@ -63,44 +61,6 @@ def _tensors(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
     return [(name, p.detach().contiguous()) for name, p in model.named_parameters()]
 
 
-class _Learner:
-    """Rank 0 of a broadcast group, in a thread (as learner rank 0 would be),
-    with one engine of ``workers`` tensor-parallel workers."""
-
-    def __init__(self, workers: int = 1, timeout_s: float = 30.0) -> None:
-        [self.port] = free_ports(1)
-        self.timeout_s = timeout_s
-        self.store = host_store(self.port)
-        self.generation = 0
-        self.backend = "gloo"
-        self.group: WeightChannel | None = None
-        [self.base], self.world_size = member_ranks([workers])
-
-    def group_info(self) -> GroupInfo:
-        return GroupInfo(generation=self.generation, master_addr="127.0.0.1",
-                         master_port=self.port, world_size=self.world_size, rank=self.base,
-                         backend=self.backend, timeout_s=self.timeout_s)
-
-    def join(self, engine_loop, engine: Engine, backend: str = "gloo") -> None:
-        self.generation += 1
-        self.backend = backend
-        thread = threading.Thread(target=lambda: setattr(self, "group", join_channel(
-            self.store, self.generation, self.world_size, 0, backend, self.timeout_s)))
-        thread.start()
-        engine_loop.run(engine.join_weight_group(self.group_info()))
-        thread.join(timeout=60)
-
-    async def push(self, engine: Engine, tensors: list[tuple[str, torch.Tensor]],
-                   version: int, bucket_bytes: int = 0) -> None:
-        """Broadcast from a thread while the engine receives and loads."""
-        manifest = manifest_of(tensors, bucket_bytes)
-        sender = threading.Thread(target=lambda: self.group.send(manifest,
-                                                                 (t for _, t in tensors)))
-        sender.start()
-        await engine.load_weights(version, manifest)
-        sender.join(timeout=60)
-
-
 async def _greedy(engine: Engine, prompt: list[int], max_tokens: int = 12) -> list[int]:
     return (await engine.generate(prompt, max_tokens=max_tokens, temperature=0.0)).token_ids
 
@@ -108,7 +68,7 @@ async def _greedy(engine: Engine, prompt: list[int], max_tokens: int = 12) -> li
 def test_pushed_weights_generate_exactly_as_the_same_weights_from_disk(
         live_engine: Engine, trained_dir: Path, tiny_model_dir: Path, engine_loop) -> None:
     before = [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS]
-    learner = _Learner()
+    learner = WeightSender()
     learner.join(engine_loop, live_engine)
     engine_loop.run(learner.push(live_engine, _tensors(trained_dir), version=1))
     pushed = [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS]
@@ -139,7 +99,7 @@ def test_pushed_weights_generate_exactly_as_the_same_weights_from_disk(
 
 def test_a_request_in_flight_across_an_update_carries_both_versions(
         live_engine: Engine, trained_dir: Path, engine_loop) -> None:
-    learner = _Learner()
+    learner = WeightSender()
     learner.join(engine_loop, live_engine)
     start = live_engine.version
     tensors = _tensors(trained_dir)
@@ -166,7 +126,7 @@ def test_a_publication_cut_midway_leaves_no_version_until_a_full_one(
     NO_COMPLETE_VERSION (never fresh: the actor reports it to the learner,
     which publishes again). The next full publication, in a new group
     generation, makes it generate exactly as before the cut."""
-    learner = _Learner(timeout_s=3.0)
+    learner = WeightSender(timeout_s=3.0)
     original = _tensors(tiny_model_dir)
     learner.join(engine_loop, live_engine)
     engine_loop.run(learner.push(live_engine, original, version=10))
@@ -192,6 +152,8 @@ def test_a_publication_cut_midway_leaves_no_version_until_a_full_one(
     assert [engine_loop.run(_greedy(live_engine, p)) for p in PROMPTS] == before
 
 
+# exclusive: run where the machine's cores are all the suite's (not one xdist worker's)
+@pytest.mark.exclusive
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a TP=2 CPU engine binds a core "
                     "per worker")
 def test_a_tensor_parallel_engine_receives_on_a_rank_per_worker(
@@ -205,7 +167,7 @@ def test_a_tensor_parallel_engine_receives_on_a_rank_per_worker(
                                         weight_transfer=True))
     try:
         before = [engine_loop.run(_greedy(live, p)) for p in PROMPTS]
-        learner = _Learner(workers=2)
+        learner = WeightSender(workers=2)
         assert learner.world_size == 3
         learner.join(engine_loop, live)
         engine_loop.run(learner.push(live, _tensors(trained_dir), version=1,

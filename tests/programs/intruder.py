@@ -12,9 +12,12 @@ how it ended.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
@@ -96,20 +99,24 @@ def main() -> None:
         "its own key": TransportConfig(curve=CurveConfig(
             enabled=True, client_secret_key=args.key, server_public_key=args.server_key)),
     }
-    results: dict[str, dict] = {}
+    host, _, port = args.store.rpartition(":")
     context = zmq.Context()
+    # Every attempt waits out its own silence: they run at once, each with a
+    # socket (or store client) of its own, so the whole takes the longest one.
+    attempts: dict[str, Callable[[], dict]] = {}
+    for why, transport in transports.items():
+        for target, address, message in (("replay", args.replay, hello),
+                                         ("replay-learner", args.replay_learner, learner_hello),
+                                         ("control", args.control, hello)):
+            attempts[f"{target} / {why}"] = functools.partial(
+                _socket_attempt, context, f"tcp://{address}", transport, message)
+        attempts[f"store / {why}"] = functools.partial(_store_attempts, host, int(port),
+                                                       transport)
+    attempts["store / plain TCP"] = lambda: {"bytes": _raw_bytes(host, int(port))}
     try:
-        for why, transport in transports.items():
-            for target, address, message in (("replay", args.replay, hello),
-                                             ("replay-learner", args.replay_learner,
-                                              learner_hello),
-                                             ("control", args.control, hello)):
-                results[f"{target} / {why}"] = _socket_attempt(
-                    context, f"tcp://{address}", transport, message)
-            host, _, port = args.store.rpartition(":")
-            results[f"store / {why}"] = _store_attempts(host, int(port), transport)
-        host, _, port = args.store.rpartition(":")
-        results["store / plain TCP"] = {"bytes": _raw_bytes(host, int(port))}
+        with ThreadPoolExecutor(max_workers=len(attempts)) as pool:
+            running = {what: pool.submit(attempt) for what, attempt in attempts.items()}
+            results = {what: future.result() for what, future in running.items()}
     finally:
         context.destroy(linger=0)
     print(json.dumps(results))

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,17 @@ from actors.envs.base import EVALUATION_SEEDS_FROM
 from deploy.config import ConfigError, load_config
 from recipes.config import BootstrapConfig
 from recipes.keyvault_bootstrap import (
+    KEPT_BASE,
+    KEPT_BASE_DIGEST,
     Demonstrator,
+    base_digest,
     copy_accuracy,
     demonstrate,
     demonstration_seed,
     differences,
     facts_in,
     made_for,
+    restore_kept_base,
     training_sequences,
 )
 
@@ -146,3 +151,28 @@ def test_a_base_made_with_other_settings_is_told_apart_by_the_settings_that_diff
     assert differences(tmp_path, other.actors, other.bootstrap) == [
         f"environment.options.rooms: {rooms!r} -> 12",
         f"recipe.drop_fact_probability: {config.bootstrap.drop_fact_probability!r} -> 0.5"]
+
+
+def test_the_kept_base_is_restored_only_whole_and_made_with_these_settings(
+        tmp_path: Path) -> None:
+    """``up`` starts the embedded default from the checkout's kept base: the
+    recorded one (digest) and made for the run's settings, else it bootstraps."""
+    config = load_config(None, [])
+    restored = tmp_path / "base-model"
+    assert restore_kept_base(restored, config.actors, config.bootstrap) is None
+    assert base_digest(restored) == KEPT_BASE_DIGEST
+    assert (restored / "config.json").is_file()
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(KEPT_BASE, tampered)
+    with (tampered / "model.safetensors").open("r+b") as weights:
+        weights.seek(-1, 2)
+        weights.write(b"\x00" if weights.read(1) != b"\x00" else b"\x01")
+    why = restore_kept_base(tmp_path / "a", config.actors, config.bootstrap, kept=tampered)
+    assert why is not None and "not the recorded one" in why
+    assert not (tmp_path / "a").exists()
+
+    other = load_config(None, ["--bootstrap.drop_fact_probability", "0.5"])
+    why = restore_kept_base(tmp_path / "b", other.actors, other.bootstrap)
+    assert why is not None and "drop_fact_probability" in why
+    assert not (tmp_path / "b").exists()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,63 +22,12 @@ from actors.chat import ChatFormat, TemplateError
 from actors.config import ActorConfig
 from actors.context import CompactionContext, Generation
 from actors.envs.base import Task
-from recipes.tiny_model import CHAT_TEMPLATE as CHATML
-
-TEMPLATES = Path(__file__).parent / "chat_templates"
-
-
-def template(family: str) -> str:
-    return (TEMPLATES / f"{family}.jinja").read_text()
-
-
-#: The special tokens each family's tokenizer has, and its end of turn.
-FAMILIES: dict[str, tuple[str, list[str], str]] = {
-    "chatml": (CHATML, [], "<|im_end|>"),
-    "qwen2.5": (template("qwen2.5"),
-                ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
-                "<|im_end|>"),
-    "qwen3": (template("qwen3"),
-              ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-               "</tool_response>"], "<|im_end|>"),
-    "llama3": (template("llama3"),
-               ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                "<|eom_id|>"], "<|eot_id|>"),
-}
-
-TOOLS = [{"type": "function", "function": {
-    "name": "bash", "description": "Run a shell command.",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
-                   "required": ["command"]}}}]
+from tests.chat_families import FAMILIES, TOOLS, chat_format, template_ids, tokenizer_for
 
 
 @pytest.fixture(scope="module")
 def base_tokenizer_dir(tiny_model_dir: Path) -> Path:
     return tiny_model_dir
-
-
-def tokenizer_for(model_dir: Path, template: str, specials: list[str], eos: str) -> Any:
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": specials})
-    if "<|begin_of_text|>" in specials:
-        tokenizer.bos_token = "<|begin_of_text|>"
-    tokenizer.eos_token = eos
-    tokenizer.chat_template = template
-    return tokenizer
-
-
-def chat_format(model_dir: Path, family: str, tools: list[dict] | None = None,
-                **compaction: Any) -> ChatFormat:
-    template, specials, eos = FAMILIES[family]
-    config = ActorConfig()
-    return ChatFormat(tokenizer_for(model_dir, template, specials, eos),
-                      dataclasses.replace(config.compaction, **compaction), config.environment,
-                      tools=tools)
-
-
-def template_ids(chat: ChatFormat, messages: list[dict]) -> list[int]:
-    text = chat.render(messages, generation_prompt=True)
-    return chat.tokenizer.encode(text, add_special_tokens=False)
 
 
 def sampled(chat: ChatFormat, text: str) -> Generation:

@@ -12,7 +12,7 @@ import pytest
 from actors.chat import ChatFormat, TemplateError, message_text
 from actors.context import Generation
 from actors.sessions import SessionRecord
-from tests.unit.test_chat_templates import FAMILIES, TOOLS, chat_format, template_ids
+from tests.chat_families import FAMILIES, TOOLS, chat_format, template_ids
 
 CALL = {"name": "bash", "arguments": {"command": "ls"}}
 
