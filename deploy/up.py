@@ -119,6 +119,23 @@ class Child:
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
+    def schedule_restart(self, now: float) -> float:
+        """After an exit at ``now``: count the crash (the count starts afresh
+        if it had run longer than ``BACKOFF_RESET_S``), set when it restarts,
+        and return the delay, which doubles with each crash in a row up to
+        the last of ``RESTART_BACKOFF_S``."""
+        if now - self.started_at > BACKOFF_RESET_S:
+            self.crashes = 0
+        delay = RESTART_BACKOFF_S[min(self.crashes, len(RESTART_BACKOFF_S) - 1)]
+        self.crashes += 1
+        self.restart_at = now + delay
+        return delay
+
+    def crash_looping(self) -> bool:
+        """Exited, after ``SERVICE_MAX_CRASHES`` exits in a row each soon
+        after its start: for the replay or the learner, the run stops."""
+        return self.crashes >= SERVICE_MAX_CRASHES and self.exit_code() is not None
+
     def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> int | None:
         """Signal the group, wait up to ``grace_s``, then kill what is left.
 
@@ -360,7 +377,7 @@ class Up:
                     return EXIT_FINISHED, (f"finished: {self.config.learner.max_steps} "
                                            "learner steps")
                 for service in (self.replay, self.learner):
-                    if service.crashes >= SERVICE_MAX_CRASHES and service.exit_code() is not None:
+                    if service.crash_looping():
                         return EXIT_FAILED, (
                             f"the {service.name} exited with code {service.exit_code()} "
                             f"{service.crashes} times in a row; see {service.log}")
@@ -408,11 +425,7 @@ class Up:
         """Schedule the restart of a child that exited, or restart it when due."""
         code = child.exit_code()
         if code is not None and child.restart_at is None:
-            if now - child.started_at > BACKOFF_RESET_S:
-                child.crashes = 0
-            delay = RESTART_BACKOFF_S[min(child.crashes, len(RESTART_BACKOFF_S) - 1)]
-            child.crashes += 1
-            child.restart_at = now + delay
+            delay = child.schedule_restart(now)
             # before its successor starts: on a GPU, what it left holds the memory
             orphans = stop_leftovers(child.process.pid, self._children_pids())
             print(f"{child.name} exited with code {code}; restarting in {delay:.0f} s "

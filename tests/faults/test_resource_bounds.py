@@ -2,7 +2,7 @@
 learner paused, actors that start rollouts only with credits stall, the
 replay's buffer stays within ``replay.max_buffer_bytes`` and its resident
 memory within that plus a fixed allowance, for as long as the pause lasts
-(20 s by default; ``pytest --soak-seconds 600`` for a soak).
+(10 s by default; ``pytest --soak-seconds 600`` for a soak).
 
 The actors and the learner here are scripted protocol clients: the RSS of
 real vLLM actors and torchrun learner ranks under a paused learner is not
@@ -24,7 +24,7 @@ MAX_BUFFER_BYTES = 16 * 2**20
 TOKENS = 200_000
 ACTORS = 3
 BATCHES_BEFORE_PAUSE = 2
-FAST_PAUSE_S = 20.0
+FAST_PAUSE_S = 10.0
 #: A batch before the pause takes seconds; a stuck one fails the test instead
 #: of hanging it.
 BATCH_TIMEOUT_S = 120.0

@@ -5,7 +5,8 @@ the replay's durable log:
 
 1. network trouble (delay, dropped connections, a partition) through a TCP
    proxy between a second actor and the replay and learner;
-2. actor-0 SIGKILLed with episodes in flight, repeatedly;
+2. actor-0 SIGKILLed with episodes in flight (again and again with
+   ``--soak-seconds``);
 3. actor-0 frozen (SIGSTOP) past the heartbeat liveness, then resumed;
 4. the replay frozen with segments in flight, then SIGKILLed;
 5. the learner SIGKILLed after publishing beyond its last checkpoint;
@@ -72,8 +73,9 @@ MAX_STALENESS = 2
 ACK_TIMEOUT_S = 2.0
 #: Checkpoints every 3 steps: the learner is killed between two of them.
 CHECKPOINT_EVERY = 3
-#: Actor-0 SIGKILLs in phase 2 (more with --soak-seconds).
-KILLS = 2
+#: Actor-0 SIGKILLs in phase 2 (more with --soak-seconds): the restart's
+#: back-off over repeated exits is tests/unit/test_up_restarts.py's.
+KILLS = 1
 #: A phase waits at most this long for any one event (engines start in
 #: ~30-60 s here; the machine is shared with other work).
 EVENT_S = 300
@@ -96,7 +98,7 @@ SEGMENT_BYTES = 512
 MAX_BUFFER_BYTES = 32 * 2**20
 #: Phase 6 keeps the learner paused, once the actors have stalled, this long
 #: (or --soak-seconds), sampling every process group's memory.
-PAUSE_S, RSS_SAMPLE_S = 24.0, 3.0
+PAUSE_S, RSS_SAMPLE_S = 12.0, 3.0
 #: The actors count as stalled once idle (no episode, no credit in flight) this
 #: long, which they are within SETTLE_S of the pause unless it caught a
 #: publication (measured: 6.5 to 7.6 s; an episode of this run takes a few).
@@ -350,7 +352,7 @@ def test_network_trouble_loses_nothing_silently(run: Run) -> None:
 # ---------------------------------------------------------------------- 2. actor SIGKILL
 
 
-def test_actor_sigkilled_repeatedly_rejoins_with_current_weights(
+def test_actor_sigkilled_rejoins_with_current_weights(
         run: Run, request: pytest.FixtureRequest) -> None:
     """Each kill: up restarts actor-0, which rejoins as a new incarnation and
     loads the current weights before generating; its lost rollouts expire;
