@@ -58,7 +58,7 @@ from learner.checkpoint import checkpoint_position, latest_checkpoint
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
 from ops.report import read_history, write_report
-from ops.summary import RunEnds, RunScraper, scrape, summarise
+from ops.summary import RunEnds, RunScraper, pace_start, scrape, summarise
 
 #: Seconds before restarting a process after its n-th consecutive crash.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -488,8 +488,8 @@ class Up:
         if len(self.history) <= self._first:
             return {"run": "no metrics yet"}
         before = self.history[-2] if len(self.history) > self._first + 1 else None
-        return summarise(self.history[-1], before, self.history[self._first], self._ends,
-                         ended)
+        return summarise(self.history[-1], before, pace_start(self.history[self._first:]),
+                         self._ends, ended)
 
     def _write_state(self, ended: dict | None = None) -> None:
         """``RUN/up.json``: what ``compactionrl status`` reads; rewritten when
@@ -590,7 +590,7 @@ def status(run_dir: Path) -> int:
               "finishing (killed?); resume it with --resume")
     if history:
         # this invocation's snapshots: the ETA's pace is measured over them
-        first = next((s for s in history if s["time"] >= state["started"]), history[-1])
+        first = pace_start([s for s in history if s["time"] >= state["started"]])
         before = history[-2] if len(history) > 1 else None
         ends = RunEnds(state["max_steps"], state.get("max_minutes", 0.0), state["started"])
         lines = summarise(history[-1], before, first, ends, ended=None if running else (

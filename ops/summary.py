@@ -261,6 +261,13 @@ def _number(value: float | None, form: str = ".0f", missing: str = "no data") ->
     return missing if value is None else format(value, form)
 
 
+def pace_start(snapshots: list[Snapshot]) -> Snapshot | None:
+    """The snapshot a pace is counted from: the first of ``snapshots`` with a
+    learner step (the learner reports none until it is up, and the first
+    snapshots of a run come before that)."""
+    return next((s for s in snapshots if s.get("learner_step") is not None), None)
+
+
 def eta(now: Snapshot, first: Snapshot | None, ends: RunEnds) -> str:
     """Seconds to the first end: ``max_steps`` at the pace since ``first`` (the
     first snapshot of this invocation), or ``max_minutes`` of wall time."""

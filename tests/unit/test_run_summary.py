@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ops.summary import RunEnds, RunScraper, Samples, cross_factors, summarise
+from ops.summary import RunEnds, RunScraper, Samples, cross_factors, pace_start, summarise
 
 
 def _samples(**metrics: float | dict[tuple[tuple[str, str], ...], float]) -> Samples:
@@ -114,6 +114,22 @@ def test_the_eta_is_to_whichever_end_comes_first() -> None:
     by_time = summarise(now, first, first, RunEnds(max_steps=500, max_minutes=5,
                                                    started=first["time"]))
     assert by_time["learner"].endswith("ETA 200 s (max_minutes)")
+
+
+def test_the_pace_is_counted_from_the_learner_s_first_step_not_the_run_s_first_snapshot(
+        ) -> None:
+    """The first snapshots of a run come before the learner is up: a pace
+    counted from them never existed, and the ETA fell back to max_minutes."""
+    scraper = RunScraper({})
+    before_learner = scraper.fold({}, {})
+    first = scraper.fold({"learner": _learner(10, 10)}, {})
+    now = scraper.fold({"learner": _learner(20, 20)}, {})
+    now["time"] = first["time"] + 100  # 10 s a step: 80 steps to go
+    assert before_learner["learner_step"] is None
+    assert pace_start([before_learner, first, now]) is first
+    lines = summarise(now, first, pace_start([before_learner, first, now]),
+                      RunEnds(max_steps=100, max_minutes=60, started=first["time"]))
+    assert lines["learner"].endswith("ETA 800 s (max_steps)")
 
 
 def test_a_finished_run_shows_how_it_ended_not_liveness_or_an_eta() -> None:
