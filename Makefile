@@ -32,9 +32,9 @@ $(PROMETHEUS_STAMP): deploy/observability/install-prometheus.sh | $(STAMP)
 	else echo "not root: Prometheus not installed (its tests will skip)"; fi
 
 # The main job: a full local training run on the embedded CPU default
-# (deploy/configs/local-cpu.toml): the base policy is bootstrapped on first
-# use (tiny model + supervised demonstrations), then replay, learner
-# (torchrun) and a vLLM actor train with live weight updates; the run folder
+# (deploy/configs/local-cpu.toml): the checkout's kept base policy (digest
+# checked; bootstrapped only where it is missing), then replay, learner
+# (torchrun) and a vLLM actor train 90 steps with live weight updates; the run folder
 # runs/local-cpu gets the checkpoint, the HF export, metrics.jsonl and
 # report.html. Last, the trained policy and the base are evaluated on the same
 # held-out episodes: compacted success before -> after.
