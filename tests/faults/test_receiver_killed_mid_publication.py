@@ -38,7 +38,7 @@ ROOT = Path(__file__).parents[2]
 DIE_IN = 3
 TIMEOUT_S = 5
 #: The learner's account of a failed publication (learner/publisher.py).
-FAILED = re.compile(r"publication of version (\d+) to the \w+ lane \(generation \d+\) failed")
+FAILED = re.compile(r"publication of version (\d+) to the \S+ lane \(generation \d+\) failed")
 
 
 def _receiver(control: str, actor_id: str, log: Path, *extra: str) -> subprocess.Popen:
