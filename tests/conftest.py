@@ -67,6 +67,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """xdist's workers tell its scheduler an item's group by a suffix of the
+    node id. On a pytest where that suffix does not take
+    (pytest-dev/pytest-xdist#1386) every group would be spread silently, and
+    each module fixture start on both workers: the run stops instead."""
+    if node.config.getvalue("dist") == "loadgroup" and not any("@" in id_ for id_ in ids):
+        pytest.exit(f"xdist's --dist loadgroup does not take on pytest {pytest.__version__} "
+                    "(no test id has its group; pytest-dev/pytest-xdist#1386): install "
+                    "the pytest that pyproject.toml pins", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-seconds", type=float, default=0.0,
                      help="run the fault suite's soak cases for this long (default: the "
