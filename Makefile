@@ -49,7 +49,8 @@ demo: $(STAMP)
 # under a known load) alone. Both run; the target fails if either did.
 test: $(STAMP) $(PROMETHEUS_STAMP)
 	status=0; \
-	$(PY) -m pytest tests -n 2 --dist loadgroup -m "not exclusive" || status=$$?; \
+	$(PY) -m pytest tests -n 2 --dist loadgroup --no-loadscope-reorder -m "not exclusive" \
+		|| status=$$?; \
 	$(PY) -m pytest tests -m exclusive || status=$$?; \
 	exit $$status
 

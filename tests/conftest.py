@@ -65,6 +65,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         else:
             group = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=_start_rank)
+
+
+def _start_rank(item: pytest.Item) -> int:
+    """Where an item's work starts (a stable sort keeps the order within a
+    rank; ``make test`` passes ``--no-loadscope-reorder`` so xdist hands out
+    groups in this order): the long groups first, the session engines' group
+    (a dozen engine tests in a row) before all, the many short unit tests
+    last, where they fill whichever worker is done first. Otherwise a
+    two-minute module handed out last keeps one worker busy while the other
+    idles."""
+    if SESSION_ENGINES.intersection(getattr(item, "fixturenames", ())):
+        return 0
+    return 2 if item.nodeid.startswith("tests/unit/") else 1
 
 
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
