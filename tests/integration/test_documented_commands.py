@@ -252,7 +252,8 @@ def check_make_test(check: Check) -> None:
     """The target runs the whole of tests/: the cases not marked ``exclusive``
     on xdist workers, then the ``exclusive`` ones."""
     commands = " ".join(make_dry_run("test"))
-    assert '-m pytest tests -n 2 --dist loadgroup -m "not exclusive"' in commands, commands
+    assert ('-m pytest tests -n 2 --dist loadgroup --no-loadscope-reorder -m "not exclusive"'
+            in commands), commands
     assert "-m pytest tests -m exclusive" in commands, commands
 
 
