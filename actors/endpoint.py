@@ -54,6 +54,7 @@ from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.sessions import SessionRecord
 from protocol import RolloutStats
+from protocol.codec import TOO_DEEP, nests_deeper
 
 log = logging.getLogger("compactionrl.endpoint")
 
@@ -61,6 +62,10 @@ log = logging.getLogger("compactionrl.endpoint")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: Seconds a harness is told to wait for a credit before retrying.
 RETRY_AFTER_S = 1
+#: How deep lists and objects may nest in a request body (a tool's JSON
+#: schema is the deepest real case, a few levels per nested object); deeper
+#: is refused before the chat template and the encoders recurse into it.
+MAX_BODY_NESTING = 64
 #: Ended session ids remembered, so that a call naming one is refused
 #: rather than silently starting a new rollout in the middle of an episode.
 ENDED_SESSIONS_KEPT = 65_536
@@ -134,7 +139,7 @@ def turn_key(message: dict[str, Any]) -> str:
             arguments = function.get("arguments") or "{}"
             calls.append([function["name"], json.loads(arguments)
                           if isinstance(arguments, str) else arguments])
-        except (KeyError, TypeError, AttributeError, ValueError):
+        except (KeyError, TypeError, AttributeError, ValueError, RecursionError):
             raise EndpointError(400, "invalid_messages",
                                 "an assistant message's tool_calls are malformed") from None
     return json.dumps([message_text(message), calls], sort_keys=True)
@@ -465,12 +470,21 @@ class RecordingEndpoint:
 
 
 def decode(raw: bytes, kind: type[msgspec.Struct]) -> Any:
+    """A request body of type ``kind``, whose free-form parts (messages,
+    tools: rendered and encoded recursively later) nest at most
+    :data:`MAX_BODY_NESTING` levels."""
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as error:  # JSON, but not the fields expected
         raise EndpointError(400, "invalid_request", f"the request body: {error}") from None
     except msgspec.DecodeError as error:
         raise EndpointError(400, "malformed_json", f"the request body: {error}") from None
+    except RecursionError:
+        raise EndpointError(400, "malformed_json", f"the request body: {TOO_DEEP}") from None
+    if nests_deeper(list(msgspec.structs.astuple(body)), MAX_BODY_NESTING):
+        raise EndpointError(400, "too_deep", f"the request body nests deeper than "
+                            f"{MAX_BODY_NESTING} levels")
+    return body
 
 
 def checked_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

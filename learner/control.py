@@ -38,6 +38,7 @@ import zmq
 from learner.metrics import LearnerMetrics
 from ops.files import atomic_write_text
 from protocol import (
+    LEARNER_ID,
     NO_COMPLETE_VERSION,
     EngineInfo,
     ErrorCode,
@@ -99,7 +100,7 @@ class ControlPlane:
         """The newest version announced (by this process or an earlier one of
         the run): no actor can have loaded a newer one."""
         self._lock = threading.Lock()
-        self._stamp = Stamp("learner", time.time_ns())
+        self._stamp = Stamp(LEARNER_ID, time.time_ns())
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
         self._socket = bind_router(self._context, address, transport)

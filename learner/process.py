@@ -74,6 +74,7 @@ from learner.tracking.base import (
 )
 from ops.metrics import Health, MetricsServer, watch_disk
 from protocol import (
+    LEARNER_ID,
     Batch,
     BatchRequest,
     LearnerHello,
@@ -429,10 +430,10 @@ class _ReplayLink:
                  duplicate_rollouts: Counter) -> None:
         self.context = zmq.Context()
         self.socket = connect_dealer(self.context, settings.replay_address, settings.transport,
-                                     b"learner")
+                                     LEARNER_ID.encode())
         self.connections = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         """An event per (re)connection to the replay."""
-        self.stamp = Stamp("learner", time.time_ns())
+        self.stamp = Stamp(LEARNER_ID, time.time_ns())
         self.max_bytes = settings.transport.max_message_bytes
         self.request_frame: bytes | None = None
         """The outstanding BatchRequest (its Batch not yet received), as sent."""

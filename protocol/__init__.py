@@ -8,6 +8,7 @@ from protocol.arrays import ALLOWED_DTYPES, Array
 from protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import (
+    LEARNER_ID,
     MESSAGE_TYPES,
     NO_COMPLETE_VERSION,
     PROTOCOL_VERSION,
@@ -38,7 +39,7 @@ from protocol.messages import (
 
 __all__ = [
     "ALLOWED_DTYPES", "Array", "DEFAULT_MAX_MESSAGE_BYTES", "decode", "encode",
-    "ErrorCode", "ProtocolError", "MESSAGE_TYPES", "NO_COMPLETE_VERSION",
+    "ErrorCode", "ProtocolError", "LEARNER_ID", "MESSAGE_TYPES", "NO_COMPLETE_VERSION",
     "PROTOCOL_VERSION", "Abandon", "Ack", "Batch",
     "BatchRequest", "EngineInfo", "Error", "GroupInfo", "Heartbeat", "Hello", "LearnerHello",
     "LearnerWelcome", "MemberWelcome", "Message",

@@ -15,6 +15,32 @@ import msgspec
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 
+#: Why a frame nested deeper than the decoder's recursion allows is refused.
+#: msgspec decodes (and skips an unknown key's value) recursively, and past
+#: the interpreter's recursion limit (about 900 levels here) raises
+#: ``RecursionError``: that is a malformed frame, not a dead process. No
+#: message of the protocol nests deeper than 4 levels.
+TOO_DEEP = "nested deeper than the decoder's recursion limit"
+
+
+
+def nests_deeper(value: object, limit: int) -> bool:
+    """Whether lists and dicts in a decoded ``value`` nest more than ``limit``
+    levels deep (read without recursion). For bodies with free-form parts
+    (JSON requests), which later code renders and encodes recursively."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item \
+            if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 #: Default cap on one frame. A 128k-token segment is ~1.7 MB; batches of many
 #: long rollouts are the large case. Sockets get the same cap (MAXMSGSIZE).
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -36,6 +62,113 @@ _decoders: dict[str, msgspec.msgpack.Decoder] = {
 }
 
 
+#: The header keys a refusal needs: their values are scalars.
+_HEADER_KEYS = frozenset({"protocol_version", "kind", "seq"})
+#: Objects :func:`header_seq` reads before it gives up: msgspec writes a
+#: header after its kind's own fields, within the first hundred objects of
+#: any message of the protocol; the reading stays cheap (well under a
+#: millisecond) whatever a hostile peer sends.
+HEADER_SCAN_OBJECTS = 256
+_FIXED_WIDTH = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4,
+                0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5,
+                0xD7: 9, 0xD8: 17}
+#: Type byte -> width of the length that follows, for bin, ext and str.
+_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+#: Type byte -> width of the count that follows, for arrays and maps.
+_COUNTED = {0xDC: 2, 0xDD: 4, 0xDE: 2, 0xDF: 4}
+
+
+class _Reader:
+    """Reads MessagePack objects one at a time from a frame, without
+    recursion and within a budget of objects; ``ValueError`` when the frame
+    is cut short, not MessagePack, or the budget is spent."""
+
+    def __init__(self, frame: memoryview) -> None:
+        self.frame, self.at, self.budget = frame, 0, HEADER_SCAN_OBJECTS
+
+    def _take(self, size: int) -> bytes:
+        if self.at + size > len(self.frame):
+            raise ValueError("cut short")
+        taken = bytes(self.frame[self.at:self.at + size])
+        self.at += size
+        return taken
+
+    def head(self) -> tuple[str, int | bytes | None]:
+        """The next object's head: ("container", items it holds), ("scalar",
+        its bytes), or ("str", its UTF-8 bytes)."""
+        self.budget -= 1
+        if self.budget < 0:
+            raise ValueError("too many objects before the header")
+        first = self._take(1)[0]
+        if first <= 0x7F or first >= 0xE0:
+            return "scalar", bytes([first])
+        if first <= 0x8F:
+            return "container", 2 * (first & 0x0F)
+        if first <= 0x9F:
+            return "container", first & 0x0F
+        if first <= 0xBF:
+            return "str", self._take(first & 0x1F)
+        if first in _COUNTED:
+            count = int.from_bytes(self._take(_COUNTED[first]))
+            return "container", 2 * count if first >= 0xDE else count
+        if first in _SIZED:
+            size = int.from_bytes(self._take(_SIZED[first]))
+            taken = self._take(size + (1 if 0xC7 <= first <= 0xC9 else 0))
+            return ("str" if first >= 0xD9 else "scalar"), taken
+        if first in _FIXED_WIDTH:
+            return "scalar", bytes([first]) + self._take(_FIXED_WIDTH[first])
+        raise ValueError("not MessagePack")
+
+    def skip(self, items: int) -> None:
+        while items:
+            kind, value = self.head()
+            items += (value if kind == "container" else 0) - 1
+
+
+def _as_int(head: tuple[str, int | bytes | None]) -> int | None:
+    kind, raw = head
+    if kind != "scalar" or not isinstance(raw, bytes) or not raw:
+        return None
+    first = raw[0]
+    if first <= 0x7F or first >= 0xE0:
+        return first if first <= 0x7F else first - 0x100
+    if 0xCC <= first <= 0xD3:
+        return int.from_bytes(raw[1:], signed=first >= 0xD0)
+    return None
+
+
+def header_seq(frame: bytes | bytearray | memoryview) -> int | None:
+    """The ``seq`` of a frame whose header reads: a MessagePack map in which
+    ``protocol_version``, ``kind`` and an integer ``seq`` can be read before
+    the frame stops being readable (cut short, a length past its end), in
+    whatever order its keys come. None otherwise."""
+    reader = _Reader(memoryview(frame).cast("B"))
+    if not len(reader.frame):
+        return None
+    try:
+        kind, pairs = reader.head()
+        if kind != "container" or reader.frame[0] in range(0x90, 0xA0) or \
+                reader.frame[0] in (0xDC, 0xDD):
+            return None
+        found: dict[str, int | None] = {}
+        for _ in range(pairs // 2):
+            key_kind, key = reader.head()
+            if key_kind == "container":
+                reader.skip(key)
+            name = key.decode(errors="replace") if key_kind == "str" else None
+            if name in _HEADER_KEYS:
+                found[name] = _as_int(value := reader.head())
+                if value[0] == "container":
+                    reader.skip(value[1])
+            else:
+                reader.skip(1)
+            if _HEADER_KEYS <= found.keys():
+                return found["seq"]
+    except ValueError:
+        pass
+    return None
+
+
 def encode(message: Message) -> bytes:
     """Encode a message as one MessagePack map."""
     return _encoder.encode(message)
@@ -53,7 +186,9 @@ def decode(frame: bytes | bytearray | memoryview,
     try:
         envelope = _envelope_decoder.decode(frame)
     except msgspec.MsgspecError as exc:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header: {exc}") from None
+        raise ProtocolError(ErrorCode.MALFORMED, f"frame: {exc}", header_seq(frame)) from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.MALFORMED, TOO_DEEP, header_seq(frame)) from None
     ref_seq = envelope.seq if type(envelope.seq) is int else None
     if envelope.protocol_version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -68,7 +203,10 @@ def decode(frame: bytes | bytearray | memoryview,
         message = decoder.decode(frame)
     except msgspec.MsgspecError as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: {exc}", ref_seq) from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: {TOO_DEEP}", ref_seq) from None
     try:
+        message.check_header()
         message.validate()
     except ProtocolError as exc:
         exc.ref_seq = message.seq

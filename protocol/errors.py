@@ -11,7 +11,7 @@ class ErrorCode(StrEnum):
     counters (``crl_replay_rejected_messages_total{reason}``, the actors'
     ``rejected_frames_total``) and peers act on some of them. An ``Error``
     carries the refused message's ``seq`` as ``ref_seq`` whenever its header
-    (``protocol_version``, ``kind``, ``seq``) decoded."""
+    (``protocol_version``, ``kind``, ``seq``) read (``protocol.codec.header_seq``)."""
 
     OVERSIZED = "oversized"
     """The frame is longer than the configured ``max_message_bytes``."""
@@ -33,6 +33,10 @@ class ErrorCode(StrEnum):
     outside the window, ...)."""
     IDENTITY = "identity"
     """``sender_id`` is not the connection's routing id."""
+    OWNER = "owner"
+    """A segment or abandon of a rollout that another actor incarnation owns
+    (the one that sent its first segment): only the owner may add to,
+    finish or abandon it."""
     UNEXPECTED = "unexpected"
     """A message kind this socket does not take."""
     FULL = "full"

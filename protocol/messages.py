@@ -29,7 +29,20 @@ from protocol.errors import ErrorCode, ProtocolError
 #: 3: a handshake per peer kind (``LearnerHello`` / ``LearnerWelcome`` on the
 #: replay's learner socket, ``MemberWelcome`` from the learner's control socket).
 #: 4: ``Abandon`` (a rollout given up by a living actor).
-PROTOCOL_VERSION = 4
+#: 5: ``Welcome`` says the replay's frame bound, vocabulary and staleness
+#: grace; header and segment fields have ranges (``invalid`` outside them).
+PROTOCOL_VERSION = 5
+
+#: The ``sender_id`` and routing id of the learner (its rank 0), the one
+#: client the replay's learner socket serves.
+LEARNER_ID = "learner"
+#: Longest ``sender_id`` and ``rollout_id``, in characters.
+MAX_ID_CHARS = 256
+#: Bound of ``incarnation`` and ``seq`` (a signed 64-bit integer, as the
+#: replay's bookkeeping and MessagePack's int64 hold them).
+MAX_COUNTER = 2**63 - 1
+#: Segments a rollout may have (``index`` below it).
+MAX_SEGMENTS = 2**31
 
 SegmentType = Literal["execution", "summary"]
 EpisodeOutcome = Literal[
@@ -52,17 +65,30 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True, gc=False):
     protocol_version: int = PROTOCOL_VERSION
     """The schema version the sender speaks; any other is refused (``protocol_version``)."""
     sender_id: str
-    """The sending process (``actor-3``, ``replay``, ``learner``). On the replay's actor socket
-    and the learner's control socket it must equal the connection's ZeroMQ routing id, its
-    UTF-8 bytes: a client sets that as its socket identity (``identity``)."""
+    """The sending process (``actor-3``, ``replay``, ``learner``), 1 to 256 characters. On the
+    replay's actor socket and the learner's control socket it must equal the connection's ZeroMQ
+    routing id, its UTF-8 bytes: a client sets that as its socket identity (``identity``)."""
     incarnation: int
-    """Changes each time the sender restarts or registers anew; a restarted actor takes a larger
-    one."""
+    """In [0, 2^63). Changes each time the sender restarts or registers anew; a restarted actor
+    takes a larger one."""
     seq: int
-    """+1 per message within one incarnation: ``(sender_id, incarnation, seq)`` identifies a
-    message, and a reply's ``ref_seq`` names it."""
+    """In [0, 2^63); +1 per message within one incarnation: ``(sender_id, incarnation, seq)``
+    identifies a message, and a reply's ``ref_seq`` names it."""
     sent_at: float
-    """Sender's wall clock, seconds since the epoch."""
+    """Sender's wall clock, seconds since the epoch (finite)."""
+
+    def check_header(self) -> None:
+        """The header's ranges (``invalid`` otherwise); the decoder checks them
+        before the kind's own :meth:`validate`."""
+        if not 0 < len(self.sender_id) <= MAX_ID_CHARS:
+            raise ProtocolError(ErrorCode.INVALID, f"sender_id of {len(self.sender_id)} "
+                                f"characters (1 to {MAX_ID_CHARS})")
+        for name in ("incarnation", "seq"):
+            if not 0 <= getattr(self, name) <= MAX_COUNTER:
+                raise ProtocolError(ErrorCode.INVALID, f"{name} {getattr(self, name)} outside "
+                                    f"[0, 2^63)")
+        if not math.isfinite(self.sent_at):
+            raise ProtocolError(ErrorCode.INVALID, f"sent_at {self.sent_at} is not finite")
 
     def validate(self) -> None:
         """Raise :class:`ProtocolError` if the message is semantically invalid.
@@ -151,6 +177,13 @@ class Welcome(Message, tag="welcome"):
     """As in ``ack``."""
     credits_total: int
     """As in ``ack``."""
+    max_message_bytes: int
+    """The largest frame the replay takes (``transport.max_message_bytes``): a longer one costs
+    the sender its connection, unanswered."""
+    vocab_size: int
+    """Token ids must be below it (``invalid`` otherwise)."""
+    stale_grace: int
+    """Versions past ``max_staleness`` a rollout that was ready in time is still served at."""
 
 
 class MemberWelcome(Message, tag="member_welcome"):
@@ -189,6 +222,21 @@ class RolloutStats(msgspec.Struct, kw_only=True, gc=False):
     """The task's labels (``Task.tags``: task family, difficulty, ...), which
     the learner's metrics and evaluation reports group by. May be omitted."""
 
+    def check(self) -> None:
+        """Counts are not negative, summary tokens are among the generated
+        ones and the duration is finite and not negative (``invalid``)."""
+        counts = {"steps": self.steps, "compactions": self.compactions,
+                  "generated_tokens": self.generated_tokens,
+                  "summary_tokens": self.summary_tokens}
+        problems = [f"stats.{name} {value} < 0" for name, value in counts.items() if value < 0]
+        if self.summary_tokens > self.generated_tokens:
+            problems.append(f"stats.summary_tokens {self.summary_tokens} > generated_tokens "
+                            f"{self.generated_tokens}")
+        if not (math.isfinite(self.duration_s) and self.duration_s >= 0):
+            problems.append(f"stats.duration_s {self.duration_s} is not a finite duration")
+        if problems:
+            raise ProtocolError(ErrorCode.INVALID, "; ".join(problems))
+
 
 class Segment(Message, tag="segment"):
     """actor -> replay: one execution window or one summary (DESIGN §2.2).
@@ -199,17 +247,19 @@ class Segment(Message, tag="segment"):
     """
 
     rollout_id: str
-    """Unique within the run (actors use their id, incarnation and a counter); every segment of a
-    rollout carries it."""
+    """1 to 256 characters, unique within the run (actors use their id, incarnation and a
+    counter); every segment of a rollout carries it. The rollout belongs to the actor
+    incarnation whose segment of it came first: another's segment or abandon of it is refused
+    (``owner``)."""
     task_id: str
     """The task the episode plays: the rollouts of one task are a group (``advantage = grpo``)."""
     index: int
-    """Position of the segment in its rollout, from 0."""
+    """Position of the segment in its rollout, in [0, 2^31)."""
     segment_type: SegmentType
     """``execution``: a context window of actions and observations; ``summary``: the summary the
-    policy wrote when it compacted."""
+    policy wrote when it compacted (never at index 0: it summarises a window before it)."""
     tokens: Array
-    """int32 [T] token ids."""
+    """int32 [T] token ids, T >= 1."""
     loss_mask: Array
     """uint8 [T], 1 for trainable (policy-sampled) tokens."""
     logprobs: Array
@@ -222,8 +272,9 @@ class Segment(Message, tag="segment"):
     """The rollout's final reward, a finite number: present exactly on the final segment (omitted
     or nil on the others)."""
     stats: RolloutStats | None = None
-    """The episode's summary, on the final segment; omitted or nil, the learner counts success as
-    reward > 0 and compactions from the segments."""
+    """The episode's summary, on the final segment only (counts >= 0, ``summary_tokens`` <=
+    ``generated_tokens``, a finite ``duration_s`` >= 0); omitted or nil, the learner counts
+    success as reward > 0 and compactions from the segments."""
     token_rewards: Array | None = None
     """float32 [T], per-step rewards the environment gave, each on the last sampled token of the
     action that earned it (0 elsewhere; never on a token with loss_mask 0). Omitted or nil: none.
@@ -249,13 +300,26 @@ class Segment(Message, tag="segment"):
         lengths = {name: getattr(self, name).shape[0] for name in expected}
         if len(set(lengths.values())) != 1:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"per-token arrays differ: {lengths}")
-        if self.index < 0:
-            raise ProtocolError(ErrorCode.INVALID, f"segment index {self.index} < 0")
+        if lengths["tokens"] == 0:
+            raise ProtocolError(ErrorCode.INVALID, "a segment of no tokens")
+        if not 0 <= self.index < MAX_SEGMENTS:
+            raise ProtocolError(ErrorCode.INVALID,
+                                f"segment index {self.index} outside [0, {MAX_SEGMENTS})")
+        if self.index == 0 and self.segment_type == "summary":
+            raise ProtocolError(ErrorCode.INVALID, "a rollout starts with an execution "
+                                "segment: a summary summarises one before it")
+        if not 0 < len(self.rollout_id) <= MAX_ID_CHARS:
+            raise ProtocolError(ErrorCode.INVALID, f"rollout_id of {len(self.rollout_id)} "
+                                f"characters (1 to {MAX_ID_CHARS})")
         if self.final != (self.reward is not None):
             raise ProtocolError(ErrorCode.INVALID,
                                 "reward must be present exactly on the final segment")
         if self.reward is not None and not math.isfinite(self.reward):
             raise ProtocolError(ErrorCode.INVALID, f"reward {self.reward} is not finite")
+        if self.stats is not None:
+            if not self.final:
+                raise ProtocolError(ErrorCode.INVALID, "stats on a segment that is not final")
+            self.stats.check()
 
 
 class Abandon(Message, tag="abandon"):

@@ -133,8 +133,10 @@ class StoreServer:
                 raise StoreRefused("a request is [id, op, *arguments]")
             request_id, op, arguments = request[0], request[1], request[2:]
             self._apply(identity, request_id, op, arguments)
-        except (msgspec.DecodeError, StoreRefused, TypeError, ValueError) as exc:
-            reason = "malformed" if isinstance(exc, msgspec.DecodeError) else "refused"
+        except (msgspec.DecodeError, RecursionError, StoreRefused, TypeError, ValueError) as exc:
+            # nested past the decoder's recursion limit: malformed (protocol.codec.TOO_DEEP)
+            reason = ("malformed" if isinstance(exc, (msgspec.DecodeError, RecursionError))
+                      else "refused")
             self._refused(reason)
             self._reply(identity, request_id, False, f"{reason}: {exc}")
 

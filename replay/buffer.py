@@ -7,6 +7,10 @@ ready rollouts beyond the staleness bound are dropped when the learner's
 version moves. Nothing is served twice: a rollout leaves the buffer when it
 is served or dropped, and late segments of it are recognised and ignored.
 
+A rollout belongs to the actor incarnation that sent its first segment (its
+*owner*, remembered also once it is served or dropped): only the owner's
+segments and abandon may touch it (the replay refuses the others).
+
 Serving order (``serve_order``): ``fifo`` serves the rollouts that became
 ready first; ``freshest`` serves those with the newest oldest-token version
 first (least stale), ``oldest`` those with the oldest first (nearest the
@@ -25,6 +29,9 @@ from protocol import Rollout, Segment
 #: Remember this many served or dropped rollout ids, so late resends of
 #: their segments are recognised instead of starting a ghost rollout.
 RELEASED_MEMORY = 100_000
+
+#: An actor incarnation: (actor id, incarnation).
+Owner = tuple[str, int]
 
 
 @dataclass
@@ -54,6 +61,10 @@ class RolloutEntry:
     rollout on every learner request."""
 
     @property
+    def owner(self) -> Owner:
+        return self.actor_id, self.incarnation
+
+    @property
     def complete(self) -> bool:
         return self.final_index is not None and len(self.segments) == self.final_index + 1
 
@@ -76,7 +87,8 @@ class RolloutBuffer:
         self.pending: dict[str, RolloutEntry] = {}
         self.ready: dict[str, RolloutEntry] = {}  # insertion order = readiness order
         self.nbytes = 0
-        self._released: OrderedDict[str, None] = OrderedDict()
+        self._released: OrderedDict[str, Owner | None] = OrderedDict()
+        """Served or dropped rollout ids, oldest first, with their owners."""
 
     def add(self, segment: Segment, frame: bytes | memoryview, now: float,
             min_version: int | None) -> AddResult:
@@ -106,6 +118,11 @@ class RolloutBuffer:
             entry.final_index = segment.index
         return "stored"
 
+    def owner(self, rollout_id: str) -> Owner | None:
+        """The actor incarnation the rollout belongs to, if it is known."""
+        entry = self.pending.get(rollout_id) or self.ready.get(rollout_id)
+        return entry.owner if entry is not None else self._released.get(rollout_id)
+
     def settled(self, rollout_id: str) -> bool:
         """Whether the rollout is complete, served or dropped: a segment of it
         that arrives now is late."""
@@ -121,14 +138,16 @@ class RolloutBuffer:
         self.ready[rollout_id] = entry
         return entry
 
-    def remove(self, rollout_id: str) -> RolloutEntry | None:
-        """Drop a rollout wherever it is, remembering its id, also when none of
-        its segments is stored: its later segments are then late, not the
-        start of a rollout that could never complete."""
+    def remove(self, rollout_id: str, owner: Owner | None = None) -> RolloutEntry | None:
+        """Drop a rollout wherever it is, remembering its id and owner, also
+        when none of its segments is stored (``owner`` is then the actor
+        whose first segment was refused): its later segments are then late,
+        not the start of a rollout that could never complete."""
         entry = self.pending.pop(rollout_id, None) or self.ready.pop(rollout_id, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
-        self._remember(rollout_id)
+            owner = entry.owner
+        self._remember(rollout_id, owner)
         return entry
 
     def restore(self, entries: list[RolloutEntry]) -> None:
@@ -139,8 +158,8 @@ class RolloutBuffer:
             self.nbytes += entry.nbytes
         self.ready = {entry.rollout_id: entry for entry in entries} | self.ready
 
-    def _remember(self, rollout_id: str) -> None:
-        self._released[rollout_id] = None
+    def _remember(self, rollout_id: str, owner: Owner | None) -> None:
+        self._released[rollout_id] = owner
         if len(self._released) > RELEASED_MEMORY:
             self._released.popitem(last=False)
 

@@ -34,6 +34,7 @@ import zmq
 
 from ops.metrics import Health, MetricsServer, watch_disk
 from protocol import (
+    LEARNER_ID,
     Abandon,
     Ack,
     Batch,
@@ -62,7 +63,7 @@ from protocol.transport import (
 )
 from protocol.validation import check_segment_content
 from replay.batches import BatchServer, ServedBatch
-from replay.buffer import RolloutBuffer, RolloutEntry, to_rollout
+from replay.buffer import Owner, RolloutBuffer, RolloutEntry, to_rollout
 from replay.config import ReplayConfig
 from replay.log import RELEASED, SEGMENT, VERSION, DurableLog, decode_version
 from replay.metrics import ReplayMetrics
@@ -82,6 +83,12 @@ TICK_S = 0.5
 DEDUP_WINDOW = 1 << 20
 #: Compact the log once this many bytes in it are dead and they outweigh the live ones.
 COMPACT_MIN_BYTES = 64 * 1024 * 1024
+
+
+def _owner(message: Segment | Abandon) -> Owner:
+    return message.sender_id, message.incarnation
+
+
 class _SeenSeqs:
     """Seqs seen per (sender, incarnation), bounded by a window behind the newest."""
 
@@ -138,14 +145,12 @@ class ReplayService:
         self.actors = ServerEndpoint(self.actor_socket, self._stamp,
                                      transport.max_message_bytes, self._refused, undelivered)
         self.learners = ServerEndpoint(self.learner_socket, self._stamp,
-                                       transport.max_message_bytes, self._refused, undelivered,
-                                       check_identity=False)
+                                       transport.max_message_bytes, self._refused, undelivered)
         self._actor_handlers: dict[type[Message], Handler] = {
             Hello: self._on_hello, Segment: self._on_segment, Heartbeat: self._on_heartbeat,
             Abandon: self._on_abandon}
         self._learner_handlers: dict[type[Message], Handler] = {
-            LearnerHello: self._on_learner_hello, BatchRequest: self._on_batch_request,
-            Heartbeat: lambda received: None}
+            LearnerHello: self._on_learner_hello, BatchRequest: self._on_batch_request}
         self._acks: dict[bytes, list[int]] = defaultdict(list)
         """Per actor, the seqs stored in the ingest pass under way (acknowledged at its end)."""
         self._now = time.monotonic()
@@ -275,6 +280,8 @@ class ReplayService:
             heartbeat_liveness=self.transport.heartbeat_liveness,
             max_staleness=self.config.max_staleness,
             rollouts_per_batch=self.config.rollouts_per_batch,
+            max_message_bytes=self.transport.max_message_bytes, vocab_size=self.vocab_size,
+            stale_grace=self.config.stale_grace,
             credits=self._top_up(identity),  # before the ledger: it counts them
             **self._ledger_fields(hello.sender_id)))
 
@@ -288,6 +295,8 @@ class ReplayService:
     def _on_segment(self, received: Received) -> None:
         identity, segment, frame = received.identity, received.message, received.frame
         acks, now = self._acks, self._now
+        if self._refused_stranger(received, segment.rollout_id):
+            return
         key = (segment.sender_id, segment.incarnation, segment.seq)
         if key in self.seen:
             self.metrics.segments.labels("duplicate").inc()
@@ -301,12 +310,12 @@ class ReplayService:
             # its rollout can never complete: drop it now and return its credit
             # (a rollout left pending, or never stored, would hold the credit)
             if not self.buffer.settled(segment.rollout_id):
-                self._drop(segment.rollout_id, "invalid", segment.sender_id)
+                self._drop(segment.rollout_id, "invalid", _owner(segment))
             return
         # a late segment takes no memory: the bound must not drop its complete rollout
         if (not self.buffer.settled(segment.rollout_id)
                 and self.buffer.nbytes + len(frame) > self.config.max_buffer_bytes):
-            self._drop(segment.rollout_id, "full", segment.sender_id)
+            self._drop(segment.rollout_id, "full", _owner(segment))
             self.actors.refuse(received, ErrorCode.FULL,
                                "replay buffer at its memory bound: rollout dropped")
             return
@@ -332,13 +341,27 @@ class ReplayService:
         """A rollout its living actor gave up: dropped, its credit returned
         (once: a resent one is a duplicate, acknowledged again)."""
         identity, abandon = received.identity, received.message
+        if self._refused_stranger(received, abandon.rollout_id):
+            return
         key = (abandon.sender_id, abandon.incarnation, abandon.seq)
         self._acks[identity].append(abandon.seq)
         if key in self.seen:
             return
         self.seen.add(key)
         if not self.buffer.settled(abandon.rollout_id):
-            self._drop(abandon.rollout_id, "abandoned", abandon.sender_id)
+            self._drop(abandon.rollout_id, "abandoned", _owner(abandon))
+
+    def _refused_stranger(self, received: Received, rollout_id: str) -> bool:
+        """Refuse (``owner``) a segment or abandon of a rollout that another
+        actor incarnation owns (the one that sent its first segment): no peer
+        may add to, finish or drop a rollout of another."""
+        owner = self.buffer.owner(rollout_id)
+        message = received.message
+        if owner is None or owner == (message.sender_id, message.incarnation):
+            return False
+        self.actors.refuse(received, ErrorCode.OWNER,
+                           f"rollout {rollout_id[:64]!r} belongs to another actor incarnation")
+        return True
 
     def _top_up(self, identity: bytes) -> int:
         peer = self.registry.peers[identity]
@@ -375,6 +398,10 @@ class ReplayService:
     def _serve_learner(self) -> None:
         self._asked = False
         for received in self.learners.receive():
+            if received.message.sender_id != LEARNER_ID:  # the socket is the learner's alone
+                self.learners.refuse(received, ErrorCode.IDENTITY,
+                                     f"the learner socket serves {LEARNER_ID!r} only")
+                continue
             self.learners.dispatch(self._learner_handlers, received)
         self._try_serve_parked()
         if self._asked:
@@ -488,17 +515,17 @@ class ReplayService:
         self.metrics.finished_tokens.labels(fate).inc(
             sum(int(s.segment.loss_mask.numpy().sum()) for s in entry.segments.values()))
 
-    def _drop(self, rollout_id: str, reason: str, actor_id: str | None = None) -> None:
-        """Drop a rollout, counted, and free its place. With ``actor_id`` the
+    def _drop(self, rollout_id: str, reason: str, owner: Owner | None = None) -> None:
+        """Drop a rollout, counted, and free its place. With ``owner`` the
         rollout may have nothing stored yet (its first segment was refused):
-        it is dropped all the same, its id remembered (its later segments are
-        late, not a rollout that could never complete) and the credit its
-        actor spent on it returned."""
-        entry = self.buffer.remove(rollout_id)
+        it is dropped all the same, its id and owner remembered (its later
+        segments are late, not a rollout that could never complete) and the
+        credit its actor spent on it returned."""
+        entry = self.buffer.remove(rollout_id, owner)
         if entry is None:
-            if actor_id is not None:
+            if owner is not None:
                 self.metrics.dropped.labels(reason).inc()
-                self.pacer.finished(actor_id, accepted=False)
+                self.pacer.finished(owner[0], accepted=False)
             return
         self.metrics.dropped.labels(reason).inc()
         if entry.ready_at is not None:

@@ -24,6 +24,9 @@ TOKENS = 64
 #: The learner version the good learner reports: trainable versions above it are out of window.
 LEARNER_VERSION = 1
 ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
+#: A final segment's valid episode summary, as on the wire.
+STATS = {"outcome": "done", "success": True, "steps": 3, "compactions": 1,
+         "generated_tokens": 40, "summary_tokens": 10, "duration_s": 2.5}
 
 
 def _array(dtype: str, values: np.ndarray) -> list:
@@ -57,10 +60,47 @@ def _claim_gib_bin(frame: bytes) -> bytes:
     return frame[:at] + b"\xc6\x40\x00\x00\x00" + frame[at + len(marker):]
 
 
+#: Nesting past the decoder's recursion limit (about 900 levels); the smallest
+#: such frame is a heartbeat of about 1.3 KB.
+BOMB_DEPTH = 1_100
+
+
+def nested_under_a_key(plain: dict, depth: int = BOMB_DEPTH) -> bytes:
+    """``plain`` encoded with one more key, unknown to the schema, whose value
+    is ``depth`` arrays nested in one another."""
+    body = msgspec.msgpack.encode(plain)
+    assert 0x80 <= body[0] <= 0x8E, "a fixmap with room for one more key"
+    return bytes([body[0] + 1]) + body[1:] + msgspec.msgpack.encode("x") \
+        + b"\x91" * depth + b"\xc0"
+
+
+def header_first(plain: dict) -> bytes:
+    """``plain`` encoded with the header's keys first, as another
+    implementation may write them (msgspec writes a kind's own fields first)."""
+    header = ("protocol_version", "kind", "seq", "sender_id", "incarnation", "sent_at")
+    return msgspec.msgpack.encode({key: plain[key] for key in header}
+                                  | {k: v for k, v in plain.items() if k not in header})
+
+
+def depth_bombs(plain: dict) -> list[tuple[str, list[bytes], str]]:
+    """A valid message ``plain`` with a key nested past the decoder's limit,
+    and cut short after its header."""
+    return [
+        (f"a {plain['kind']} with a key nested {BOMB_DEPTH} deep",
+         [nested_under_a_key(plain)], "malformed"),
+        (f"a {plain['kind']} with a key nested 100,000 deep",
+         [nested_under_a_key(plain, 100_000)], "malformed"),
+        (f"a {plain['kind']} cut short after its header",
+         [header_first(plain)[:-3]], "malformed"),
+    ]
+
+
 def replay_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
     """(what, frames of one message, the reason the replay must give)."""
     segment = _segment(stamp)
-    return [
+    heartbeat = msgspec.msgpack.decode(encode(Heartbeat(
+        **stamp.next(), active_rollouts=0, stall_seconds={}, credit_ledger=0, credits_seen=0)))
+    return depth_bombs(heartbeat) + [
         ("not MessagePack", [b"\xff\x00 not msgpack"], "malformed"),
         ("a truncated segment", [segment[: len(segment) // 2]], "malformed"),
         ("a message in two frames", [segment, segment], "malformed"),
@@ -99,6 +139,23 @@ def replay_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
         ("a negative version on a trainable token",
          [_segment(stamp, **_tokenwise("versions", "int32", 1, -1))], "invalid"),
         ("a negative segment index", [_segment(stamp, index=-1)], "invalid"),
+        ("a segment index of 2^40", [_segment(stamp, index=2**40)], "invalid"),
+        ("a uint64 segment index", [_segment(stamp, index=2**64 - 1)], "invalid"),
+        ("a segment of no tokens", [_segment(stamp, **{
+            name: _array(dtype, np.zeros(0)) for name, dtype in (
+                ("tokens", "int32"), ("loss_mask", "uint8"), ("logprobs", "float32"),
+                ("versions", "int32"))})], "invalid"),
+        ("an empty rollout_id", [_segment(stamp, rollout_id="")], "invalid"),
+        ("a rollout that begins with a summary", [_segment(stamp, segment_type="summary")],
+         "invalid"),
+        ("stats on a segment that is not final",
+         [_segment(stamp, final=False, reward=None, stats=STATS)], "invalid"),
+        ("a NaN episode duration", [_segment(stamp, stats={**STATS, "duration_s": float("nan")})],
+         "invalid"),
+        ("a negative step count", [_segment(stamp, stats={**STATS, "steps": -5})], "invalid"),
+        ("a negative incarnation", [_segment(stamp, incarnation=-5)], "invalid"),
+        ("a negative seq", [_segment(stamp, seq=-1)], "invalid"),
+        ("a NaN sent_at", [_segment(stamp, sent_at=float("nan"))], "invalid"),
         ("someone else's sender_id", [_segment(stamp, sender_id="actor-good")], "identity"),
         ("a learner's request on the actor socket",
          [encode(BatchRequest(**stamp.next(), size=1, policy_version=0))], "unexpected"),
@@ -110,7 +167,7 @@ def control_catalogue(stamp: Stamp) -> list[tuple[str, list[bytes], str]]:
     plain = msgspec.msgpack.decode(encode(Heartbeat(**stamp.next(), active_rollouts=0,
                                                     stall_seconds={}, credit_ledger=0,
                                                     credits_seen=0)))
-    return [
+    return depth_bombs(plain) + [
         ("not MessagePack", [b"\xff\x00 not msgpack"], "malformed"),
         ("a message in two frames", [encode(Heartbeat(**stamp.next(), active_rollouts=0,
                                                       stall_seconds={}, credit_ledger=0,

@@ -84,7 +84,8 @@ class ReplayPeer:
                     **self._stamp.next(), run_id="test", policy_version=0,
                     heartbeat_interval_s=1.0, heartbeat_liveness=5, max_staleness=2,
                     rollouts_per_batch=4, credits=self.credits_on_welcome,
-                    credit_ledger=CREDIT_LEDGER, credits_total=self.credits_total))])
+                    credit_ledger=CREDIT_LEDGER, credits_total=self.credits_total,
+                    max_message_bytes=1 << 20, vocab_size=2**31 - 1, stale_grace=0))])
             elif isinstance(message, Heartbeat):
                 self.heartbeats += 1
                 self.credits_seen = message.credits_seen

@@ -46,15 +46,17 @@ def _array(values: list, dtype: str) -> Array:
 @st.composite
 def segments(draw, rollout_id: str | None = None, index: int | None = None,
              final: bool | None = None) -> Segment:
-    n = draw(st.integers(0, 64))
+    n = draw(st.integers(1, 64))
     mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
     is_final = draw(st.booleans()) if final is None else final
+    at = draw(st.integers(0, 100)) if index is None else index
     return Segment(
         **draw(header),
         rollout_id=draw(ids) if rollout_id is None else rollout_id,
         task_id=draw(ids),
-        index=draw(st.integers(0, 100)) if index is None else index,
-        segment_type=draw(st.sampled_from(["execution", "summary"])),
+        index=at,
+        # a rollout begins with an execution segment (a summary summarises one)
+        segment_type=draw(st.sampled_from(["execution", "summary"] if at else ["execution"])),
         tokens=_array(draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)), "int32"),
         loss_mask=_array(mask, "uint8"),
         logprobs=_array(draw(st.lists(st.floats(-50, 0, width=32), min_size=n, max_size=n)),
@@ -66,11 +68,18 @@ def segments(draw, rollout_id: str | None = None, index: int | None = None,
     )
 
 
-rollout_stats = st.builds(
-    RolloutStats, outcome=st.sampled_from(["done", "step_limit", "compaction_limit",
-                                           "context_full", "error"]),
-    success=st.booleans(), steps=counts, compactions=counts, generated_tokens=counts,
-    summary_tokens=counts, duration_s=st.floats(0, 1e6))
+@st.composite
+def _stats(draw) -> RolloutStats:
+    generated = draw(counts)
+    return RolloutStats(
+        outcome=draw(st.sampled_from(["done", "step_limit", "compaction_limit", "context_full",
+                                      "error"])),
+        success=draw(st.booleans()), steps=draw(counts), compactions=draw(counts),
+        generated_tokens=generated, summary_tokens=draw(st.integers(0, generated)),
+        duration_s=draw(st.floats(0, 1e6)))
+
+
+rollout_stats = _stats()
 
 
 @st.composite
@@ -103,7 +112,8 @@ def messages(draw, kind: str | None = None):
                        heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts),
                        max_staleness=draw(counts), rollouts_per_batch=draw(counts),
                        credits=draw(counts), credit_ledger=draw(counts),
-                       credits_total=draw(counts))
+                       credits_total=draw(counts), max_message_bytes=draw(counts),
+                       vocab_size=draw(counts), stale_grace=draw(counts))
     if kind == "member_welcome":
         return MemberWelcome(**h, run_id=draw(ids), policy_version=draw(counts),
                              heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts))

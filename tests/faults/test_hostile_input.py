@@ -18,17 +18,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from protocol import (
+    LEARNER_ID,
+    Abandon,
     Ack,
     Error,
     GroupInfo,
+    Heartbeat,
     Hello,
+    LearnerHello,
     MemberWelcome,
+    Message,
     Segment,
     Stamp,
     TensorSpec,
@@ -38,6 +44,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
 from tests.hostile_frames import (
     ENGINE,
@@ -45,6 +52,7 @@ from tests.hostile_frames import (
     TOKENS,
     VOCAB,
     control_catalogue,
+    depth_bombs,
     replay_catalogue,
 )
 from tests.ports import loopback_addresses
@@ -81,16 +89,27 @@ def _hostile(context: zmq.Context, address: str) -> zmq.Socket:
 
 def _header_seq(frames: list[bytes]) -> int | None:
     """The ``seq`` an Error must name for a message of ``frames``: the
-    header's, if the message is one frame whose header decodes (read with
-    the plain msgpack package, as another implementation would)."""
+    header's, if the message is one frame, a map in which
+    ``protocol_version``, ``kind`` and an integer ``seq`` read before
+    anything unreadable (read pair by pair with the plain msgpack package,
+    as another implementation would, docs/protocol.md "Rejection")."""
     if len(frames) != 1:
         return None
+    reader = msgpack.Unpacker(raw=False, strict_map_key=False)
+    reader.feed(frames[0])
+    found: dict[str, object] = {}
     try:
-        header = msgpack.unpackb(frames[0])
-    except Exception:  # noqa: BLE001  (any way the bytes are not MessagePack)
+        for _ in range(reader.read_map_header()):
+            key = reader.unpack()
+            if key in ("protocol_version", "kind", "seq"):
+                found[key] = reader.unpack()
+            else:
+                reader.skip()
+            if len(found) == 3:
+                return found["seq"] if type(found["seq"]) is int else None
+    except Exception:  # noqa: BLE001  (any way the bytes stop being MessagePack)
         return None
-    seq = header.get("seq") if isinstance(header, dict) else None
-    return seq if type(seq) is int else None
+    return None
 
 
 def _error(socket: zmq.Socket, timeout_ms: int = 10_000) -> Error:
@@ -161,6 +180,81 @@ def test_a_flood_of_bad_frames_leaves_good_clients_served_and_batches_clean(
           f"rollouts acknowledged in at most {max(ack_seconds):.2f} s during the flood; "
           f"replay RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
     assert rss_after - rss_before < 64 * 2**20  # rejected frames are not kept
+
+
+def test_the_learner_socket_refuses_bombs_and_actor_messages_and_keeps_serving(
+        replay: ReplayProcess, context: zmq.Context) -> None:
+    # a client that says it is the learner: bombs are malformed, an actor's
+    # message is not for this socket; any other sender is not the learner
+    hostile = connect_dealer(context, replay.learner_address, TransportConfig(),
+                             LEARNER_ID.encode())
+    stamp, stranger = Stamp(LEARNER_ID, 1), Stamp("hostile", 1)
+    hello = msgspec.msgpack.decode(encode(LearnerHello(**stamp.next())))
+    catalogue = depth_bombs(hello) + [
+        ("an actor's heartbeat", [encode(Heartbeat(**stamp.next(), active_rollouts=0,
+                                                   stall_seconds={}, credit_ledger=0,
+                                                   credits_seen=0))], "unexpected")]
+    other = _hostile(context, replay.learner_address)
+    other.send(encode(LearnerHello(**stranger.next())))
+    assert _error(other).code == "identity"
+    expected: Counter[str] = Counter(identity=1)
+    assert replay.wait_rejected(1) == expected
+    for what, frames, reason in catalogue:
+        hostile.send_multipart(frames)
+        reply = _error(hostile)
+        assert (reply.code, reply.ref_seq) == (reason, _header_seq(frames)), \
+            f"{what}: {reply.code} {reply.text}"
+        expected[reason] += 1
+        assert replay.wait_rejected(sum(expected.values())) == expected, what
+    hostile.close(linger=0)  # the learner's routing id, for the real one below
+    actor = ActorClient(context, replay.actor_address, actor_id="actor-good")
+    actor.hello()
+    actor.push_rollout(segments=2, version=0, tokens=TOKENS)
+    assert actor.pump_until(lambda: not actor.unacked) and not actor.errors
+    learner = LearnerClient(context, replay.learner_address)
+    learner.request(1, version=0)
+    batch = learner.receive(10.0)
+    assert batch is not None and len(batch.rollouts) == 1
+
+
+def _refused_as(client: ActorClient, message: Message, code: str) -> None:
+    client.send(message)
+    assert client.pump_until(lambda: any(e.ref_seq == message.seq for e in client.errors))
+    [error] = [e for e in client.errors if e.ref_seq == message.seq]
+    assert error.code == code, error
+
+
+def test_only_the_actor_that_began_a_rollout_may_add_to_finish_or_abandon_it(
+        replay: ReplayProcess, context: zmq.Context) -> None:
+    owner = ActorClient(context, replay.actor_address, actor_id="actor-owner")
+    stranger = ActorClient(context, replay.actor_address, actor_id="actor-stranger")
+    for client in (owner, stranger):
+        client.hello()
+        assert client.pump_until(lambda c=client: c.credits > 0)
+    begun = synthetic_segment(owner.stamp, "r-owned", 0, final=False, tokens=TOKENS)
+    owner.send(begun)
+    assert owner.pump_until(lambda: replay.metric("crl_replay_segments_total",
+                                                  result="accepted") == 1)
+    # the stranger can neither finish, extend nor abandon it, and is told so
+    _refused_as(stranger, synthetic_segment(stranger.stamp, "r-owned", 1, final=True,
+                                            tokens=TOKENS), "owner")
+    _refused_as(stranger, synthetic_segment(stranger.stamp, "r-owned", 2, final=False,
+                                            tokens=TOKENS), "owner")
+    _refused_as(stranger, Abandon(**stranger.stamp.next(), rollout_id="r-owned"), "owner")
+    # the owner finishes it: served with its own segments only ...
+    owner.send(synthetic_segment(owner.stamp, "r-owned", 1, final=True, tokens=TOKENS))
+    learner = LearnerClient(context, replay.learner_address)
+    learner.request(1, version=0)
+    batch = learner.receive(10.0)
+    assert batch is not None
+    [rollout] = batch.rollouts
+    assert [(s.sender_id, s.index) for s in rollout.segments] == [("actor-owner", 0),
+                                                                  ("actor-owner", 1)]
+    # ... and a served rollout stays the owner's: a stranger's segment of it is refused
+    _refused_as(stranger, synthetic_segment(stranger.stamp, "r-owned", 3, final=False,
+                                            tokens=TOKENS), "owner")
+    assert replay.metric("crl_replay_rejected_messages_total", reason="owner") == 4
+    assert replay.metric("crl_replay_dropped_total", reason="abandoned") == 0
 
 
 class _RawZmtp:

@@ -29,7 +29,7 @@ from replay.service import ReplayService
 from tests.ports import loopback_addresses
 
 #: docs/protocol.md, "Fields": the header's protocol_version.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 VOCAB = 100
 MAX_MESSAGE_BYTES = 64 * 1024
 #: Room for a few small rollouts, not for a 4,096-token segment (~53 kB).

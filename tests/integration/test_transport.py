@@ -55,7 +55,8 @@ def test_dealer_router_round_trip(context: zmq.Context) -> None:
     assert identity == b"actor-1" and isinstance(decode(frame), Hello)
     welcome = Welcome(**Stamp("replay", 0).next(), run_id="run", policy_version=3,
                       heartbeat_interval_s=1.0, heartbeat_liveness=5, max_staleness=2,
-                      rollouts_per_batch=8, credits=4, credit_ledger=1, credits_total=4)
+                      rollouts_per_batch=8, credits=4, credit_ledger=1, credits_total=4,
+                      max_message_bytes=1 << 20, vocab_size=1000, stale_grace=0)
     router.send_multipart([identity, encode(welcome)])
     [reply] = _receive(dealer, RECEIVE_TIMEOUT_MS)
     assert decode(reply) == welcome

@@ -22,6 +22,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.codec import HEADER_SCAN_OBJECTS, header_seq
 from tests.strategies import KINDS, messages
 
 
@@ -214,3 +215,29 @@ def test_arbitrary_bytes_raise_only_protocol_error(frame: bytes) -> None:
         decode(frame)
     except ProtocolError:
         pass
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=512))
+def test_reading_a_header_from_arbitrary_bytes_gives_a_seq_or_none(frame: bytes) -> None:
+    seq = header_seq(frame)
+    assert seq is None or type(seq) is int
+
+
+def test_a_frame_cut_short_after_its_header_names_its_seq() -> None:
+    header = {"protocol_version": PROTOCOL_VERSION, "kind": "heartbeat", "seq": 41}
+    frame = msgspec.msgpack.encode(header | {"sender_id": "a", "incarnation": 1,
+                                             "sent_at": 1.0, "active_rollouts": 0})
+    for cut in range(len(msgspec.msgpack.encode(header)), len(frame)):
+        with pytest.raises(ProtocolError) as refused:
+            decode(frame[:cut])
+        assert (refused.value.code, refused.value.ref_seq) == (ErrorCode.MALFORMED, 41)
+    # before the header is whole there is no seq to name
+    with pytest.raises(ProtocolError) as refused:
+        decode(frame[:len(msgspec.msgpack.encode(header)) - 1])
+    assert refused.value.ref_seq is None
+    # the header's keys in any order, behind other fields, if within the scan
+    late = msgspec.msgpack.encode({"pad": list(range(HEADER_SCAN_OBJECTS // 2))} | header)
+    assert header_seq(late) == 41
+    far = msgspec.msgpack.encode({"pad": list(range(HEADER_SCAN_OBJECTS))} | header)
+    assert header_seq(far) is None

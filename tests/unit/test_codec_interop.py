@@ -27,7 +27,7 @@ def test_segment_arrays_are_dtype_shape_bytes_triples() -> None:
     frame = msgpack.packb({
         "kind": "segment", "protocol_version": PROTOCOL_VERSION, "sender_id": "py-msgpack",
         "incarnation": 2, "seq": 7, "sent_at": 0.5, "rollout_id": "r", "task_id": "t",
-        "index": 0, "segment_type": "summary",
+        "index": 1, "segment_type": "summary",
         "tokens": ["int32", [5], tokens.astype("<i4").tobytes()],
         "loss_mask": ["uint8", [5], bytes([0, 0, 1, 1, 1])],
         "logprobs": ["float32", [5], np.array([0, 0, -1, -2, -3], "<f4").tobytes()],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -23,6 +24,7 @@ from protocol import (
     encode,
 )
 from protocol.endpoint import ClientEndpoint, Received, ServerEndpoint
+from tests.hostile_frames import nested_under_a_key
 
 
 @pytest.fixture
@@ -144,13 +146,16 @@ async def _client_scenario() -> None:
         await router.send_multipart([b"client", b"\xc1"])
         await router.send_multipart([b"client", encode(BatchRequest(
             **server.next(), size=1, policy_version=0))])
+        bomb = nested_under_a_key(msgspec.msgpack.decode(encode(error)))
+        await router.send_multipart([b"client", bomb])
         for _ in range(100):
-            if len(dropped) == 2:
+            if len(dropped) == 3:
                 break
             await asyncio.sleep(0.01)
         assert [(e.code, e.ref_seq) for e in errors] == [(ErrorCode.FULL, 3)]
         assert [(d.code, d.ref_seq) for d in dropped] == [(ErrorCode.MALFORMED, None),
-                                                          (ErrorCode.UNEXPECTED, 1)]
+                                                          (ErrorCode.UNEXPECTED, 1),
+                                                          (ErrorCode.MALFORMED, 0)]
 
         # the server going away is a disconnect, counted
         router.close(linger=0)

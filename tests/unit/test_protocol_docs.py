@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from protocol import MESSAGE_TYPES, ErrorCode
+from protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode
 from protocol.schema import BEGIN, END, markdown, replace_region
 
 DOC = Path(__file__).parents[2] / "docs" / "protocol.md"
@@ -42,3 +42,8 @@ def test_the_rejection_table_names_every_error_code() -> None:
 def test_the_generated_region_is_marked() -> None:
     text = DOC.read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1
+
+
+def test_the_document_states_the_protocol_version_the_code_speaks() -> None:
+    [stated] = re.findall(r"protocol version \*\*(\d+)\*\*", DOC.read_text())
+    assert int(stated) == PROTOCOL_VERSION

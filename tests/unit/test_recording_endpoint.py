@@ -18,7 +18,7 @@ import pytest
 from actors.chat import ChatFormat
 from actors.config import ActorConfig, EndpointConfig
 from actors.context import Generation, SegmentData
-from actors.endpoint import EndpointError, RecordingEndpoint
+from actors.endpoint import MAX_BODY_NESTING, EndpointError, RecordingEndpoint
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 
@@ -230,6 +230,16 @@ def test_bad_requests_get_an_http_error_with_a_reason_and_a_count(chat: ChatForm
         host.policy.script = ["look", "fine"]
         url = f"{base}/chat/completions"
         assert (await post(client, url, None, raw=b"{not json"))[0] == 400
+        # nested past the decoder's recursion limit, and past the body's bound
+        status, body, _ = await post(client, url, None, raw=b'{"messages": [{"content": '
+                                     + b"[" * 100_000 + b"]" * 100_000 + b"}]}")
+        assert (status, body["error"]["code"]) == (400, "malformed_json")
+        deep: object = "x"
+        for _ in range(MAX_BODY_NESTING):
+            deep = [deep]
+        status, body, _ = await post(client, url, {"messages": [
+            {"role": "user", "content": deep}]})
+        assert (status, body["error"]["code"]) == (400, "too_deep")
         assert (await post(client, url, {"messages": "x"}))[0] == 400
         assert (await post(client, url, {"messages": [TASK]}, session=None))[0] == 400
         assert (await post(client, url, {"messages": [{"role": "robot", "content": "x"}]}))[0] \
@@ -251,6 +261,7 @@ def test_bad_requests_get_an_http_error_with_a_reason_and_a_count(chat: ChatForm
         assert status == 200
 
     host = serve(chat, scenario)
+    assert host.errors("malformed_json") == 2 and host.errors("too_deep") == 1
     for reason in ("malformed_json", "invalid_request", "no_session", "invalid_messages",
                    "over_window", "contradiction", "unknown_session"):
         assert host.errors(reason) >= 1, reason

@@ -19,6 +19,7 @@ import zmq
 
 from protocol.transport import CurveConfig, TransportConfig, generate_keys
 from protocol.weights_store import MAX_VALUE_BYTES, HostedStore, StoreClient
+from tests.hostile_frames import BOMB_DEPTH
 
 
 @pytest.fixture
@@ -87,12 +88,14 @@ def test_hostile_requests_are_refused_counted_and_others_still_served(hosted) ->
         for frame in (b"\xff\x00 not msgpack", encode({"op": "set"}), encode([1, "list_keys"]),
                       encode([2, "set", "k"]), encode([3, "set", 7, b"v"]),
                       encode([4, "set", "k", b"x" * (MAX_VALUE_BYTES + 1)]),
-                      encode([5, "wait", "not-a-list", 1.0]), encode([6, "get", "k", -1])):
+                      encode([5, "wait", "not-a-list", 1.0]), encode([6, "get", "k", -1]),
+                      # a request nested past the decoder's recursion limit
+                      b"\x93\x07\xa3set" + b"\x91" * BOMB_DEPTH + b"\xc0"):
             raw.send(frame)
             assert raw.poll(2000), frame[:20]
             request_id, ok, text = msgspec.msgpack.decode(raw.recv())
             assert not ok and ("refused" in text or "malformed" in text)
-        assert refused == Counter(malformed=1, refused=7)
+        assert refused == Counter(malformed=2, refused=7)
         assert store.num_keys() == 0  # nothing was stored
         store.set("k", b"v")
         assert store.get("k") == b"v"
