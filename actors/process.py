@@ -85,7 +85,7 @@ from protocol import (
     Welcome,
     encode,
 )
-from protocol.endpoint import ClientEndpoint
+from protocol.endpoint import ClientEndpoint, connection_id
 from protocol.transport import TransportConfig, connect_dealer
 
 log = logging.getLogger("compactionrl.actor")
@@ -129,7 +129,7 @@ async def run_actor(settings: ActorSettings) -> int:
                                 seed_offset=settings.index,
                                 weight_transfer=settings.learner_address is not None)
     context = zmq.asyncio.Context()
-    identity = settings.actor_id.encode()
+    identity = connection_id(settings.actor_id)  # one per process: see connection_id
     max_bytes = settings.transport.max_message_bytes
     replay = ClientEndpoint(connect_dealer(context, settings.replay_address, settings.transport,
                                            identity), max_bytes)

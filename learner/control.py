@@ -106,7 +106,8 @@ class ControlPlane:
         self._socket = bind_router(self._context, address, transport)
         self._endpoint = ServerEndpoint(
             self._socket, self._stamp, transport.max_message_bytes,
-            lambda code, message: metrics.rejected_frames.labels(code).inc())
+            lambda code, message: metrics.rejected_frames.labels(code).inc(),
+            bind_keys=transport.curve.enabled)
         self._handlers: dict[type[Message], Handler] = {
             Hello: self._on_hello, Heartbeat: self._on_heartbeat,
             WeightsLoaded: self._on_loaded}
@@ -218,12 +219,24 @@ class ControlPlane:
         type; one from an unknown sender, or a replaced incarnation, must say
         Hello (again) first."""
         message = received.message
-        if not isinstance(message, Hello):
-            with self._lock:
-                member = self._members.get(message.sender_id)
-            if member is None or member.incarnation != message.incarnation:
-                self._endpoint.refuse(received, ErrorCode.UNREGISTERED, "send Hello first")
+        with self._lock:
+            member = self._members.get(message.sender_id)
+        if isinstance(message, Hello):
+            if (member is not None and message.incarnation == member.incarnation
+                    and member.identity != received.identity
+                    and member.identity in self._liveness.alive()):
+                # a second live connection for one incarnation: it would take
+                # the member's announcements (and so the weights) over
+                self._endpoint.refuse(received, ErrorCode.IDENTITY, "this incarnation is a "
+                                      "member on another connection")
                 return
+        elif member is None or member.incarnation != message.incarnation:
+            self._endpoint.refuse(received, ErrorCode.UNREGISTERED, "send Hello first")
+            return
+        elif member.identity != received.identity:
+            self._endpoint.refuse(received, ErrorCode.IDENTITY,
+                                  "this incarnation is a member on another connection")
+            return
         self._endpoint.dispatch(self._handlers, received)
 
     def _on_hello(self, received: Received) -> None:

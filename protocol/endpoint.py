@@ -3,7 +3,8 @@
 
 A :class:`ServerEndpoint` owns what every service does the same way: the
 one-frame rule, decoding within the size bound, the identity rule
-(``sender_id`` is the connection's routing id), refusing with an ``Error``
+(:func:`speaks_for`: the connection's routing id is ``sender_id``, or
+``sender_id/suffix``, :func:`connection_id`), refusing with an ``Error``
 that names the message's ``seq`` and a counter, replies that never block on
 a peer that has gone, and dispatch through a ``{message type: handler}``
 table. A service is then its handler tables over its state: where a message
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,23 @@ log = logging.getLogger("compactionrl.protocol.endpoint")
 
 #: An ``Error``'s text is cut to this many characters.
 MAX_ERROR_TEXT = 500
+
+
+def connection_id(sender_id: str) -> bytes:
+    """A client process's routing id: its ``sender_id``, ``/`` and a random
+    suffix, drawn once per process. ZeroMQ hands a routing id over to the
+    newest connection that presents it (``ROUTER_HANDOVER``, which a
+    reconnecting process needs), silently for the older one; with a suffix
+    no other process presents this one by chance or by guess, and the
+    services bind each incarnation to the connection it registered on."""
+    return f"{sender_id}/{secrets.token_hex(8)}".encode()
+
+
+def speaks_for(routing_id: bytes, sender_id: str) -> bool:
+    """The identity rule: a connection speaks for ``sender_id`` if its
+    routing id is that name, or that name, ``/`` and a suffix."""
+    name = sender_id.encode()
+    return routing_id == name or routing_id.startswith(name + b"/")
 
 
 @dataclass(frozen=True)
@@ -67,15 +86,22 @@ Refused = Callable[[ErrorCode, Message | None], None]
 class ServerEndpoint:
     def __init__(self, socket: zmq.Socket, stamp: Stamp, max_message_bytes: int,
                  refused: Refused, undelivered: Callable[[], None] | None = None,
-                 check_identity: bool = True) -> None:
+                 check_identity: bool = True, bind_keys: bool = False) -> None:
         """``refused`` counts each refusal; ``undelivered`` each reply that
-        could not be sent (the peer gone, or its queue full)."""
+        could not be sent (the peer gone, or its queue full). ``bind_keys``
+        (the socket is a CURVE server): a ``sender_id`` belongs to the client
+        key it first spoke with, for the process's life; another key's
+        message for it is refused (``identity``), so no authorized client
+        speaks for another's actors."""
         self.socket = socket
         self.stamp = stamp
         self.max_message_bytes = max_message_bytes
         self.refused = refused
         self.undelivered = undelivered
         self.check_identity = check_identity
+        self.bind_keys = bind_keys
+        self._keys: dict[str, str] = {}
+        """Per sender_id, the client key it first spoke with (``bind_keys``)."""
 
     def receive(self, limit: int | None = None) -> Iterator[Received]:
         """The messages waiting on the socket (at most ``limit``), without
@@ -97,9 +123,17 @@ class ServerEndpoint:
             except ProtocolError as exc:
                 self.reject(identity, exc.code, str(exc), ref_seq=exc.ref_seq)
                 continue
-            if self.check_identity and message.sender_id.encode() != identity:
+            if self.check_identity and not speaks_for(identity, message.sender_id):
                 self.refuse(Received(identity, message, frame), ErrorCode.IDENTITY,
-                            "sender_id differs from the connection's identity")
+                            "sender_id is not the connection's routing id (or its prefix "
+                            "before '/')")
+                continue
+            # the ZAP handler names an authenticated client by its public key
+            if (self.bind_keys and self._keys.setdefault(message.sender_id,
+                                                         parts[0].get("User-Id"))
+                    != parts[0].get("User-Id")):
+                self.refuse(Received(identity, message, frame), ErrorCode.IDENTITY,
+                            "sender_id belongs to another client key")
                 continue
             yield Received(identity, message, frame)
 

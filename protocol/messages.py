@@ -66,8 +66,9 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True, gc=False):
     """The schema version the sender speaks; any other is refused (``protocol_version``)."""
     sender_id: str
     """The sending process (``actor-3``, ``replay``, ``learner``), 1 to 256 characters. On the
-    replay's actor socket and the learner's control socket it must equal the connection's ZeroMQ
-    routing id, its UTF-8 bytes: a client sets that as its socket identity (``identity``)."""
+    replay's sockets and the learner's control socket the connection's ZeroMQ routing id must be
+    its UTF-8 bytes, or those, ``/`` and a suffix (the project's processes draw a random one per
+    process), else ``identity``. ``learner`` is the learner's alone."""
     incarnation: int
     """In [0, 2^63). Changes each time the sender restarts or registers anew; a restarted actor
     takes a larger one."""

@@ -12,12 +12,17 @@ Rules, for an actor id:
   process, if it lives, comes back as a new incarnation;
 - a connection whose actor restarts before its old incarnation fell silent
   replaces that incarnation at once (:meth:`ActorRegistry.admit` returns the
-  old one, gone); a restart keeps the capacity the actor said last.
+  old one, gone); a restart keeps the capacity the actor said last. So does
+  a newer incarnation on another connection (a restarted process draws a new
+  routing id, ``protocol.endpoint.connection_id``);
+- the current incarnation speaks on the connection it was admitted on: the
+  same incarnation on another live connection is refused (``identity``), so
+  no second connection shares an actor's ledger, acks or rollouts.
 
 Usage::
 
     registry = ActorRegistry(Liveness(interval_s, liveness))
-    if (refusal := registry.refusal(actor_id, incarnation)) is not None: refuse(*refusal)
+    if (refusal := registry.refusal(identity, actor_id, incarnation)) is not None: refuse(*refusal)
     replaced = registry.admit(identity, actor_id, incarnation)   # gone, if not None
     for identity, peer in registry.expire(now): ...               # declared dead
 """
@@ -53,9 +58,13 @@ class ActorRegistry:
         """Per actor id, the newest incarnation that has spoken."""
         self.dead: dict[str, int] = {}
         """Per actor id, the newest incarnation declared dead."""
+        self.connection: dict[str, bytes] = {}
+        """Per actor id, the connection its current incarnation speaks on."""
 
-    def refusal(self, actor_id: str, incarnation: int) -> tuple[ErrorCode, str] | None:
-        """Why a message of this incarnation is refused, or None."""
+    def refusal(self, identity: bytes, actor_id: str,
+                incarnation: int) -> tuple[ErrorCode, str] | None:
+        """Why a message of this incarnation on connection ``identity`` is
+        refused, or None."""
         current = self.current.get(actor_id)
         if current is not None and incarnation < current:
             return (ErrorCode.STALE_INCARNATION,
@@ -64,15 +73,26 @@ class ActorRegistry:
             return (ErrorCode.DEAD_INCARNATION,
                     f"incarnation {incarnation} was declared dead (silent for "
                     f"{self.liveness.timeout_s:g} s): register as a new one")
+        bound = self.connection.get(actor_id)
+        if incarnation == current and bound not in (None, identity) and bound in self.peers:
+            return (ErrorCode.IDENTITY, f"incarnation {incarnation} of {actor_id} speaks on "
+                    "another connection")
         return None
 
     def admit(self, identity: bytes, actor_id: str, incarnation: int) -> Peer | None:
         """Record a message of an incarnation :meth:`refusal` let through,
         on connection ``identity``, seen now. Returns the older incarnation
-        of that connection it replaces, which is gone (one declared dead was
-        dealt with then and is no longer here), or None."""
+        it replaces (on this connection or the actor's last one), which is
+        gone (one declared dead was dealt with then and is no longer here),
+        or None."""
         old = self.peers.get(identity)
         replaced = old if old is not None and incarnation > old.incarnation else None
+        bound = self.connection.get(actor_id)
+        if bound not in (None, identity) and bound in self.peers:  # restarted elsewhere
+            replaced = self.peers.pop(bound)
+            self.liveness.forget(bound)
+            old = old or replaced  # its capacity carries over
+        self.connection[actor_id] = identity
         self.current[actor_id] = incarnation
         if old is None or old.incarnation != incarnation:
             self.peers[identity] = Peer(actor_id, incarnation,

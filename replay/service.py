@@ -142,10 +142,13 @@ class ReplayService:
         self.learner_socket = bind_router(
             self._context, listen_address(config.learner_bind, config.learner_address), transport)
         undelivered = self.metrics.replies_undelivered.inc
+        keys = transport.curve.enabled
         self.actors = ServerEndpoint(self.actor_socket, self._stamp,
-                                     transport.max_message_bytes, self._refused, undelivered)
+                                     transport.max_message_bytes, self._refused, undelivered,
+                                     bind_keys=keys)
         self.learners = ServerEndpoint(self.learner_socket, self._stamp,
-                                       transport.max_message_bytes, self._refused, undelivered)
+                                       transport.max_message_bytes, self._refused, undelivered,
+                                       bind_keys=keys)
         self._actor_handlers: dict[type[Message], Handler] = {
             Hello: self._on_hello, Segment: self._on_segment, Heartbeat: self._on_heartbeat,
             Abandon: self._on_abandon}
@@ -262,7 +265,7 @@ class ReplayService:
         """The incarnation rules (replay/registry.py), then the handler of
         the message's type."""
         identity, message = received.identity, received.message
-        refusal = self.registry.refusal(message.sender_id, message.incarnation)
+        refusal = self.registry.refusal(identity, message.sender_id, message.incarnation)
         if refusal is not None:  # its rollouts are gone: nothing of it may count twice
             self.actors.refuse(received, *refusal)
             return

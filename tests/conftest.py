@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import pytest
 
 from protocol.transport import CurveConfig, generate_keys
+from tests.ports import xdist_share
 
 T = TypeVar("T")
 
@@ -42,11 +43,11 @@ def pytest_configure(config: pytest.Config) -> None:
     (inherited by every process its tests start, and followed by ``up``'s and
     vLLM's own placement, which read the affinity): two workers on two cores
     then never run four engines and learners on one core while the other idles."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = xdist_share()
     cores = sorted(os.sched_getaffinity(0))
-    if worker is not None and 1 < workers <= len(cores):
-        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % workers::workers])
+    if share is not None and share[1] <= len(cores):
+        worker, workers = share
+        os.sched_setaffinity(0, cores[worker::workers])
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -45,13 +45,23 @@ def _worker_slice() -> tuple[int, int]:
     """[lowest, top) of the ports this process may hand out: the whole range,
     or the xdist worker's share of it."""
     top = max(_ephemeral_start(), LOWEST_PORT + 1000)
+    share = xdist_share()
+    if share is None:
+        return LOWEST_PORT, top
+    worker, workers = share
+    width = (top - LOWEST_PORT) // workers
+    lowest = LOWEST_PORT + worker * width
+    return lowest, lowest + width
+
+
+def xdist_share() -> tuple[int, int] | None:
+    """(this xdist worker's number, the number of workers) under ``pytest -n
+    N`` with N > 1; None otherwise. Ports and cores are split by it."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or workers <= 1:
-        return LOWEST_PORT, top
-    width = (top - LOWEST_PORT) // workers
-    lowest = LOWEST_PORT + int(worker.removeprefix("gw")) % workers * width
-    return lowest, lowest + width
+        return None
+    return int(worker.removeprefix("gw")) % workers, workers
 
 
 def free_port_range(length: int) -> range:

@@ -63,12 +63,15 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str,
     return time.monotonic() - began
 
 
+def _labelled_sum(samples: dict, name: str, labels: dict[str, str]) -> float:
+    return sum(value for found, value in samples.get(name, [])
+               if all(found.get(k) == v for k, v in labels.items()))
+
+
 def metric(port: int, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` with ``labels`` at a process's metrics
     port on loopback (0 if it does not answer)."""
-    return sum(value for found, value in
-               (scrape(f"http://127.0.0.1:{port}/metrics") or {}).get(name, [])
-               if all(found.get(k) == v for k, v in labels.items()))
+    return _labelled_sum(scrape(f"http://127.0.0.1:{port}/metrics") or {}, name, labels)
 
 
 def answered_metric(port: int, name: str, timeout: float = 60, **labels: str) -> float:
@@ -79,8 +82,7 @@ def answered_metric(port: int, name: str, timeout: float = 60, **labels: str) ->
     while (samples := scrape(f"http://127.0.0.1:{port}/metrics")) is None:
         assert time.monotonic() < end, f"no answer from the metrics port {port} in {timeout} s"
         time.sleep(0.5)
-    return sum(value for found, value in samples.get(name, [])
-               if all(found.get(k) == v for k, v in labels.items()))
+    return _labelled_sum(samples, name, labels)
 
 
 def compactionrl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -33,9 +33,11 @@ class ActorClient:
 
     def __init__(self, context: zmq.Context, address: str, actor_id: str = "actor-x",
                  incarnation: int = 1, capacity: int = 4,
-                 transport: TransportConfig | None = None) -> None:
+                 transport: TransportConfig | None = None,
+                 routing_id: bytes | None = None) -> None:
+        """``routing_id``: the connection's (default ``actor_id`` itself)."""
         self.socket = connect_dealer(context, address, transport or TransportConfig(),
-                                     actor_id.encode())
+                                     routing_id or actor_id.encode())
         self.stamp = Stamp(actor_id, incarnation)
         self.capacity = capacity
         self.credits = 0
@@ -144,10 +146,11 @@ class ControlClient:
     """An actor of the learner's control socket: sends typed messages, reads replies."""
 
     def __init__(self, context: zmq.Context, address: str, actor_id: str,
-                 transport: TransportConfig | None = None) -> None:
+                 transport: TransportConfig | None = None, routing_id: bytes | None = None,
+                 incarnation: int | None = None) -> None:
         self.socket = connect_dealer(context, address, transport or TransportConfig(),
-                                     actor_id.encode())
-        self.stamp = Stamp(actor_id, time.time_ns())
+                                     routing_id or actor_id.encode())
+        self.stamp = Stamp(actor_id, time.time_ns() if incarnation is None else incarnation)
 
     def send(self, message_type: type, **fields: object) -> None:
         self.socket.send(encode(message_type(**self.stamp.next(), **fields)))

@@ -16,8 +16,9 @@ import zmq
 
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
-from protocol import EngineInfo, Hello, MemberWelcome
-from protocol.transport import CurveConfig, TransportConfig
+from protocol import EngineInfo, Error, Hello, MemberWelcome
+from protocol.endpoint import connection_id
+from protocol.transport import CurveConfig, TransportConfig, generate_keys
 from tests.ports import loopback_addresses
 from tests.processes import ReplayProcess
 from tests.protocol_clients import ActorClient, ControlClient, LearnerClient
@@ -37,6 +38,10 @@ def test_only_clients_with_an_authorized_key_reach_the_replay_and_the_learner(
         tmp_path: Path, curve: tuple[CurveConfig, Path]) -> None:
     curve_config, intruder_secret = curve
     secure = TransportConfig(curve=curve_config)
+    # a second authorized client, which must not speak for the first one's actor
+    generate_keys(tmp_path, ["client-1"])
+    other_key = TransportConfig(curve=dataclasses.replace(
+        curve_config, client_secret_key=str(tmp_path / "client-1.key_secret")))
     refused = {"no CURVE": TransportConfig(),
                "an unauthorized key": TransportConfig(curve=dataclasses.replace(
                    curve_config, client_secret_key=str(intruder_secret)))}
@@ -81,6 +86,23 @@ def test_only_clients_with_an_authorized_key_reach_the_replay_and_the_learner(
         member.send(Hello, engine=ENGINE, capacity=1)
         assert isinstance(member.receive(), MemberWelcome)
         assert [m.actor_id for m in plane.members()] == ["actor-0"]
+
+        # another authorized key claiming actor-0, even as a newer incarnation
+        # on a connection of its own: refused on both sockets, actor-0 unmoved
+        impostor = ActorClient(context, replay.actor_address, actor_id="actor-0",
+                               incarnation=actor.stamp.incarnation + 1, transport=other_key,
+                               routing_id=connection_id("actor-0"))
+        impostor.hello()
+        assert impostor.pump_until(lambda: impostor.errors)
+        assert [e.code for e in impostor.errors] == ["identity"] and impostor.credits == 0
+        other = ControlClient(context, control_address, "actor-0", other_key,
+                              routing_id=connection_id("actor-0"))
+        other.send(Hello, engine=ENGINE, capacity=1)
+        reply = other.receive()
+        assert isinstance(reply, Error) and reply.code == "identity", reply
+        actor.push_rollout(segments=1)
+        assert actor.pump_until(lambda: not actor.unacked) and not actor.errors
+        assert [m.identity for m in plane.members()] == [b"actor-0"]
     finally:
         context.destroy(linger=0)
         plane.close()

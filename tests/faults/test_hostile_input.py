@@ -44,6 +44,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.endpoint import connection_id
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
 from tests.hostile_frames import (
@@ -56,7 +57,7 @@ from tests.hostile_frames import (
     replay_catalogue,
 )
 from tests.ports import loopback_addresses
-from tests.processes import ReplayProcess, rss_bytes
+from tests.processes import ReplayProcess, rss_bytes, wait_until
 from tests.protocol_clients import ActorClient, ControlClient, LearnerClient
 
 #: The replay's frame limit here: small, so that an oversized frame is cheap to send.
@@ -257,6 +258,36 @@ def test_only_the_actor_that_began_a_rollout_may_add_to_finish_or_abandon_it(
     assert replay.metric("crl_replay_dropped_total", reason="abandoned") == 0
 
 
+def test_a_second_connection_cannot_speak_for_a_registered_actor(
+        replay: ReplayProcess, context: zmq.Context) -> None:
+    """Another process presenting a registered actor's id and incarnation, on
+    a connection of its own (its own routing id, as every process draws one):
+    refused and counted, while the actor's acks, credits and batches go on."""
+    genuine = ActorClient(context, replay.actor_address, actor_id="actor-1",
+                          routing_id=connection_id("actor-1"))
+    genuine.hello()
+    assert genuine.pump_until(lambda: genuine.credits > 0)
+    for routing_id in (b"actor-1", connection_id("actor-1")):
+        impostor = ActorClient(context, replay.actor_address, actor_id="actor-1",
+                               routing_id=routing_id)
+        impostor.stamp = Stamp("actor-1", genuine.stamp.incarnation, first_seq=10_000)
+        _refused_as(impostor, Hello(**impostor.stamp.next(), capacity=64, engine=ENGINE),
+                    "identity")
+        _refused_as(impostor, synthetic_segment(impostor.stamp, "r-impostor", 0, final=True,
+                                                tokens=TOKENS), "identity")
+        impostor.close()
+    genuine.push_rollout(segments=2, tokens=TOKENS)
+    assert genuine.pump_until(lambda: not genuine.unacked) and not genuine.errors
+    learner = LearnerClient(context, replay.learner_address)
+    learner.request(1, version=0)
+    batch = learner.receive(10.0)
+    assert batch is not None and {s.rollout_id for s in batch.rollouts[0].segments} == {
+        s.rollout_id for s in genuine.acked.values()}
+    assert replay.metric("crl_replay_rejected_messages_total", reason="identity") == 4
+    # the gauge is set each tick: the impostors never counted as actors
+    wait_until(lambda: replay.metric("crl_replay_actors_alive") == 1, 10, "one actor alive")
+
+
 class _RawZmtp:
     """A DEALER spoken by hand (ZMTP 3.0, NULL mechanism), to send what no
     ZeroMQ library would: a frame header claiming any length."""
@@ -395,5 +426,32 @@ def test_the_control_socket_rejects_and_counts_bad_frames_through_a_flood(contro
                 for s in family.samples if s.labels.get("phase") == "load"}
         assert load["crl_learner_weight_sync_seconds_count"] == 1
         assert load["crl_learner_weight_sync_seconds_sum"] == 0.5  # no NaN got in
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_second_connection_cannot_take_a_members_announcements(control) -> None:
+    plane, metrics, address = control
+    context = zmq.Context()
+    try:
+        genuine = ControlClient(context, address, "actor-1",
+                                routing_id=connection_id("actor-1"))
+        genuine.send(Hello, engine=ENGINE, capacity=1)
+        assert isinstance(genuine.receive(), MemberWelcome)
+        impostor = ControlClient(context, address, "actor-1",
+                                 incarnation=genuine.stamp.incarnation)
+        for kind, fields in ((Hello, {"engine": ENGINE, "capacity": 1}),
+                             (WeightsLoaded, {"version": 0, "seconds": 0.1})):
+            impostor.send(kind, **fields)
+            reply = impostor.receive()
+            assert isinstance(reply, Error) and reply.code == "identity", reply
+        assert _rejected(metrics) == Counter(identity=2)
+        [member] = plane.members()
+        manifest = WeightManifest(tensors=[TensorSpec("w", "float32", (2,))], bucket_bytes=0)
+        plane.announce(1, [(member, manifest, GroupInfo(
+            generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
+            backend="gloo"))])
+        assert isinstance(genuine.receive(), WeightsAnnounce)
+        assert not impostor.socket.poll(500)  # nothing of the weights reaches it
     finally:
         context.destroy(linger=0)
