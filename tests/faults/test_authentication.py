@@ -16,8 +16,9 @@ import zmq
 
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
-from protocol import EngineInfo, Error, Hello, MemberWelcome
+from protocol import Abandon, EngineInfo, Error, Hello, MemberWelcome
 from protocol.endpoint import connection_id
+from protocol.synthetic import synthetic_segment
 from protocol.transport import CurveConfig, TransportConfig, generate_keys
 from tests.ports import loopback_addresses
 from tests.processes import ReplayProcess
@@ -103,6 +104,18 @@ def test_only_clients_with_an_authorized_key_reach_the_replay_and_the_learner(
         actor.push_rollout(segments=1)
         assert actor.pump_until(lambda: not actor.unacked) and not actor.errors
         assert [m.identity for m in plane.members()] == [b"actor-0"]
+
+        # that key's own actor cannot finish or abandon actor-0's rollout
+        stranger = ActorClient(context, replay.actor_address, actor_id="actor-1",
+                               transport=other_key, routing_id=connection_id("actor-1"))
+        stranger.hello()  # welcomed (credits are flow control, not needed to be refused)
+        actor.send(synthetic_segment(actor.stamp, "r-curve", 0, final=False))
+        assert actor.pump_until(lambda: replay.metric("crl_replay_segments_total",
+                                                      result="accepted") == 4)
+        stranger.send(synthetic_segment(stranger.stamp, "r-curve", 1, final=True))
+        stranger.send(Abandon(**stranger.stamp.next(), rollout_id="r-curve"))
+        assert stranger.pump_until(lambda: len(stranger.errors) == 2)
+        assert [e.code for e in stranger.errors] == ["owner", "owner"]
     finally:
         context.destroy(linger=0)
         plane.close()
