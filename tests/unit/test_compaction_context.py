@@ -116,10 +116,12 @@ def test_episode_invariants(config: CompactionConfig, max_turn: int, data: st.Da
     assert all(a != b for a, b in itertools.pairwise(kinds))
     assert (kinds[-1] == "summary") == (outcome == "compaction_failed")
 
-    for segment in segments:
+    for before, segment in zip([None, *segments], segments, strict=False):
         if segment.segment_type == "execution":
             _assert_steps_are_whole(segment.tokens)
         else:
+            # a summary's context is the window it summarises, then the request
+            assert segment.tokens[:len(before.tokens)] == before.tokens
             n_summary = segment.num_trainable
             assert 1 <= n_summary <= config.max_summary_tokens
             assert segment.tokens[-n_summary - 1] == HEADER
