@@ -95,6 +95,24 @@ def test_resent_segments_are_acknowledged_once_stored_once(replay: ReplayThread)
     assert batch is not None and [len(r.segments) for r in batch.rollouts] == [2]
 
 
+def test_another_message_under_a_stored_seq_is_taken_for_a_resend(replay: ReplayThread) -> None:
+    """docs/protocol.md, Peer rules: a seq names a message; a second one under
+    it is acknowledged as a duplicate and not stored, whatever it holds."""
+    actor = replay.actor()
+    actor.hello()
+    actor.push_rollout(segments=2)
+    assert actor.pump_until(lambda: not actor.unacked)
+    [first, second] = sorted(actor.acked.values(), key=lambda s: s.index)
+    other = msgspec.structs.replace(second, reward=-5.0, seq=first.seq)  # first's seq, reused
+    actor.socket.send(encode(other))
+    assert actor.pump_until(
+        lambda: replay.metric("crl_replay_segments_total", result="duplicate") == 1)
+    learner = replay.learner()
+    learner.request(1, version=0)
+    batch = learner.receive(2.0)
+    assert batch is not None and [s.reward for s in batch.rollouts[0].segments] == [None, 1.0]
+
+
 def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
