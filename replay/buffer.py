@@ -69,8 +69,10 @@ class RolloutEntry:
         return self.final_index is not None and len(self.segments) == self.final_index + 1
 
     def staleness(self, learner_version: int) -> int:
+        """Versions its oldest trainable token is behind ``learner_version``
+        (0 for tokens of a version the learner's request has not yet named)."""
         oldest = self.min_version
-        return 0 if oldest is None else learner_version - oldest
+        return 0 if oldest is None else max(0, learner_version - oldest)
 
 
 AddResult = Literal["stored", "late", "conflict"]

@@ -81,6 +81,15 @@ TICK_S = 0.5
 #: Sequence numbers remembered per sender for duplicate detection, beyond the
 #: newest: resends come within seconds, so this window is generous.
 DEDUP_WINDOW = 1 << 20
+#: Versions a trainable token may be ahead of the newest one the learner has
+#: asked with. The learner asks with a version before it publishes it, but
+#: a request sent while the replay is down waits in the learner's socket
+#: until it reconnects, and the actors' first tokens of that version (their
+#: sockets reconnect too) can arrive first: seen in the fault run, where a
+#: replay restarted with V = 25 refused 35 segments of version 26 within a
+#: second. The learner cannot publish a second version without a batch, so
+#: one is the bound.
+VERSION_AHEAD = 1
 #: Compact the log once this many bytes in it are dead and they outweigh the live ones.
 COMPACT_MIN_BYTES = 64 * 1024 * 1024
 
@@ -307,7 +316,8 @@ class ReplayService:
             return
         try:
             oldest = check_segment_content(segment, vocab_size=self.vocab_size,
-                                           oldest_version=0, newest_version=self.learner_version)
+                                           oldest_version=0,
+                                           newest_version=self.learner_version + VERSION_AHEAD)
         except ProtocolError as exc:
             self.actors.refuse(received, exc.code, str(exc))
             # its rollout can never complete: drop it now and return its credit

@@ -16,9 +16,10 @@ from protocol import PROTOCOL_VERSION, Abandon, ErrorCode, Stamp, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
-from replay.service import ReplayService
+from replay.service import VERSION_AHEAD, ReplayService
 from tests.faults.proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
+from tests.processes import wait_until
 from tests.protocol_clients import ActorClient, LearnerClient
 from tests.replay_thread import ReplayThread
 
@@ -113,6 +114,22 @@ def test_another_message_under_a_stored_seq_is_taken_for_a_resend(replay: Replay
     assert batch is not None and [s.reward for s in batch.rollouts[0].segments] == [None, 1.0]
 
 
+def test_tokens_one_version_ahead_of_the_learner_s_request_are_taken_as_fresh(
+        replay: ReplayThread) -> None:
+    """The learner's request for version v can reach a restarted replay
+    after the actors' first tokens of v (replay/service.py: VERSION_AHEAD):
+    they are stored and served at staleness 0, not refused."""
+    learner = replay.learner()
+    learner.request(1, version=3)
+    wait_until(lambda: replay.metric("crl_replay_learner_version") == 3, 15, "version 3")
+    actor = replay.actor()
+    actor.hello()
+    actor.push_rollout(segments=2, version=3 + VERSION_AHEAD)
+    assert actor.pump_until(lambda: not actor.unacked) and not actor.errors
+    batch = learner.receive(10.0)
+    assert batch is not None and [r.staleness for r in batch.rollouts] == [0]
+
+
 def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
@@ -169,10 +186,10 @@ def test_a_grace_serves_rollouts_one_version_past_the_bound(replay: ReplayThread
 
 def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segment(
         replay: ReplayThread) -> None:
-    """Before any learner has spoken the window is [0, 0]: a rollout of a
-    version no learner has asked with is never stored, so it can never be
-    served with a negative staleness. The learner asks with a version before
-    it publishes it, so no real actor's tokens are newer. A refused rollout
+    """Before any learner has spoken the window is [0, 0 + VERSION_AHEAD]: a
+    rollout of a version further ahead is never stored. The learner asks with a
+    version before it publishes it, so no real actor's tokens are newer than
+    one ahead (its request may still be on the way). A refused rollout
     can never complete: it is dropped at once and its credit returned (held,
     it would starve an actor whose capacity it fills), and its later
     segments are late, not dropped again."""
@@ -184,7 +201,7 @@ def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segm
     assert actor.pump_until(lambda: not actor.unacked and actor.credits == 1)
     [error, _] = actor.errors
     assert (error.code, error.ref_seq) == (ErrorCode.INVALID, min(actor.sent))
-    assert "outside the window [0, 0]" in error.text
+    assert f"outside the window [0, {VERSION_AHEAD}]" in error.text
     assert replay.metric("crl_replay_dropped_total", reason="invalid") == 1
     assert actor.pump_until(lambda: replay.metric("crl_replay_credits_outstanding") == 1)
     assert rollout not in replay.service.buffer.pending
@@ -226,7 +243,7 @@ def test_a_restarted_replay_holds_the_learner_s_version_window_before_it_speaks(
         actor = replay.actor()
         actor.hello()
         actor.push_rollout(segments=1, version=3)
-        actor.push_rollout(segments=1, version=4)
+        actor.push_rollout(segments=1, version=4 + VERSION_AHEAD)
         assert actor.pump_until(lambda: not actor.unacked)
         assert [e.code for e in actor.errors] == [ErrorCode.INVALID]
         assert replay.metric("crl_replay_segments_total", result="accepted") == 1
