@@ -86,7 +86,7 @@ Refused = Callable[[ErrorCode, Message | None], None]
 class ServerEndpoint:
     def __init__(self, socket: zmq.Socket, stamp: Stamp, max_message_bytes: int,
                  refused: Refused, undelivered: Callable[[], None] | None = None,
-                 check_identity: bool = True, bind_keys: bool = False) -> None:
+                 bind_keys: bool = False) -> None:
         """``refused`` counts each refusal; ``undelivered`` each reply that
         could not be sent (the peer gone, or its queue full). ``bind_keys``
         (the socket is a CURVE server): a ``sender_id`` belongs to the client
@@ -98,7 +98,6 @@ class ServerEndpoint:
         self.max_message_bytes = max_message_bytes
         self.refused = refused
         self.undelivered = undelivered
-        self.check_identity = check_identity
         self.bind_keys = bind_keys
         self._keys: dict[str, str] = {}
         """Per sender_id, the client key it first spoke with (``bind_keys``)."""
@@ -123,7 +122,7 @@ class ServerEndpoint:
             except ProtocolError as exc:
                 self.reject(identity, exc.code, str(exc), ref_seq=exc.ref_seq)
                 continue
-            if self.check_identity and not speaks_for(identity, message.sender_id):
+            if not speaks_for(identity, message.sender_id):
                 self.refuse(Received(identity, message, frame), ErrorCode.IDENTITY,
                             "sender_id is not the connection's routing id (or its prefix "
                             "before '/')")
