@@ -490,21 +490,51 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
 # ---------------------------------------------------------------------- 4. replay
 
 
+#: Freezes of the replay tried before the test gives up on one with a segment sent.
+FREEZE_ATTEMPTS = 3
+
+
+def _freeze_while_actors_send(run: Run, pid: int) -> float:
+    """SIGSTOP the replay until an actor sends it a segment; returns the
+    actors' resend count when that freeze began. Episodes are a
+    few seconds long on the tiny model: those in flight when the freeze
+    begins can all end in the scrapes before it (seen in a fresh-clone run:
+    both actors idle on credits for the whole 120 s, which only the frozen
+    replay could grant). A freeze with no episode in flight cannot see a
+    send, so it is thawed and tried again; one with an episode in flight
+    that sends nothing for 60 s is a failure."""
+    actors = ("actor-0", "proxied")
+
+    def total(name: str) -> float:
+        return sum(run.actor(a, name) for a in actors)
+
+    for attempt in range(1, FREEZE_ATTEMPTS + 1):
+        run.wait(lambda: total("crl_actor_active_rollouts") > 0, "episodes in flight")
+        resent = total("crl_actor_segments_resent_total")
+        mark = total("crl_actor_segments_sent_total")
+        _kill_group(pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        while time.monotonic() - frozen_at < 60:
+            if total("crl_actor_segments_sent_total") > mark:
+                _measured("replay freezes until one saw a segment sent", attempt)
+                return resent
+            if total("crl_actor_active_rollouts") == 0 and time.monotonic() - frozen_at > 5:
+                break  # nothing in flight: nothing can be sent until the replay grants
+            time.sleep(0.3)
+        else:
+            raise AssertionError("episodes in flight sent nothing to the frozen replay in 60 s")
+        _kill_group(pid, signal.SIGCONT)
+    raise AssertionError(f"no episode was in flight through any of {FREEZE_ATTEMPTS} freezes")
+
+
 def test_replay_killed_is_restarted_and_loses_no_acknowledged_segment(run: Run) -> None:
     """The replay is frozen while actors send (their segments stay
     unacknowledged), then SIGKILLed: up restarts it, it recovers every
     segment of its log, the actors resend what it never acknowledged, no
     segment is stored twice, and the learner gets batches again."""
-    run.wait(lambda: sum(run.actor(a, "crl_actor_active_rollouts")
-                         for a in ("actor-0", "proxied")) > 0, "episodes in flight")
     pid = run.children()["replay"]
-    resent = sum(run.actor(a, "crl_actor_segments_resent_total") for a in ("actor-0", "proxied"))
-    sent = lambda: sum(run.actor(a, "crl_actor_segments_sent_total")  # noqa: E731
-                       for a in ("actor-0", "proxied"))
-    mark = sent()
-    _kill_group(pid, signal.SIGSTOP)
     try:
-        run.wait(lambda: sent() > mark, "segments sent to the frozen replay", timeout=120)
+        resent = _freeze_while_actors_send(run, pid)
     finally:
         _kill_group(pid, signal.SIGKILL)
         _kill_group(pid, signal.SIGCONT)
