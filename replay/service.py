@@ -83,9 +83,10 @@ TICK_S = 0.5
 DEDUP_WINDOW = 1 << 20
 #: Versions a trainable token may be ahead of the newest one the learner has
 #: asked with. The learner asks with a version before it publishes it, but
-#: a request sent while the replay is down waits in the learner's socket
-#: until it reconnects, and the actors' first tokens of that version (their
-#: sockets reconnect too) can arrive first: seen in the fault run, where a
+#: a request the replay never read before it restarted (frozen, then
+#: killed) is sent again only when the learner's socket reconnects, and the
+#: actors' first tokens of that version (their sockets reconnect too) can
+#: arrive first: seen in the fault run, where a
 #: replay restarted with V = 25 refused 35 segments of version 26 within a
 #: second. The learner cannot publish a second version without a batch, so
 #: one is the bound.
