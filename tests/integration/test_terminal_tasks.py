@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import Generation, SegmentData
@@ -46,6 +48,10 @@ class ScriptedAgent:
         return Generation(ids, [-0.3] * len(ids), [0] * len(ids))
 
 
+# Exclusive: its last check is machine-wide (no process of the sandbox's user
+# is left anywhere), which another worker's sandboxed episodes would fail: a
+# fresh-clone run found 32 such processes of a concurrent test.
+@pytest.mark.exclusive
 def test_a_long_terminal_task_compacts_and_its_test_decides_the_reward(
         tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
