@@ -224,7 +224,7 @@ class ControlPlane:
         if isinstance(message, Hello):
             if (member is not None and message.incarnation == member.incarnation
                     and member.identity != received.identity
-                    and member.identity in self._liveness.alive()):
+                    and member.identity in self._liveness):
                 # a second live connection for one incarnation: it would take
                 # the member's announcements (and so the weights) over
                 self._endpoint.refuse(received, ErrorCode.IDENTITY, "this incarnation is a "

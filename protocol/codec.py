@@ -93,48 +93,47 @@ class _Reader:
         self.at += size
         return taken
 
-    def head(self) -> tuple[str, int | bytes | None]:
-        """The next object's head: ("container", items it holds), ("scalar",
-        its bytes), or ("str", its UTF-8 bytes)."""
+    def head(self) -> tuple[str, int | bytes]:
+        """The next object's kind and what its head says: ("map", its pairs),
+        ("array", its items), ("int", its value), ("str", its UTF-8 bytes)
+        or ("other", its bytes)."""
         self.budget -= 1
         if self.budget < 0:
             raise ValueError("too many objects before the header")
         first = self._take(1)[0]
-        if first <= 0x7F or first >= 0xE0:
-            return "scalar", bytes([first])
+        if first <= 0x7F or first >= 0xE0:  # positive and negative fixint
+            return "int", first if first <= 0x7F else first - 0x100
         if first <= 0x8F:
-            return "container", 2 * (first & 0x0F)
+            return "map", first & 0x0F
         if first <= 0x9F:
-            return "container", first & 0x0F
+            return "array", first & 0x0F
         if first <= 0xBF:
             return "str", self._take(first & 0x1F)
         if first in _COUNTED:
             count = int.from_bytes(self._take(_COUNTED[first]))
-            return "container", 2 * count if first >= 0xDE else count
+            return ("map" if first >= 0xDE else "array"), count
         if first in _SIZED:
             size = int.from_bytes(self._take(_SIZED[first]))
             taken = self._take(size + (1 if 0xC7 <= first <= 0xC9 else 0))
-            return ("str" if first >= 0xD9 else "scalar"), taken
+            return ("str" if first >= 0xD9 else "other"), taken
         if first in _FIXED_WIDTH:
-            return "scalar", bytes([first]) + self._take(_FIXED_WIDTH[first])
+            raw = self._take(_FIXED_WIDTH[first])
+            if 0xCC <= first <= 0xD3:  # uint8-64, int8-64
+                return "int", int.from_bytes(raw, signed=first >= 0xD0)
+            return "other", raw
         raise ValueError("not MessagePack")
 
     def skip(self, items: int) -> None:
+        """Read past ``items`` objects, and everything they hold."""
         while items:
-            kind, value = self.head()
-            items += (value if kind == "container" else 0) - 1
+            items += _held(*self.head()) - 1
 
 
-def _as_int(head: tuple[str, int | bytes | None]) -> int | None:
-    kind, raw = head
-    if kind != "scalar" or not isinstance(raw, bytes) or not raw:
-        return None
-    first = raw[0]
-    if first <= 0x7F or first >= 0xE0:
-        return first if first <= 0x7F else first - 0x100
-    if 0xCC <= first <= 0xD3:
-        return int.from_bytes(raw[1:], signed=first >= 0xD0)
-    return None
+def _held(kind: str, value: int | bytes) -> int:
+    """How many objects follow a head as its contents."""
+    if kind == "map":
+        return 2 * value
+    return value if kind == "array" else 0
 
 
 def header_seq(frame: bytes | bytearray | memoryview) -> int | None:
@@ -143,27 +142,21 @@ def header_seq(frame: bytes | bytearray | memoryview) -> int | None:
     the frame stops being readable (cut short, a length past its end), in
     whatever order its keys come. None otherwise."""
     reader = _Reader(memoryview(frame).cast("B"))
-    if not len(reader.frame):
-        return None
     try:
         kind, pairs = reader.head()
-        if kind != "container" or reader.frame[0] in range(0x90, 0xA0) or \
-                reader.frame[0] in (0xDC, 0xDD):
+        if kind != "map":
             return None
         found: dict[str, int | None] = {}
-        for _ in range(pairs // 2):
+        for _ in range(pairs):
             key_kind, key = reader.head()
-            if key_kind == "container":
-                reader.skip(key)
+            reader.skip(_held(key_kind, key))
             name = key.decode(errors="replace") if key_kind == "str" else None
+            value_kind, value = reader.head()
+            reader.skip(_held(value_kind, value))
             if name in _HEADER_KEYS:
-                found[name] = _as_int(value := reader.head())
-                if value[0] == "container":
-                    reader.skip(value[1])
-            else:
-                reader.skip(1)
-            if _HEADER_KEYS <= found.keys():
-                return found["seq"]
+                found[name] = value if value_kind == "int" else None
+                if _HEADER_KEYS <= found.keys():
+                    return found["seq"]
     except ValueError:
         pass
     return None

@@ -128,9 +128,8 @@ class ServerEndpoint:
                             "before '/')")
                 continue
             # the ZAP handler names an authenticated client by its public key
-            if (self.bind_keys and self._keys.setdefault(message.sender_id,
-                                                         parts[0].get("User-Id"))
-                    != parts[0].get("User-Id")):
+            if self.bind_keys and (key := parts[0].get("User-Id")) != self._keys.setdefault(
+                    message.sender_id, key):
                 self.refuse(Received(identity, message, frame), ErrorCode.IDENTITY,
                             "sender_id belongs to another client key")
                 continue

@@ -237,8 +237,12 @@ class Liveness:
     def forget(self, peer: bytes) -> None:
         self._last_seen.pop(peer, None)
 
-    def alive(self) -> list[bytes]:
-        return list(self._last_seen)
+    def __contains__(self, peer: bytes) -> bool:
+        """Whether ``peer`` is alive: seen, and not expired or forgotten since."""
+        return peer in self._last_seen
+
+    def __len__(self) -> int:
+        return len(self._last_seen)
 
     def expire(self, now: float | None = None) -> list[bytes]:
         """Remove and return the peers not seen within the timeout."""

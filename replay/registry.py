@@ -112,4 +112,4 @@ class ActorRegistry:
         return expired
 
     def alive(self) -> int:
-        return len(self.liveness.alive())
+        return len(self.liveness)

@@ -82,6 +82,8 @@ def _start_rank(item: pytest.Item) -> int:
     return 2 if item.nodeid.startswith("tests/unit/") else 1
 
 
+# optional: a run without xdist (``-p no:xdist``) has no such hook
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """xdist's workers tell its scheduler an item's group by a suffix of the
     node id. On a pytest where that suffix does not take
