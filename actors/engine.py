@@ -280,6 +280,12 @@ class Engine:
         """The underlying ``AsyncLLM`` (benchmarks compare against it raw)."""
         return self._llm
 
+    @property
+    def dead(self) -> bool:
+        """The engine core has died (vLLM's monitor saw its process exit, or
+        a request met a dead core): nothing can be generated again here."""
+        return bool(self._llm.errored)
+
     def dtype(self) -> str:
         """The dtype the engine runs (``bfloat16``; resolved where the config
         says ``auto``): the learner sends floating-point weights in it."""

@@ -35,6 +35,11 @@ Protocol with the replay (DEALER -> ROUTER):
 - On SIGTERM: no new episode; in-flight ones are abandoned or finished
   (``on_shutdown``); unacknowledged segments are flushed until
   ``shutdown_deadline_s``. Exit code 0 only if every segment was acknowledged.
+- When the engine dies (vLLM's engine core exited; the actor's process goes
+  on without it): the rollouts in flight are given up (``Abandon``, so the
+  replay drops them at once), unacknowledged segments are flushed as on
+  SIGTERM, and the process exits with ``ENGINE_DIED_EXIT`` for its
+  supervisor to restart it.
 
 Usage::
 
@@ -93,6 +98,11 @@ log = logging.getLogger("compactionrl.actor")
 #: How often the resend loop looks for overdue segments, as a fraction of the
 #: ack timeout: fine enough that a resend is at most 25 % late.
 RESEND_CHECK_FRACTION = 0.25
+#: How often the actor looks whether its engine still runs: vLLM marks it
+#: dead within a second of its engine core's exit.
+ENGINE_CHECK_S = 1.0
+#: The exit code of an actor whose engine died.
+ENGINE_DIED_EXIT = 3
 
 
 @dataclass
@@ -192,6 +202,10 @@ class Actor:
         self.endpoint = (RecordingEndpoint(self, settings.model)
                          if self.config.endpoint.enabled else None)
         self._ending_sessions: asyncio.Task | None = None
+        self._open_rollouts: set[str] = set()
+        """The rollouts of this incarnation's own episodes begun and not yet
+        finished (final segment sent) nor given up."""
+        self.engine_died = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -218,7 +232,7 @@ class Actor:
         coroutines = [
             self.replay.serve(self.replay_handlers, self._dropped("replay")),
             self.replay.register(self._replay_hello, retry_s), self._heartbeat(),
-            self._resend(),
+            self._resend(), self._watch_engine(),
             self.replay.count_disconnects(self.metrics.disconnects.labels("replay").inc)]
         if self.learner is not None:
             coroutines += [
@@ -252,7 +266,24 @@ class Actor:
         if self.outbox:
             log.error("%d segments never acknowledged", len(self.outbox))
             return 1
-        return 0
+        return ENGINE_DIED_EXIT if self.engine_died else 0
+
+    async def _watch_engine(self) -> None:
+        """Stop the actor once its engine has died. vLLM does not exit with
+        its engine core: without this the actor would heartbeat on with no
+        episodes, a zombie its supervisor never restarts, and hold back every
+        publication to its weight group."""
+        while not self.engine.dead:
+            await asyncio.sleep(ENGINE_CHECK_S)
+        log.error("the vLLM engine died: giving up %d rollouts in flight; exiting with code "
+                  "%d for a restart", len(self._open_rollouts), ENGINE_DIED_EXIT)
+        self.engine_died = True
+        self._abandon_episodes()
+        # once their tasks are done, so that no segment follows an Abandon
+        await asyncio.gather(*self._slots, return_exceptions=True)
+        for rollout_id in sorted(self._open_rollouts):
+            await self._send_abandon(rollout_id)
+        self._stopping.set()
 
     # ------------------------------------------------------------------ episodes
 
@@ -280,6 +311,7 @@ class Actor:
                     for number in (n // self.config.group_size, n))
                 rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
                 self.active_episodes += 1
+                self._open_rollouts.add(rollout_id)
                 try:
                     # queued before anything else can run: a weight load may hold
                     # the event loop for seconds, and the heartbeat task with it
@@ -289,6 +321,13 @@ class Actor:
                         await self._play(environment, rollout_id, task_seed, sampling_seed)
                     finally:
                         self.metrics.active_rollouts.dec()
+                except Exception as exc:  # a turn failed (the engine's): the episode cannot go on
+                    if self.engine.dead:
+                        return  # the watcher gives the rollout up and stops the actor
+                    log.error("episode %s given up: %r", rollout_id, exc)
+                    self.metrics.abandoned_rollouts.inc()
+                    self._open_rollouts.discard(rollout_id)
+                    await self._send_abandon(rollout_id)
                 finally:
                     self.active_episodes -= 1
                     self.episode_ended.set()
@@ -329,6 +368,8 @@ class Actor:
         index = itertools.count()
 
         async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+            if result is not None:  # the final segment: nothing of it is left to give up
+                self._open_rollouts.discard(rollout_id)
             await self.send_segment(rollout_id, task_id, next(index), segment, result)
 
         result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit,
@@ -383,9 +424,12 @@ class Actor:
         if abandoned:
             self.metrics.abandoned_rollouts.inc()
             if rollout_id.startswith(f"{self.settings.actor_id}-{self.incarnation}-"):
-                header = self.stamp.next()
-                await self._send_kept(header["seq"], encode(Abandon(**header,
-                                                                    rollout_id=rollout_id)))
+                await self._send_abandon(rollout_id)
+
+    async def _send_abandon(self, rollout_id: str) -> None:
+        """Tell the replay a rollout is given up: it drops it and returns its credit."""
+        header = self.stamp.next()
+        await self._send_kept(header["seq"], encode(Abandon(**header, rollout_id=rollout_id)))
 
     # ------------------------------------------------------------------ both links
 
@@ -468,6 +512,7 @@ class Actor:
                     self.active_episodes, len(self.outbox), self.incarnation)
         self.metrics.reincarnations.inc()
         self._abandon_episodes()
+        self._open_rollouts.clear()  # expired by the replay
         self.metrics.segments_abandoned.inc(self.outbox.abandon())
         self.metrics.unacked_segments.set(0)
         self.credits.forfeit()

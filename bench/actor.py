@@ -10,7 +10,7 @@ compaction bookkeeping, environment, asyncio) costs on top of generation.
 
     python bench/actor.py [--json] [--quick] [--episodes 16] [--concurrency 8]
 
-``--quick``: 4 episodes, 2 at a time (a smoke test of the same code).
+``--quick``: 2 episodes, both at once (a smoke test of the same code).
 """
 
 from __future__ import annotations
@@ -151,12 +151,12 @@ def episode_arguments(description: str, repeatable: bool = False) -> argparse.Na
                                  "alternating order); report the median run and every ratio")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true",
-                        help="4 episodes, 2 at a time, unless given (smoke test)")
-    parser.add_argument("--episodes", type=int, default=None, help="16 (--quick: 4)")
+                        help="2 episodes, both at once, unless given (smoke test)")
+    parser.add_argument("--episodes", type=int, default=None, help="16 (--quick: 2)")
     parser.add_argument("--concurrency", type=int, default=None, help="8 (--quick: 2)")
     arguments = parser.parse_args()
     if arguments.episodes is None:
-        arguments.episodes = 4 if arguments.quick else 16
+        arguments.episodes = 2 if arguments.quick else 16
     if arguments.concurrency is None:
         arguments.concurrency = 2 if arguments.quick else 8
     return arguments

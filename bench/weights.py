@@ -33,8 +33,9 @@ larger model.
         [--stall-requests 16] [--stall-prompt-tokens 1024]
 
 ``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters), one
-engine, one timed push: a smoke test of the same code, whose ``big_*`` and
-``*_100m`` keys then describe that model.
+engine, one timed push, 1 and 2 receivers, 4 requests of 256 prompt tokens in
+flight: a smoke test of the same code, whose ``big_*`` and ``*_100m`` keys
+then describe that model.
 """
 
 from __future__ import annotations
@@ -435,7 +436,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true",
-                        help="--big-params 2e6 --engines 1 --pushes 1 unless given (smoke test)")
+                        help="--big-params 2e6 --engines 1 --pushes 1 --receivers 1 2 "
+                        "--stall-requests 4 --stall-prompt-tokens 256 unless given (smoke test)")
     parser.add_argument("--big-params", type=float, default=None,
                         help="parameters of the larger model (its JSON keys say big_*): "
                         "1e8 (--quick: 2e6)")
@@ -449,10 +451,11 @@ if __name__ == "__main__":
                         help="receivers per node of the relayed curve: 4")
     parser.add_argument("--fanout-only", action="store_true",
                         help="only the fan-out curves (no engines)")
-    parser.add_argument("--stall-requests", type=int, default=16,
-                        help="requests in flight for the keep-vs-recompute stall: 16")
-    parser.add_argument("--stall-prompt-tokens", type=int, default=1024,
-                        help="prompt length of each of them: 1024")
+    parser.add_argument("--stall-requests", type=int, default=None,
+                        help="requests in flight for the keep-vs-recompute stall: 16 "
+                        "(--quick: 4)")
+    parser.add_argument("--stall-prompt-tokens", type=int, default=None,
+                        help="prompt length of each of them: 1024 (--quick: 256)")
     arguments = parser.parse_args()
     if arguments.big_params is None:
         arguments.big_params = 2e6 if arguments.quick else 1e8
@@ -462,6 +465,10 @@ if __name__ == "__main__":
         arguments.pushes = 1 if arguments.quick else 3
     if arguments.receivers is None:
         arguments.receivers = [1, 2] if arguments.quick else [1, 2, 4, 8]
+    if arguments.stall_requests is None:
+        arguments.stall_requests = 4 if arguments.quick else 16
+    if arguments.stall_prompt_tokens is None:
+        arguments.stall_prompt_tokens = 256 if arguments.quick else 1024
     quiet_vllm_logging()
     if arguments.fanout_only:
         result = asyncio.run(fanout_only(arguments))

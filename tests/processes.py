@@ -182,6 +182,20 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ('' once it has gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def engine_core(actor_pid: int) -> int:
+    """The pid of the vLLM engine core process under an actor."""
+    [pid] = [p for p in process_tree(actor_pid) if "EngineCore" in command_line(p)]
+    return pid
+
+
 def tree_rss_bytes(root: int) -> int:
     """Resident memory of ``process_tree(root)``, in bytes. Shared pages count
     once per process, so this bounds what the tree uses."""

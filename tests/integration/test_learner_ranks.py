@@ -4,13 +4,15 @@ rank each: the loss is normalised by the global token count, and whitening's
 statistics are global, with a rank whose share of a minibatch is empty. The
 memory switches (activation checkpointing, chunked log-probabilities, a token
 budget per micro-batch) leave that update as it is, on the tiny model and on
-a ~20M model of Qwen2's shape, with a critic model or a value head."""
+a ~20M model of Qwen2's shape, with a critic model or a value head. Each
+world size trains all its jobs in one torchrun launch."""
 
 from __future__ import annotations
 
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -38,42 +40,70 @@ MEMORY = {"activation_checkpointing": "on", "logprob_chunk_tokens": 16,
           "max_tokens_per_microbatch": 100}
 
 
-def train(model: Path, out: Path, ranks: int, changes: dict | None = None,
-          nodes: int = 1, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """Train on ``nodes`` torchrun agents of ``ranks`` ranks each, started
-    with the options ``compactionrl learner`` gives torchrun (two agents on
-    this machine act as two nodes, their rendezvous on loopback)."""
+@dataclass(frozen=True)
+class Job:
+    """One training of the test program: ``steps`` from ``model``, the
+    learner settings ``changes`` over the program's ``CONFIG``."""
+
+    model: Path
+    out: Path
+    steps: int = STEPS
+    changes: dict[str, object] = field(default_factory=dict)
+
+
+def launch(jobs: list[Job], ranks: int, nodes: int = 1) -> None:
+    """Run ``jobs`` one after another in one process group of ``nodes``
+    torchrun agents of ``ranks`` ranks each, started with the options
+    ``compactionrl learner`` gives torchrun (two agents on this machine act
+    as two nodes, their rendezvous on loopback)."""
     [port] = free_ports(1)
+    listed = json.dumps([{"model": str(job.model), "out": str(job.out), "steps": job.steps,
+                          "changes": job.changes} for job in jobs])
     commands = [[str(VENV_BIN / "torchrun"), *torchrun_args(LearnerConfig(
         nproc=ranks, nnodes=nodes, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}")),
-        str(SCRIPT), str(model), str(out), str(steps), json.dumps(changes or {})]
-        for node in range(nodes)]
+        str(SCRIPT), listed] for node in range(nodes)]
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     with ThreadPoolExecutor(nodes) as pool:
-        results = list(pool.map(lambda command: run_command(command, timeout=300, env=env),
+        results = list(pool.map(lambda command: run_command(command, timeout=600, env=env),
                                 commands))
     for result in results:
         assert result.returncode == 0, result.stderr[-4000:]
-    return load_file(out)
 
 
-def trained_on(ranks: int, model: Path, factory: pytest.TempPathFactory) -> Path:
-    """Where training the tiny model on ``ranks`` ranks of one node, no
-    memory switch on, wrote its parameters (and, beside them, its metrics)."""
-    out = factory.mktemp(f"ranks-{ranks}") / "parameters.safetensors"
-    train(model, out, ranks)
-    return out
-
-
-@pytest.fixture(scope="module")
-def one_rank_out(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained_on(1, tiny_model_dir, tmp_path_factory)
+#: Per (job, world size: 1, 2 or "nodes"), where the job wrote its parameters.
+Trained = dict[tuple[str, int | str], Path]
+#: What each world size trains (one launch each): the tiny model plain, with
+#: a value head, and the 20M model for one step of one epoch (four updates);
+#: on 2 ranks the last two with every memory switch on.
+JOBS = {"plain": {}, "value_head": {"critic": "value_head"}, "20m": {"ppo_epochs": 1}}
 
 
 @pytest.fixture(scope="module")
-def one_rank(one_rank_out: Path) -> dict[str, torch.Tensor]:
-    return load_file(one_rank_out)
+def trained(tiny_model_dir: Path, qwen2_20m_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Trained:
+    """Per (job, world size), where its parameters were written (and beside
+    them its step metrics); ("plain", "nodes") is the plain job on two
+    nodes of one rank each."""
+    folder = tmp_path_factory.mktemp("ranks")
+    outs: Trained = {}
+
+    def jobs(world: int | str) -> list[Job]:
+        listed = []
+        for name, changes in JOBS.items():
+            if world == "nodes" and name != "plain":
+                continue
+            memory = MEMORY if world == 2 and name != "plain" else {}
+            outs[name, world] = folder / f"{name}-{world}.safetensors"
+            listed.append(Job(qwen2_20m_dir if name == "20m" else tiny_model_dir,
+                              outs[name, world], 1 if name == "20m" else STEPS,
+                              {**changes, **memory}))
+        return listed
+
+    launch(jobs(1), ranks=1)
+    launch(jobs(2), ranks=2)
+    launch(jobs("nodes"), ranks=1, nodes=2)
+    return outs
 
 
 def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
@@ -103,29 +133,19 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
     assert moved > 0, "training changed nothing"
 
 
-@pytest.fixture(scope="module")
-def two_ranks_out(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trained_on(2, tiny_model_dir, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def two_ranks(two_ranks_out: Path) -> dict[str, torch.Tensor]:
-    return load_file(two_ranks_out)
-
-
 def test_one_rank_and_two_ranks_give_the_same_parameters(
-        tiny_model_dir: Path, one_rank: dict[str, torch.Tensor],
-        two_ranks: dict[str, torch.Tensor]) -> None:
-    assert_same_training(two_ranks, one_rank, tiny_model_dir)
+        tiny_model_dir: Path, trained: Trained) -> None:
+    assert_same_training(load_file(trained["plain", 2]), load_file(trained["plain", 1]),
+                         tiny_model_dir)
 
 
 def test_one_rank_and_two_ranks_report_the_same_step_statistics(
-        one_rank_out: Path, two_ranks_out: Path) -> None:
+        trained: Trained) -> None:
     """Token counts summed over ranks, the gradient norm (the same on every
     rank) not: it is a square root of a sum of squares, no cancellation, so
     the two agree to float64 rounding (the gradients themselves to ~1e-13)."""
-    one, two = (json.loads(out.with_suffix(".json").read_text())
-                for out in (one_rank_out, two_ranks_out))
+    one, two = (json.loads(trained["plain", world].with_suffix(".json").read_text())
+                for world in (1, 2))
     assert [m["tokens"] for m in two] == [m["tokens"] for m in one]
     for got, expected in zip(two, one, strict=True):
         assert got["losses/policy_grad_norm"] == pytest.approx(
@@ -133,22 +153,20 @@ def test_one_rank_and_two_ranks_report_the_same_step_statistics(
 
 
 def test_two_nodes_of_one_rank_train_bit_for_bit_as_one_node_of_two(
-        tiny_model_dir: Path, tmp_path: Path, two_ranks: dict[str, torch.Tensor]) -> None:
+        trained: Trained) -> None:
     """The same global ranks, on two torchrun agents with a static rendezvous
     (node 0 holding rank 0), run the same collectives in the same order."""
-    nodes = train(tiny_model_dir, tmp_path / "nodes.safetensors", 1, nodes=2)
+    nodes, two_ranks = load_file(trained["plain", "nodes"]), load_file(trained["plain", 2])
     assert nodes.keys() == two_ranks.keys()
     different = [name for name, tensor in two_ranks.items() if not torch.equal(nodes[name], tensor)]
     assert not different, different
 
 
 def test_a_value_head_on_two_ranks_within_a_memory_budget_trains_as_on_one_rank(
-        tiny_model_dir: Path, tmp_path: Path) -> None:
+        tiny_model_dir: Path, trained: Trained) -> None:
     """The critic as a head on the policy: one pass per micro-batch for both
     losses, the head in FSDP2's root unit."""
-    one = train(tiny_model_dir, tmp_path / "one.safetensors", 1, {"critic": "value_head"})
-    two = train(tiny_model_dir, tmp_path / "two.safetensors", 2,
-                {"critic": "value_head", **MEMORY})
+    one, two = load_file(trained["value_head", 1]), load_file(trained["value_head", 2])
     assert {name for name in one if "value_head" in name} == {
         "policy.value_head.weight", "policy.value_head.bias"}
     assert not any(name.startswith("critic.") for name in one)
@@ -156,7 +174,7 @@ def test_a_value_head_on_two_ranks_within_a_memory_budget_trains_as_on_one_rank(
 
 
 def test_a_20m_qwen2_model_on_two_ranks_with_every_memory_switch_trains_as_on_one_rank_without(
-        qwen2_20m_dir: Path, tmp_path: Path) -> None:
+        qwen2_20m_dir: Path, trained: Trained) -> None:
     """The switches at more than the tiny model's scale: six layers, a
     vocabulary of 32,768 in chunks of 16 positions. Ranks that cut their
     shares into different numbers of micro-batches (one of them into none)
@@ -167,7 +185,5 @@ def test_a_20m_qwen2_model_on_two_ranks_with_every_memory_switch_trains_as_on_on
               for batch in batches(1) for minibatch in batch.minibatches(CONFIG.minibatches)]
     assert any(min(c) > 0 and c[0] != c[1] for c in counts), counts
     assert any(min(c) == 0 for c in counts), counts
-    one = train(qwen2_20m_dir, tmp_path / "one.safetensors", 1, {"ppo_epochs": 1}, steps=1)
-    two = train(qwen2_20m_dir, tmp_path / "two.safetensors", 2, {"ppo_epochs": 1, **MEMORY},
-                steps=1)
-    assert_same_training(two, one, qwen2_20m_dir, steps=1, epochs=1)
+    assert_same_training(load_file(trained["20m", 2]), load_file(trained["20m", 1]),
+                         qwen2_20m_dir, steps=1, epochs=1)

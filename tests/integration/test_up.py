@@ -2,9 +2,10 @@
 under torchrun and an actor with a vLLM engine train until the learner has
 stepped and published; Ctrl-C (SIGINT) then stops everything cleanly:
 checkpoint, export, metrics history, report, the resume command, and no
-process left. (An actor killed, restarted and rejoining with the current
-weights is phase 2 of the fault run, tests/faults/test_up_faults.py, which
-starts the same `up`.)
+process left. Before the stop the actor's engine core dies: the actor exits
+(``ENGINE_DIED_EXIT``), and up restarts it with the current weights. (An
+actor SIGKILLed, restarted and rejoining is phase 2 of the fault run,
+tests/faults/test_up_faults.py, which starts the same `up`.)
 
 A real Prometheus (Debian's package) scrapes the run with the project's
 generated configuration; afterwards every PromQL expression of every
@@ -24,11 +25,13 @@ from pathlib import Path
 
 import pytest
 
+from actors.process import ENGINE_DIED_EXIT
 from ops.observability import promql_expressions, scrape_config
 from tests.processes import (
     SMALL_EPISODES,
     UpOnLoopback,
     compactionrl,
+    engine_core,
     running,
     wait_until,
 )
@@ -88,6 +91,19 @@ def test_up_trains_serves_dashboards_and_stops_cleanly(tiny_model_dir: Path,
                                   capture_output=True, text=True, timeout=60)
             assert lint.returncode == 0, (port, lint.stdout + lint.stderr)
             assert _get(port, "/readyz").strip() == "ready", port
+        # the actor's engine core dies; the actor exits, up restarts it, and
+        # the new one loads the current weights
+        actor_log = run / "logs" / "actor-0.log"
+
+        def actor_pid() -> int:
+            return json.loads((run / "up.json").read_text())["children"]["actor-0"]
+
+        dead = actor_pid()
+        os.kill(engine_core(dead), signal.SIGKILL)
+        wait_until(lambda: actor_pid() != dead, 180, "up to restart actor-0", process, up_output)
+        restarted_at = len(actor_log.read_text())  # the exited process has written its last
+        wait_until(lambda: "loaded version" in actor_log.read_text()[restarted_at:], 300,
+                   "weights at the restarted actor-0", process, up_output)
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     finally:
@@ -95,6 +111,8 @@ def test_up_trains_serves_dashboards_and_stops_cleanly(tiny_model_dir: Path,
         prometheus.stop()
     assert process.returncode == 130, output[-4000:]
     assert "interrupted (SIGINT): stopped cleanly" in output
+    assert f"actor-0 exited with code {ENGINE_DIED_EXIT}; restarting" in output
+    assert "the vLLM engine died" in (run / "logs" / "actor-0.log").read_text()
     # the resume command can be pasted as it is: its program is a path
     [resume] = [line.removeprefix("resume with: ") for line in output.splitlines()
                 if line.startswith("resume with: ")]
@@ -115,7 +133,7 @@ def test_up_trains_serves_dashboards_and_stops_cleanly(tiny_model_dir: Path,
     assert last["published_version"] >= 1
     assert last["actor_compactions"] > 0
     assert max(s["compactions_per_rollout"] or 0 for s in history) > 0  # trained on compactions
-    assert last["actor_restarts"] == 0
+    assert last["actor_restarts"] == 1
 
     assert (run / "export" / "config.json").is_file()
     report = (run / "report.html").read_text()

@@ -1,10 +1,13 @@
-"""Run by torchrun in tests: PPO steps on the tiny model with FSDP2 over gloo,
-then rank 0 writes the full policy and critic parameters to OUT, and each
-step's metrics to OUT with the suffix .json.
+"""Run by torchrun in tests: jobs of PPO steps with FSDP2 over gloo, one
+after another in one process group (a launch costs each rank a fresh
+interpreter). After each job rank 0 writes the full policy and critic
+parameters to its ``out``, and each step's metrics to ``out`` with the
+suffix .json.
 
-    torchrun --nproc_per_node N tests/programs/ppo_ranks.py MODEL OUT STEPS [CHANGES]
+    torchrun --nproc_per_node N tests/programs/ppo_ranks.py JOBS
 
-CHANGES: JSON of learner settings that replace those of ``CONFIG``.
+JOBS: a JSON list of ``{"model": DIR, "out": FILE, "steps": N, "changes":
+{...}}``, ``changes`` being learner settings that replace those of ``CONFIG``.
 """
 
 from __future__ import annotations
@@ -38,10 +41,9 @@ def batches(steps: int) -> list[TrainBatch]:
             for step in range(steps)]
 
 
-def main() -> None:
-    model, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    config = dataclasses.replace(CONFIG, **json.loads(sys.argv[4] if len(sys.argv) > 4 else "{}"))
-    dist.init_process_group("gloo")
+def train(model: str, out: str, steps: int, changes: dict) -> None:
+    """One job: ``steps`` PPO steps from the model at ``model``, from seed 0."""
+    config = dataclasses.replace(CONFIG, **changes)
     torch.manual_seed(0)
     # Double, and plain SGD in place of AdamW: the test compares parameters,
     # which SGD moves by lr times the gradient, so two runs differ by lr times
@@ -66,6 +68,13 @@ def main() -> None:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous().clone() for k, v in state.items()}, out)
         Path(out).with_suffix(".json").write_text(json.dumps(metrics))
+    dist.barrier()  # the next job's collectives start once this one is written
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    for job in json.loads(sys.argv[1]):
+        train(job["model"], job["out"], job["steps"], job.get("changes", {}))
     leave_process_group()  # after rank 0 has written
 
 

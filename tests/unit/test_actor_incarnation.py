@@ -24,6 +24,7 @@ class StandInEngine:
     """What the actor reads of its engine before any episode runs."""
 
     version = 0
+    dead = False
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
