@@ -111,7 +111,8 @@ QUICK = Sizes(ModelShape(256, 1024, 2, 4, 2, 12_288), (1024,), 1024, 128, 512)
 
 def learner_config(path: str, sizes: Sizes) -> LearnerConfig:
     if path == "today":
-        return LearnerConfig(activation_checkpointing="off")
+        return LearnerConfig(activation_checkpointing="off", logprob_chunk_tokens=0,
+                             max_tokens_per_microbatch=0)
     return LearnerConfig(activation_checkpointing="on", logprob_chunk_tokens=sizes.chunk_tokens,
                          max_tokens_per_microbatch=sizes.microbatch_tokens,
                          critic="value_head" if path == "value_head" else "model")

@@ -18,9 +18,10 @@ from learner.config import LearnerConfig
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action="append", default=None, metavar="FILE",
-                        help="TOML file (default: the embedded deploy/configs/local-cpu.toml); "
-                             "repeat to compose: later files override earlier ones, then the "
-                             "--section.field overrides")
+                        help="TOML file layered over the embedded "
+                             "deploy/configs/local-cpu.toml; repeat to compose: later files "
+                             "override earlier ones field by field (one naming a table's "
+                             "factory replaces its options), then the --section.field overrides")
 
 
 def _cmd_config_show(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -29,7 +30,7 @@ def _cmd_config_show(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_config_fields(args: argparse.Namespace, overrides: list[str]) -> int:
-    fields = describe_fields()
+    fields = describe_fields(values=load_config(args.config, overrides))
     if args.section:
         fields = [f for f in fields if f.name == args.section
                   or f.name.startswith(f"{args.section}.")]
@@ -39,7 +40,8 @@ def _cmd_config_fields(args: argparse.Namespace, overrides: list[str]) -> int:
                   f"{', '.join(sections)}", file=sys.stderr)
             return 2
     for f in fields:
-        print(f"{f.name}: {f.type} = {f.default}")
+        print(f"{f.name}: {f.type} = {f.default}"
+              + (f"  (field default: {f.field_default})" if f.field_default else ""))
         for line in f.doc.splitlines():
             print(f"    {line}")
     return 0
@@ -227,7 +229,9 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(args.config, overrides)
     gpus = args.gpus if args.gpus is not None else Up._gpus_present()
-    plan = plan_devices(config, gpus)
+    gpu_bytes = (int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib is not None
+                 else None if args.gpus is not None else Up._gpu_bytes())
+    plan = plan_devices(config, gpus, gpu_bytes)
     if args.plan:  # starts nothing
         # this machine's plan counts within up's own CUDA_VISIBLE_DEVICES; a preview's, not
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES") if args.gpus is None else None
@@ -317,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(show)
     show.set_defaults(handler=_cmd_config_show)
     fields = config_sub.add_parser(
-        "fields", help="list every configuration field with its type, default and meaning")
+        "fields", help="list every configuration field with its type, the value a run gets "
+                       "(with --config: those files') and its meaning")
+    _config_args(fields)
     fields.add_argument("section", nargs="?", default=None,
                         help="only this section or field, e.g. learner or actors.engine")
     fields.set_defaults(handler=_cmd_config_fields)
@@ -389,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "and start nothing (exit 2 if the plan is refused)")
     up.add_argument("--gpus", type=int, default=None, metavar="N",
                     help="with --plan: plan for a machine with N GPUs (default: this one's)")
+    up.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+                    help="with --plan: each GPU's memory, for the memory arithmetic "
+                         "(default: this machine's; an H100 80GB reports 79.6)")
     up.add_argument("--json", action="store_true", help="with --plan: one JSON object")
     up.set_defaults(handler=_cmd_up)
 

@@ -1,9 +1,9 @@
 """The run's configuration tree: TOML, dotted command-line overrides, checks.
 
 Each component owns the dataclass of its section; this module composes them
-into :class:`JobConfig`, reads TOML (the embedded default is
-``deploy/configs/local-cpu.toml``; several files compose, later ones
-overriding earlier ones table by table), applies overrides such as
+into :class:`JobConfig`, reads TOML (every file layers over the embedded
+default, ``deploy/configs/local-cpu.toml``; several files compose, later
+ones overriding earlier ones field by field), applies overrides such as
 ``--learner.lr 1e-5`` and rejects incoherent settings with messages that name
 the field and the fix. :func:`describe_fields` lists every field with its
 docstring (``compactionrl config fields``).
@@ -11,7 +11,7 @@ docstring (``compactionrl config fields``).
 Usage::
 
     config = load_config("my.toml", ["--learner.lr", "1e-5", "--actors.count", "4"])
-    config = load_config(["base.toml", "gpu.toml"])   # gpu.toml's values win
+    config = load_config(["base.toml", "gpu.toml"])   # over the default; gpu.toml's win
 """
 
 from __future__ import annotations
@@ -206,14 +206,16 @@ ConfigPaths = str | Path | list[str | Path] | None
 
 
 def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -> JobConfig:
-    """Read the TOML file(s) ``paths`` (the embedded default when None or
-    empty; several compose, later files overriding earlier ones field by
-    field), apply ``--a.b value`` overrides, validate. Raises
+    """The configuration a run uses: the embedded default
+    (``deploy/configs/local-cpu.toml``), the TOML file(s) ``paths`` layered
+    over it in order (each overriding the layers below field by field; a
+    layer that names a table's ``factory`` replaces its ``options``,
+    :func:`_merge`), then the ``--a.b value`` overrides; validated. Raises
     :class:`ConfigError` listing every problem."""
     if paths is None or isinstance(paths, str | Path):
         paths = [] if paths is None else [paths]
     data: dict[str, Any] = {}
-    for path in paths or [None]:
+    for path in [None, *paths]:
         _merge(data, _read_toml(path))
     problems: list[str] = []
     config = _build(JobConfig, data, "", problems)
@@ -267,7 +269,13 @@ def _read_toml(path: str | Path | None) -> dict[str, Any]:
 
 
 def _merge(into: dict[str, Any], later: dict[str, Any]) -> None:
-    """``later``'s values over ``into``'s; tables merge key by key."""
+    """``later``'s values over ``into``'s; tables merge key by key, but for
+    ``options``, which belong to the layer that names the table's
+    ``factory``: a ``later`` that names one replaces the options below it
+    (another factory's keyword arguments would be passed to it, and a file
+    ``up`` wrote reads back as it was); one that does not adds to them."""
+    if "factory" in later:
+        into.pop("options", None)
     for key, value in later.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
@@ -458,26 +466,37 @@ class FieldDoc:
     """Dotted name, as in overrides: ``learner.lr``."""
     type: str
     default: str
-    """The default as TOML."""
+    """The value a run gets as TOML: the embedded default's, or that of the
+    configuration described (``config fields --config FILE``)."""
     doc: str
+    field_default: str = ""
+    """The field's own default, where the configuration sets another."""
 
 
-def describe_fields(cls: type = JobConfig, prefix: str = "") -> list[FieldDoc]:
-    """Every field under ``cls`` with its type, default and docstring (the
-    string literal under the field in the dataclass's source)."""
+def describe_fields(cls: type = JobConfig, prefix: str = "", values: Any = None
+                    ) -> list[FieldDoc]:
+    """Every field under ``cls`` with its type, the value a run gets (that
+    of ``values``, a ``cls``; by default the embedded default's) and its
+    docstring (the string literal under the field in the dataclass's
+    source), and the field's own default where that value differs."""
+    if values is None:
+        values = load_config(None) if cls is JobConfig else cls()
     docs = attribute_docs(cls)
     defaults = cls()
     out = []
     for name, hint in _fields(cls).items():
         dotted = f"{prefix}{name}"
         if dataclasses.is_dataclass(hint):
-            out += describe_fields(hint, f"{dotted}.")
+            out += describe_fields(hint, f"{dotted}.", getattr(values, name))
             continue
-        default = getattr(defaults, name)
-        out.append(FieldDoc(dotted, _type_name(hint),
-                            "unset" if default is None else _toml_value(default),
-                            docs.get(name, "")))
+        value, default = getattr(values, name), getattr(defaults, name)
+        out.append(FieldDoc(dotted, _type_name(hint), _shown(value), docs.get(name, ""),
+                            "" if value == default else _shown(default)))
     return out
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else _toml_value(value)
 
 
 def _type_name(hint: Any) -> str:

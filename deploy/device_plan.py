@@ -34,6 +34,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from deploy.memory_plan import (
+    GIB,
+    ModelShape,
+    engine_memory,
+    learner_rank_memory,
+    memory_problems,
+    pass_tokens,
+)
+from learner.config import SHARED_GPU_RANKS_ENV, memory_switches
 from protocol.transport import bound_endpoint
 
 if TYPE_CHECKING:
@@ -62,14 +71,25 @@ class ProcessPlan:
     """The engine's share of its GPUs (actors on GPU); None otherwise."""
     waits_for: tuple[str, ...] = ()
     """Processes whose engines must be ready before this one starts."""
+    shared_ranks: tuple[int, ...] = ()
+    """Learner: its local ranks whose GPU an engine shares (co-location);
+    each caps its allocator at ``learner.gpu_memory_fraction``."""
+    memory: str = ""
+    """What it needs of its GPU (:mod:`deploy.memory_plan`); empty on the CPU
+    or where the model's shape or the GPUs' size is unknown."""
 
     def env(self, inherited: str | None = None) -> dict[str, str]:
-        """Its ``CUDA_VISIBLE_DEVICES`` (nothing on the CPU). ``inherited``:
-        the variable as ``up`` got it, if set: the plan's indices count
-        within it, as ``torch.cuda.device_count()`` did."""
+        """Its ``CUDA_VISIBLE_DEVICES`` (nothing on the CPU), and for a
+        learner on a shared GPU the ranks that cap their memory
+        (``learner.config.SHARED_GPU_RANKS_ENV``). ``inherited``: the
+        variable as ``up`` got it, if set: the plan's indices count within
+        it, as ``torch.cuda.device_count()`` did."""
         if not self.devices:
             return {}
-        return {"CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices, inherited)}
+        env = {"CUDA_VISIBLE_DEVICES": cuda_visible_devices(self.devices, inherited)}
+        if self.shared_ranks:
+            env[SHARED_GPU_RANKS_ENV] = ",".join(str(rank) for rank in self.shared_ranks)
+        return env
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,8 @@ class DevicePlan:
     problems: tuple[str, ...] = ()
     colocated: tuple[str, ...] = field(default=())
     """Actors whose engine shares a GPU with a learner rank."""
+    memory_note: str = ""
+    """Why the memory arithmetic was not done, where it was not."""
 
     def process(self, name: str) -> ProcessPlan:
         return next(p for p in self.processes if p.name == name)
@@ -90,6 +112,7 @@ class DevicePlan:
         """What ``up --plan --json`` prints; ``inherited`` as in :meth:`ProcessPlan.env`."""
         return {"gpus_present": self.gpus_present, "weight_transport": self.weight_transport,
                 "colocated": list(self.colocated), "problems": list(self.problems),
+                "memory_note": self.memory_note,
                 "processes": [{**asdict(p), "devices": list(p.devices), "ports": list(p.ports),
                                "waits_for": list(p.waits_for), "env": p.env(inherited)}
                               for p in self.processes]}
@@ -113,7 +136,10 @@ class DevicePlan:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
                  .rstrip() for row in rows]
-        return "\n".join([head, *lines])
+        memory = [f"memory, {p.name}: {p.memory}" for p in self.processes if p.memory]
+        if self.memory_note:
+            memory.append(f"memory: {self.memory_note}")
+        return "\n".join([head, *lines, *memory])
 
 
 def cuda_visible_devices(devices: Sequence[int], inherited: str | None = None) -> str:
@@ -164,10 +190,12 @@ def static_device_problems(learner: LearnerConfig, actors: ActorConfig) -> list[
     return problems
 
 
-def plan_devices(config: JobConfig, gpus_present: int) -> DevicePlan:
+def plan_devices(config: JobConfig, gpus_present: int, gpu_bytes: int | None = None
+                 ) -> DevicePlan:
     """The plan of ``compactionrl up`` for ``config`` on a machine with
     ``gpus_present`` GPUs (0: the CPU plan, as today: gloo, no
-    CUDA_VISIBLE_DEVICES, core pinning left to ``up``)."""
+    CUDA_VISIBLE_DEVICES, core pinning left to ``up``) of ``gpu_bytes``
+    each (None: unknown, memory not checked)."""
     learner, actors = config.learner, config.actors
     problems = static_device_problems(learner, actors)
     tp = max(1, actors.engine.tensor_parallel)
@@ -226,6 +254,7 @@ def plan_devices(config: JobConfig, gpus_present: int) -> DevicePlan:
     engine = actors.engine
     # the engine on a shared GPU takes what the learner leaves
     shared_share = round(1.0 - learner.gpu_memory_fraction, 4)
+    memory = _memory(config, learner_on_gpu, gpu_bytes, bool(colocated), problems)
     processes = [ProcessPlan("replay", ports=_ports(
         config.replay.actor_address, config.replay.learner_address, config.replay.metrics_port))]
     processes.append(ProcessPlan(
@@ -233,21 +262,63 @@ def plan_devices(config: JobConfig, gpus_present: int) -> DevicePlan:
         ports=_ports(learner.control_address, learner.weight_store_address,
                      learner.metrics_port),
         weight_transport=transport,
-        waits_for=tuple(f"actor-{i}" for i in colocated)))
+        waits_for=tuple(f"actor-{i}" for i in colocated),
+        shared_ranks=tuple(rank for rank, gpu in enumerate(learner_gpus)
+                           if any(gpu in actor_gpus[i] for i in colocated)),
+        memory=memory.learner))
     for i, gpus in enumerate(actor_gpus):
-        memory = None
+        share = None
         if gpus:
-            memory = (min(engine.gpu_memory_utilization, shared_share) if i in colocated
-                      else engine.gpu_memory_utilization)
+            share = (min(engine.gpu_memory_utilization, shared_share) if i in colocated
+                     else engine.gpu_memory_utilization)
         processes.append(ProcessPlan(
             f"actor-{i}", devices=gpus, parallel=engine.tensor_parallel,
             ports=(actors.metrics_port + i,) if actors.metrics_port else (),
-            weight_transport=transport, gpu_memory_utilization=memory))
+            weight_transport=transport, gpu_memory_utilization=share,
+            memory=memory.engine(share) if gpus else ""))
     if colocated and not actors.metrics_port:
         problems.append("co-location starts the learner once the engine answers on its metrics "
                         "port, and actors.metrics_port = 0 turns it off: set actors.metrics_port")
     return DevicePlan(gpus_present, transport, tuple(processes), tuple(problems),
-                      tuple(f"actor-{i}" for i in colocated))
+                      tuple(f"actor-{i}" for i in colocated), memory.note)
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """The memory arithmetic's lines for the plan (empty where not done)."""
+
+    learner: str = ""
+    note: str = ""
+    shape: ModelShape | None = None
+    config: JobConfig | None = None
+    gpu_bytes: int = 0
+
+    def engine(self, share: float | None) -> str:
+        if self.shape is None or self.config is None or share is None:
+            return ""
+        return engine_memory(self.shape, self.config.actors, self.gpu_bytes, share).describe()
+
+
+def _memory(config: JobConfig, learner_on_gpu: bool, gpu_bytes: int | None, shared: bool,
+            problems: list[str]) -> _Memory:
+    """The learner rank's and the engines' memory on GPUs of ``gpu_bytes``
+    (:mod:`deploy.memory_plan`); a learner rank that does not fit is refused
+    into ``problems``."""
+    if gpu_bytes is None:
+        return _Memory(note="not checked: the GPUs' size is unknown (--gpu-memory-gib)")
+    shape = ModelShape.of(config.run.model)
+    if shape is None:
+        return _Memory(note=f"not checked: no config.json in run.model ({config.run.model})")
+    lines = _Memory(shape=shape, config=config, gpu_bytes=gpu_bytes)
+    if not learner_on_gpu:
+        return lines
+    chunk, microbatch = memory_switches(config.learner, on_gpu=True)
+    rank = learner_rank_memory(shape, config.learner, pass_tokens(
+        config.learner, config.actors, config.replay, microbatch), chunk)
+    budget = int(gpu_bytes * (config.learner.gpu_memory_fraction if shared else 1.0))
+    problems += memory_problems(rank, budget)
+    return _Memory(f"{rank.describe()} (of {budget / GIB:.1f} GiB)", "", shape, config,
+                   gpu_bytes)
 
 
 def _transport(learner: LearnerConfig, actors: ActorConfig, learner_on_gpu: bool,

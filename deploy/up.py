@@ -313,6 +313,16 @@ class Up:
 
         return torch.cuda.device_count()
 
+    @staticmethod
+    def _gpu_bytes() -> int | None:
+        """The smallest GPU's memory in bytes (None without GPUs)."""
+        if not Up._gpus_present():
+            return None
+        import torch
+
+        return min(torch.cuda.get_device_properties(i).total_memory
+                   for i in range(torch.cuda.device_count()))
+
     # ------------------------------------------------------------------ the run
 
     def run(self) -> int:

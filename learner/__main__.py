@@ -24,7 +24,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = read_settings(args.settings)
-    backend, device = placement(settings.learner.device)
+    backend, device = placement(settings.learner.device, settings.learner.gpu_memory_fraction)
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     try:
         return Learner(settings, device).run()

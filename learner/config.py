@@ -7,6 +7,19 @@ from typing import Literal
 
 from protocol.bounds import bound_problems, bounded
 
+#: What ``"auto"`` is on a GPU for the two memory switches: long sequences
+#: must not run out of memory with the default settings (a 32k-token share
+#: of a 150k vocabulary is 19 GB of float32 logits at once). 4,096 positions
+#: of such logits are 2.5 GB; 16,384 tokens per pass keep a 7B model's
+#: checkpointed layer inputs near 3 GB. On the CPU both are off: memory is
+#: not what limits a run there.
+AUTO_LOGPROB_CHUNK_TOKENS = 4096
+AUTO_MAX_TOKENS_PER_MICROBATCH = 16384
+
+#: The learner's local ranks whose GPU an engine shares (co-location), as
+#: ``up`` sets it from the device plan: comma-separated, absent for none.
+SHARED_GPU_RANKS_ENV = "COMPACTIONRL_SHARED_GPU_RANKS"
+
 
 @dataclass
 class TrackingConfig:
@@ -74,16 +87,17 @@ class LearnerConfig:
     layer there (policy and critic): activation memory of one layer instead
     of all, for a second forward pass of each layer. auto: on on GPU, off on
     the CPU."""
-    logprob_chunk_tokens: int = bounded(0, ge=0)
+    logprob_chunk_tokens: int | Literal["auto"] = bounded("auto", ge=0)
     """Positions whose [positions, vocabulary] float32 logits exist at once
     when computing log-probabilities; backward computes each chunk's again.
     The same values as without (0 = off: the logits of a whole forward pass
-    at once)."""
-    max_tokens_per_microbatch: int = bounded(0, ge=0)
+    at once). auto: ``AUTO_LOGPROB_CHUNK_TOKENS`` on GPU, off on the CPU."""
+    max_tokens_per_microbatch: int | Literal["auto"] = bounded("auto", ge=0)
     """Token budget of one forward pass, padding included: each rank's share
     of a minibatch is cut into micro-batches of whole sequences within it
     (a longer sequence alone), their gradients accumulated into one update
-    that equals the update without the cut (0 = off: the whole share at once)."""
+    that equals the update without the cut (0 = off: the whole share at
+    once). auto: ``AUTO_MAX_TOKENS_PER_MICROBATCH`` on GPU, off on the CPU."""
     critic: Literal["model", "value_head"] = "model"
     """model: the critic is a model of its own, the policy's body copied with
     a scalar head (the paper's choice). value_head: a scalar head on the
@@ -211,3 +225,13 @@ class LearnerConfig:
             if (value or name == "weight_store_address") and (not host or not port.isdigit()):
                 problems.append(f"{section}.{name} = {value!r} must be HOST:PORT")
         return problems
+
+
+def memory_switches(config: LearnerConfig, on_gpu: bool) -> tuple[int, int]:
+    """``(logprob_chunk_tokens, max_tokens_per_microbatch)`` as a learner on
+    a GPU (``on_gpu``) or the CPU uses them: ``"auto"`` resolved, 0 = off."""
+    def resolved(value: int | str, on: int) -> int:
+        return (on if on_gpu else 0) if value == "auto" else int(value)
+
+    return (resolved(config.logprob_chunk_tokens, AUTO_LOGPROB_CHUNK_TOKENS),
+            resolved(config.max_tokens_per_microbatch, AUTO_MAX_TOKENS_PER_MICROBATCH))

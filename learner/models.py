@@ -21,6 +21,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from learner.config import SHARED_GPU_RANKS_ENV
+
 
 class Critic(nn.Module):
     """The policy's transformer body with a scalar head: V(prefix) at every position."""
@@ -255,14 +257,29 @@ def shard(model: nn.Module, device: torch.device | None = None, bf16: bool = Fal
     return model
 
 
-def placement(device: str) -> tuple[str, torch.device]:
+def placement(device: str, memory_fraction: float = 1.0) -> tuple[str, torch.device]:
     """The process-group backend and this rank's device for ``learner.device``:
-    NCCL and ``cuda:LOCAL_RANK`` on GPU, gloo and the CPU otherwise."""
+    NCCL and ``cuda:LOCAL_RANK`` on GPU, gloo and the CPU otherwise. On a GPU
+    an engine shares, this rank's caching allocator is capped at
+    ``memory_fraction`` of it (:func:`memory_cap`)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
+        if (cap := memory_cap(local_rank, os.environ.get(SHARED_GPU_RANKS_ENV, ""),
+                              memory_fraction)) is not None:
+            torch.cuda.set_per_process_memory_fraction(cap, local_rank)
         return "nccl", torch.device("cuda", local_rank)
     return "gloo", torch.device("cpu")
+
+
+def memory_cap(local_rank: int, shared_ranks: str, memory_fraction: float) -> float | None:
+    """The share of its GPU this learner rank may allocate: ``memory_fraction``
+    where an engine shares the GPU (``local_rank`` is in ``shared_ranks``,
+    comma-separated), None (no cap) elsewhere. Without the cap the learner
+    could take the memory vLLM freed after profiling, or that a restarted
+    engine needs at its start."""
+    shared = {int(rank) for rank in shared_ranks.split(",") if rank.strip()}
+    return memory_fraction if local_rank in shared else None
 
 
 def pad(sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -357,7 +374,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     chunk's logits again. Per chunk the operations are those of the whole
     pass (logits in the weights' dtype, then float32; the log-softmax
     gradient, rounded back to the weights' dtype), so values and gradients
-    differ from it by rounding only: sums over rows in another order."""
+    differ from it by rounding only: sums over rows in another order. The
+    output layer's gradient is summed over chunks in float32 and rounded to
+    the weights' dtype once, as the whole pass's one product is: summed in
+    bf16, each chunk's addition would round the running sum again."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor,
@@ -378,7 +398,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         grad = grad.reshape(-1)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         for start in range(0, len(targets), ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             # d log_softmax(x)_t / dx = onehot(t) - softmax(x); softmax as
@@ -388,8 +408,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_logits.scatter_add_(1, targets[rows, None], grad[rows, None])
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[rows] = grad_logits @ weight
-            grad_weight.addmm_(grad_logits.t(), hidden[rows])
-        return grad_hidden, grad_weight, None, None
+            if weight.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), hidden[rows])
+            else:  # the chunk's product as the whole pass rounds it, summed in float32
+                grad_weight += (grad_logits.t() @ hidden[rows]).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 
 def token_values(critic: Critic, ids: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ from learner.advantages import (
     cross_trajectory_factors,
 )
 from learner.batch import Sequence, TrainBatch, microbatches
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, memory_switches
 from learner.losses import (
     explained_variance,
     loss_weights,
@@ -223,6 +223,9 @@ class PPOTrainer:
         self.rank, self.world_size = _world()
         self.device = next(policy.parameters()).device
         """Where the models compute; batches are built on the CPU and moved here."""
+        self.chunk_tokens, self.microbatch_tokens = memory_switches(
+            config, self.device.type == "cuda")
+        """The memory switches as this device uses them (``"auto"`` resolved)."""
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -267,7 +270,7 @@ class PPOTrainer:
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """[B, L] log-probabilities and values of ``ids``, those asked for
         (a value head gives both from one pass, or neither)."""
-        chunk = self.config.logprob_chunk_tokens
+        chunk = self.chunk_tokens
         if self.critic is None:
             return token_logprobs_and_values(self.policy, ids, chunk) if values else (None, None)
         return (token_logprobs(self.policy, ids, chunk) if logp else None,
@@ -276,7 +279,7 @@ class PPOTrainer:
     def _microbatches(self, sequences: list[Sequence]) -> list[list[int]]:
         """Micro-batches of ``sequences`` within the token budget, as many as
         on the rank with the most (FSDP's collectives run once per pass)."""
-        budget = self.config.max_tokens_per_microbatch
+        budget = self.microbatch_tokens
         if budget == 0:
             return [list(range(len(sequences)))]  # one pass everywhere, no need to agree
         groups = microbatches([len(s.tokens) for s in sequences], budget)

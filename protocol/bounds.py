@@ -27,8 +27,11 @@ class Bounds:
     why: str = ""
     """Said after the problem: what the bound protects, or the fix."""
 
-    def problem(self, value: float) -> str:
-        """What is wrong with ``value`` ('' if nothing)."""
+    def problem(self, value: float | str) -> str:
+        """What is wrong with ``value`` ('' if nothing). A string is a
+        field's named choice (``"auto"``), which its ``Literal`` checks."""
+        if isinstance(value, str):
+            return ""
         for bound, holds, word in ((self.ge, lambda b: value >= b, ">="),
                                    (self.gt, lambda b: value > b, ">"),
                                    (self.le, lambda b: value <= b, "<="),

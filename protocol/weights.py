@@ -55,6 +55,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
 from queue import Full, Queue
 
 import torch
@@ -215,11 +216,25 @@ class WeightChannel(ABC):
         self.timeout_s = timeout_s
         self._store = generation_store(store, generation)
 
-    def abandoned(self) -> bool:
-        """Members: whether rank 0 abandoned this generation (False if the
-        store cannot say: the wait's own deadline still holds)."""
+    def _join(self, transport: str) -> None:
+        """Returns once every member of the generation has joined (each
+        sets its key in the generation's store); raises ``RuntimeError``
+        after ``timeout_s``. Before the first collective: NCCL creates its
+        communicator inside it, with no deadline of ours."""
+        self._store.set(f"join/{self.rank}", "1")
         try:
-            return self._store.abandoned()
+            self._store.wait([f"join/{r}" for r in range(self.world_size)],
+                             timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # DistStoreError: a member never joined
+            raise RuntimeError(f"{transport} generation {self.generation} did not form in "
+                               f"{self.timeout_s:g} s: {exc}") from exc
+
+    def abandoned(self, within_s: float | None = None) -> bool:
+        """Members: whether rank 0 abandoned this generation, asked within
+        ``within_s`` (False if the store cannot say in time: the wait's own
+        deadline still holds)."""
+        try:
+            return self._store.abandoned(within_s)
         except RuntimeError:  # DistStoreError
             return False
 
@@ -298,11 +313,31 @@ class WeightChannel(ABC):
                 offset += _aligned(size)
 
 
+def hand_over(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, made by another thread's work on its device's default
+    stream (a receiving thread never sets a stream of its own), made safe to
+    use on the consumer's current stream: that stream waits for the
+    producer's work, and the caching allocator keeps the tensor's block until
+    the consumer's work on it is done (``record_stream``). Without the
+    second, a block freed on the producer's side could be reused before the
+    consumer's copy from it ran (vLLM's loader copies on a stream of its
+    own): silent weight corruption. A CPU tensor is returned as it is."""
+    if not tensor.is_cuda:
+        return tensor
+    producer = torch.cuda.default_stream(tensor.device)
+    consumer = torch.cuda.current_stream(tensor.device)
+    if consumer != producer:
+        consumer.wait_stream(producer)
+        tensor.record_stream(consumer)
+    return tensor
+
+
 def received_ahead(tensors: Iterator[tuple[str, torch.Tensor]], ahead: int
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """``tensors``, drawn by a thread of its own up to ``ahead`` items before
     the consumer; its exception, if any, is raised in the consumer. A consumer
-    that stops early stops the thread at its next item."""
+    that stops early stops the thread at its next item. On a GPU each tensor
+    is handed over from the thread's stream to the consumer's (:func:`hand_over`)."""
     queue: Queue = Queue(maxsize=ahead)
     stop = threading.Event()
     end = object()
@@ -332,7 +367,8 @@ def received_ahead(tensors: Iterator[tuple[str, torch.Tensor]], ahead: int
         while (item := queue.get()) is not end:
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            name, tensor = item
+            yield name, hand_over(tensor)
     finally:
         stop.set()
         thread.join()

@@ -4,17 +4,30 @@ keeps one broadcast in flight while it converts and packs the next bucket;
 members receive one at a time (the engine's loader may draw ahead:
 :func:`protocol.weights.received_ahead`).
 
-Every broadcast is waited for explicitly with a deadline (:func:`wait_within`):
-an NCCL work's ``wait()`` only orders streams, it neither blocks the host nor
-times out, so the same polling wait serves both backends. Past the deadline
-the communicator is aborted (``ncclCommAbort`` on NCCL) and
-:class:`TransferFailed` raised; the process stays healthy.
+Every broadcast is waited for explicitly with a deadline counted from when
+it was enqueued (:func:`wait_within`): an NCCL work's ``wait()`` only orders
+streams, it neither blocks the host nor times out, so the same polling wait
+serves both backends. Past the deadline the communicator is aborted
+(``ncclCommAbort`` on NCCL) and :class:`TransferFailed` raised; the process
+stays healthy.
+
+NCCL's own watchdog must never act first: by default (torchrun sets
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) it tears the process down when a
+collective outlives the group's timeout, which would kill learner rank 0
+whenever an actor dies mid-publication. The weight group alone is built with
+error handling that only cleans up (:func:`nccl_error_handling`; the
+variable is read when a group is built) and a timeout far above the
+project's deadline (:func:`nccl_watchdog_timeout_s`). Every member joins
+through the store first (``WeightChannel._join``), with our deadline: NCCL
+creates its communicator inside the first collective, which has none.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -30,24 +43,58 @@ from protocol.weights import (
 )
 from protocol.weights_store import StoreClient
 
+#: The environment variables (current and legacy name) that choose what
+#: ProcessGroupNCCL does when a collective fails or times out.
+NCCL_ERROR_HANDLING_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+#: ``CleanUpOnly`` in ProcessGroupNCCL.hpp: abort the failed group's
+#: communicators and leave the process running (3, ``SkipCleanUp``, and 1,
+#: ``TearDown``, end the process).
+NCCL_CLEAN_UP_ONLY = "2"
+#: The weight group's NCCL timeout, in multiples of the project's deadline:
+#: the watchdog acts only long after :func:`wait_within` has aborted.
+NCCL_WATCHDOG_FACTOR = 10
 
-def wait_within(work: dist.Work, timeout_s: float,
-                abandoned: Callable[[], bool] = lambda: False) -> None:
-    """Until ``work`` completes; raises :class:`TimeoutError` after
-    ``timeout_s``, or as soon as ``abandoned()`` (asked every
-    ``ABANDONED_POLL_S``) says the sender gave the generation up (and the
-    op's own error if it failed)."""
-    now = time.monotonic()
-    deadline, ask_at = now + timeout_s, now + ABANDONED_POLL_S
+
+def nccl_watchdog_timeout_s(deadline_s: float) -> float:
+    """The NCCL weight group's own timeout for a project deadline of ``deadline_s``."""
+    return NCCL_WATCHDOG_FACTOR * deadline_s
+
+
+@contextlib.contextmanager
+def nccl_error_handling(mode: str = NCCL_CLEAN_UP_ONLY) -> Iterator[None]:
+    """Build a ProcessGroupNCCL inside: the error-handling variables (both
+    names, so that neither overrides the other) say ``mode`` meanwhile, and
+    are restored after. Only that group is affected: the learner's own
+    training group keeps what torchrun set."""
+    saved = {name: os.environ.get(name) for name in NCCL_ERROR_HANDLING_VARIABLES}
+    os.environ.update(dict.fromkeys(NCCL_ERROR_HANDLING_VARIABLES, mode))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def wait_within(work: dist.Work, deadline: float,
+                abandoned: Callable[[float], bool] = lambda within_s: False) -> None:
+    """Until ``work`` completes; raises :class:`TimeoutError` once
+    ``time.monotonic()`` passes ``deadline``, or as soon as
+    ``abandoned(seconds left)`` (asked every ``ABANDONED_POLL_S``, and bound
+    to answer within what is left) says the sender gave the generation up;
+    the op's own error if it failed."""
+    ask_at = time.monotonic() + ABANDONED_POLL_S
     pause = 0.0
     while not work.is_completed():
         now = time.monotonic()
         if now > deadline:
-            raise TimeoutError(f"a broadcast did not complete in {timeout_s:g} s")
+            raise TimeoutError("a broadcast did not complete by its deadline")
         if now > ask_at:
-            if abandoned():
+            if abandoned(deadline - now):
                 raise TimeoutError("the sender abandoned the generation")
-            ask_at = now + ABANDONED_POLL_S
+            ask_at = time.monotonic() + ABANDONED_POLL_S
         time.sleep(pause)
         pause = min(0.001, pause + 0.0001)
     work.wait()
@@ -61,17 +108,20 @@ class WeightGroup(WeightChannel):
         """Join; returns when every member has joined (or raises after ``timeout_s``)."""
         # the generation's store view is kept: the group's C++ side calls into it
         super().__init__(store, generation, world_size, rank, timeout_s)
-        timeout = timedelta(seconds=timeout_s)
+        self._join(backend)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+            options._timeout = timedelta(seconds=nccl_watchdog_timeout_s(timeout_s))
+            with nccl_error_handling():
+                self._group = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
-            self._group = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+            self._group = dist.ProcessGroupGloo(self._store, rank, world_size,
+                                                timedelta(seconds=timeout_s))
             self.device = torch.device("cpu")
-        # rank 0: the broadcast in flight, and its tensor (kept alive until it completes)
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        # the broadcast in flight, its tensor (kept alive until it completes)
+        # and its deadline, counted from when it was enqueued
+        self._pending: tuple[dist.Work, torch.Tensor, float] | None = None
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast and wait for completion (members: the tensor is filled)."""
@@ -83,7 +133,8 @@ class WeightGroup(WeightChannel):
         returns while it travels (rank 0 converts and packs the next)."""
         self._wait()
         try:
-            self._pending = (self._group.broadcast(tensor, 0), tensor)
+            deadline = time.monotonic() + self.timeout_s
+            self._pending = (self._group.broadcast(tensor, 0), tensor, deadline)
         except RuntimeError as exc:
             self.abort()
             raise TransferFailed(f"generation {self.generation}: {exc}") from exc
@@ -91,11 +142,11 @@ class WeightGroup(WeightChannel):
     def _wait(self) -> None:
         if self._pending is None:
             return
-        work, _ = self._pending
+        work, _, deadline = self._pending
         self._pending = None  # the tensor may be freed once the work has completed
         try:
             # rank 0 knows when it gave up; members are told through the store
-            wait_within(work, self.timeout_s, self.abandoned if self.rank else lambda: False)
+            wait_within(work, deadline, self.abandoned if self.rank else lambda within_s: False)
         except (RuntimeError, TimeoutError) as exc:  # torch's DistError is a RuntimeError
             self.abort()
             raise TransferFailed(f"generation {self.generation}: {exc}") from exc

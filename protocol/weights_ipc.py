@@ -155,19 +155,13 @@ class IpcChannel(WeightChannel):
         super().__init__(store, generation, world_size, rank, timeout_s)
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
-        self._timeout = timedelta(seconds=timeout_s)
         self._aborted = False
         self._publication = 0
         self._bucket = 0
         self._slots: list[StagingBuffer | None] = [None] * self.SLOTS
         self._held: dict[int, int] = {}  # slot -> the bucket posted from it, unacknowledged
         self._mapped: dict[int, tuple[str, torch.Tensor]] = {}  # receivers: slot -> mapping
-        self._store.set(f"join/{rank}", "1")
-        try:
-            self._store.wait([f"join/{r}" for r in range(world_size)], self._timeout)
-        except RuntimeError as exc:  # DistStoreError: a member never joined
-            raise RuntimeError(f"ipc generation {generation} did not form in "
-                               f"{timeout_s:g} s: {exc}") from exc
+        self._join("ipc")
 
     def _failed(self, why: str, cause: BaseException | None = None) -> TransferFailed:
         self.abort()
@@ -217,7 +211,7 @@ class IpcChannel(WeightChannel):
             return
         acks = [self._ack_key(bucket, r) for r in range(1, self.world_size)]
         try:
-            self._store.wait(acks, self._timeout)
+            self._store.wait(acks, timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:  # DistStoreError: a receiver died or stalled
             raise self._failed(f"bucket {bucket} was not acknowledged: {exc}", exc) from exc
         for key in (self._key(bucket), *acks):

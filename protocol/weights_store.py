@@ -286,17 +286,25 @@ class StoreClient(dist.Store):
         if self._root is None:
             self._socket.close(linger=0)
 
-    def _call(self, op: str, *arguments: object, wait_s: float = 0.0) -> object:
+    def _call(self, op: str, *arguments: object, wait_s: float = 0.0,
+              reply_s: float | None = None) -> object:
+        """``op``'s result; ``wait_s``: how long the server may wait (a
+        ``wait`` or ``get``), ``reply_s``: how long a reply may take beyond
+        it (default: ``REPLY_GRACE_S``, or the client's timeout if shorter)."""
+        grace = min(REPLY_GRACE_S, self.timeout_s) if reply_s is None else reply_s
         with self._lock:
             request_id = next(self._ids)
-            deadline = time.monotonic() + wait_s + min(REPLY_GRACE_S, self.timeout_s)
+            deadline = time.monotonic() + wait_s + grace
             late = dist.DistStoreError(f"the weight store at {self.address} did not answer "
                                        f"{op} in time")
             # no connection (the server is down, or refused our key) is no
             # peer to queue for: a blocking send would wait forever
             if not self._socket.poll(self._left_ms(deadline), zmq.POLLOUT):
                 raise late
-            self._socket.send(_encoder.encode([request_id, op, *arguments]), zmq.NOBLOCK)
+            try:
+                self._socket.send(_encoder.encode([request_id, op, *arguments]), zmq.NOBLOCK)
+            except zmq.Again:  # the connection went between the poll and the send
+                raise late from None
             while True:
                 if not self._socket.poll(self._left_ms(deadline), zmq.POLLIN):
                     raise late
@@ -346,9 +354,11 @@ class StoreClient(dist.Store):
         """End everything under this view's prefix: waits on its keys fail at once."""
         self._call("abandon", self.prefix)
 
-    def abandoned(self) -> bool:
-        """Whether this view's prefix was abandoned."""
-        return self._call("check", self._keys([ABANDONED]))
+    def abandoned(self, within_s: float | None = None) -> bool:
+        """Whether this view's prefix was abandoned; raises ``DistStoreError``
+        when the store does not answer within ``within_s`` (default: the
+        reply grace), so that a caller's own deadline holds."""
+        return self._call("check", self._keys([ABANDONED]), reply_s=within_s)
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.timeout_s = timeout.total_seconds()

@@ -562,6 +562,11 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     # docs/deploy.md: starts nothing, whatever the machine
     "compactionrl up --plan --gpus 8 --config deploy/configs/gpu-8xh100.toml": Run(
         prints=("weights over nccl", "0,1,2,3")),
+    # the 7B folder is not here: the plan says the memory was not checked (the
+    # arithmetic itself is tests/unit/test_memory_plan.py's, with the 7B's shape)
+    "compactionrl up --plan --gpus 8 --gpu-memory-gib 79.6 --config "
+    "deploy/configs/gpu-8xh100.toml": Run(prints=("weights over nccl",
+                                                   "memory: not checked: no config.json")),
     # docs/environments.md: the bring-your-own guide, run in a temporary folder
     "compactionrl model init --out runs/qwen3-tiny": Elsewhere(
         "tests/integration/test_bring_your_own.py", ("compactionrl", "model", "init", "--out"),

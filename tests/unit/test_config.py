@@ -10,7 +10,12 @@ import pytest
 from actors.config import EngineConfig
 from deploy.cli import main, torchrun_args
 from deploy.config import ConfigError, JobConfig, describe_fields, load_config, to_toml
-from learner.config import LearnerConfig
+from learner.config import (
+    AUTO_LOGPROB_CHUNK_TOKENS,
+    AUTO_MAX_TOKENS_PER_MICROBATCH,
+    LearnerConfig,
+    memory_switches,
+)
 
 CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
 
@@ -152,6 +157,19 @@ def test_memory_budgets_must_not_be_negative() -> None:
     assert any("learner.max_tokens_per_microbatch must be >= 0" in p for p in problems)
 
 
+def test_the_memory_switches_are_on_by_default_on_a_gpu_and_off_on_the_cpu() -> None:
+    default = load_config(None, []).learner
+    assert (default.logprob_chunk_tokens, default.max_tokens_per_microbatch) == ("auto", "auto")
+    assert memory_switches(default, on_gpu=True) == (AUTO_LOGPROB_CHUNK_TOKENS,
+                                                     AUTO_MAX_TOKENS_PER_MICROBATCH)
+    assert memory_switches(default, on_gpu=False) == (0, 0)
+    chosen = load_config(None, ["--learner.logprob_chunk_tokens", "512",
+                                "--learner.max_tokens_per_microbatch", "0"]).learner
+    assert memory_switches(chosen, on_gpu=True) == (512, 0)
+    [problem] = problems_of(["--learner.logprob_chunk_tokens", "some"])
+    assert "learner.logprob_chunk_tokens = 'some'" in problem
+
+
 def test_literal_choices_are_listed() -> None:
     [problem] = problems_of(["--learner.is_mode", "clamp"])
     assert "'truncate', 'mask', 'off'" in problem
@@ -232,6 +250,44 @@ def test_the_cli_composes_repeated_config_files(tmp_path: Path,
     assert main(["config", "show", "--config", str(first), "--config", str(second)]) == 0
     shown = capsys.readouterr().out
     assert "max_staleness = 4" in shown and "rollouts_per_batch = 8" in shown
+
+
+def test_a_file_of_one_field_layers_over_the_embedded_default(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What a run gets with ``--config mine.toml`` is the default it gets
+    without, but for mine.toml's fields: the CPU window that makes the tiny
+    model compact, KeyVault's options (issue 41: it was the dataclasses'
+    defaults, a 1,024-token window in which nothing compacted)."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[actors.environment]\nmax_steps = 20\n")
+    assert main(["config", "show", "--config", str(mine)]) == 0
+    shown = capsys.readouterr().out
+    default = load_config(None)
+    assert f"context_tokens = {default.actors.compaction.context_tokens}" in shown
+    layered = load_config(mine)
+    assert layered.actors.environment.max_steps == 20
+    assert layered.actors.environment.options == default.actors.environment.options
+    assert main(["config", "fields", "--config", str(mine), "actors.environment"]) == 0
+    listed = capsys.readouterr().out
+    assert "actors.environment.max_steps: int = 20  (field default: 64)" in listed
+
+
+def test_a_file_that_names_another_factory_replaces_the_options_below_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """KeyVault's options (codes, rooms...) are never passed to the user's
+    own factory; a file naming the factory again owns its options whole, so
+    the configuration ``up`` writes reads back as it was."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[actors.environment]\nfactory = "actors.envs.shell:Shell"\n')
+    assert main(["config", "show", "--config", str(mine)]) == 0
+    assert "options = {  }" in capsys.readouterr().out
+    rooms = tmp_path / "rooms.toml"
+    rooms.write_text("[actors.environment.options]\nrooms = 12\n")  # no factory: adds
+    options = load_config(rooms).actors.environment.options
+    assert options == {**load_config(None).actors.environment.options, "rooms": 12}
+    written = tmp_path / "config.toml"
+    written.write_text(to_toml(load_config([mine])))
+    assert to_toml(load_config(written)) == to_toml(load_config(mine))
 
 
 def test_every_field_is_listed_with_its_meaning(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from deploy.cli import main
 from deploy.config import ConfigError, load_config
 from deploy.device_plan import cuda_visible_devices, plan_devices
 from deploy.up import Up
+from learner.config import SHARED_GPU_RANKS_ENV
 
 CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
 H100 = CONFIGS / "gpu-8xh100.toml"
@@ -36,7 +37,7 @@ def test_eight_gpus_put_the_learner_on_four_and_an_actor_on_each_other() -> None
     assert plan.problems == ()
     assert plan.weight_transport == "nccl" and plan.colocated == ()
     assert plan.process("learner").devices == (0, 1, 2, 3)
-    assert plan.process("learner").env() == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert plan.process("learner").env() == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # no cap
     assert [plan.process(f"actor-{i}").env() for i in range(4)] == [
         {"CUDA_VISIBLE_DEVICES": str(gpu)} for gpu in (4, 5, 6, 7)]
     assert plan.process("actor-3").ports == (9113,)
@@ -64,6 +65,8 @@ def test_one_gpu_shared_is_ipc_with_the_engine_first_and_its_memory_lowered(
     assert plan.process("learner").waits_for == ("actor-0",)
     assert plan.process("actor-0").devices == plan.process("learner").devices == (0,)
     assert plan.process("actor-0").gpu_memory_utilization == 0.5  # 1 - learner's 0.5
+    # and the learner rank there caps its own allocator at its share
+    assert plan.process("learner").env()[SHARED_GPU_RANKS_ENV] == "0"
     lower = plan_for(1, ["--actors.count", "1", "--learner.gpu_memory_fraction", "0.7"])
     assert lower.process("actor-0").gpu_memory_utilization == pytest.approx(0.3)
     # the engine's own setting wins where it asks for less
@@ -158,7 +161,9 @@ def test_up_gives_children_their_devices_and_holds_the_learner_for_the_engine(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     config = load_config(None, ["--actors.count", "1"])
     up = Up(config, tmp_path, interactive=False, plan=plan_devices(config, 1))
-    assert up.actors[0].env == up.learner.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert up.actors[0].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    # the learner rank on the shared GPU caps its memory (learner.gpu_memory_fraction)
+    assert up.learner.env == {"CUDA_VISIBLE_DEVICES": "0", SHARED_GPU_RANKS_ENV: "0"}
     assert not up.actors[0].cores  # no CPU pinning on a GPU plan
     args = up.actors[0].args
     assert args[args.index("--actors.engine.gpu_memory_utilization") + 1] == "0.5"

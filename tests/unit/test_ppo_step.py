@@ -211,6 +211,26 @@ def test_chunked_log_probabilities_equal_those_of_all_logits_at_once(tiny_model_
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
 
 
+def test_chunked_bf16_output_gradients_are_rounded_once_as_the_whole_pass_rounds_them(
+        tiny_model_dir: Path) -> None:
+    """In bf16 (the GPU's compute dtype), one position per chunk: the output
+    layer's gradient is the whole pass's up to a rounding or two of its
+    elements, not one rounding of a running bf16 sum per chunk."""
+    policy = load_policy(str(tiny_model_dir), torch.bfloat16)
+    ids = pad([s.tokens for s in to_train_batch(synthetic_batch(), True).sequences])
+    upstream = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0))
+    weight = policy.get_output_embeddings().weight
+    grads = []
+    for chunk in (0, 1):
+        policy.zero_grad()
+        (token_logprobs(policy, ids, chunk) * upstream).sum().backward()
+        grads.append(weight.grad.float().clone())
+    whole, chunked = grads
+    # two bf16 roundings of the largest element (8 bits of mantissa)
+    tolerance = 2 * 2.0 ** -8 * whole.abs().max().item()
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=tolerance)
+
+
 def test_a_value_head_shares_the_policy_s_pass_and_starts_at_zero(tiny_model_dir: Path
                                                                   ) -> None:
     """One pass gives the policy's log-probabilities and the head's values;

@@ -197,7 +197,10 @@ def test_a_member_that_stalls_fails_the_sender_within_its_timeout(backend: str) 
     big = [("w", torch.zeros(4 << 20))]  # 16 MB: more than any socket buffer holds
     process, _ = _start_member(port, backend, None, 60)
     try:
-        sender = join_channel(store, 1, 2, 0, backend, 2.0)
+        # the join waits for the member's process to start (seconds of imports
+        # on a busy machine); the deadline under test is the publication's
+        sender = join_channel(store, 1, 2, 0, backend, 60)
+        sender.timeout_s = 2.0
         began = time.monotonic()
         with pytest.raises(TransferFailed):
             sender.send(manifest_of(big, 0), (t for _, t in big))

@@ -1,0 +1,106 @@
+"""The weight group's deadlines and failure handling, as plain decisions
+(protocol/weights_collective.py, protocol/weights_store.py): NCCL's watchdog
+can never act before the project's deadline, the weight group alone is built
+with error handling that leaves the process running, a broadcast's deadline
+counts from when it was enqueued, a member's poll of the store is bounded by
+what is left of that deadline, and a generation whose member never comes
+fails its join within the deadline (gloo here: the CPU twin of NCCL's lazily
+created communicator, which the join now precedes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from protocol.transport import TransportConfig
+from protocol.weights import host_store, join_channel
+from protocol.weights_collective import (
+    NCCL_CLEAN_UP_ONLY,
+    NCCL_ERROR_HANDLING_VARIABLES,
+    nccl_error_handling,
+    nccl_watchdog_timeout_s,
+    wait_within,
+)
+from protocol.weights_store import REPLY_GRACE_S, StoreClient
+from tests.ports import free_ports
+
+
+class NeverCompletes:
+    """A collective whose peer died: it never completes, and its own wait
+    would not bound the host (NCCL's does not)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("waited on a work that never completes")
+
+
+def test_nccl_s_watchdog_acts_only_long_after_the_project_s_deadline() -> None:
+    for deadline_s in (0.5, 30.0, 600.0):
+        assert nccl_watchdog_timeout_s(deadline_s) >= 2 * deadline_s
+
+
+def test_the_weight_group_is_built_with_clean_up_only_error_handling_and_the_rest_keeps_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    current, legacy = NCCL_ERROR_HANDLING_VARIABLES
+    monkeypatch.setenv(current, "3")  # what torchrun sets for every rank
+    monkeypatch.delenv(legacy, raising=False)
+    with nccl_error_handling():
+        assert [os.environ.get(name) for name in NCCL_ERROR_HANDLING_VARIABLES] == [
+            NCCL_CLEAN_UP_ONLY, NCCL_CLEAN_UP_ONLY]
+    assert os.environ[current] == "3" and legacy not in os.environ
+    with pytest.raises(RuntimeError), nccl_error_handling():
+        raise RuntimeError("the group failed to build")
+    assert os.environ[current] == "3" and legacy not in os.environ
+
+
+def test_a_broadcast_s_deadline_counts_from_when_it_was_enqueued() -> None:
+    """Rank 0 enqueues a bucket, packs the next, then waits: a deadline that
+    passed while it packed ends the wait at once."""
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="deadline"):
+        wait_within(NeverCompletes(), deadline=began - 1.0)
+    assert time.monotonic() - began < 1.0
+
+
+def test_a_member_asks_the_store_with_what_is_left_of_its_deadline() -> None:
+    asked: list[float] = []
+
+    def abandoned(within_s: float) -> bool:
+        asked.append(within_s)
+        return len(asked) == 2
+
+    deadline = time.monotonic() + 30.0
+    with pytest.raises(TimeoutError, match="abandoned"):
+        wait_within(NeverCompletes(), deadline, abandoned)
+    assert len(asked) == 2 and all(0 < s <= 30.0 for s in asked) and asked[1] < asked[0]
+
+
+def test_a_poll_of_a_store_that_does_not_answer_returns_within_its_bound() -> None:
+    """The store's host is gone: the poll fails within the bound it is
+    given, not the client's reply grace (5 s), so a member's deadline holds."""
+    [port] = free_ports(1)
+    client = StoreClient(f"tcp://127.0.0.1:{port}", TransportConfig(), timeout_s=60)
+    try:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not answer"):
+            client.abandoned(within_s=0.2)
+        assert time.monotonic() - began < REPLY_GRACE_S / 2
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_generation_whose_member_never_comes_fails_its_join_within_the_deadline(
+        backend: str) -> None:
+    store = host_store(0, timeout_s=60)
+    try:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"{backend} generation 1 did not form in 1 s"):
+            join_channel(store, 1, 2, 0, backend, 1.0)
+        assert time.monotonic() - began < 30  # the store's own timeout is 60 s
+    finally:
+        store.close()
