@@ -408,7 +408,8 @@ def test_a_dead_actor_s_lost_rollouts_are_counted_once_when_it_comes_back(
 def test_a_batch_lost_with_the_learner_s_connection_is_served_again(replay: ReplayThread) -> None:
     """The connection drops with a Batch on its way: the learner asks again
     with the same request and gets the same batch; asking twice never gets a
-    second batch; its next request acknowledges the first."""
+    second batch (at most the same one again); its next request acknowledges
+    the first."""
     proxy = FaultProxy(int(replay.service.config.learner_address.rsplit(":", 1)[1]))
     try:
         actor = replay.actor()
@@ -434,7 +435,12 @@ def test_a_batch_lost_with_the_learner_s_connection_is_served_again(replay: Repl
         batch = learner.receive(15.0)
         assert batch is not None
         assert sorted(r.rollout_id for r in batch.rollouts) == sorted([third, fourth])
-        assert learner.receive(0.5) is None
+        # The copy of the request may arrive after the batch was served (the
+        # replay reads its two sockets in turns): then it is answered with the
+        # same frame, as a reconnect's is (docs/protocol.md), never another batch.
+        again = learner.receive(0.5)
+        assert again is None or (again.seq, [r.rollout_id for r in again.rollouts]) == (
+            batch.seq, [r.rollout_id for r in batch.rollouts]), again
         assert replay.metric("crl_replay_batches_total") == 2
         assert replay.metric("crl_replay_batches_resent_total") == 1
     finally:
