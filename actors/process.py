@@ -70,6 +70,7 @@ from actors.engine import Engine
 from actors.envs.base import Environment, load_environment
 from actors.episode import EpisodeResult, run_episode
 from actors.metrics import ActorMetrics
+from actors.preflight import check_episode_setup
 from actors.state import CreditAccount, LearnerView, Outbox
 from ops.metrics import Health, MetricsServer
 from protocol import (
@@ -133,8 +134,8 @@ async def run_actor(settings: ActorSettings) -> int:
     """The actor process: start the engine, connect the links, run until
     SIGTERM; the exit code of :meth:`Actor.run`."""
     config = settings.actor
-    # fail fast, before the engine's slow start, if the environment cannot load
-    await load_environment(config.environment.factory, config.environment.options).close()
+    # fail fast, before the engine's slow start, if an episode cannot run
+    await check_episode_setup(settings.model, config)
     engine = await Engine.start(settings.model, config.engine, config.sampling,
                                 seed_offset=settings.index,
                                 weight_transfer=settings.learner_address is not None)

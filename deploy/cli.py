@@ -221,9 +221,11 @@ def torchrun_args(learner: LearnerConfig) -> list[str]:
 
 
 def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
+    import asyncio
     import json
     import os
 
+    from actors.preflight import check_episode_setup
     from deploy.device_plan import plan_devices
     from deploy.up import Up, prepare_model
 
@@ -256,6 +258,9 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
     prepare_model(config)
     if problems := config.model_problems():  # a model bootstrapped just now
         raise ConfigError(problems)
+    # an environment, template or context budget that cannot run an episode,
+    # told now rather than by each actor after its engine has started
+    asyncio.run(check_episode_setup(config.run.model, config.actors))
     return Up(config, Path(config.run.out_dir) / config.run.name, resume=args.resume,
               plan=plan).run()
 
@@ -468,10 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and not hasattr(args, "config"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     from actors.envs.base import EnvironmentLoadError
+    from actors.preflight import SetupError
 
     try:
         return args.handler(args, overrides)
-    except (ConfigError, EnvironmentLoadError, FileNotFoundError) as exc:
+    except (ConfigError, EnvironmentLoadError, SetupError, FileNotFoundError) as exc:
         print(f"compactionrl: {exc}", file=sys.stderr)
         return 2
 

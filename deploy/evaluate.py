@@ -29,6 +29,7 @@ from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import EVALUATION_SEEDS_FROM, load_environment
 from actors.episode import EpisodeResult, run_episode
+from actors.preflight import check_episode_setup
 
 #: Episodes in flight on the engine at once: enough to batch the tiny
 #: model's short turns, few enough that the progress bar moves steadily.
@@ -103,6 +104,7 @@ def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
 async def run_evaluation(model: str, actors: ActorConfig, episodes: int,
                          show_progress: bool = True) -> EvalReport:
     began = time.perf_counter()
+    await check_episode_setup(model, actors)  # before the engine's slow start
     engine = await Engine.start(model, actors.engine, actors.sampling)
     try:
         results = await play_held_out(engine, actors, episodes, show_progress)

@@ -13,6 +13,7 @@ from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import load_environment
 from actors.episode import EpisodeResult, run_episode
+from actors.preflight import check_episode_setup
 
 #: Characters of each segment's decoded tail shown in the transcript.
 TAIL_CHARS = 400
@@ -20,6 +21,7 @@ TAIL_CHARS = 400
 
 async def _play(model: str, config: ActorConfig, seed: int, greedy: bool, as_json: bool
                 ) -> EpisodeResult:
+    await check_episode_setup(model, config)  # before the engine's slow start
     engine = await Engine.start(model, config.engine, config.sampling)
     try:
         chat = ChatFormat(engine.tokenizer, config.compaction, config.environment)
