@@ -9,8 +9,6 @@ from typing import Any, Literal
 
 from protocol.bounds import bound_problems, bounded
 
-OptionValue = int | float | str | bool
-
 DEFAULT_SUMMARY_INSTRUCTION = (
     "stop . write a summary of the history for your successor : the goal , every fact found "
     "with its exact value , the actions done and their results , and the next step . keep it "
@@ -188,8 +186,10 @@ class EnvironmentConfig:
 
     factory: str = "actors.envs.keyvault:KeyVault"
     """``module:Name`` of a class or function returning an Environment."""
-    options: dict[str, OptionValue | list[OptionValue]] = field(default_factory=dict)
-    """Keyword arguments for the factory (a list: keyvault's size ranges)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the factory, any TOML value, tables included (a
+    verifiers taskset's own config, a Gymnasium environment's kwargs): passed
+    as given, and checked by the factory before any engine starts."""
     max_steps: int = bounded(64, ge=1)
     """Episode step limit (outcome ``step_limit``, reward 0)."""
     observation_max_tokens: int = bounded(256, ge=1)

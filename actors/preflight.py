@@ -5,10 +5,11 @@ environment (its factory, its options, a task it cannot build), in the chat
 template (a role it refuses, a system prompt it drops) or in the context
 budget (a reserve that cannot hold a summary) would otherwise surface only
 after that start, as a traceback from the first episode. Here the factory
-is imported and called, one task is built (the first training seed's), the
-template is rendered and verified with the task's tools through the
-tokenizer the engine will load, and the task's context is laid out: any
-problem is one :class:`SetupError` whose text names the field to change.
+is imported and called, one task is built (the first training seed's, or
+for an evaluation the first held-out one's), the template is rendered and
+verified with the task's tools through the tokenizer the engine will load,
+and the task's context is laid out: any problem is one :class:`SetupError`
+whose text names the field to change.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import CompactionContext
-from actors.envs.base import load_environment
+from actors.envs.base import load_environment, one_line
 
 #: The task built for the check: a training seed (training seeds start at 0).
 PREFLIGHT_SEED = 0
@@ -33,17 +34,18 @@ def load_tokenizer(model: str, trust_remote_code: bool) -> object:
     return get_tokenizer(model, trust_remote_code=trust_remote_code)
 
 
-async def check_episode_setup(model: str, config: ActorConfig) -> None:
-    """Raise :class:`SetupError` unless one episode of ``config``'s
+async def check_episode_setup(model: str, config: ActorConfig,
+                              seed: int = PREFLIGHT_SEED) -> None:
+    """Raise :class:`SetupError` unless the episode ``seed`` of ``config``'s
     environment can be framed by ``model``'s template within its context."""
     factory = config.environment.factory
     environment = load_environment(factory, config.environment.options)
     try:
         try:
-            task = await environment.reset(PREFLIGHT_SEED)
+            task = await environment.reset(seed)
         except Exception as exc:  # the user's code: any failure is theirs to see
-            raise SetupError(f"{factory}: reset({PREFLIGHT_SEED}) failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise SetupError(f"{factory}: reset({seed}) failed: "
+                             f"{one_line(exc)}") from exc
     finally:
         await environment.close()
     try:

@@ -104,7 +104,8 @@ def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
 async def run_evaluation(model: str, actors: ActorConfig, episodes: int,
                          show_progress: bool = True) -> EvalReport:
     began = time.perf_counter()
-    await check_episode_setup(model, actors)  # before the engine's slow start
+    # before the engine's slow start: the first held-out task can be played
+    await check_episode_setup(model, actors, seed=EVALUATION_SEEDS_FROM)
     engine = await Engine.start(model, actors.engine, actors.sampling)
     try:
         results = await play_held_out(engine, actors, episodes, show_progress)

@@ -96,6 +96,11 @@ class EnvironmentLoadError(Exception):
     """The configured factory cannot be imported or called."""
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line (a pydantic error spans several)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
 def load_environment(factory: str, options: dict[str, Any]) -> Environment:
     """Import ``module:attribute`` and call it with ``options``."""
     module_name, _, attribute = factory.partition(":")
@@ -111,8 +116,9 @@ def load_environment(factory: str, options: dict[str, Any]) -> Environment:
         raise EnvironmentLoadError(f"{module_name!r} has no attribute {attribute!r}") from None
     try:
         environment = make(**options)
-    except TypeError as exc:
-        raise EnvironmentLoadError(f"{factory}(**{options}) failed: {exc}") from exc
+    except Exception as exc:  # the user's code and options: any failure is theirs to see
+        raise EnvironmentLoadError(
+            f"{factory}(**{options}) failed: {one_line(exc)}") from exc
     if not isinstance(environment, Environment):
         raise EnvironmentLoadError(f"{factory} did not return an Environment "
                                    "(async reset, step, close)")

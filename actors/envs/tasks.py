@@ -41,11 +41,16 @@ class TaskRows:
         self.rows: dict[Split, list[dict[str, Any]]] = {"train": [], "eval": []}
         for row, named in _read(Path(source)):
             self.rows[_split_of(row, named, eval_fraction)].append(row)
+        self.eval_fraction = eval_fraction
         if not self.rows["train"]:
-            raise ValueError(f"{source}: no training rows")
+            raise ValueError(f"{source}: no training rows ({self._sizes()})")
 
     def __len__(self) -> int:
         return len(self.rows["train"]) + len(self.rows["eval"])
+
+    def _sizes(self) -> str:
+        return (f"{len(self.rows['train'])} training and {len(self.rows['eval'])} evaluation "
+                f"rows, the unnamed split by hash at eval_fraction = {self.eval_fraction}")
 
     def for_seed(self, seed: int) -> dict[str, Any]:
         """The row an episode seed draws: a training row below
@@ -53,8 +58,8 @@ class TaskRows:
         split: Split = "eval" if seed >= EVALUATION_SEEDS_FROM else "train"
         rows = self.rows[split]
         if not rows:
-            raise ValueError(f"{self.source}: no evaluation rows (give rows a split column, "
-                             "or an eval_fraction above 0)")
+            raise ValueError(f"{self.source}: no evaluation rows ({self._sizes()}): give rows "
+                             "a split column, or raise options.eval_fraction")
         return rows[seed % len(rows)]
 
 

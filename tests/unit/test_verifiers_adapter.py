@@ -15,9 +15,12 @@ from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import Generation, SegmentData
 from actors.envs.adapters.verifiers import VerifiersTaskset
-from actors.envs.base import EVALUATION_SEEDS_FROM, ToolCall
+from actors.envs.base import EVALUATION_SEEDS_FROM, EnvironmentLoadError, ToolCall, load_environment
 from actors.episode import EpisodeResult, run_episode
+from deploy.cli import main
+from deploy.config import load_config
 
+ROOT = Path(__file__).parents[2]
 ENVIRONMENTS = Path(__file__).parent / "environments"
 
 
@@ -107,3 +110,66 @@ def test_the_agent_loop_plays_a_verifiers_task_to_its_reward(taskset, tiny_model
     assert result.stats.outcome == "done" and result.reward == 1.0 and result.stats.success
     assert result.stats.steps == 2 and result.stats.tags == {"taskset": "crl_calc"}
     assert "5" in tokenizer.decode(segments[-1].tokens)
+
+
+def _guide_block(language: str) -> str:
+    """The first ``language`` block of the guide's verifiers section."""
+    text = (ROOT / "docs" / "environments.md").read_text()
+    section = text[text.index("### Bring a verifiers environment"):]
+    start = section.index(f"```{language}\n") + len(language) + 4
+    return section[start:section.index("```\n", start)]
+
+
+def test_the_guide_shows_the_taskset_module_the_suite_runs() -> None:
+    assert _guide_block("python") == (ENVIRONMENTS / "crl_calc.py").read_text()
+
+
+def test_the_guide_s_configuration_reaches_the_taskset_s_nested_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The guide's table, layered over the default by one --config file, as
+    the command line reads it: the adapter's own options and the taskset's
+    (a field, and a table for its task config) each arrive."""
+    monkeypatch.syspath_prepend(str(ENVIRONMENTS))
+    mine = tmp_path / "mine.toml"
+    mine.write_text(_guide_block("toml"))
+    config = load_config([mine])
+    assert config.actors.compaction.context_tokens == load_config().actors.compaction.context_tokens
+    environment = config.actors.environment
+    taskset = load_environment(environment.factory, environment.options)
+    assert isinstance(taskset, VerifiersTaskset) and taskset.max_turns == 16
+    assert len(taskset.tasks["train"]) + len(taskset.tasks["eval"]) == 6  # repeats = 2
+    assert taskset.tasks["eval"] and taskset.tasks["train"]  # eval_fraction = 0.5
+
+    async def lenient_reward() -> float:
+        await taskset.reset(0)
+        return (await taskset.step("the sum is 5")).reward
+
+    assert asyncio.run(lenient_reward()) == 1.0  # task = { strict = false }
+    # what `config show` prints reads back to the same nested options
+    assert main(["config", "show", "--config", str(mine)]) == 0
+    shown = tmp_path / "shown.toml"
+    shown.write_text(capsys.readouterr().out)
+    assert load_config([shown]).actors.environment.options == environment.options
+    # a nested override on the command line reaches the same table
+    strict = load_config([mine], ["--actors.environment.options.task.strict", "true"])
+    assert strict.actors.environment.options["task"] == {"strict": True}
+
+
+def test_a_taskset_config_verifiers_refuses_is_one_line_naming_the_field(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ENVIRONMENTS))
+    with pytest.raises(EnvironmentLoadError) as raised:
+        load_environment("actors.envs.adapters.verifiers:VerifiersTaskset",
+                         {"taskset": "crl_calc", "repeats": "twice"})
+    assert "\n" not in str(raised.value) and "repeats" in str(raised.value)
+
+
+def test_a_taskset_too_small_to_hold_out_a_task_says_its_split_and_the_option(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ENVIRONMENTS))
+    taskset = VerifiersTaskset("crl_calc")  # three tasks at the default eval_fraction = 0.1
+    with pytest.raises(ValueError, match=r"no evaluation tasks \(3 training and 0 evaluation "
+                       r"tasks by the hash split at eval_fraction = 0.1\): raise "
+                       r"options.eval_fraction"):
+        asyncio.run(taskset.reset(EVALUATION_SEEDS_FROM))

@@ -42,29 +42,37 @@ class VerifiersTaskset:
     """One episode at a time of the taskset ``taskset`` (an importable module
     exporting one ``vf.Taskset``, as ``vf-init`` lays it out)."""
 
-    def __init__(self, taskset: str, options: dict[str, Any] | None = None,
-                 max_turns: int = 32, success_reward: float = 1.0,
-                 eval_fraction: float = 0.1) -> None:
+    def __init__(self, taskset: str, max_turns: int = 32, success_reward: float = 1.0,
+                 eval_fraction: float = 0.1, **config: Any) -> None:
+        """``config``: the taskset's own config (its ``vf.TasksetConfig``
+        fields, nested tables for nested configs), checked by verifiers."""
         import verifiers.v1 as vf
         from verifiers.v1.utils.loaders import taskset_config_type
 
         self.name = taskset
         self.max_turns = max_turns
         self.success_reward = success_reward
-        config = taskset_config_type(taskset)(id=taskset, **(options or {}))
+        loaded = taskset_config_type(taskset)(id=taskset, **config)
         self.tasks: dict[Split, list[Any]] = {"train": [], "eval": []}
-        for task in vf.load_taskset(config):
+        for task in vf.load_taskset(loaded):
             key = str(task.data.id if task.data.id is not None else task.data.idx)
             self.tasks[split_of(key, eval_fraction)].append(task)
+        self.eval_fraction = eval_fraction
         if not self.tasks["train"]:
-            raise ValueError(f"verifiers taskset {taskset!r}: no training tasks")
+            raise ValueError(f"verifiers taskset {taskset!r}: no training tasks "
+                             f"({self._sizes()})")
         self._episode: _Episode | None = None
+
+    def _sizes(self) -> str:
+        return (f"{len(self.tasks['train'])} training and {len(self.tasks['eval'])} "
+                f"evaluation tasks by the hash split at eval_fraction = {self.eval_fraction}")
 
     async def reset(self, seed: int) -> Task:
         split: Split = "eval" if seed >= EVALUATION_SEEDS_FROM else "train"
         tasks = self.tasks[split]
         if not tasks:
-            raise ValueError(f"verifiers taskset {self.name!r}: no evaluation tasks")
+            raise ValueError(f"verifiers taskset {self.name!r}: no evaluation tasks "
+                             f"({self._sizes()}): raise options.eval_fraction")
         task = tasks[seed % len(tasks)]
         self._episode = await _Episode.start(task, self.max_turns)
         data = task.data

@@ -28,6 +28,7 @@ class CalcData(vf.TaskData):
 
 class CalcTaskConfig(vf.TaskConfig):
     tools: vf.ToolsetConfig = vf.ToolsetConfig()
+    strict: bool = True  # the reply must be the number alone, else contain it
 
 
 class CalcTask(vf.Task[CalcData, vf.State, CalcTaskConfig]):
@@ -37,7 +38,10 @@ class CalcTask(vf.Task[CalcData, vf.State, CalcTaskConfig]):
 
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
-        return float((trace.last_reply or "").strip() == self.data.answer)
+        reply = (trace.last_reply or "").strip()
+        if self.config.strict:
+            return float(reply == self.data.answer)
+        return float(self.data.answer in reply.split())
 
     @vf.metric
     async def tool_calls(self, trace: vf.Trace) -> float:
@@ -46,11 +50,14 @@ class CalcTask(vf.Task[CalcData, vf.State, CalcTaskConfig]):
 
 class CalcConfig(vf.TasksetConfig):
     task: CalcTaskConfig = CalcTaskConfig()
+    repeats: int = 1  # each sum this many times, as tasks of their own
 
 
 class CalcTaskset(vf.Taskset[CalcTask, CalcConfig]):
     def load(self):
-        for number, (question, answer) in enumerate(ROWS):
-            yield CalcTask(CalcData(id=f"sum-{number}", prompt=question, answer=answer,
-                                    system_prompt="You are a calculator agent."),
-                           self.config.task)
+        for repeat in range(self.config.repeats):
+            for number, (question, answer) in enumerate(ROWS):
+                task_id = f"sum-{number}" + (f"-{repeat}" if repeat else "")
+                yield CalcTask(CalcData(id=task_id, prompt=question, answer=answer,
+                                        system_prompt="You are a calculator agent."),
+                               self.config.task)
