@@ -5,11 +5,15 @@ with the real package."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
 
 from actors.envs.adapters.gymnasium import GymnasiumText
+from actors.envs.base import load_environment
+from deploy.config import load_config
+from tests.guides import guide_block
 
 ENVIRONMENTS = Path(__file__).parent / "environments"
 
@@ -59,3 +63,35 @@ def test_truncation_ends_the_episode_without_success(environment) -> None:
 def test_an_environment_without_text_spaces_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="observation_space is Box, not Text"):
         GymnasiumText("CartPole-v1")
+
+
+def test_an_id_the_user_s_module_registers_is_found_by_the_module_s_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a fresh actor process (the module not imported, its id not
+    registered): the guide's table, layered over the default by one --config
+    file, names the module that registers the id, Gymnasium's own form."""
+    import gymnasium
+
+    monkeypatch.syspath_prepend(str(ENVIRONMENTS))
+    monkeypatch.delitem(sys.modules, "crl_gym_text", raising=False)
+    monkeypatch.delitem(gymnasium.registry, "CrlHigherLower-v0", raising=False)
+    mine = tmp_path / "mine.toml"
+    mine.write_text(guide_block("docs/environments.md", "### Gymnasium text environments",
+                                "toml"))
+    environment = load_config([mine]).actors.environment
+    loaded = load_environment(environment.factory, environment.options)
+    assert isinstance(loaded, GymnasiumText)
+    assert bisect(loaded, seed=3)[-1].success
+
+
+def test_an_id_registered_nowhere_names_the_form_that_imports_its_module(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import gymnasium
+
+    monkeypatch.delitem(gymnasium.registry, "CrlHigherLower-v0", raising=False)
+    with pytest.raises(ValueError, match="name the module that registers it, as "
+                       "'module:CrlHigherLower-v0'"):
+        GymnasiumText("CrlHigherLower-v0")
+    monkeypatch.syspath_prepend(str(ENVIRONMENTS))
+    with pytest.raises(ValueError, match="neither registers the id 'Nothing-v0' nor has"):
+        GymnasiumText("crl_gym_text:Nothing-v0")

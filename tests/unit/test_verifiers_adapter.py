@@ -19,9 +19,10 @@ from actors.envs.base import EVALUATION_SEEDS_FROM, EnvironmentLoadError, ToolCa
 from actors.episode import EpisodeResult, run_episode
 from deploy.cli import main
 from deploy.config import load_config
+from tests.guides import guide_block
 
-ROOT = Path(__file__).parents[2]
 ENVIRONMENTS = Path(__file__).parent / "environments"
+GUIDE, SECTION = "docs/environments.md", "### Bring a verifiers environment"
 
 
 @pytest.fixture
@@ -112,16 +113,8 @@ def test_the_agent_loop_plays_a_verifiers_task_to_its_reward(taskset, tiny_model
     assert "5" in tokenizer.decode(segments[-1].tokens)
 
 
-def _guide_block(language: str) -> str:
-    """The first ``language`` block of the guide's verifiers section."""
-    text = (ROOT / "docs" / "environments.md").read_text()
-    section = text[text.index("### Bring a verifiers environment"):]
-    start = section.index(f"```{language}\n") + len(language) + 4
-    return section[start:section.index("```\n", start)]
-
-
 def test_the_guide_shows_the_taskset_module_the_suite_runs() -> None:
-    assert _guide_block("python") == (ENVIRONMENTS / "crl_calc.py").read_text()
+    assert guide_block(GUIDE, SECTION, "python") == (ENVIRONMENTS / "crl_calc.py").read_text()
 
 
 def test_the_guide_s_configuration_reaches_the_taskset_s_nested_config(
@@ -132,7 +125,7 @@ def test_the_guide_s_configuration_reaches_the_taskset_s_nested_config(
     (a field, and a table for its task config) each arrive."""
     monkeypatch.syspath_prepend(str(ENVIRONMENTS))
     mine = tmp_path / "mine.toml"
-    mine.write_text(_guide_block("toml"))
+    mine.write_text(guide_block(GUIDE, SECTION, "toml"))
     config = load_config([mine])
     assert config.actors.compaction.context_tokens == load_config().actors.compaction.context_tokens
     environment = config.actors.environment

@@ -16,28 +16,53 @@ and parses actions from text, and register that (docs/environments.md).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from actors.envs.base import StepResult, Task
 
 
+def make_target(env_id: str) -> Any:
+    """What ``gymnasium.make`` is given for ``env_id``:
+
+    - ``"Id-v0"``: an id registered in this process (Gymnasium's own, or by a
+      module the environment's factory imports);
+    - ``"module:Id-v0"``: Gymnasium's own form, the module that registers the
+      id (imported here, so a fresh actor process finds the id);
+    - ``"module:Class"``: a class path, registered under that name.
+    """
+    import gymnasium
+    from gymnasium.envs.registration import EnvSpec
+
+    module_name, colon, name = env_id.partition(":")
+    if not colon:
+        if env_id not in gymnasium.registry:
+            raise ValueError(f"Gymnasium id {env_id!r} is not registered in this process: "
+                             f"name the module that registers it, as 'module:{env_id}'")
+        return env_id
+    module = importlib.import_module(module_name)  # its registrations run now
+    if name in gymnasium.registry:
+        return name
+    if isinstance(getattr(module, name, None), type):
+        return EnvSpec(id=env_id.replace(":", "."), entry_point=env_id)
+    raise ValueError(f"Gymnasium environment {env_id!r}: {module_name!r} neither registers "
+                     f"the id {name!r} nor has a class of that name")
+
+
 class GymnasiumText:
-    """``env_id``: a registered Gymnasium id, or ``module:Class`` (imported
-    and registered under that name); ``kwargs`` go to ``gymnasium.make``."""
+    """``env_id``: a registered Gymnasium id, ``module:Id`` (the module that
+    registers it) or ``module:Class`` (:func:`make_target`); ``kwargs`` go to
+    ``gymnasium.make``."""
 
     def __init__(self, env_id: str, system: str = "", kwargs: dict[str, Any] | None = None,
                  max_episode_steps: int | None = None) -> None:
         import gymnasium
         from gymnasium import spaces
-        from gymnasium.envs.registration import EnvSpec
 
         self.env_id = env_id
         self.system = system
-        # make() reads "module:Name" as "import module, make its registered
-        # Name": a class path goes in as a spec of its own instead
-        target = (EnvSpec(id=env_id.replace(":", "."), entry_point=env_id)
-                  if ":" in env_id else env_id)
-        self.env = gymnasium.make(target, max_episode_steps=max_episode_steps, **(kwargs or {}))
+        self.env = gymnasium.make(make_target(env_id), max_episode_steps=max_episode_steps,
+                                  **(kwargs or {}))
         for name in ("observation_space", "action_space"):
             space = getattr(self.env, name)
             if not isinstance(space, spaces.Text):

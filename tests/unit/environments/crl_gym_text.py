@@ -34,3 +34,8 @@ class HigherLower(gymnasium.Env):
         if guess == self.secret:
             return "correct", 1.0, True, False, {"success": True}
         return ("higher" if guess < self.secret else "lower"), -0.05, False, False, {}
+
+
+# Registered under an id of the user's own when the module is imported: an
+# actor finds it by the module's name, as "crl_gym_text:CrlHigherLower-v0".
+gymnasium.register("CrlHigherLower-v0", entry_point=HigherLower, kwargs={"high": 16})
