@@ -171,6 +171,16 @@ def _remove_if_unused(folder: Path) -> None:
         os.close(lock)
 
 
+def require_model_folder(model: str) -> None:
+    """Raise :class:`FileNotFoundError` unless ``model`` is a local HF-format
+    model folder: actors never download, so a missing folder is an error
+    here, not a hub lookup (which would fail later, and less clearly)."""
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model folder {model!r} has no config.json: point run.model at a local "
+            "HF-format model folder, or at a model id in the local Hugging Face cache")
+
+
 def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``vllm.AsyncEngineArgs``.
 
@@ -257,10 +267,7 @@ class Engine:
         download: a missing folder is an error here, not a hub lookup). With
         ``weight_transfer`` the engine accepts live weight updates over the
         project's gloo transfer engine (:mod:`actors.weight_transfer`)."""
-        if not (Path(model) / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model folder {model!r} has no config.json: point run.model at a local "
-                "HF-format model folder, or at a model id in the local Hugging Face cache")
+        require_model_folder(model)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

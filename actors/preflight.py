@@ -17,6 +17,7 @@ from __future__ import annotations
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import CompactionContext
+from actors.engine import require_model_folder
 from actors.envs.base import load_environment, one_line
 
 #: The task built for the check: a training seed (training seeds start at 0).
@@ -30,6 +31,8 @@ class SetupError(Exception):
 def load_tokenizer(model: str, trust_remote_code: bool) -> object:
     """The tokenizer the engine loads for ``model`` (vLLM's own loader)."""
     from vllm.tokenizers import get_tokenizer
+
+    require_model_folder(model)
 
     return get_tokenizer(model, trust_remote_code=trust_remote_code)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.envs.base import EVALUATION_SEEDS_FROM
 from deploy.cli import main
 from tests.processes import VENV_BIN, run_command
 
@@ -71,9 +72,13 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("command", [["play"], ["eval", "--episodes", "1"], ["up"]])
+@pytest.mark.parametrize("command, seed", [
+    (["play"], 0),
+    (["eval", "--episodes", "1"], EVALUATION_SEEDS_FROM),  # the first held-out task
+    (["up"], 0),
+])
 def test_an_environment_that_cannot_build_a_task_is_refused_before_an_engine(
-        command: list[str], user_module: Path, tiny_model_dir: Path,
+        command: list[str], seed: int, user_module: Path, tiny_model_dir: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     config = _config(user_module, f"""
 [run]
@@ -85,7 +90,8 @@ factory = "my_tasks:NoTasks"
 options = {{ rows = "tasks.jsonl" }}
 """)
     line = _refused([*command, "--config", config], capsys)
-    assert "my_tasks:NoTasks: reset(0) failed: FileNotFoundError: no task file tasks.jsonl" in line
+    assert (f"my_tasks:NoTasks: reset({seed}) failed: FileNotFoundError: no task file "
+            "tasks.jsonl") in line
 
 
 def test_options_the_factory_does_not_take_are_refused_before_an_engine(
