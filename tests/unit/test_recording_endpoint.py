@@ -21,6 +21,7 @@ from actors.context import Generation, SegmentData
 from actors.endpoint import MAX_BODY_NESTING, EndpointError, RecordingEndpoint
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
+from tests.guides import guide_block
 
 CALL = {"name": "bash", "arguments": {"command": "ls"}}
 TOOLS = [{"type": "function", "function": {
@@ -314,3 +315,67 @@ def test_a_session_whose_first_call_fails_returns_its_credit_at_once(chat: ChatF
         assert (await post(client, url, {"messages": [TASK]}, session="a"))[0] == 200
 
     serve(chat, scenario, credits=1)
+
+
+def guide_client_code() -> dict[str, Any]:
+    """The functions of docs/endpoint.md's client snippet, as printed."""
+    names: dict[str, Any] = {}
+    exec(guide_block("docs/endpoint.md", "## The calls the `openai` client does not make",
+                     "python"), names)
+    return names
+
+
+def test_the_guide_s_client_code_waits_rewards_and_gives_up_with_the_openai_client(
+        chat: ChatFormat) -> None:
+    """docs/endpoint.md's snippet for the calls the ``openai`` client does not
+    make, run as printed: the wait answers once the endpoint serves, a reward
+    closes one session with the outcome, a give-up drops the other, and the
+    refusals arrive as the client's own errors with the endpoint's reason."""
+    import openai
+
+    guide = guide_client_code()
+
+    async def scenario(host: Host, base: str, _: aiohttp.ClientSession) -> None:
+        host.policy.script = ["look", "next"]
+        async with openai.AsyncOpenAI(base_url=base, api_key="any") as client:
+            await guide["wait_until_ready"](client, timeout_s=10)
+            for session in ("kept", "dropped"):
+                await client.chat.completions.create(
+                    model="tiny", messages=[SYSTEM, TASK],
+                    extra_headers={"X-Session-Id": session})
+            recorded = await guide["post_reward"](client, "kept", 1.0, True)
+            assert (recorded["session"], recorded["segments"], recorded["calls"]) == (
+                "kept", 1, 1)
+            await guide["give_up"](client, "dropped")
+            with pytest.raises(openai.NotFoundError) as twice:
+                await guide["post_reward"](client, "kept", 1.0, True)
+            assert twice.value.body["code"] == "unknown_session"
+            with pytest.raises(openai.NotFoundError) as unknown:
+                await guide["give_up"](client, "never-seen")
+            assert unknown.value.body["code"] == "unknown_session"
+
+    host = serve(chat, scenario)
+    [(rollout, index, segment, result)] = host.sent
+    assert index == 0 and result is not None and result.reward == 1.0 and result.stats.success
+    assert sorted(abandoned for _, abandoned in host.closed) == [False, True]
+    assert host.metrics.registry.get_sample_value(
+        "crl_actor_endpoint_sessions_total", {"end": "abandoned"}) == 1
+
+
+def test_the_guide_s_wait_gives_up_when_nothing_listens() -> None:
+    """No endpoint at the address: the wait raises the client's connection
+    error once its bound has passed, instead of waiting for ever."""
+    import openai
+
+    from tests.ports import free_ports
+
+    guide = guide_client_code()
+    [port] = free_ports(1)
+
+    async def wait() -> None:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="any",
+                                      max_retries=0) as client:
+            await guide["wait_until_ready"](client, timeout_s=0.5)
+
+    with pytest.raises(openai.APIConnectionError):
+        asyncio.run(asyncio.wait_for(wait(), 30))
