@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
@@ -52,6 +52,10 @@ class EpisodeResult:
     observations_cut: int
     tool_call_errors: Counter[str] = field(default_factory=Counter)
     """Calls answered with an error observation, by reason."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """The environment's ``info`` of the step that ended the episode: where
+    it gives them, the parts of its reward (KeyVault's digits right, a
+    verifiers rubric's metrics)."""
 
 
 Emit = Callable[[str, SegmentData, "EpisodeResult | None"], Awaitable[None]]
@@ -78,6 +82,7 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
     steps = generated = observations_cut = 0
     summary_seconds = reward = 0.0
     success = False
+    info: dict[str, Any] = {}
     outcome = "step_limit"
     last: SegmentData | None = None
     while steps < config.environment.max_steps:
@@ -100,7 +105,7 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
                                         config.environment.observation_max_tokens)
         observations_cut += context.add_step(action, observation, result.step_reward) or cut
         if result.done:
-            outcome, reward, success = "done", result.reward, result.success
+            outcome, reward, success, info = "done", result.reward, result.success, result.info
             break
         if not context.needs_compaction():
             continue
@@ -128,7 +133,7 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
                          duration_s=time.monotonic() - start, tags=task.tags)
     episode = EpisodeResult(task_id=task.task_id, reward=reward, stats=stats,
                             summary_seconds=summary_seconds, observations_cut=observations_cut,
-                            tool_call_errors=tool_call_errors)
+                            tool_call_errors=tool_call_errors, info=info)
     await emit(task.task_id, last if last is not None else context.finish(), episode)
     return episode
 

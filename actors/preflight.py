@@ -14,6 +14,9 @@ whose text names the field to change.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import CompactionContext
@@ -60,3 +63,19 @@ async def check_episode_setup(model: str, config: ActorConfig,
         CompactionContext(chat.turns(task), config.compaction)
     except ValueError as exc:  # the context budget (actors/context.py names the field)
         raise SetupError(f"task {task.task_id!r} of {factory}: {exc}") from exc
+    if task.tools and template_ignores_tools(chat.tokenizer, task.tools):
+        # not a mistake (the tools still work when the model calls them), but
+        # a newcomer cannot tell from a transcript why the model never does
+        print(f"compactionrl: note: the chat template of {model} ignores the task's tools: "
+              "the model never sees their schemas (describe them in the task's system "
+              "prompt, or use a template that renders tools=; docs/environments.md, Tools)",
+              file=sys.stderr)
+
+
+def template_ignores_tools(tokenizer: Any, tools: list[dict]) -> bool:
+    """Whether the template renders a conversation the same with and without
+    ``tools`` (as the tiny CPU model's ChatML template, and many base
+    models', does): then no schema reaches the model."""
+    turn = [{"role": "user", "content": "u"}]
+    return (tokenizer.apply_chat_template(turn, tools=tools, tokenize=False)
+            == tokenizer.apply_chat_template(turn, tokenize=False))

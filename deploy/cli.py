@@ -121,7 +121,7 @@ def _cmd_play(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(args.config, overrides)
     return play(args.model or config.run.model, config.actors, seed=args.seed,
-                greedy=args.greedy, as_json=args.json)
+                greedy=args.greedy, as_json=args.json, full=args.full)
 
 
 def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -387,7 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     play.add_argument("--model", default=None, help="model folder (default: run.model)")
     play.add_argument("--seed", type=int, default=0, help="episode seed")
     play.add_argument("--greedy", action="store_true", help="temperature 0")
-    play.add_argument("--json", action="store_true", help="last line: one JSON object")
+    play.add_argument("--json", action="store_true",
+                      help="last line: one JSON object (each segment's whole text, the "
+                           "reward's parts)")
+    play.add_argument("--full", action="store_true",
+                      help="show each segment whole, not only its end")
     play.set_defaults(handler=_cmd_play)
 
     up = commands.add_parser(

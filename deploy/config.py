@@ -210,7 +210,8 @@ def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -
     (``deploy/configs/local-cpu.toml``), the TOML file(s) ``paths`` layered
     over it in order (each overriding the layers below field by field; a
     layer that names a table's ``factory`` replaces its ``options``,
-    :func:`_merge`), then the ``--a.b value`` overrides; validated. Raises
+    :func:`_merge`), then the ``--a.b value`` overrides (a ``factory``
+    given there also replaces its table's options); validated. Raises
     :class:`ConfigError` listing every problem."""
     if paths is None or isinstance(paths, str | Path):
         paths = [] if paths is None else [paths]
@@ -219,7 +220,9 @@ def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -
         _merge(data, _read_toml(path))
     problems: list[str] = []
     config = _build(JobConfig, data, "", problems)
-    for dotted, raw in _pair_overrides(overrides or [], problems):
+    pairs = _pair_overrides(overrides or [], problems)
+    # a factory first, so that the options given beside it are its own
+    for dotted, raw in sorted(pairs, key=lambda pair: not pair[0].endswith(".factory")):
         _override(config, dotted, raw, problems)
     config.run.model = resolve_model(config.run.model)
     if not config.replay.log_path:  # the run's own: one shared by runs mixes their rollouts
@@ -329,8 +332,11 @@ def _override(config: Any, dotted: str, raw: str, problems: list[str]) -> None:
     if fields[leaf] is str and not isinstance(value, str):
         value = raw  # a string field takes the text as given: --actors.engine.cpu_threads_bind 0
     converted = _convert(fields[leaf], value, dotted, problems)
-    if converted is not _INVALID:
-        setattr(target, leaf, converted)
+    if converted is _INVALID:
+        return
+    if leaf == "factory" and "options" in fields and converted != target.factory:
+        target.options = {}  # the old factory's keyword arguments, as _merge does for a file
+    setattr(target, leaf, converted)
 
 
 _INVALID = object()

@@ -32,6 +32,15 @@ def test_a_qwen3_style_template_plays_a_compacting_episode_end_to_end(tmp_path: 
     types = [segment["type"] for segment in episode["segments"]]
     assert types.count("summary") == episode["compactions"]
     assert all(segment["trainable"] > 0 for segment in episode["segments"])
+    # each segment's whole text, framing included, and the reward's parts
+    first = episode["segments"][0]["text"]
+    assert first.startswith("<|im_start|>system") and "<|im_end|>" in first
+    assert sum(len(segment["text"]) for segment in episode["segments"]) > 400
+    parts = episode["reward_parts"]
+    assert parts["final"] == episode["reward"] and parts["success"] == episode["success"]
+    assert parts["step_rewards"] == 0.0  # KeyVault gives no shaping
+    if episode["outcome"] == "done":  # KeyVault's part: the digits of the code it got right
+        assert set(parts["info"]) == {"digits_right"}
 
 
 def test_the_default_window_is_refused_with_the_room_this_template_needs(

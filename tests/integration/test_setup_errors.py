@@ -127,3 +127,55 @@ def test_a_reserve_too_small_for_the_template_is_refused_from_the_command_line(
     assert last.startswith("compactionrl: task ") and "raise it to at least" in last, last
     assert "Traceback" not in played.stderr
     assert "EngineCore" not in played.stderr and "LLM engine" not in played.stderr
+
+
+#: A user's environment whose tasks declare a tool.
+TOOL_ENVIRONMENT = '''
+from actors.envs.base import StepResult, Task
+
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
+                   "required": ["word"]}}}]
+
+
+class WithTools:
+    async def reset(self, seed: int) -> Task:
+        return Task(f"t{seed}", "Answer.", "Look up 'vault'.", tools=TOOLS)
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult("ok", done=True)
+
+    async def call_tool(self, call) -> StepResult:
+        return StepResult("a safe")
+
+    async def close(self) -> None:
+        pass
+'''
+
+
+@pytest.mark.parametrize("template, noted", [(None, True), (QWEN3_TEMPLATE, False)])
+def test_a_template_that_ignores_the_task_s_tools_is_noted_before_an_engine(
+        template: Path | None, noted: bool, tmp_path: Path, tiny_model_dir: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The tiny model's ChatML template drops ``tools=``: the check says the
+    model never sees the schemas; Qwen3's renders them, and nothing is said."""
+    import asyncio
+
+    from actors.preflight import check_episode_setup
+    from deploy.config import load_config
+
+    (tmp_path / "tool_tasks.py").write_text(TOOL_ENVIRONMENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = (tiny_model_dir if template is None
+             else _model_with_template(tiny_model_dir, tmp_path, template.read_text()))
+    # room for the schemas Qwen3 renders
+    actors = load_config(None, ["--actors.environment.factory", "tool_tasks:WithTools",
+                                "--actors.compaction.reserve_tokens", "120",
+                                "--actors.compaction.context_tokens", "500"]).actors
+    asyncio.run(check_episode_setup(str(model), actors))
+    notes = capsys.readouterr().err.strip().splitlines()
+    expected = [f"compactionrl: note: the chat template of {model} ignores the task's tools: "
+                "the model never sees their schemas (describe them in the task's system "
+                "prompt, or use a template that renders tools=; docs/environments.md, Tools)"]
+    assert notes == (expected if noted else [])

@@ -292,6 +292,19 @@ def test_a_file_that_names_another_factory_replaces_the_options_below_it(
     assert to_toml(load_config(written)) == to_toml(load_config(mine))
 
 
+def test_a_factory_given_on_the_command_line_replaces_the_options_below_it() -> None:
+    """As a file naming it does: KeyVault's options are not passed to the
+    user's factory, and options given beside it are its own, in any order."""
+    for overrides in (["--actors.environment.factory", "actors.envs.shell:Shell",
+                       "--actors.environment.options.image", "alpine"],
+                      ["--actors.environment.options.image", "alpine",
+                       "--actors.environment.factory", "actors.envs.shell:Shell"]):
+        assert load_config(None, overrides).actors.environment.options == {"image": "alpine"}
+    same = load_config(None, ["--actors.environment.factory",
+                              load_config(None).actors.environment.factory])
+    assert same.actors.environment.options == load_config(None).actors.environment.options
+
+
 def test_every_field_is_listed_with_its_meaning(capsys: pytest.CaptureFixture[str]) -> None:
     fields = describe_fields()
     assert {f.name for f in fields} >= {"learner.lr", "actors.engine.dtype", "run.max_minutes"}
