@@ -9,8 +9,10 @@ prompt and completion leave fewer than ``--reserve-tokens`` of
 ``--context-tokens``, it asks the policy for a
 summary with its own prompt, marked ``segment_type = "summary"``, and starts
 over from the task and that summary. At the end it posts the episode's
-reward to the endpoint. Everything it knows of the endpoint: the base URL,
-the session header, the summary marker and the reward route.
+reward to the endpoint, or gives the session up if its environment fails.
+Everything it knows of the endpoint: the base URL, the session header, the
+summary marker, and the reward, give-up and readiness calls, whose code is
+docs/endpoint.md's as printed.
 
     python examples/keyvault_agent.py --base-url http://127.0.0.1:8100/v1 --episodes 8
 """
@@ -25,9 +27,37 @@ import uuid
 from typing import Any
 
 import httpx
-from openai import AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI
 
 SUMMARY_PROMPT = "stop . write a summary of the facts found , with their exact values ."
+
+
+async def wait_until_ready(client: AsyncOpenAI, timeout_s: float = 600.0) -> None:
+    """Return once the actor serves: its endpoint listens only after its
+    engine has started (a minute or more on a CPU)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await client.models.list()
+            return
+        except APIConnectionError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(2.0)
+
+
+async def post_reward(client: AsyncOpenAI, session: str, reward: float,
+                      success: bool) -> dict:
+    """End the session with its outcome; the answer counts what was recorded
+    (segments, calls, summaries, rebuilds)."""
+    response = await client.post(f"/sessions/{session}/reward", cast_to=httpx.Response,
+                                 body={"reward": reward, "success": success})
+    return response.json()
+
+
+async def give_up(client: AsyncOpenAI, session: str) -> None:
+    """End the session without an outcome: the replay drops its segments."""
+    await client.delete(f"/sessions/{session}", cast_to=httpx.Response)
 
 
 def load_environment(factory: str, options: dict[str, Any]) -> Any:
@@ -63,7 +93,11 @@ async def play(client: AsyncOpenAI, environment: Any, seed: int, args: argparse.
             extra_headers=headers)
         prompt_tokens = completion.usage.prompt_tokens + completion.usage.completion_tokens
         action = completion.choices[0].message.content or ""
-        result = await environment.step(action)
+        try:
+            result = await environment.step(action)
+        except Exception:  # nothing to reward: the replay drops the session's segments
+            await give_up(client, session)
+            raise
         steps += 1
         # the completion goes back exactly as it came (token-in/token-out)
         messages += [{"role": "assistant", "content": action},
@@ -71,11 +105,9 @@ async def play(client: AsyncOpenAI, environment: Any, seed: int, args: argparse.
         if result.done:
             reward, success = result.reward, result.success
             break
-    # the endpoint's own route, through the client's connection pool
-    recorded = await client.post(f"/sessions/{session}/reward", cast_to=httpx.Response,
-                                 body={"reward": reward, "success": success})
+    recorded = await post_reward(client, session, reward, success)
     return {"session": session, "steps": steps, "summaries": summaries, "reward": reward,
-            "success": success, "recorded": recorded.json()}
+            "success": success, "recorded": recorded}
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -83,6 +115,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     # Retry-After, which the client's retries honour
     client = AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=args.retries,
                          timeout=300)
+    await wait_until_ready(client)
     options = json.loads(args.options)
     seeds = iter(range(args.first_seed, args.first_seed + args.episodes))
     results: list[dict[str, Any]] = []

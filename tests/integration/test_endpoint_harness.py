@@ -2,7 +2,8 @@
 recording endpoint: `compactionrl up` (replay, learner under torchrun, one
 actor whose vLLM engine serves the endpoint instead of its own episodes),
 and examples/keyvault_agent.py, an agent loop on the ``openai`` client with
-its own compaction prompt, playing KeyVault episodes against it. Its calls
+its own compaction prompt, playing KeyVault episodes against it (its
+readiness wait and its rewards are docs/endpoint.md's code). Its calls
 become execution and summary segments, its rewards close the rollouts, and
 the learner trains on them (summary segments included)."""
 
@@ -29,10 +30,12 @@ EPISODES = 8
 def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: Path,
                                                                tmp_path: Path) -> None:
     [endpoint_port] = free_ports(1)
+    # as a user turns the endpoint on: one file layered over the default
+    harness_toml = tmp_path / "harness.toml"
+    harness_toml.write_text(f"[actors.endpoint]\nenabled = true\nport = {endpoint_port}\n")
     up = UpOnLoopback(tmp_path, "harness", tiny_model_dir, 1, "--learner.max_steps", "1000",
                       "--replay.rollouts_per_batch", "4", "--actors.concurrent_episodes", "4",
-                      "--actors.endpoint.enabled", "true",
-                      "--actors.endpoint.port", str(endpoint_port))
+                      "--config", str(harness_toml))
     ports = up.ports
     process = up.start()
     try:

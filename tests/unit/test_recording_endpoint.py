@@ -379,3 +379,14 @@ def test_the_guide_s_wait_gives_up_when_nothing_listens() -> None:
 
     with pytest.raises(openai.APIConnectionError):
         asyncio.run(asyncio.wait_for(wait(), 30))
+
+
+def test_the_example_harness_makes_these_calls_with_the_guide_s_code() -> None:
+    """examples/keyvault_agent.py, which tests/integration/test_endpoint_harness.py
+    trains through the endpoint, waits, rewards and gives up with the
+    guide's functions as printed."""
+    block = guide_block("docs/endpoint.md", "## The calls the `openai` client does not make",
+                        "python")
+    functions = block[block.index("async def wait_until_ready"):].strip()
+    example = (Path(__file__).parents[2] / "examples" / "keyvault_agent.py").read_text()
+    assert functions in example
