@@ -166,3 +166,21 @@ def test_a_taskset_too_small_to_hold_out_a_task_says_its_split_and_the_option(
                        r"tasks by the hash split at eval_fraction = 0.1\): raise "
                        r"options.eval_fraction"):
         asyncio.run(taskset.reset(EVALUATION_SEEDS_FROM))
+
+
+def test_eval_of_a_taskset_with_no_held_out_task_is_refused_before_an_engine(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As typed: ``compactionrl eval`` on three tasks at the default split
+    says the split's sizes and the option to raise, in one line, at once."""
+    monkeypatch.syspath_prepend(str(ENVIRONMENTS))
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[actors.environment]\nfactory = '
+                    '"actors.envs.adapters.verifiers:VerifiersTaskset"\n'
+                    'options = { taskset = "crl_calc" }\n')
+    assert main(["eval", "--model", str(tiny_model_dir), "--episodes", "1",
+                 "--config", str(mine)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("compactionrl: ") and "no evaluation tasks (3 training and 0 " \
+        "evaluation tasks by the hash split at eval_fraction = 0.1): raise " \
+        "options.eval_fraction" in line, line
