@@ -193,14 +193,21 @@ def test_up_refuses_a_plan_with_problems(tmp_path: Path) -> None:
     assert "lower actors.count" in refused.value.problems[0]
 
 
+async def _no_check(model: str, config: object) -> None:
+    """Stands in for the episode check of a model that is not there."""
+
+
 def test_up_starts_node_0_of_a_learner_on_several_nodes_and_names_the_others_command(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path) -> None:
+    import actors.preflight
     import deploy.up
 
     started: list[Up] = []
     monkeypatch.setattr(Up, "_gpus_present", staticmethod(lambda: 0))
     monkeypatch.setattr(deploy.up, "prepare_model", lambda config: None)
+    # no model is bootstrapped here, so the episode check has none to load
+    monkeypatch.setattr(actors.preflight, "check_episode_setup", _no_check)
     monkeypatch.setattr(Up, "run", lambda self: started.append(self) or 0)
     assert main(["up", "--run.out_dir", str(tmp_path), "--learner.nnodes", "2",
                  "--learner.rdzv_endpoint", "10.0.0.1:29400"]) == 0
