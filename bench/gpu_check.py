@@ -1,14 +1,60 @@
-"""The GPU check: what a co-located weight push costs on one GPU, whether
-NCCL accepts two ranks on the same GPU, and what the learner's PPO step costs
-on one GPU. Standard library and torch only (the GPU machine it is written
-for has torch with CUDA and none of this project's dependencies), so it
-imports nothing of ours, not even transformers: the models are written here.
+"""The GPU check: whether the project's own weight transfer holds on a GPU
+(what a GPU run puts at risk), what a co-located weight push costs on one
+GPU, whether NCCL accepts two ranks on the same GPU, and what the learner's
+PPO step costs on one GPU.
 
-It measures, on GPU 0:
+The GPU machine it is written for has torch with CUDA and none of this
+project's dependencies. Parts 4 to 7 are standard library and torch only:
+their models are written here, not imported from transformers. Parts 1 to 3
+run the project's ``protocol`` package (the script puts the repository's root
+on ``sys.path``), which needs pyzmq and msgspec: they are carried to the
+machine as wheels (docs/deploy.md, "The GPU check"); without them those parts
+report ``skipped: pyzmq/msgspec not installed`` and the rest runs.
 
-1. **A push by CUDA IPC** between two processes, as vLLM's ``ipc``
-   weight-transfer engine does it: the sender holds the weights on the GPU
-   and, per push, exports one IPC handle per tensor
+It measures, on GPU 0, the project's transfer first:
+
+1. **The project's ipc channel** (``project_ipc``): protocol/weights_ipc.py
+   between this process (rank 0, as learner rank 0) and an engine's process,
+   joined through the project's rendezvous store: a bf16 Qwen2.5-0.5B-shaped
+   manifest in 64 MiB buckets, one warm-up and ``--pushes`` publications,
+   each of tensors of its own (seeded per publication and tensor); the
+   receiver loads every tensor into zeroed parameters of its own. Per
+   publication, every tensor's checksum on both sides (below), compared one
+   by one; the median push (``send`` to the last acknowledgement) and GB/s.
+2. **The receive-ahead loader under separate streams**
+   (``receive_ahead_streams``): the same channel, 21 publications of a
+   quarter-sized manifest in 4 MiB buckets, received as
+   actors/weight_transfer.py receives them under vLLM: a thread draws
+   ``RECEIVE_AHEAD`` tensors ahead (``protocol.weights.received_ahead``, its
+   ``hand_over`` to the consumer's stream), and the loader copies each into
+   its parameter on a CUDA stream of its own, spending ~50 us on that stream
+   before each copy (``torch.cuda._sleep``) as vLLM's repacking does, so that
+   a receive buffer released too early would be reused under a pending copy.
+   Every publication's checksums compared.
+3. **A receiver SIGKILLed in the middle of an NCCL broadcast**
+   (``nccl_receiver_killed``): a weight group (protocol/weights_collective.py)
+   of a sender and two receivers, each a process of its own, loading as in
+   2. The first publication forms the group; in the second, one receiver
+   kills itself after its first tensor. The sender (as learner/publisher.py)
+   abandons a generation that failed and publishes again to the survivor
+   alone in a new one. Reported: whether the sender survived, the time from
+   the death to its failure against the deadline (10 s here), the failure's
+   text, and whether the publication before the death and the one after it
+   reached the receivers intact. NCCL refuses two ranks of one communicator
+   on one GPU ("Duplicate GPU detected", part 5), so each member gets a host
+   id of its own (``NCCL_HOSTID``) and the bytes go through NCCL's socket
+   transport over loopback, as between hosts. Then again as the group was
+   built before issue 38's fix (``before_fix``): with
+   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` as torchrun sets it (a failed
+   collective tears the process down) and NCCL's own timeout equal to the
+   deadline, instead of 2 (``CleanUpOnly``, scoped to building that group)
+   and ten times the deadline; the fix's other half, deadlines counted from
+   enqueue, is no setting and stays. Expected: the sender dies there
+   (``sender_exitcode``). On gloo (the dry run) the variable is NCCL's, so
+   ``before_fix`` is skipped.
+4. **A push by CUDA IPC** (``ipc_push``) between two processes, as vLLM's
+   ``ipc`` weight-transfer engine does it: the sender holds the weights on
+   the GPU and, per push, exports one IPC handle per tensor
    (``torch.multiprocessing.reductions.reduce_tensor``) and sends the
    handles over a local pipe; the receiver opens each handle
    (``rebuild_cuda_tensor``) and copies into its own pre-allocated tensor, a
@@ -17,48 +63,73 @@ It measures, on GPU 0:
    shaped like Qwen2.5-0.5B, -1.5B and -7B (their real layer counts, sizes,
    heads and tied embeddings); median of ``--pushes`` after one warm-up. The
    baseline is the same copies inside the sender (``local_copy_seconds``).
-   Every tensor is ``randn`` from a seed of its own. The receiver's tensors
-   are zeroed before each push and, after the last, both sides compute a
-   checksum: per tensor, the sum of its raw 16-bit words weighted by position
-   ((index mod 65521) + 1), mod 2**64, over every element; per model, the
-   SHA-256 of (name, shape, checksum) over the manifest.
-2. **NCCL with two ranks on one GPU**: two processes on cuda:0 join one NCCL
-   group through a ``FileStore`` and broadcast; whether it is refused, and the
-   text (recent NCCL says "Duplicate GPU detected"). A rank that has not
-   answered after ``--nccl-timeout`` seconds is killed and recorded as a hang.
-3. **The learner part**: random Qwen2.5-0.5B- and -1.5B-shaped policies
-   (tied) and critics (the body again, with a scalar head), written here in
-   plain torch (RMSNorm, rotary embeddings, grouped-query attention by SDPA
-   with its causal kernels, SwiGLU), float32 parameters with bf16 compute
-   under FSDP2 on a process group of one rank, as the learner runs them. A
-   PPO step on random token ids: clipped-ratio policy loss and value loss,
-   backward, gradient clipping, AdamW. For 2k, 8k and 16k tokens per
-   sequence (two sequences a step) and each set of the learner's memory
-   switches (all on, each one off, none: per-layer activation checkpointing,
-   chunked log-softmax recomputed in backward, one sequence per pass; and
-   all on with the critic as a value head on the policy, no critic model): step
-   time (median after a warm-up), tokens/s, MFU against the H200's dense
-   bf16 peak with the FLOP count written out, the peak of allocated memory,
-   and per switch set the first length that does not fit (CUDA out of
-   memory). Per model: the bf16 log-probabilities' error against float32 on
-   the same tokens, and the time to gather every parameter whole
-   (``full_tensor``) and to write them (``torch.save``). ``--budget-s``
-   skips what would start after that many seconds (it says so).
-4. Versions of torch, CUDA and NCCL, the device and its memory.
+   The receiver's tensors are zeroed before each push and, after the last,
+   both sides compute a digest: the SHA-256 of (name, shape, checksum) over
+   the manifest. A tensor's checksum (all parts) is the sum of its raw 16-bit
+   words weighted by position ((index mod 65521) + 1), mod 2**64.
+5. **NCCL with two ranks on one GPU** (``nccl_shared_gpu``): two processes on
+   cuda:0 join one NCCL group through a ``FileStore`` and broadcast; whether
+   it is refused, and the text (recent NCCL says "Duplicate GPU detected"). A
+   rank that has not answered after ``--nccl-timeout`` seconds is killed and
+   recorded as a hang.
+6. **The learner part** (``learner``): random Qwen2.5-0.5B- and
+   -1.5B-shaped policies (tied) and critics (the body again, with a scalar
+   head), written here in plain torch (RMSNorm, rotary embeddings,
+   grouped-query attention by SDPA with its causal kernels, SwiGLU), float32
+   parameters with bf16 compute under FSDP2 on a process group of one rank,
+   as the learner runs them. A PPO step on random token ids: clipped-ratio
+   policy loss and value loss, backward, gradient clipping, AdamW. For 2k, 8k
+   and 16k tokens per sequence (two sequences a step) and each set of the
+   learner's memory switches (all on, each one off, none: per-layer
+   activation checkpointing, chunked log-softmax recomputed in backward, one
+   sequence per pass; and all on with the critic as a value head on the
+   policy, no critic model): step time (median after a warm-up), tokens/s,
+   the peak of allocated memory, per switch set the first length that does
+   not fit (CUDA out of memory), and two utilizations against the H200's
+   dense bf16 peak, with the FLOP count written out (``FLOP_FORMULA``):
 
-On the GPU machine, one command (about six minutes on an H200 by estimate,
-as it has never run on one; the default ``--budget-s`` of 420 keeps it under
-eight; 7B's push peaks at about 32 GB)::
+   - MFU, model FLOPs per token: 6*(N_policy + N_critic - vocab*hidden) for
+     forward and backward of both models (the critic's embedding is a
+     lookup, not a matmul) plus 2*6*layers*hidden*seq for causal attention
+     (a token attends to seq/2 positions on average: q.k and the weighted sum
+     of v are 2*2*hidden*seq/2 per layer forward, three times that with
+     backward); with a value head, one body: 6*(N_policy + hidden + 1) +
+     6*layers*hidden*seq.
+   - HFU, hardware FLOPs per token: the model FLOPs plus what the switches
+     compute again in backward: with per-layer checkpointing, every layer's
+     forward once more, 2*N_layers + 2*layers*hidden*seq per body (N_layers:
+     the decoder layers' parameters); with the chunked log-softmax, the
+     output layer's logits once more, 2*vocab*hidden.
+
+   Per model: the bf16 log-probabilities' error against float32 on the same
+   tokens, and the time to gather every parameter whole (``full_tensor``)
+   and to write them (``torch.save``). ``--budget-s`` skips what would start
+   after that many seconds (it says so).
+7. Versions of torch, CUDA and NCCL, the device and its memory.
+
+Every process a part starts is killed with its process group when the part
+ends, and every wait is bounded. The member processes of parts 1 to 3 are
+forked from a fork server that imported torch and the project's protocol
+once (and never touches CUDA).
+
+On the GPU machine, after installing the carried wheels (docs/deploy.md), one
+command (273 s of its own on an H200 with the default ``--budget-s`` of 270,
+measured on 2026-12-04, docs/weights.md "Run on an H200"; 7B's push peaks at
+about 32 GB)::
 
     python bench/gpu_check.py --json --out gpu_check
 
 It prints one JSON object as its last line and writes it to
-``gpu_check/gpu_check.json``. ``--parts`` runs some of the parts only.
+``gpu_check/gpu_check.json``; it exits 1 if a checksum differs, the sender
+did not survive the receiver's death with the fix, or the learner part
+failed. ``--parts`` runs some of the parts only.
 
 ``--dry-run`` runs the same code on CPU in seconds: manifests scaled down
 (hidden, intermediate and vocabulary sizes divided by 32, about 1000x fewer
-parameters), CPU tensors passed as shared memory by the same reductions,
-gloo instead of NCCL (which on CPU is not refused: it says so), and for the
+parameters; the project's buckets 64 KiB, 6 receive-ahead publications),
+CPU tensors passed as shared memory by the same reductions, the project's
+ipc channel on its CPU twin (staging files under /dev/shm), gloo instead of
+NCCL (which on CPU is not refused: it says so), no streams, and for the
 learner part a tiny model (hidden 64, 2 layers, vocabulary 512) at 64, 128
 and 256 tokens, without MFU or memory figures. Its figures say nothing about
 a GPU; no GPU figure is claimed anywhere unless this ran on one.
@@ -67,18 +138,25 @@ a GPU; no GPU figure is claimed anywhere unless this ran on one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import hashlib
 import json
 import math
 import os
+import resource
+import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -103,6 +181,13 @@ except ImportError:  # torch before 2.6, which the GPU machine may have, names F
         fully_shard,
         register_fsdp_forward_method,
     )
+
+#: The project's root, for its ``protocol`` package when run as
+#: ``python bench/gpu_check.py`` without the project installed (appended: an
+#: installed package of the same name comes first).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
 
 DTYPE = torch.bfloat16
 DRY_RUN_DIVISOR = 32
@@ -167,19 +252,28 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def digest(specs: Manifest, tensors: list[torch.Tensor]) -> str:
-    """SHA-256 over (name, shape, position-weighted word sum mod 2**64)."""
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """Per tensor of 16-bit elements: the sum of its raw words weighted by
+    position ((index mod 65521) + 1), mod 2**64."""
     device = tensors[0].device
     longest = min(CHUNK, max(t.numel() for t in tensors))
     weights = torch.arange(longest, dtype=torch.int64, device=device) % WEIGHT_PERIOD + 1
-    sha = hashlib.sha256()
-    for (name, shape), tensor in zip(specs, tensors, strict=True):
+    sums = []
+    for tensor in tensors:
         words = tensor.reshape(-1).view(torch.int16)
         total = 0
         for start in range(0, words.numel(), CHUNK):
             part = words[start:start + CHUNK].to(torch.int64)
             total += int((part * weights[:part.numel()]).sum().item())  # wraps mod 2**64
-        sha.update(f"{name}:{shape}:{total % 2**64}\n".encode())
+        sums.append(total % 2**64)
+    return sums
+
+
+def digest(specs: Manifest, tensors: list[torch.Tensor]) -> str:
+    """SHA-256 over (name, shape, checksum) of every tensor."""
+    sha = hashlib.sha256()
+    for (name, shape), total in zip(specs, checksums(tensors), strict=True):
+        sha.update(f"{name}:{shape}:{total}\n".encode())
     return sha.hexdigest()
 
 
@@ -227,8 +321,9 @@ def request(conn: Connection, command: str, payload: Any = None) -> Any:
 
 # -- the sender (this process) ---------------------------------------------------------
 
-def deterministic(index: int, shape: tuple[int, ...], device: str) -> torch.Tensor:
-    generator = torch.Generator(device=device).manual_seed(1000 + index)
+def deterministic(index: int, shape: tuple[int, ...], device: str,
+                  seed: int = 1000) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed + index)
     return torch.randn(shape, generator=generator, dtype=DTYPE, device=device)
 
 
@@ -369,6 +464,522 @@ def shared_device_check(device: str, timeout: float) -> dict[str, Any]:
             "error": errors[0] if errors else "hang" if hung else None, "ranks": ranks}
 
 
+# -- the project's weight transfer (protocol/weights*.py) ------------------------------
+
+@dataclass(frozen=True)
+class TransferPlan:
+    divisor: int  # the 0.5B manifest's hidden, intermediate and vocabulary sizes divided by this
+    bucket_bytes: int  # learner.weight_bucket_bytes
+    pushes: int  # publications after a first (a warm-up, checked as well); the killed
+    # receiver's scenario counts its own (publish_through_a_death)
+    deadline_s: float  # learner.weight_timeout_s
+
+
+TRANSFER_MODEL = "qwen2.5-0.5b"
+#: Per part: the ipc channel on the whole 0.5B manifest in 64 MiB buckets (16
+#: of them, so that both staging buffers alternate); the receive-ahead loader
+#: and the killed receiver on a quarter of its sizes (62 MB) in 4 MiB buckets,
+#: enough buckets for a death in the middle and few bytes for many pushes.
+#: The dry run: the sizes divided by 32, 64 KiB buckets (about as many),
+#: fewer receive-ahead pushes (a busy CPU's seconds in the test suite).
+GPU_TRANSFER = {"project_ipc": TransferPlan(1, 64 << 20, 5, 30.0),
+                "receive_ahead_streams": TransferPlan(4, 4 << 20, 20, 30.0),
+                "nccl_receiver_killed": TransferPlan(4, 4 << 20, 0, 10.0)}
+DRY_RUN_TRANSFER = {"project_ipc": TransferPlan(DRY_RUN_DIVISOR, 64 << 10, 5, 30.0),
+                    "receive_ahead_streams": TransferPlan(DRY_RUN_DIVISOR, 64 << 10, 5, 30.0),
+                    "nccl_receiver_killed": TransferPlan(DRY_RUN_DIVISOR, 64 << 10, 0, 5.0)}
+#: actors/weight_transfer.py's RECEIVE_AHEAD: tensors drawn ahead of vLLM's loader.
+RECEIVE_AHEAD = 4
+#: GPU cycles (about 50 us on an H200) the emulated loader spends on its own
+#: stream before each copy, as vLLM's repacking does: its copies lag behind
+#: the receiving thread, so that a receive buffer released too early would be
+#: reused under them.
+LOADER_LAG_CYCLES = 100_000
+#: Seconds a member process may take to start (a fork, a CUDA context).
+STARTUP_S = 60.0
+#: The killed-receiver scenario: the doomed member dies after its first tensor
+#: of the second publication (the first forms the group, NCCL's communicator
+#: included, so that the death is not mistaken for a slow start).
+KILLED_IN_PUBLICATION = 2
+MAX_PUBLICATIONS = 4
+#: What torchrun sets for every rank: a failed collective ends the process.
+TORCHRUN_ERROR_HANDLING = "3"
+
+
+def protocol_unavailable() -> str | None:
+    """Why the project's weight transfer cannot run here, or None. The GPU
+    machine has torch but none of the project's dependencies: pyzmq and
+    msgspec come as wheels (docs/deploy.md, "The GPU check")."""
+    try:
+        import protocol.weights_collective  # noqa: F401
+        import protocol.weights_ipc  # noqa: F401
+    except ModuleNotFoundError as error:
+        missing = "pyzmq/msgspec" if error.name in ("zmq", "msgspec") else error.name
+        return f"skipped: {missing} not installed ({error})"
+    return None
+
+
+def kill_tree(process: BaseProcess, grace_s: float = 2.0) -> None:
+    """End ``process`` and whatever it started, after at most ``grace_s`` for
+    it to exit by itself: a member leads a process group of its own
+    (``os.setpgrp`` first thing), so the group is killed, then the process."""
+    if process.pid is None:
+        return
+    process.join(grace_s)
+    for kill in (lambda: os.killpg(process.pid, signal.SIGKILL), process.kill):
+        try:
+            kill()
+        except ProcessLookupError:  # gone, or not yet a group leader
+            pass
+    process.join(10)
+
+
+def weight_manifest(specs: Manifest, bucket_bytes: int) -> Any:
+    """The project's manifest of ``specs``, every tensor bf16 on the wire."""
+    from protocol.messages import TensorSpec, WeightManifest
+
+    return WeightManifest(tensors=[TensorSpec(name, "bfloat16", shape) for name, shape in specs],
+                          bucket_bytes=bucket_bytes)
+
+
+def publication(specs: Manifest, number: int, device: str) -> list[torch.Tensor]:
+    """Publication ``number``'s tensors: seeds of its own, so that a stale
+    copy of an earlier one never passes for it."""
+    return [deterministic(i, shape, device, seed=1000 + 100_000 * number)
+            for i, (_, shape) in enumerate(specs)]
+
+
+def mismatched(specs: Manifest, sent: list[int], received: list[int]) -> list[str]:
+    """Names of the tensors whose checksums differ (the first five)."""
+    return [name for (name, _), a, b in zip(specs, sent, received, strict=True) if a != b][:5]
+
+
+def load(received: Iterator[tuple[str, torch.Tensor]], destinations: list[torch.Tensor],
+         stream: torch.cuda.Stream | None) -> None:
+    """As vLLM's loader: copy each received tensor into its parameter, on
+    ``stream`` (None: the current one), lagging by ``LOADER_LAG_CYCLES`` on a
+    GPU. The receive-ahead iterator hands each tensor over to the stream
+    current where it is drawn (``protocol.weights.hand_over``): inside."""
+    if stream is None:
+        for destination, (_, tensor) in zip(destinations, received, strict=True):
+            destination.copy_(tensor)
+        return
+    stream.wait_stream(torch.cuda.current_stream())  # the destinations' zeroing
+    with torch.cuda.stream(stream):
+        for destination, (_, tensor) in zip(destinations, received, strict=True):
+            torch.cuda._sleep(LOADER_LAG_CYCLES)
+            destination.copy_(tensor)
+
+
+def dying_after(received: Iterator[tuple[str, torch.Tensor]], count: int,
+                conn: Connection) -> Iterator[tuple[str, torch.Tensor]]:
+    """``received``, until ``count`` tensors have been taken: then this
+    process tells when and SIGKILLs itself, in the middle of a publication."""
+    for index, item in enumerate(received):
+        if index == count:
+            conn.send({"dying_at": time.monotonic()})
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield item
+
+
+def receive_and_load(channel: Any, order: dict[str, Any], device: str,
+                     conn: Connection) -> dict[str, Any]:
+    """Members: receive the publication ``order`` describes into fresh zeroed
+    parameters, through the receive-ahead thread if ``order["ahead"]``, with
+    the loader on a stream of its own if ``order["side_stream"]`` (on a
+    GPU); its checksums, or the failure (the channel is aborted then)."""
+    specs = order["specs"]
+    destinations = [torch.zeros(shape, dtype=DTYPE, device=device) for _, shape in specs]
+    stream = torch.cuda.Stream() if order["side_stream"] and device == "cuda" else None
+    received = channel.receive(weight_manifest(specs, order["bucket_bytes"]), order["ahead"])
+    if order.get("die_after") is not None:
+        received = dying_after(received, order["die_after"], conn)
+    started = time.perf_counter()
+    try:
+        load(received, destinations, stream)
+        synchronize(device)
+    except RuntimeError as error:  # TransferFailed, or a generation that did not form
+        return {"error": f"{type(error).__name__}: {error}", "failed_at": time.monotonic()}
+    return {"error": None, "load_s": time.perf_counter() - started,
+            "checksums": checksums(destinations)}
+
+
+#: What member processes need, imported once by the fork server that starts them.
+MEMBER_MODULES = ["torch", "torch.distributed", "torch.distributed.fsdp",
+                  "torch.utils.checkpoint", "protocol.weights", "protocol.weights_ipc",
+                  "protocol.weights_collective"]
+
+
+@contextlib.contextmanager
+def member_context() -> Iterator[Any]:
+    """Where member processes start: a fork server that has imported torch
+    and the project's protocol once, so that each member starts in a
+    fraction of a second instead of the seconds torch's import takes (a
+    dry run starts four on a CPU that may be busy). It never touches CUDA,
+    so its forks can. Stopped on leaving."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(MEMBER_MODULES)
+    try:
+        yield context
+    finally:
+        # private, and the only way to end the server before this process
+        # ends: it closes the server's pipe, and the server exits on reading EOF
+        forkserver._forkserver._stop()
+
+
+def run_member(log: str, target: Callable[..., None], conn: Connection, *args: Any) -> None:
+    """A member process: ``target(conn, *args)`` in a process group of its
+    own (``kill_tree`` ends it whole), with no core file if it is torn down,
+    and its stderr (torch's and NCCL's messages) in ``log``, whose tail goes
+    into the report."""
+    os.setpgrp()
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
+    target(conn, *args)
+
+
+def member_process(context: Any, log: Path, target: Callable[..., None],
+                   *args: Any) -> tuple[BaseProcess, Connection]:
+    """``target`` started in a member process, and this end of its pipe."""
+    conn, child = context.Pipe()
+    process = context.Process(target=run_member, args=(str(log), target, child, *args),
+                              daemon=True)
+    process.start()
+    child.close()
+    return process, conn
+
+
+def tail(log: Path, chars: int = 1500) -> str:
+    """The end of a member's stderr."""
+    return log.read_text(errors="replace")[-chars:] if log.is_file() else ""
+
+
+def answer(conn: Connection, process: BaseProcess, within_s: float) -> dict[str, Any]:
+    """The member's next report, waiting at most ``within_s``."""
+    if not conn.poll(within_s):
+        return {"error": f"no report within {within_s:g} s"}
+    try:
+        return conn.recv()
+    except EOFError:
+        process.join(5)
+        return {"error": f"exited with code {process.exitcode}", "exitcode": process.exitcode,
+                "exited_at": time.monotonic()}
+
+
+# -- the project's ipc channel, and its receive-ahead loader, between two processes ----
+
+def ipc_member(conn: Connection, port: int, device: str, timeout_s: float) -> None:
+    """Rank 1 of an ipc generation in a process of its own (an engine on the
+    learner's GPU): for each order from the pipe, receive and load that
+    publication and report its checksums; None ends it."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    from protocol.weights import connect_store, join_channel
+
+    conn.send({"error": None})  # started: from here on the channel's deadline holds
+    channel = join_channel(connect_store("127.0.0.1", port, timeout_s), 1, 2, 1, "ipc",
+                           timeout_s)
+    while (order := conn.recv()) is not None:
+        conn.send(receive_and_load(channel, order, device, conn))
+    channel.abort()
+    os._exit(0)  # no teardown of mappings and sockets: nothing is left to say
+
+
+def ipc_publications(channel: Any, member: tuple[BaseProcess, Connection], plan: TransferPlan,
+                     device: str, loader: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: ``plan.pushes`` + 1 publications through ``channel``, each
+    loaded by the member as ``loader`` says (ahead, side_stream); per
+    publication, every tensor's checksum on both sides."""
+    specs = manifest(MODELS[TRANSFER_MODEL], plan.divisor)
+    project_manifest = weight_manifest(specs, plan.bucket_bytes)
+    process, conn = member
+    push_s, load_s, wrong = [], [], {}
+    for number in range(plan.pushes + 1):  # the first is a warm-up
+        tensors = publication(specs, number, device)
+        synchronize(device)
+        sent = checksums(tensors)
+        conn.send({"specs": specs, "bucket_bytes": plan.bucket_bytes, **loader})
+        started = time.perf_counter()
+        channel.send(project_manifest, tensors)  # returns once the member acknowledged all
+        push_s.append(time.perf_counter() - started)
+        report = answer(conn, process, plan.deadline_s)
+        if report["error"]:
+            raise RuntimeError(f"publication {number}: {report['error']}")
+        load_s.append(report["load_s"])
+        if names := mismatched(specs, sent, report["checksums"]):
+            wrong[number] = names
+        del tensors
+    nbytes = 2 * sum(numel(shape) for _, shape in specs)
+    seconds = median(push_s[1:])
+    return {"error": None, "model": TRANSFER_MODEL, "divisor": plan.divisor,
+            "tensors": len(specs), "bytes": nbytes, "bucket_bytes": plan.bucket_bytes,
+            "pushes": plan.pushes + 1, "push_s": seconds, "gbps": nbytes / seconds / 1e9,
+            "warmup_push_s": push_s[0], "load_s": median(load_s[1:]),
+            "checksums_match": not wrong, "mismatched": wrong, **loader}
+
+
+def project_ipc_parts(context: Any, device: str, plans: dict[str, TransferPlan],
+                      parts: list[str]) -> dict[str, dict[str, Any]]:
+    """The project's ipc channel (protocol/weights_ipc.py) from this process,
+    rank 0 as learner rank 0 is, to an engine's process on the same device:
+    ``project_ipc`` loads on the current stream as the publications come;
+    ``receive_ahead_streams`` draws ``RECEIVE_AHEAD`` tensors ahead in a
+    thread and loads on a stream of its own, as actors/weight_transfer.py
+    does under vLLM. A part that fails says why, with the member's stderr."""
+    from protocol.weights import host_store, join_channel
+
+    timeout_s = plans["project_ipc"].deadline_s
+    loaders = {"project_ipc": {"ahead": 0, "side_stream": False},
+               "receive_ahead_streams": {"ahead": RECEIVE_AHEAD, "side_stream": True}}
+    results: dict[str, dict[str, Any]] = {}
+    store = host_store(0, timeout_s=timeout_s)
+    member: tuple[BaseProcess, Connection] | None = None
+    channel = None
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "member.log"
+        try:
+            member = member_process(context, log, ipc_member, store.port, device, timeout_s)
+            started = answer(member[1], member[0], STARTUP_S)
+            if started["error"]:
+                raise RuntimeError(f"the member did not start: {started['error']}")
+            channel = join_channel(store, 1, 2, 0, "ipc", timeout_s)
+            for part in (part for part in loaders if part in parts):
+                try:
+                    results[part] = ipc_publications(channel, member, plans[part], device,
+                                                     loaders[part])
+                except Exception as error:  # one lent run: keep the other part's figures
+                    results[part] = {"error": f"{type(error).__name__}: {error}"}
+        except Exception as error:  # idem: the channel never formed
+            results = {part: {"error": f"{type(error).__name__}: {error}"} for part in parts}
+        finally:
+            if channel is not None:
+                channel.abort()
+            if member is not None:
+                with contextlib.suppress(OSError):  # a member that died closed its end
+                    member[1].send(None)
+                kill_tree(member[0])
+            store.close()
+        for result in results.values():
+            if result["error"]:
+                result["member_stderr_tail"] = tail(log)
+    return results
+
+
+# -- a weight group with a receiver SIGKILLed in the middle of a broadcast -------------
+
+def build_groups_as_before_the_fix() -> None:
+    """In this process, make protocol/weights_collective.py build its NCCL
+    group as it did before issue 38's fix: with the error handling torchrun
+    sets (3: a failed collective tears the process down) and NCCL's own
+    timeout equal to the project's deadline. The fix's other half, deadlines
+    counted from enqueue, stays: it is not a setting."""
+    from protocol import weights_collective
+
+    weights_collective.nccl_error_handling = functools.partial(
+        weights_collective.nccl_error_handling, TORCHRUN_ERROR_HANDLING)
+    weights_collective.nccl_watchdog_timeout_s = lambda deadline_s: deadline_s
+
+
+def send_publication(channel: Any, order: dict[str, Any], device: str) -> dict[str, Any]:
+    """Rank 0: publication ``order["number"]``; its checksums, and when it
+    failed if it did (the channel is aborted then)."""
+    specs = order["specs"]
+    tensors = publication(specs, order["number"], device)
+    synchronize(device)
+    sent = checksums(tensors)
+    started = time.monotonic()
+    try:
+        channel.send(weight_manifest(specs, order["bucket_bytes"]), tensors)
+    except RuntimeError as error:  # TransferFailed
+        return {"error": f"{type(error).__name__}: {error}", "failed_at": time.monotonic(),
+                "checksums": sent}
+    return {"error": None, "push_s": time.monotonic() - started, "checksums": sent}
+
+
+def group_member(conn: Connection, role: str, port: int, backend: str, device: str,
+                 deadline_s: float, before_fix: bool) -> None:
+    """One member of a weight group (protocol/weights_collective.py) in a
+    process of its own. ``sender`` is rank 0: it publishes what each order
+    says and abandons a generation that failed, as learner/publisher.py does;
+    the others receive and load as actors/weight_transfer.py does (tensors
+    drawn ahead, the loader on a stream of its own), and an order with
+    ``die_after`` kills this process in the middle. None ends it."""
+    if backend == "nccl":
+        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate
+        # GPU detected", the nccl_shared_gpu part). A host id of its own makes
+        # each process a host to NCCL: the bytes go through its socket
+        # transport over loopback, as they go between the learner's host and
+        # an actor's.
+        os.environ.update(NCCL_HOSTID=f"gpu-check-{role}", NCCL_SOCKET_IFNAME="lo",
+                          NCCL_IB_DISABLE="1")
+        os.environ.setdefault("NCCL_DEBUG", "WARN")  # its reasons, in the stderr tails
+        torch.cuda.set_device(0)
+    if before_fix:
+        build_groups_as_before_the_fix()
+    from protocol.weights import abandon_generation, connect_store, join_channel
+
+    store = connect_store("127.0.0.1", port, deadline_s)
+    conn.send({"error": None})
+    channel = None
+    while (order := conn.recv()) is not None:
+        try:
+            if channel is None or channel.generation != order["generation"]:
+                channel = None  # leave the previous generation first
+                channel = join_channel(store, order["generation"], order["world_size"],
+                                       order["rank"], backend, deadline_s)
+            report = (send_publication(channel, order, device) if role == "sender"
+                      else receive_and_load(channel, order, device, conn))
+        except RuntimeError as error:  # a generation that did not form
+            report = {"error": f"{type(error).__name__}: {error}", "failed_at": time.monotonic()}
+        if report["error"] and role == "sender":
+            abandon_generation(store, order["generation"])
+        conn.send(report)
+    os._exit(0)  # no teardown: it can hang on a group whose peer died
+
+
+def collect(members: dict[str, tuple[BaseProcess, Connection]], roles: list[str],
+            within_s: float) -> dict[str, dict[str, Any]]:
+    """The next report of each of ``roles``, waiting at most ``within_s`` in
+    all; one that exits first is reported with its exit code."""
+    deadline = time.monotonic() + within_s
+    waiting = {members[role][1]: role for role in roles}
+    reports: dict[str, dict[str, Any]] = {}
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        for conn in wait_for(list(waiting), timeout=left):
+            role = waiting.pop(conn)
+            reports[role] = answer(conn, members[role][0], 0)
+    for role in waiting.values():
+        reports[role] = {"error": f"no report within {within_s:g} s"}
+    return reports
+
+
+def publish_through_a_death(members: dict[str, tuple[BaseProcess, Connection]],
+                            plan: TransferPlan) -> list[dict[str, Any]]:
+    """Publications until the sender has published again after a failure,
+    to the survivor alone in a new generation, or is gone: the doomed member
+    dies in publication ``KILLED_IN_PUBLICATION``. Each publication: its
+    number, generation, size and every member's report."""
+    specs = manifest(MODELS[TRANSFER_MODEL], plan.divisor)
+    ranks = {"sender": 0, "survivor": 1, "doomed": 2}
+    alive, generation, history = set(ranks), 1, []
+    for number in range(1, MAX_PUBLICATIONS + 1):
+        roles = [role for role in ranks if role in alive]
+        for role in roles:
+            doomed = role == "doomed" and number == KILLED_IN_PUBLICATION
+            # a member torn down since its last report: collect reports its exit
+            with contextlib.suppress(OSError):
+                members[role][1].send({
+                    "number": number, "generation": generation, "world_size": len(ranks),
+                    "rank": ranks[role], "specs": specs, "bucket_bytes": plan.bucket_bytes,
+                    "ahead": RECEIVE_AHEAD, "side_stream": True,
+                    "die_after": 1 if doomed else None})
+        # a join and a broadcast each fail within the deadline
+        reports = collect(members, roles, 2 * plan.deadline_s + 10)
+        history.append({"number": number, "generation": generation,
+                        "world_size": len(ranks), "reports": reports})
+        alive -= {role for role, report in reports.items()
+                  if "dying_at" in report or "exitcode" in report}
+        sender_failed = reports["sender"]["error"] is not None
+        if "sender" not in alive or generation > 1 and not sender_failed:
+            break  # the sender is gone, or it reached the survivor again
+        if sender_failed:
+            if number < KILLED_IN_PUBLICATION:
+                break  # it failed before any death: the report says so
+            generation += 1  # as the learner forms the next one without the dead member
+            ranks = {"sender": 0, "survivor": 1}
+    return history
+
+
+def killed_receiver_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``publish_through_a_death`` saw: whether the sender survived, how
+    long after the death it failed, whether the publication before the death
+    and the one after reached their receivers intact."""
+    by_role = {role: [(h["number"], h["reports"][role]) for h in history
+                      if role in h["reports"]] for role in ("sender", "survivor", "doomed")}
+    died_at = next((r["dying_at"] for _, r in by_role["doomed"] if "dying_at" in r), None)
+    failure = next(((n, r) for n, r in by_role["sender"] if r["error"]), None)
+    ended_at = failure and (failure[1].get("failed_at") or failure[1].get("exited_at"))
+    first, last = history[0]["reports"], history[-1]
+    republished = last["generation"] > 1 and last["reports"]["sender"]["error"] is None
+    intact = [first[role].get("checksums") == first["sender"].get("checksums")
+              for role in ("survivor", "doomed")]
+    return {
+        "sender_survived": all("exitcode" not in r for _, r in by_role["sender"]),
+        "sender_exitcode": next((r["exitcode"] for _, r in by_role["sender"]
+                                 if "exitcode" in r), None),
+        "receiver_died": died_at is not None, "killed_in_publication": KILLED_IN_PUBLICATION,
+        "failed_in_publication": failure and failure[0],
+        "failure": failure and failure[1]["error"],
+        "failed_within_s": ended_at - died_at if ended_at and died_at else None,
+        "survivor_failure": next((r["error"] for _, r in by_role["survivor"] if r["error"]),
+                                 None),
+        "first_publication_checksums_match": first["sender"]["error"] is None and all(intact),
+        "republished": republished,
+        "republish_generation": last["generation"] if republished else None,
+        "republish_checksums_match": republished and last["reports"].get(
+            "survivor", {}).get("checksums") == last["reports"]["sender"]["checksums"],
+        "publications": [{"number": h["number"], "generation": h["generation"],
+                          "world_size": h["world_size"],
+                          **{role: "died" if "dying_at" in r else r["error"] or "ok"
+                             for role, r in h["reports"].items()}} for h in history]}
+
+
+def receiver_killed(context: Any, backend: str, device: str, plan: TransferPlan,
+                    before_fix: bool) -> dict[str, Any]:
+    """One weight group of a sender and two receivers, each a process of its
+    own, the rendezvous store in this one; a receiver SIGKILLs itself in the
+    middle of a publication (``publish_through_a_death``). With each
+    member's stderr tail: the reason NCCL or torch gave, if any."""
+    from protocol.weights import host_store
+    from protocol.weights_collective import nccl_watchdog_timeout_s
+
+    store = host_store(0, timeout_s=plan.deadline_s)
+    members: dict[str, tuple[BaseProcess, Connection]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        logs = {role: Path(folder) / f"{role}.log" for role in ("sender", "survivor", "doomed")}
+        try:
+            for role, log in logs.items():
+                members[role] = member_process(context, log, group_member, role, store.port,
+                                               backend, device, plan.deadline_s,
+                                               before_fix and role == "sender")
+            started = collect(members, list(members), STARTUP_S)
+            if failed := {role: r["error"] for role, r in started.items() if r["error"]}:
+                summary: dict[str, Any] = {"error": f"members did not start: {failed}"}
+            else:
+                summary = {"error": None, **killed_receiver_summary(
+                    publish_through_a_death(members, plan))}
+        finally:
+            for _, conn in members.values():
+                with contextlib.suppress(OSError):  # a member that died closed its end
+                    conn.send(None)
+            for process, _ in members.values():
+                kill_tree(process)
+            store.close()
+        tails = {role: tail(log) for role, log in logs.items()}
+    watchdog_s = plan.deadline_s if before_fix else nccl_watchdog_timeout_s(plan.deadline_s)
+    return {**summary, "backend": backend, "deadline_s": plan.deadline_s,
+            "watchdog_timeout_s": watchdog_s if backend == "nccl" else None,
+            "stderr_tails": tails}
+
+
+def nccl_receiver_killed(context: Any, device: str, plan: TransferPlan) -> dict[str, Any]:
+    """The killed receiver with the weight group as the project builds it
+    and, on NCCL, as it was built before the fix (``before_fix``)."""
+    backend = "nccl" if device == "cuda" else "gloo"
+
+    def variant(before_fix: bool) -> dict[str, Any]:
+        try:
+            return receiver_killed(context, backend, device, plan, before_fix)
+        except Exception as error:  # one lent run: keep the other variant's figures
+            return {"error": f"{type(error).__name__}: {error}"}
+
+    result = variant(before_fix=False)
+    result["before_fix"] = (variant(before_fix=True) if backend == "nccl" else
+                            {"skipped": "gloo: the NCCL error handling the fix scopes is not "
+                                        "involved"})
+    return result
+
+
 # -- the learner part: Qwen2-shaped policy and critic, a PPO step under FSDP2 ----------
 
 #: NVIDIA's H200 SXM datasheet gives 1,979 TFLOP/s bf16 "with sparsity"; dense
@@ -397,12 +1008,16 @@ SWITCH_SETS: dict[str, frozenset[str]] = {
     **{f"no_{switch}": frozenset(SWITCHES) - {switch} for switch in SWITCHES},
     "none": frozenset(),
 }
-FLOP_FORMULA = ("per token: 6*(N_policy + N_critic - vocab*hidden) + 2*12*layers*hidden*seq "
-                "(forward and backward of both models; the critic's embedding is a lookup, "
-                "not a matmul; the attention term counts the whole seq x seq score matrix, as "
-                "PaLM's MFU does, though causal kernels compute about half of it; "
-                "recomputation by the switches is not counted); with a value head, "
-                "6*(N_policy + hidden + 1) + 12*layers*hidden*seq (one body)")
+FLOP_FORMULA = (
+    "model FLOPs (MFU) per trained token: 6*(N_policy + N_critic - vocab*hidden) "
+    "+ 2*6*layers*hidden*seq (forward and backward of both models; the critic's embedding "
+    "is a lookup, not a matmul; attention causal: a token's q.k and weighted sum of v span "
+    "seq/2 positions on average, 2*2*hidden*seq/2 per layer forward, three times that with "
+    "backward); with a value head, one body: 6*(N_policy + hidden + 1) + 6*layers*hidden*seq. "
+    "Hardware FLOPs (HFU): the model FLOPs plus what the switches compute again in backward: "
+    "with checkpointing, every layer's forward once more, 2*N_layers + 2*layers*hidden*seq per "
+    "body (N_layers: the decoder layers' parameters); with chunked_logprobs, the output "
+    "layer's logits once more, 2*vocab*hidden")
 
 
 @dataclass(frozen=True)
@@ -701,22 +1316,45 @@ def ppo_step(policy: nn.Module, critic: nn.Module | None,
 
 
 def flop_count(shape: Qwen2Shape, lengths: tuple[int, ...]) -> dict[str, Any]:
-    """Model FLOPs per trained token of one PPO step (FLOP_FORMULA). The
-    policy's tied embedding counts once: looking it up costs nothing, using it
-    as the output layer is a matmul of 2*vocab*hidden per token forward."""
-    n_policy = sum(numel(size) for _, size in manifest(shape))
+    """Model FLOPs per trained token of one PPO step, and what the switches
+    recompute (FLOP_FORMULA). The policy's tied embedding counts once:
+    looking it up costs nothing, using it as the output layer is a matmul of
+    2*vocab*hidden per token forward."""
+    specs = manifest(shape)
+    n_policy = sum(numel(size) for _, size in specs)
     n_critic = n_policy + shape.hidden + 1  # the value head
+    n_layers = sum(numel(size) for name, size in specs if ".layers." in name)
     dense = 6 * (n_policy + n_critic - shape.vocab * shape.hidden)
     dense_value_head = 6 * (n_policy + shape.hidden + 1)
-    # per layer and token, forward: q.k over seq positions and the weighted
-    # sum of v, 2*seq*hidden FLOPs each; backward twice that
-    attention = {length: 12 * shape.layers * shape.hidden * length for length in lengths}
+    # per layer and token, forward: q.k over seq/2 positions on average
+    # (causal) and the weighted sum of v, 2*hidden*seq/2 FLOPs each; backward
+    # twice that
+    attention = {length: 6 * shape.layers * shape.hidden * length for length in lengths}
+    checkpointing = {str(length): 2 * n_layers + 2 * shape.layers * shape.hidden * length
+                     for length in lengths}
     return {"formula": FLOP_FORMULA, "n_policy": n_policy, "n_critic": n_critic,
-            "dense_per_token": dense,
+            "n_layers": n_layers, "dense_per_token": dense,
             "attention_per_token_per_model": {str(k): v for k, v in attention.items()},
             "per_token": {str(k): dense + 2 * v for k, v in attention.items()},
             "per_token_value_head": {str(k): dense_value_head + v
-                                     for k, v in attention.items()}}
+                                     for k, v in attention.items()},
+            "recomputed_per_token": {"checkpointing_per_body": checkpointing,
+                                     "chunked_logprobs": 2 * shape.vocab * shape.hidden}}
+
+
+def flops_per_token(flops: dict[str, Any], length: int,
+                    switches: frozenset[str]) -> dict[str, int]:
+    """A case's model FLOPs per trained token (MFU's numerator) and its
+    hardware FLOPs (HFU's: with what its switches compute again)."""
+    seq, value_head = str(length), "value_head" in switches
+    model = flops["per_token_value_head" if value_head else "per_token"][seq]
+    recomputed = flops["recomputed_per_token"]
+    hardware = model
+    if "checkpointing" in switches:  # one body with a value head, else two
+        hardware += (1 if value_head else 2) * recomputed["checkpointing_per_body"][seq]
+    if "chunked_logprobs" in switches:
+        hardware += recomputed["chunked_logprobs"]
+    return {"model": model, "hardware": hardware}
 
 
 def release(device: str) -> None:
@@ -831,6 +1469,18 @@ def model_phase(name: str, shape: Qwen2Shape, device: str, plan: LearnerPlan, ou
                 "error": f"{type(error).__name__}: {error}"}
 
 
+def utilization(flops: dict[str, Any], case: dict[str, Any], switches: frozenset[str],
+                peak_flops: float | None) -> dict[str, Any]:
+    """A measured case's tokens/s, FLOPs per token, MFU (model FLOPs) and
+    HFU (hardware FLOPs) against ``peak_flops``; only a GPU's time against a
+    GPU's peak means anything, so without a peak no utilization."""
+    tokens_per_second = case["tokens_per_step"] / case["step_seconds"]
+    per_token = flops_per_token(flops, case["length"], switches)
+    return {"tokens_per_second": tokens_per_second, "flops_per_token": per_token,
+            **{key: (per_token[kind] * tokens_per_second / peak_flops if peak_flops else None)
+               for key, kind in (("mfu", "model"), ("hfu", "hardware"))}}
+
+
 def fit(cases: list[dict[str, Any]], name: str) -> dict[str, dict[str, Any]]:
     """Per switch set: the lengths that fit, those that did not, the first of those."""
     result = {}
@@ -875,17 +1525,12 @@ def learner_part(names: list[str], device: str, plan: LearnerPlan, out: Path,
                                 **learner_case(shape, length, switches, plan, device,
                                                deadline)}
                         if case["outcome"] == "ok":
-                            flops = models[name]["flops"]["per_token_value_head" if "value_head"
-                                                          in switches else "per_token"]
-                            per_token = flops[str(length)]
-                            case["tokens_per_second"] = (case["tokens_per_step"]
-                                                         / case["step_seconds"])
-                            # only a GPU's time against a GPU's peak means anything
-                            case["mfu"] = (per_token * case["tokens_per_second"] / peak_flops
-                                           if device == "cuda" else None)
+                            case.update(utilization(models[name]["flops"], case, switches,
+                                                    peak_flops if device == "cuda" else None))
                         print(f"learner {name} {set_name} {length}: " + ", ".join(
                             f"{key} {case[key]}" for key in ("outcome", "step_seconds", "mfu",
-                                                             "peak_allocated_bytes", "error")
+                                                             "hfu", "peak_allocated_bytes",
+                                                             "error")
                             if case.get(key) is not None), flush=True)
                         cases.append(case)
         finally:
@@ -913,11 +1558,52 @@ def environment(device: str) -> dict[str, Any]:
     return facts
 
 
-PARTS = ("ipc", "nccl", "learner")
+#: The project's weight transfer first: it is what a GPU run puts at risk.
+TRANSFER_PARTS = ("project_ipc", "receive_ahead_streams", "nccl_receiver_killed")
+PARTS = (*TRANSFER_PARTS, "ipc", "nccl", "learner")
 
 
-def main(argv: list[str] | None = None) -> int:
-    started = time.monotonic()
+def transfer_parts(device: str, parts: list[str],
+                   plans: dict[str, TransferPlan]) -> dict[str, dict[str, Any] | None]:
+    """Each transfer part's report (None: not asked for), or why it has none."""
+    reports: dict[str, dict[str, Any] | None] = dict.fromkeys(TRANSFER_PARTS)
+    wanted = [part for part in TRANSFER_PARTS if part in parts]
+    if not wanted:
+        return reports
+    if why := protocol_unavailable():
+        return {**reports, **{part: {"error": why} for part in wanted}}
+    on_ipc = [part for part in wanted if part != "nccl_receiver_killed"]
+    with member_context() as context:
+        if on_ipc:
+            try:
+                reports.update(project_ipc_parts(context, device, plans, on_ipc))
+            except Exception as error:  # one lent run: keep the other parts' figures
+                reports.update({part: {"error": f"{type(error).__name__}: {error}"}
+                                for part in on_ipc})
+        if "nccl_receiver_killed" in wanted:
+            reports["nccl_receiver_killed"] = nccl_receiver_killed(
+                context, device, plans["nccl_receiver_killed"])
+    for part in wanted:
+        print(f"{part}: " + json.dumps(reports[part])[:1000], flush=True)
+    return reports
+
+
+def transfers_intact(reports: dict[str, dict[str, Any] | None]) -> bool:
+    """Whether every transfer part that ran delivered every checksum intact
+    and, with the project's fix, the sender survived the receiver's death and
+    reached the survivor again (before the fix, its death is what is shown)."""
+    ran = {part: report for part, report in reports.items()
+           if report is not None and not str(report.get("error")).startswith("skipped")}
+    if any(report.get("error") for report in ran.values()):
+        return False
+    killed = ran.pop("nccl_receiver_killed", None)
+    if killed and not (killed["sender_survived"] and killed["republish_checksums_match"]
+                       and killed["first_publication_checksums_match"]):
+        return False
+    return all(report["checksums_match"] for report in ran.values())
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, scaled-down manifests and models, gloo: the same code in "
@@ -929,7 +1615,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                         help="pushed by CUDA IPC")
-    parser.add_argument("--pushes", type=int, default=5, help="timed pushes after a warm-up")
+    parser.add_argument("--pushes", type=int, default=5,
+                        help="timed pushes after a warm-up (ipc and project_ipc)")
     parser.add_argument("--nccl-timeout", type=float, default=60.0,
                         help="seconds before the shared-device ranks count as hung")
     parser.add_argument("--learner-models", nargs="+", choices=LEARNER_MODELS,
@@ -940,7 +1627,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learner-steps", type=int,
                         help="timed PPO steps after a warm-up "
                              f"(default {GPU_PLAN.steps}; dry run {DRY_RUN_PLAN.steps})")
-    parser.add_argument("--budget-s", type=float, default=420.0,
+    parser.add_argument("--budget-s", type=float, default=270.0,
                         help="learner work that would start after this many seconds from "
                              "the start is skipped (recorded as skipped)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS / 1e12,
@@ -950,6 +1637,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pushes and --learner-steps must be at least 1")
     if args.lengths and min(args.lengths) < 2:
         parser.error("--lengths must be at least 2 tokens")
+    return args
+
+
+def learner_report(args: argparse.Namespace, device: str, out: Path,
+                   started: float) -> dict[str, Any]:
+    plan = DRY_RUN_PLAN if args.dry_run else GPU_PLAN
+    plan = LearnerPlan(**{**asdict(plan), "steps": args.learner_steps or plan.steps,
+                          "lengths": tuple(sorted(args.lengths or plan.lengths))})
+    try:
+        report = learner_part(args.learner_models, device, plan, out, started + args.budget_s,
+                              args.peak_tflops * 1e12)
+    except Exception as error:  # one lent run: keep the other parts' figures
+        report = {"errors": 1, "error": f"{type(error).__name__}: {error}"}
+    report["budget_s"] = args.budget_s
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    args = parse_arguments(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False); run it on a "
               "GPU machine, or pass --dry-run for the CPU version", file=sys.stderr)
@@ -957,11 +1664,16 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda"
     if args.dry_run:  # tiny shapes gain nothing from threads; on busy cores, OpenMP's
         torch.set_num_threads(1)  # waiting threads made the dry run several times slower
+    else:  # the ipc channel stages on the current device
+        torch.cuda.set_device(0)
     facts = environment(device)
     print(f"{'DRY RUN (CPU, gloo, scaled-down manifests and models): ' if args.dry_run else ''}"
           f"torch {facts['torch']}, CUDA {facts['cuda']}, NCCL {facts['nccl']}, "
           f"device {facts['device']} ({facts['device_memory_bytes']} bytes)", flush=True)
-    report: dict[str, Any] = {"dry_run": args.dry_run, **facts, "ipc_push": None,
+    plans = DRY_RUN_TRANSFER if args.dry_run else GPU_TRANSFER
+    plans = {**plans, "project_ipc": replace(plans["project_ipc"], pushes=args.pushes)}
+    report: dict[str, Any] = {"dry_run": args.dry_run, **facts,
+                              **transfer_parts(device, args.parts, plans), "ipc_push": None,
                               "nccl_shared_gpu": None, "learner": None}
     if "ipc" in args.parts:
         report["ipc_push"] = ipc_pushes(args.models, device,
@@ -974,22 +1686,14 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path(scratch)
         out.mkdir(parents=True, exist_ok=True)
         if "learner" in args.parts:
-            plan = DRY_RUN_PLAN if args.dry_run else GPU_PLAN
-            plan = LearnerPlan(**{**asdict(plan), "steps": args.learner_steps or plan.steps,
-                                  "lengths": tuple(sorted(args.lengths or plan.lengths))})
-            try:
-                report["learner"] = learner_part(args.learner_models, device, plan, out,
-                                                 started + args.budget_s,
-                                                 args.peak_tflops * 1e12)
-            except Exception as error:  # one lent run: keep the other parts' figures
-                report["learner"] = {"errors": 1, "error": f"{type(error).__name__}: {error}"}
-            report["learner"]["budget_s"] = args.budget_s
+            report["learner"] = learner_report(args, device, out, started)
         report["seconds"] = time.monotonic() - started
         if args.out:
             (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         print(json.dumps(report))
     intact = all(push["checksum_equal"] for push in report["ipc_push"] or [])
+    intact = intact and transfers_intact({part: report[part] for part in TRANSFER_PARTS})
     return 0 if intact and not (report["learner"] or {}).get("errors") else 1
 
 

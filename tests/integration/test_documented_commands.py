@@ -38,6 +38,7 @@ import subprocess
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -368,6 +369,27 @@ def check_script_help(check: Check) -> None:
     assert completed.returncode == 0, completed.stderr
 
 
+def check_carried_wheels(check: Check) -> None:
+    """The GPU check's wheels are pinned at the versions of the project's environment."""
+    pinned = dict(word.split("==") for word in shlex.split(check.documented.shell)
+                  if "==" in word)
+    assert pinned == {name: version(name) for name in ("pyzmq", "msgspec")}, pinned
+
+
+def check_carried_wheels_installed(check: Check) -> None:
+    """The GPU machine installs the wheels the download wrote, into the
+    folder the check's command puts first on ``PYTHONPATH``."""
+    (download,) = [d for d in documented_commands() if d.command.startswith(
+        "python3 -m pip download ")]
+    (gpu_check,) = [d for d in documented_commands()
+                    if d.command.endswith("bench/gpu_check.py --json --out gpu_check")
+                    and d.command.startswith("PYTHONPATH=")]
+    words, fetched = shlex.split(check.documented.shell), shlex.split(download.shell)
+    assert f"{fetched[fetched.index('-d') + 1]}/*.whl" in words
+    target = words[words.index("--target") + 1]
+    assert gpu_check.command.startswith(f"PYTHONPATH={target} python3 ")
+
+
 def check_up_parses(check: Check) -> None:
     args, config = cli(check.argv())
     assert args.command == "up"
@@ -559,6 +581,19 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     "compactionrl config show --learner.advantage independent "
     "--actors.compaction.keep_steps 1": Run(
         prints=('advantage = "independent"', "keep_steps = 1")),
+    # docs/deploy.md: the GPU check's wheels, for a machine without the project
+    "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
+    "--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "
+    "--platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 msgspec==0.23.0": Offline(
+        "downloads from PyPI; here: the pins are the project's environment's versions",
+        check_carried_wheels),
+    "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
+    "--target /tmp/site .whl/*.whl": Offline(
+        "runs on the GPU machine, with the downloaded wheels; here: it installs what the "
+        "download wrote where the check's command looks", check_carried_wheels_installed),
+    "PYTHONPATH=/tmp/site python3 bench/gpu_check.py --json --out gpu_check": Elsewhere(
+        "tests/unit/test_gpu_check.py", ("--json", "--out"),
+        "needs a GPU; that test runs its dry run with these arguments"),
     # docs/deploy.md: starts nothing, whatever the machine
     "compactionrl up --plan --gpus 8 --config deploy/configs/gpu-8xh100.toml": Run(
         prints=("weights over nccl", "0,1,2,3")),

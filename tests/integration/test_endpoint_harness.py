@@ -30,12 +30,13 @@ EPISODES = 8
 def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: Path,
                                                                tmp_path: Path) -> None:
     [endpoint_port] = free_ports(1)
-    # as a user turns the endpoint on: one file layered over the default
+    # the guide's command, with the user's own settings in one file layered
+    # over the default
     harness_toml = tmp_path / "harness.toml"
-    harness_toml.write_text(f"[actors.endpoint]\nenabled = true\nport = {endpoint_port}\n")
+    harness_toml.write_text(f"[actors.endpoint]\nport = {endpoint_port}\n")
     up = UpOnLoopback(tmp_path, "harness", tiny_model_dir, 1, "--learner.max_steps", "1000",
                       "--replay.rollouts_per_batch", "4", "--actors.concurrent_episodes", "4",
-                      "--config", str(harness_toml))
+                      "--config", str(harness_toml), "--actors.endpoint.enabled", "true")
     ports = up.ports
     process = up.start()
     try:

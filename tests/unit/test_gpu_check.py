@@ -1,11 +1,13 @@
 """bench/gpu_check.py: its CPU dry run (the same code as on a GPU, with shared
-memory for CUDA IPC, gloo for NCCL and a tiny model for the learner part),
-its manifests, its checksum, its models and FLOP count. The GPU run itself
-happens only on a machine with a GPU."""
+memory for CUDA IPC, the project's ipc channel on its CPU twin, gloo for NCCL
+and a tiny model for the learner part), its manifests, its checksum, its
+models and FLOP count. The GPU run itself happens only on a machine with a
+GPU."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +77,109 @@ def test_dry_run_pushes_every_model_intact(gpu_check: ModuleType,
     assert [r["outcome"] for r in shared["ranks"]] == ["ok", "ok"]
 
 
+def test_dry_run_moves_every_publication_through_the_project_s_ipc_channel_intact(
+        gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
+    """protocol/weights_ipc.py between two processes, loaded as the
+    publications come and, through the receive-ahead thread, on a loader of
+    its own: every tensor of every publication has the sender's checksum."""
+    report, _ = dry_run
+    specs = gpu_check.manifest(gpu_check.MODELS["qwen2.5-0.5b"], gpu_check.DRY_RUN_DIVISOR)
+    nbytes = 2 * sum(gpu_check.numel(shape) for _, shape in specs)
+    plans = gpu_check.DRY_RUN_TRANSFER
+    expected = {"project_ipc": (3, 0, False),  # --pushes 2 after a warm-up
+                "receive_ahead_streams": (plans["receive_ahead_streams"].pushes + 1,
+                                          gpu_check.RECEIVE_AHEAD, True)}
+    for part, (pushes, ahead, side_stream) in expected.items():
+        result = report[part]
+        assert result["error"] is None and result["checksums_match"] is True, result
+        assert result["mismatched"] == {}
+        assert (result["pushes"], result["ahead"], result["side_stream"]) == (
+            pushes, ahead, side_stream)
+        assert (result["tensors"], result["bytes"]) == (len(specs), nbytes)
+        assert result["bucket_bytes"] == plans[part].bucket_bytes < nbytes  # several buckets
+        assert result["push_s"] > 0 and result["load_s"] > 0
+
+
+def test_dry_run_sender_survives_a_receiver_killed_mid_broadcast_and_reaches_the_survivor(
+        gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
+    """The weight group on gloo: the receiver dies in the second publication;
+    the sender fails within its deadline (that one, or the next if every byte
+    had left it), lives, and publishes intact to the survivor in a new
+    generation."""
+    report, _ = dry_run
+    killed = report["nccl_receiver_killed"]
+    assert killed["error"] is None and killed["backend"] == "gloo"
+    assert killed["receiver_died"] is True and killed["sender_survived"] is True
+    assert killed["sender_exitcode"] is None
+    assert killed["first_publication_checksums_match"] is True
+    assert killed["failed_in_publication"] in (2, 3), killed
+    assert killed["failure"].startswith("TransferFailed")
+    assert 0 <= killed["failed_within_s"] < killed["deadline_s"]
+    assert killed["republished"] is True and killed["republish_generation"] == 2
+    assert killed["republish_checksums_match"] is True
+    first, killed_in, last = (killed["publications"][i] for i in (0, 1, -1))
+    assert first == {"number": 1, "generation": 1, "world_size": 3, "sender": "ok",
+                     "survivor": "ok", "doomed": "ok"}
+    assert killed_in["doomed"] == "died"
+    assert last == {"number": last["number"], "generation": 2, "world_size": 2,
+                    "sender": "ok", "survivor": "ok"}
+    assert killed["before_fix"] == {"skipped": "gloo: the NCCL error handling the fix "
+                                               "scopes is not involved"}
+
+
+def test_without_pyzmq_the_transfer_parts_say_so_and_count_as_intact(
+        gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU machine without the carried wheels: no part of the project's
+    transfer runs, each says why, and the check's exit status ignores them."""
+    # the modules that import pyzmq, imported afresh (and failing) in here
+    for name in ("protocol.transport", "protocol.endpoint", "protocol.weights",
+                 "protocol.weights_store", "protocol.weights_ipc", "protocol.weights_collective"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "zmq", None)  # its import fails as if not installed
+    plans = gpu_check.DRY_RUN_TRANSFER
+    reports = gpu_check.transfer_parts("cpu", list(gpu_check.PARTS), plans)
+    assert list(reports) == list(gpu_check.TRANSFER_PARTS)
+    for report in reports.values():
+        assert report["error"].startswith("skipped: pyzmq/msgspec not installed"), report
+    assert gpu_check.transfers_intact(reports) is True
+    assert gpu_check.transfer_parts("cpu", ["learner"], plans) == dict.fromkeys(
+        gpu_check.TRANSFER_PARTS)
+
+
+def test_a_dead_sender_or_a_differing_checksum_fails_the_check(gpu_check: ModuleType) -> None:
+    intact = {"project_ipc": {"error": None, "checksums_match": True},
+              "receive_ahead_streams": None,
+              "nccl_receiver_killed": {"error": None, "sender_survived": True,
+                                       "first_publication_checksums_match": True,
+                                       "republish_checksums_match": True}}
+    assert gpu_check.transfers_intact(intact) is True
+    for part, key in (("project_ipc", "checksums_match"),
+                      ("nccl_receiver_killed", "sender_survived"),
+                      ("nccl_receiver_killed", "republish_checksums_match")):
+        assert gpu_check.transfers_intact({**intact, part: {**intact[part], key: False}}) is False
+    assert gpu_check.transfers_intact({**intact, "project_ipc": {"error": "Timeout"}}) is False
+
+
+def test_before_the_fix_the_nccl_group_gets_torchrun_s_error_handling_and_the_deadline(
+        gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the sender of ``before_fix`` builds its group with: the
+    variable torchrun sets (a failed collective ends the process) and NCCL's
+    own timeout equal to the project's deadline."""
+    from protocol import weights_collective
+
+    for name in ("nccl_error_handling", "nccl_watchdog_timeout_s"):  # restored after
+        monkeypatch.setattr(weights_collective, name, getattr(weights_collective, name))
+    current, legacy = weights_collective.NCCL_ERROR_HANDLING_VARIABLES
+    monkeypatch.setenv(current, "3")
+    assert weights_collective.nccl_watchdog_timeout_s(10.0) == 100.0
+    with weights_collective.nccl_error_handling():
+        assert os.environ[current] == weights_collective.NCCL_CLEAN_UP_ONLY
+    gpu_check.build_groups_as_before_the_fix()
+    assert weights_collective.nccl_watchdog_timeout_s(10.0) == 10.0
+    with weights_collective.nccl_error_handling():
+        assert os.environ[current] == os.environ[legacy] == "3"
+
+
 def test_learner_models_have_the_published_shapes(gpu_check: ModuleType) -> None:
     """The policy written in the script has, name for name, the shapes of the
     manifest (so its parameter count is Hugging Face's); the critic is the
@@ -92,25 +197,55 @@ def test_learner_models_have_the_published_shapes(gpu_check: ModuleType) -> None
 
 def test_flop_count_is_written_out(gpu_check: ModuleType) -> None:
     """6 FLOPs per matmul parameter and token for both models, the critic's
-    embedding (a lookup) left out, and 12*layers*hidden*seq per model for
-    attention; for 0.5B at 2k tokens, ~5.1 + 2 x 0.53 GFLOP per token."""
+    embedding (a lookup) left out, and 6*layers*hidden*seq per model for
+    causal attention (half the full score matrix); for 0.5B at 2k tokens,
+    ~5.1 + 2 x 0.26 GFLOP per token."""
     counts = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
     for name, n_policy in counts.items():
         shape = gpu_check.MODELS[name]
         flops = gpu_check.flop_count(shape, (2048, 16384))
         n_critic = n_policy + shape.hidden + 1
         assert (flops["n_policy"], flops["n_critic"]) == (n_policy, n_critic)
+        # everything but the embedding and the final norm is in the layers
+        assert flops["n_layers"] == n_policy - shape.vocab * shape.hidden - shape.hidden
         dense = 6 * (n_policy + n_critic - shape.vocab * shape.hidden)
         assert flops["dense_per_token"] == dense
         for seq in (2048, 16384):
-            attention = 12 * shape.layers * shape.hidden * seq
+            attention = 6 * shape.layers * shape.hidden * seq
             assert flops["attention_per_token_per_model"][str(seq)] == attention
             assert flops["per_token"][str(seq)] == dense + 2 * attention
+            assert flops["per_token_value_head"][str(seq)] == (
+                6 * (n_policy + shape.hidden + 1) + attention)
     small = gpu_check.flop_count(gpu_check.MODELS["qwen2.5-0.5b"], (2048,))
     assert small["dense_per_token"] == pytest.approx(5.11e9, rel=0.01)
-    assert small["attention_per_token_per_model"]["2048"] == pytest.approx(5.28e8, rel=0.01)
+    assert small["attention_per_token_per_model"]["2048"] == pytest.approx(2.64e8, rel=0.01)
     assert "6*(N_policy + N_critic - vocab*hidden)" in small["formula"]
-    assert "12*layers*hidden*seq" in small["formula"]
+    assert "2*6*layers*hidden*seq" in small["formula"]
+
+
+def test_hardware_flops_add_what_the_switches_compute_again(gpu_check: ModuleType) -> None:
+    """HFU's count: checkpointing runs every layer's forward again (the
+    layers' matmuls and causal attention, per body), the chunked log-softmax
+    the output layer; MFU's count is the same whatever the switches."""
+    shape = gpu_check.MODELS["qwen2.5-0.5b"]
+    flops = gpu_check.flop_count(shape, (2048,))
+    model, model_value_head = flops["per_token"]["2048"], flops["per_token_value_head"]["2048"]
+    layer_forward = 2 * flops["n_layers"] + 2 * shape.layers * shape.hidden * 2048
+    output_layer = 2 * shape.vocab * shape.hidden
+    expected = {
+        frozenset(): (model, model),
+        frozenset({"microbatches"}): (model, model),
+        frozenset({"checkpointing"}): (model, model + 2 * layer_forward),
+        frozenset({"chunked_logprobs"}): (model, model + output_layer),
+        frozenset(gpu_check.SWITCHES): (model, model + 2 * layer_forward + output_layer),
+        gpu_check.SWITCH_SETS["all_value_head"]: (
+            model_value_head, model_value_head + layer_forward + output_layer),
+    }
+    for switches, (model_flops, hardware_flops) in expected.items():
+        assert gpu_check.flops_per_token(flops, 2048, switches) == {
+            "model": model_flops, "hardware": hardware_flops}, switches
+    assert "2*N_layers + 2*layers*hidden*seq" in flops["formula"]
+    assert "2*vocab*hidden" in flops["formula"]
 
 
 def test_chunked_logprobs_match_the_whole_pass(gpu_check: ModuleType) -> None:
@@ -169,8 +304,11 @@ def test_dry_run_learner_part(gpu_check: ModuleType, dry_run: tuple[dict, Path])
         assert len(case["step_seconds_each"]) == plan.steps and case["step_seconds"] > 0
         assert case["tokens_per_second"] == pytest.approx(
             case["tokens_per_step"] / case["step_seconds"])
-        # on a CPU: no MFU (the peak is a GPU's) and no CUDA memory figures
-        assert case["mfu"] is None
+        switches = gpu_check.SWITCH_SETS[case["switches"]]
+        assert case["flops_per_token"] == gpu_check.flops_per_token(
+            expected_flops, case["length"], switches)
+        # on a CPU: no MFU or HFU (the peak is a GPU's) and no CUDA memory figures
+        assert case["mfu"] is None and case["hfu"] is None
         assert case["peak_allocated_bytes"] is None and case["peak_reserved_bytes"] is None
 
 
@@ -206,6 +344,7 @@ def test_budget_skips_the_learner_cases(gpu_check: ModuleType) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["ipc_push"] is None and report["nccl_shared_gpu"] is None
+    assert all(report[part] is None for part in gpu_check.TRANSFER_PARTS)
     learner = report["learner"]
     assert learner["budget_s"] == 0 and learner["errors"] == 0
     assert len(learner["cases"]) == len(gpu_check.SWITCH_SETS) * 2 * 3
@@ -223,6 +362,7 @@ def test_parts_and_models_options_select_a_subset() -> None:
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert [p["model"] for p in report["ipc_push"]] == ["qwen2.5-0.5b"]
     assert report["nccl_shared_gpu"] is None and report["learner"] is None
+    assert report["project_ipc"] is None and report["nccl_receiver_killed"] is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
