@@ -6,10 +6,11 @@ PPO step costs on one GPU.
 The GPU machine it is written for has torch with CUDA and none of this
 project's dependencies. Parts 4 to 7 are standard library and torch only:
 their models are written here, not imported from transformers. Parts 1 to 3
-run the project's ``protocol`` package (the script puts the repository's root
-on ``sys.path``), which needs pyzmq and msgspec: they are carried to the
-machine as wheels (docs/deploy.md, "The GPU check"); without them those parts
-report ``skipped: pyzmq/msgspec not installed`` and the rest runs.
+run the project's ``protocol`` package from the checkout (``PYTHONPATH``
+names the checkout's root where the project is not installed), which needs
+pyzmq and msgspec: they are carried to the machine as wheels (docs/deploy.md,
+"The GPU check"); without them those parts report ``skipped: pyzmq/msgspec
+not installed`` and the rest runs.
 
 It measures, on GPU 0, the project's transfer first:
 
@@ -181,13 +182,6 @@ except ImportError:  # torch before 2.6, which the GPU machine may have, names F
         fully_shard,
         register_fsdp_forward_method,
     )
-
-#: The project's root, for its ``protocol`` package when run as
-#: ``python bench/gpu_check.py`` without the project installed (appended: an
-#: installed package of the same name comes first).
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.append(str(REPO_ROOT))
 
 DTYPE = torch.bfloat16
 DRY_RUN_DIVISOR = 32
@@ -514,6 +508,9 @@ def protocol_unavailable() -> str | None:
         import protocol.weights_collective  # noqa: F401
         import protocol.weights_ipc  # noqa: F401
     except ModuleNotFoundError as error:
+        if error.name == "protocol":
+            return ("skipped: the project's protocol package is not importable (run from the "
+                    "checkout's root with PYTHONPATH=.)")
         missing = "pyzmq/msgspec" if error.name in ("zmq", "msgspec") else error.name
         return f"skipped: {missing} not installed ({error})"
     return None

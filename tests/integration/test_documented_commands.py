@@ -387,7 +387,7 @@ def check_carried_wheels_installed(check: Check) -> None:
     words, fetched = shlex.split(check.documented.shell), shlex.split(download.shell)
     assert f"{fetched[fetched.index('-d') + 1]}/*.whl" in words
     target = words[words.index("--target") + 1]
-    assert gpu_check.command.startswith(f"PYTHONPATH={target} python3 ")
+    assert gpu_check.command.startswith(f"PYTHONPATH={target}:. python3 ")
 
 
 def check_up_parses(check: Check) -> None:
@@ -591,7 +591,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     "--target /tmp/site .whl/*.whl": Offline(
         "runs on the GPU machine, with the downloaded wheels; here: it installs what the "
         "download wrote where the check's command looks", check_carried_wheels_installed),
-    "PYTHONPATH=/tmp/site python3 bench/gpu_check.py --json --out gpu_check": Elsewhere(
+    "PYTHONPATH=/tmp/site:. python3 bench/gpu_check.py --json --out gpu_check": Elsewhere(
         "tests/unit/test_gpu_check.py", ("--json", "--out"),
         "needs a GPU; that test runs its dry run with these arguments"),
     # docs/deploy.md: starts nothing, whatever the machine
