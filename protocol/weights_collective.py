@@ -19,7 +19,9 @@ error handling that only cleans up (:func:`nccl_error_handling`; the
 variable is read when a group is built) and a timeout far above the
 project's deadline (:func:`nccl_watchdog_timeout_s`). Every member joins
 through the store first (``WeightChannel._join``), with our deadline: NCCL
-creates its communicator inside the first collective, which has none.
+creates its communicator inside the first collective, which has none. An
+aborted NCCL group is never destroyed (:func:`retire`): its destructor can
+wait a minute for the watchdog.
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ def nccl_error_handling(mode: str = NCCL_CLEAN_UP_ONLY) -> Iterator[None]:
                 os.environ[name] = value
 
 
+#: Aborted NCCL groups, kept for the process's life (:func:`retire`).
+RETIRED_NCCL_GROUPS: list[object] = []
+
+
+def retire(group: object, backend: str) -> None:
+    """After ``group`` was aborted: an NCCL group is kept referenced, never
+    destroyed. ProcessGroupNCCL's destructor joins its watchdog thread, and a
+    watchdog that saw a peer's death before the member's own wait did sleeps
+    about a minute before it ends (flight-recorder dump; measured on an H200,
+    docs/weights.md "Run on an H200"). Destroyed when a member leaves the
+    failed generation, that is a minute in which the member cannot join the
+    next one (and holds the GIL, in the engine's worker or learner rank 0).
+    An aborted group has released its communicators: what stays is small,
+    one per failure. A gloo group has no watchdog and is released as usual."""
+    if backend == "nccl" and not any(kept is group for kept in RETIRED_NCCL_GROUPS):
+        RETIRED_NCCL_GROUPS.append(group)
+
+
 def wait_within(work: dist.Work, deadline: float,
                 abandoned: Callable[[float], bool] = lambda within_s: False) -> None:
     """Until ``work`` completes; raises :class:`TimeoutError` once
@@ -108,6 +128,7 @@ class WeightGroup(WeightChannel):
         """Join; returns when every member has joined (or raises after ``timeout_s``)."""
         # the generation's store view is kept: the group's C++ side calls into it
         super().__init__(store, generation, world_size, rank, timeout_s)
+        self.backend = backend
         self._join(backend)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -176,3 +197,4 @@ class WeightGroup(WeightChannel):
             self._group.abort()
         except RuntimeError:
             pass
+        retire(self._group, self.backend)

@@ -19,8 +19,10 @@ from protocol.weights import host_store, join_channel
 from protocol.weights_collective import (
     NCCL_CLEAN_UP_ONLY,
     NCCL_ERROR_HANDLING_VARIABLES,
+    RETIRED_NCCL_GROUPS,
     nccl_error_handling,
     nccl_watchdog_timeout_s,
+    retire,
     wait_within,
 )
 from protocol.weights_store import REPLY_GRACE_S, StoreClient
@@ -102,5 +104,29 @@ def test_a_generation_whose_member_never_comes_fails_its_join_within_the_deadlin
         with pytest.raises(RuntimeError, match=f"{backend} generation 1 did not form in 1 s"):
             join_channel(store, 1, 2, 0, backend, 1.0)
         assert time.monotonic() - began < 30  # the store's own timeout is 60 s
+    finally:
+        store.close()
+
+
+def test_an_aborted_nccl_group_is_kept_so_leaving_it_never_waits_for_its_watchdog(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ProcessGroupNCCL's destructor joins a watchdog that may sleep a minute
+    after a peer's death: an aborted NCCL group stays referenced (once, however
+    often it is aborted); a gloo group, which has no watchdog, is not kept."""
+    monkeypatch.setattr("protocol.weights_collective.RETIRED_NCCL_GROUPS", kept := [])
+    nccl, gloo = object(), object()
+    retire(nccl, "nccl")
+    retire(nccl, "nccl")
+    retire(gloo, "gloo")
+    assert kept == [nccl] and RETIRED_NCCL_GROUPS == []
+
+
+def test_a_gloo_weight_group_aborted_by_a_failure_is_released() -> None:
+    """The real abort path on gloo: the group is aborted and nothing is kept."""
+    store = host_store(0, timeout_s=60)
+    try:
+        group = join_channel(store, 1, 1, 0, "gloo", 5.0)
+        group.abort()
+        assert group.backend == "gloo" and RETIRED_NCCL_GROUPS == []
     finally:
         store.close()
