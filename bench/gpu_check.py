@@ -51,8 +51,9 @@ It measures, on GPU 0, the project's transfer first:
    deadline, instead of 2 (``CleanUpOnly``, scoped to building that group)
    and ten times the deadline; the fix's other half, deadlines counted from
    enqueue, is no setting and stays. Expected: the sender dies there
-   (``sender_exitcode``). On gloo (the dry run) the variable is NCCL's, so
-   ``before_fix`` is skipped.
+   (``sender_exitcode``); on an H200 over the socket transport it did not,
+   within the check's window (docs/weights.md, "Run on an H200"). On gloo
+   (the dry run) the variable is NCCL's, so ``before_fix`` is skipped.
 4. **A push by CUDA IPC** (``ipc_push``) between two processes, as vLLM's
    ``ipc`` weight-transfer engine does it: the sender holds the weights on
    the GPU and, per push, exports one IPC handle per tensor

@@ -87,13 +87,14 @@ RETIRED_NCCL_GROUPS: list[object] = []
 def retire(group: object, backend: str) -> None:
     """After ``group`` was aborted: an NCCL group is kept referenced, never
     destroyed. ProcessGroupNCCL's destructor joins its watchdog thread, and a
-    watchdog that saw a peer's death before the member's own wait did sleeps
-    about a minute before it ends (flight-recorder dump; measured on an H200,
-    docs/weights.md "Run on an H200"). Destroyed when a member leaves the
-    failed generation, that is a minute in which the member cannot join the
-    next one (and holds the GIL, in the engine's worker or learner rank 0).
-    An aborted group has released its communicators: what stays is small,
-    one per failure. A gloo group has no watchdog and is released as usual."""
+    watchdog that saw a peer's death before the member's own wait did logs
+    its clean-up a minute after its flight-recorder dump signal (measured on
+    an H200, docs/weights.md "Run on an H200", where such a member did not
+    join the next generation in time). Destroyed when a member leaves the
+    failed generation, the group would likely hold the member that long.
+    What stays is one group object a failure, its communicators aborted. A
+    gloo group has no watchdog and is released as usual. Not yet run on a
+    GPU."""
     if backend == "nccl" and not any(kept is group for kept in RETIRED_NCCL_GROUPS):
         RETIRED_NCCL_GROUPS.append(group)
 

@@ -7,13 +7,16 @@ as a traceback from the first episode instead."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
 import pytest
 
 from actors.envs.base import EVALUATION_SEEDS_FROM
+from actors.preflight import check_episode_setup
 from deploy.cli import main
+from deploy.config import load_config
 from tests.processes import VENV_BIN, run_command
 
 ROOT = Path(__file__).parents[2]
@@ -160,11 +163,6 @@ def test_a_template_that_ignores_the_task_s_tools_is_noted_before_an_engine(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The tiny model's ChatML template drops ``tools=``: the check says the
     model never sees the schemas; Qwen3's renders them, and nothing is said."""
-    import asyncio
-
-    from actors.preflight import check_episode_setup
-    from deploy.config import load_config
-
     (tmp_path / "tool_tasks.py").write_text(TOOL_ENVIRONMENT)
     monkeypatch.syspath_prepend(str(tmp_path))
     model = (tiny_model_dir if template is None

@@ -121,8 +121,8 @@ def test_an_aborted_nccl_group_is_kept_so_leaving_it_never_waits_for_its_watchdo
     assert kept == [nccl] and RETIRED_NCCL_GROUPS == []
 
 
-def test_a_gloo_weight_group_aborted_by_a_failure_is_released() -> None:
-    """The real abort path on gloo: the group is aborted and nothing is kept."""
+def test_an_aborted_gloo_weight_group_is_not_kept() -> None:
+    """The real abort path on gloo, which has no watchdog: nothing is kept."""
     store = host_store(0, timeout_s=60)
     try:
         group = join_channel(store, 1, 1, 0, "gloo", 5.0)
