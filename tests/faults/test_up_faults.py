@@ -12,7 +12,13 @@ the replay's durable log:
 5. the learner SIGKILLed after publishing beyond its last checkpoint;
 6. the learner paused (SIGSTOP): actors stall (on credits, or on weights while
    holding one) and the memory of every process stays flat, then it resumes;
-7. clean shutdown: every segment acknowledged, nothing left running.
+7. the run as users watch it: a real Prometheus (Debian's package) has
+   scraped it with the project's generated configuration since it began, and
+   every PromQL expression of every dashboard panel and alert returns data;
+   every process's exposition passes promtool's lint and each says it is ready;
+8. clean shutdown (Ctrl-C): every segment acknowledged, the checkpoint, export,
+   metrics history, report, summary and the resume command written, `status`
+   says how it ended, nothing left running.
 
 The phases share the run (starting engines costs most of a minute each), so
 they run in this order. Each waits on events, never on fixed speeds, within
@@ -29,9 +35,11 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +47,7 @@ from pathlib import Path
 
 import pytest
 
+from ops.observability import promql_expressions, scrape_config
 from protocol import ErrorCode, Segment, decode
 from replay.log import SEGMENT, read_records
 from tests.faults.proxy import FaultProxy
@@ -48,6 +57,7 @@ from tests.processes import (
     VENV_BIN,
     Background,
     answered_metric,
+    compactionrl,
     metric,
     process_tree,
     rss_bytes,
@@ -55,6 +65,7 @@ from tests.processes import (
     tree_rss_bytes,
     wait_until,
 )
+from tests.prometheus import PrometheusServer
 
 #: Wall-clock bounds (liveness, partitions, pauses) under a known load: run alone.
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
@@ -111,6 +122,7 @@ SLOTS = 2
 #: After an episode starts, how long until its heartbeat has surely reached
 #: the replay (it is sent at once; this covers a busy event loop).
 REPORTED_S = 0.3
+ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
 
 
 def _measured(what: str, value: object) -> None:
@@ -127,6 +139,9 @@ class Run:
     ports: dict[str, int]
     replay_proxy: FaultProxy
     control_proxy: FaultProxy
+    prometheus: PrometheusServer
+    began: float
+    """When ``up`` started (epoch seconds: Prometheus's time)."""
     proxied: Background | None = None
     notes: dict[str, float] = field(default_factory=dict)
     dead_processes: list[int] = field(default_factory=list)
@@ -212,6 +227,10 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "--transport.heartbeat_interval_s", str(HEARTBEAT_S),
             "--transport.heartbeat_liveness", str(LIVENESS)]
     folder.mkdir(parents=True)
+    prometheus = PrometheusServer(root / "prometheus", scrape_config(
+        replay_metrics, learner_metrics, [actor_metrics, actor_metrics + 1], interval_s=1),
+        rules=ALERTS)
+    began = time.time()
     up_output = root / "up-output.log"
     with up_output.open("w") as output:
         up = subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True,
@@ -219,7 +238,8 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     replay_proxy = FaultProxy(int(actor_address.rsplit(":", 1)[1]))
     control_proxy = FaultProxy(int(control_address.rsplit(":", 1)[1]))
     state = Run(folder, up, up_output, {"replay": replay_metrics, "learner": learner_metrics,
-                                        "actor": actor_metrics}, replay_proxy, control_proxy)
+                                        "actor": actor_metrics}, replay_proxy, control_proxy,
+                prometheus, began)
     groups: set[int] = {up.pid}
     try:
         state.wait(lambda: (folder / "config.toml").is_file() and (folder / "up.json").is_file(),
@@ -252,6 +272,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         up.wait()
         replay_proxy.close()
         control_proxy.close()
+        prometheus.stop()
 
 
 # ---------------------------------------------------------------------- 1. network
@@ -756,25 +777,87 @@ def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
     assert stall() - stall_before >= stalled_s
 
 
-# ---------------------------------------------------------------------- 7. shutdown
+# ---------------------------------------------------------------------- 7. observed
+
+
+def _get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_every_panel_has_data_every_exposition_lints_and_each_process_is_ready(
+        run: Run) -> None:
+    """Over the run so far, every PromQL expression of every dashboard panel
+    and alert returns data from the real Prometheus; each process's
+    exposition passes promtool's lint and its ``/readyz`` says ready."""
+    empty = [where for where, expr in promql_expressions().items()
+             if not run.prometheus.query_range(expr, run.began, time.time())]
+    assert empty == [], f"PromQL without data over the run: {empty}"
+    ports = [run.ports["replay"], run.ports["learner"], run.ports["actor"],
+             run.ports["actor"] + 1]
+    for port in ports:
+        lint = subprocess.run(["promtool", "check", "metrics"], input=_get(port, "/metrics"),
+                              capture_output=True, text=True, timeout=60)
+        assert lint.returncode == 0, (port, lint.stdout + lint.stderr)
+        assert _get(port, "/readyz").strip() == "ready", port
+
+
+# ---------------------------------------------------------------------- 8. shutdown
 
 
 def test_clean_shutdown_after_the_faults(run: Run) -> None:
     """The proxied actor flushes every segment (exit 0: all acknowledged);
-    Ctrl-C stops the run cleanly; the snapshot counts the restarts; no
-    segment is stored twice in the whole log; nothing is left running."""
+    Ctrl-C stops the run cleanly, with its checkpoint, export, metrics history,
+    report, summary and a resume command that can be pasted; the snapshot
+    counts the restarts; no segment is stored twice in the whole log; nothing
+    is left running."""
     assert run.proxied.stop(signal.SIGTERM, timeout=120) == 0, run.proxied.log()[-3000:]
     run.up.send_signal(signal.SIGINT)
     run.up.wait(timeout=300)
     output = run.output()
     assert run.up.returncode == 130, output[-3000:]
-    last = json.loads((run.folder / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "interrupted (SIGINT): stopped cleanly" in output
+    # the resume command can be pasted as it is: its program is a path
+    [resume] = [line.removeprefix("resume with: ") for line in output.splitlines()
+                if line.startswith("resume with: ")]
+    program, *resume_args = shlex.split(resume)
+    assert os.access(program, os.X_OK), resume
+    assert resume_args == ["up", "--config", str((run.folder / "config.toml").resolve()),
+                           "--resume"]
+    # a clean stop logs a clean stop: torchrun is not signalled, its ranks are
+    learner_log = run.log("learner")
+    assert "stopped cleanly (signal)" in learner_log
+    assert "SignalException" not in learner_log
+
+    history = [json.loads(line) for line in (run.folder / "metrics.jsonl").read_text()
+               .splitlines()]
+    last = history[-1]
     _measured("restarts (actors, replay, learner)",
               (last["actor_restarts"], last["replay_restarts"], last["learner_restarts"]))
     assert last["actor_restarts"] >= KILLS
     assert last["replay_restarts"] == last["learner_restarts"] == 1
+    checkpoint = json.loads(max((run.folder / "checkpoints").glob("step-*/meta.json"),
+                                key=lambda p: int(p.parent.name[5:])).read_text())
+    assert last["learner_version"] == checkpoint["version"]  # the final checkpoint
+    assert last["actor_compactions"] > 0
+    assert max(s["compactions_per_rollout"] or 0 for s in history) > 0  # trained on compactions
+    assert (run.folder / "export" / "config.json").is_file()
+    assert (run.folder / "report.html").read_text().count("<svg") >= 4
+    state = json.loads((run.folder / "up.json").read_text())
+    assert state["finished"]
+    assert state["ended"]["message"] == "interrupted (SIGINT): stopped cleanly"
+    summary = (run.folder / "summary.txt").read_text()
+    assert "ended: interrupted (SIGINT): stopped cleanly; wall time" in summary
+    assert f"step {checkpoint['step']}/100000" in summary  # the checkpoint's step, not a count
+    assert "nan" not in summary and "DOWN" not in summary and "ETA" not in summary
+    status = compactionrl("status", "--run", str(run.folder), timeout=60)
+    assert status.returncode == 1
+    assert "not running: interrupted (SIGINT): stopped cleanly" in status.stdout
+
     keys = Counter((s.sender_id, s.incarnation, s.seq) for s in _segments(run.segments_log()))
     assert max(keys.values()) == 1
+    for pid in state["children"].values():
+        assert not running(pid)
     leftovers = subprocess.run(["pgrep", "-f", str(run.folder)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout
     # engines renamed themselves (VLLM::EngineCore): pgrep -f cannot find them

@@ -480,7 +480,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     # README.md
     "make demo": Offline(
         "bootstraps the base policy (~5 min), trains 5 min and evaluates 400 episodes; "
-        "`compactionrl up` is run by tests/integration/test_up.py and `compactionrl eval "
+        "`compactionrl up` is run by tests/faults/test_up_faults.py and `compactionrl eval "
         "--baseline` below; here: each compactionrl command of `make -n demo` parses and "
         "loads its configuration", check_make_demo),
     "make test": Offline(
@@ -618,7 +618,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         "parse and configure", check_parses),
     # docs/running.md
     "compactionrl up": Elsewhere(
-        "tests/integration/test_up.py", ("up-test", "--learner.max_steps"),
+        "tests/faults/test_up_faults.py", ("up", "--learner.max_steps"),
         "as written it bootstraps (~5 min) and trains 5 min; that test runs it on the tiny "
         "model with test-sized overrides; here: the arguments parse and configure",
         check_up_parses),

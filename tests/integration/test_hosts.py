@@ -1,15 +1,18 @@
 """A run across hosts, with the hosts made on this machine (tests/netns.py):
 the replay on host `replay`, the learner on hosts `learner-0` and `learner-1`
-(two torchrun nodes, one rank each, FSDP2 over gloo), actors on `actor-0` and
-`actor-1`, CURVE on for every service socket and the weight store. Each
+(two torchrun nodes, one rank each, FSDP2 over gloo), an actor on `actor-0`,
+CURVE on for every service socket and the weight store. (Several actors
+against one replay and learner are the fault run's, on loopback: a second
+actor host would prove nothing more here, at an engine start's cost on the
+one core this test has.) Each
 service binds its host's address; only each process's own metrics listen on
 its host's loopback (asserted from what listens on each host).
 
-It asserts what the loopback `up` test asserts (publications reach every
+It asserts what the loopback `up` runs assert (publications reach the
 actor, versions advance, rollouts with compactions are trained, no process is
-left), and that a sixth host without the run's keys, knowing every address,
+left), and that a fifth host without the run's keys, knowing every address,
 gets no reply from any socket, cannot read the weight store or join a weight
-group, while the publications to the real actors go on.
+group, while the publications to the real actor go on.
 
 Not covered by CURVE here, by design (docs/reliability.md, §7): the
 learner nodes' own rendezvous (torchrun's store at learner.rdzv_endpoint)
@@ -35,7 +38,7 @@ from tests.processes import Background, process_tree, run_command, running
 
 pytestmark = pytest.mark.slow
 
-HOSTS = ["replay", "learner-0", "learner-1", "actor-0", "actor-1", "intruder"]
+HOSTS = ["replay", "learner-0", "learner-1", "actor-0", "intruder"]
 #: Learner steps before the intruder tries, and after it (the run goes on).
 STEPS_BEFORE, STEPS_AFTER = 1, 1
 PORTS = {"actors": 5555, "learner": 5556, "control": 5557, "store": 5558, "rdzv": 29400}
@@ -103,7 +106,7 @@ def _listening(hosts: Hosts, host: str) -> set[str]:
 
 
 def _published(log: str) -> list[int]:
-    return [int(v) for v in re.findall(r"published version (\d+) to 2 actors", log)]
+    return [int(v) for v in re.findall(r"published version (\d+) to 1 actors", log)]
 
 
 def _steps(log: str) -> int:
@@ -147,11 +150,10 @@ def test_a_run_across_hosts_with_curve_trains_and_keeps_an_intruder_out(
         learners = [start(f"learner-{n}", f"learner-{n}", "learner",
                           "--learner.node_rank", str(n)) for n in (0, 1)]
         cores = sorted(os.sched_getaffinity(0))  # this test's cores (one xdist worker's)
-        for n in (0, 1):
-            start(f"actor-{n}", f"actor-{n}", "actor", "--actor-id", f"actor-{n}",
-                  "--actors.engine.cpu_threads_bind", str(cores[n % len(cores)]))
+        start("actor-0", "actor-0", "actor", "--actor-id", "actor-0",
+              "--actors.engine.cpu_threads_bind", str(cores[0]))
         learner = learners[0]
-        learner.wait_for("published version 1 to 2 actors", timeout=600)
+        learner.wait_for("published version 1 to 1 actors", timeout=600)
         end = time.monotonic() + 600
         while _steps(learner.log()) < STEPS_BEFORE:
             assert time.monotonic() < end, f"no {STEPS_BEFORE} steps:\n{learner.log()[-3000:]}"
@@ -198,7 +200,7 @@ def test_a_run_across_hosts_with_curve_trains_and_keeps_an_intruder_out(
         # a plain TCP client gets the ZeroMQ greeting at most, never data
         assert attempts["store / plain TCP"]["bytes"] <= 64
 
-        # the run goes on: later publications reach both actors
+        # the run goes on: later publications reach the actor
         target = _steps(learner.log()) + STEPS_AFTER
         end = time.monotonic() + 600
         while _steps(learner.log()) < target or _published(learner.log())[-1:] <= before[-1:]:
@@ -206,8 +208,7 @@ def test_a_run_across_hosts_with_curve_trains_and_keeps_an_intruder_out(
             time.sleep(1)
         versions = _published(learner.log())
         assert versions == sorted(versions) and versions[-1] > before[-1] >= 1
-        for n in (0, 1):
-            processes[f"actor-{n}"].wait_for(f"loaded version {versions[-1]}", 60)
+        processes["actor-0"].wait_for(f"loaded version {versions[-1]}", 60)
         assert _scrape(hosts, "learner-0", METRICS["learner"],
                        "crl_learner_rollout_compactions_sum") > 0  # trained on compactions
         assert _scrape(hosts, "replay", METRICS["replay"], "crl_replay_rejected_total") == 0
@@ -216,7 +217,7 @@ def test_a_run_across_hosts_with_curve_trains_and_keeps_an_intruder_out(
         for process in learners:
             process.send(signal.SIGTERM)
         learner.wait_for("stopped cleanly (signal)", timeout=300)
-        for name in ("actor-0", "actor-1", "replay"):
+        for name in ("actor-0", "replay"):
             processes[name].send(signal.SIGTERM)
         for process in processes.values():
             process.process.wait(timeout=120)
