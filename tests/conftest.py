@@ -35,7 +35,8 @@ def environment_of_the_session() -> None:
 
 #: Session fixtures that start a vLLM engine: every test that uses one runs on
 #: the same xdist worker, so that each engine starts once per suite.
-SESSION_ENGINES = frozenset({"tiny_llm_float32", "actor_engine", "engine_loop"})
+SESSION_ENGINES = frozenset({"tiny_llm_float32", "actor_engine", "live_engine",
+                             "engine_loop"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -198,6 +199,23 @@ def actor_engine(tiny_model_dir: Path, engine_loop: LoopThread):
 
     config = ActorConfig()
     engine = engine_loop.run(Engine.start(str(tiny_model_dir), config.engine, config.sampling))
+    yield engine
+    engine_loop.run(engine.shutdown())
+
+
+@pytest.fixture(scope="session")
+def live_engine(tiny_model_dir: Path, engine_loop: LoopThread):
+    """An async engine on the tiny model in float32 that receives weights
+    (``weight_transfer``), for the session: the tests of weight updates share
+    it. Each user pushes the weights it measures against first, in a group
+    of its own, and sets versions relative to ``live_engine.version`` or
+    after such a push: the engine holds whatever its last user left."""
+    from actors.config import ActorConfig, EngineConfig
+    from actors.engine import Engine, quiet_vllm_logging
+
+    quiet_vllm_logging()
+    engine = engine_loop.run(Engine.start(str(tiny_model_dir), EngineConfig(dtype="float32"),
+                                          ActorConfig().sampling, weight_transfer=True))
     yield engine
     engine_loop.run(engine.shutdown())
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.config import ActorConfig, EngineConfig
-from actors.engine import Engine, quiet_vllm_logging
+from actors.config import ActorConfig
+from actors.engine import Engine
 from deploy.model_check import reference_logprobs
 from deploy.sample import FLOAT32_LOGPROB_TOLERANCE
 from protocol.weights import manifest_of
@@ -46,18 +46,9 @@ def models(tiny_model_dir: Path) -> dict[str, torch.nn.Module]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, engine_loop):
-    quiet_vllm_logging()
-    engine = engine_loop.run(Engine.start(str(tiny_model_dir), EngineConfig(dtype="float32"),
-                                          ActorConfig().sampling, weight_transfer=True))
-    yield engine
-    engine_loop.run(engine.shutdown())
-
-
-@pytest.fixture(scope="module")
-def learner(engine: Engine, engine_loop) -> WeightSender:
+def learner(live_engine: Engine, engine_loop) -> WeightSender:
     learner = WeightSender()
-    learner.join(engine_loop, engine)
+    learner.join(engine_loop, live_engine)
     return learner
 
 
@@ -72,13 +63,16 @@ async def _push(learner: WeightSender, engine: Engine, model: torch.nn.Module, v
     sender.join(timeout=60)
 
 
-def _vllm_counter(name: str) -> float:
-    """A vLLM Prometheus counter, summed over its labels (the engine the
-    module started is the last one to have registered vLLM's metrics)."""
-    from prometheus_client import REGISTRY
+def _preemptions(engine: Engine) -> float:
+    """vLLM's ``vllm:num_preemptions`` counter of ``engine`` itself, read from
+    its own stat logger: the process's Prometheus registry holds only the
+    last engine started in it (vLLM unregisters its metrics at each start),
+    and the shared engine is not always that one."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    return sum(sample.value for metric in REGISTRY.collect() for sample in metric.samples
-               if sample.name == f"{name}_total")
+    [logger] = [logger for logger in engine.llm.logger_manager.stat_loggers
+                if isinstance(logger, PrometheusStatLogger)]
+    return sum(child._value.get() for child in logger.counter_num_preempted_reqs.values())
 
 
 def _in_flight_reference(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int],
@@ -104,8 +98,10 @@ def _in_flight_reference(old: torch.nn.Module, new: torch.nn.Module, prompt: lis
 
 @pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
 def test_an_update_leaves_in_flight_tokens_exact_and_new_requests_on_the_new_weights(
-        kv_on_update: str, engine: Engine, learner: WeightSender, models, engine_loop) -> None:
+        kv_on_update: str, live_engine: Engine, learner: WeightSender, models,
+        engine_loop) -> None:
     old, new = models["old"], models["new"]
+    engine = live_engine
 
     async def scenario():
         await _push(learner, engine, old, engine.version + 1, kv_on_update)
@@ -118,11 +114,11 @@ def test_an_update_leaves_in_flight_tokens_exact_and_new_requests_on_the_new_wei
         while engine.llm.output_processor.get_num_unfinished_requests() == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
-        preemptions = _vllm_counter("vllm:num_preemptions")
+        preemptions = _preemptions(engine)
         await _push(learner, engine, new, start + 1, kv_on_update)
         spanning = await in_flight
         await asyncio.sleep(0.1)  # the last outputs' stats reach the metrics
-        preempted = _vllm_counter("vllm:num_preemptions") - preemptions
+        preempted = _preemptions(engine) - preemptions
         # after the update, with the served request's prefix: 3 whole blocks
         prompt = PROMPT + served.token_ids
         after = await engine.generate(prompt, max_tokens=24, seed=5)
