@@ -32,10 +32,10 @@ larger model.
         [--receivers 1 2 4 8] [--node-size 4] [--fanout-only]
         [--stall-requests 16] [--stall-prompt-tokens 1024]
 
-``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters), one
-engine, one timed push, 1 and 2 receivers, 4 requests of 256 prompt tokens in
-flight: a smoke test of the same code, whose ``big_*`` and ``*_100m`` keys
-then describe that model.
+``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters) and
+not the tiny model (one engine start), one engine, one timed push, 1 and 2
+receivers, 4 requests of 256 prompt tokens in flight: a smoke test of the
+same code, whose ``big_*`` and ``*_100m`` keys then describe that model.
 """
 
 from __future__ import annotations
@@ -66,13 +66,15 @@ from recipes.tiny_model import TinyModelConfig, build_tiny_model
 BIG_HIDDEN, BIG_INTERMEDIATE, BIG_HEADS = 768, 3072, 12
 
 
-def build_models(folder: Path, big_params: float) -> dict[str, Path]:
+def build_models(folder: Path, big_params: float, tiny: bool = True) -> dict[str, Path]:
+    """The models pushed, by label: the tiny one (unless ``tiny`` is False)
+    and the larger one of about ``big_params`` parameters."""
     per_layer = 4 * BIG_HIDDEN ** 2 + 3 * BIG_HIDDEN * BIG_INTERMEDIATE
     layers = max(1, round(big_params / per_layer))
     big = build_tiny_model(folder / "big", TinyModelConfig(
         hidden_size=BIG_HIDDEN, intermediate_size=BIG_INTERMEDIATE, num_layers=layers,
         num_heads=BIG_HEADS, num_kv_heads=BIG_HEADS, init_std=0.02))
-    return {"tiny": build_tiny_model(folder / "tiny"), "big": big}
+    return {**({"tiny": build_tiny_model(folder / "tiny")} if tiny else {}), "big": big}
 
 
 def load_tensors(model: Path, dtype: str) -> list[tuple[str, torch.Tensor]]:
@@ -353,7 +355,7 @@ async def fanout_only(args: argparse.Namespace) -> dict:
     """The fan-out curves alone (no engines): the larger model's tensors."""
     store = host_store(0)
     with tempfile.TemporaryDirectory() as folder:
-        model = build_models(Path(folder), args.big_params)["big"]
+        model = build_models(Path(folder), args.big_params, tiny=False)["big"]
         tensors = load_tensors(model, "float32")
     report = {"big_params": sum(t.numel() for _, t in tensors), "pushes": args.pushes}
     report.update(fanout(tensors, torch.bfloat16, args, store, store.port, iter(range(1, 1000))))
@@ -366,7 +368,7 @@ async def main(args: argparse.Namespace) -> dict:
     generations = iter(range(1, 1000))
     report: dict = {"pushes": args.pushes, "engines": args.engines}
     with tempfile.TemporaryDirectory() as folder:
-        models = build_models(Path(folder), args.big_params)
+        models = build_models(Path(folder), args.big_params, tiny=not args.quick)
         for label, model in models.items():
             tensors = load_tensors(model, "float32")  # the learner's master weights
             wire = getattr(torch, ENGINE_DTYPES[label])
@@ -436,8 +438,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true",
-                        help="--big-params 2e6 --engines 1 --pushes 1 --receivers 1 2 "
-                        "--stall-requests 4 --stall-prompt-tokens 256 unless given (smoke test)")
+                        help="no tiny model; --big-params 2e6 --engines 1 --pushes 1 --receivers "
+                        "1 2 --stall-requests 4 --stall-prompt-tokens 256 unless given (smoke "
+                        "test)")
     parser.add_argument("--big-params", type=float, default=None,
                         help="parameters of the larger model (its JSON keys say big_*): "
                         "1e8 (--quick: 2e6)")
@@ -481,7 +484,7 @@ if __name__ == "__main__":
             print(json.dumps(result))
         raise SystemExit(0)
     result = asyncio.run(main(arguments))
-    for label in ("tiny", "big"):
+    for label in ("tiny", "big") if not arguments.quick else ("big",):
         for n in arguments.engines:
             key = f"{label}_{n}"
             print(f"{label} ({result[f'{label}_megabytes']} MB) into {n} engine(s): push "
