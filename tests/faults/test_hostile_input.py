@@ -288,6 +288,46 @@ def test_a_second_connection_cannot_speak_for_a_registered_actor(
     wait_until(lambda: replay.metric("crl_replay_actors_alive") == 1, 10, "one actor alive")
 
 
+#: The routing ids libzmq gives the first peers without one, in a process
+#: that never seeded ``rand()`` (glibc's first ``rand()`` is 0x6b8b4567).
+UNSEEDED_ANONYMOUS_IDS = [b"\x00" + n.to_bytes(4, "big")
+                          for n in range(0x6B8B4567, 0x6B8B4567 + 32)]
+
+
+def test_a_peer_claiming_the_next_anonymous_routing_id_does_not_kill_the_replay(
+        replay: ReplayProcess, context: zmq.Context) -> None:
+    """Peers that present the routing ids libzmq would give the next peers
+    without one, then such a peer: libzmq aborts a process whose numbering
+    they guessed (two connections killed the replay before it seeded it).
+    The replay answers the anonymous peer (its id speaks for no sender) and
+    goes on serving an actor."""
+    squatters = [connect_dealer(context, replay.actor_address, TransportConfig(), routing_id)
+                 for routing_id in UNSEEDED_ANONYMOUS_IDS]
+    stamp = Stamp("anonymous", 1)
+
+    def heartbeat() -> bytes:
+        return encode(Heartbeat(**stamp.next(), active_rollouts=0, stall_seconds={},
+                                credit_ledger=0, credits_seen=0))
+
+    for squatter in squatters:
+        squatter.send(heartbeat())
+    anonymous = context.socket(zmq.DEALER)
+    anonymous.connect(replay.actor_address)
+    try:
+        for squatter in squatters:  # each refused: its id speaks for no sender
+            assert _error(squatter).code == "identity"
+        anonymous.send(heartbeat())
+        assert _error(anonymous).code == "identity"
+        assert replay.background.process.poll() is None, replay.background.log()[-3000:]
+        actor = ActorClient(context, replay.actor_address, actor_id="actor-1")
+        actor.hello()
+        assert actor.pump_until(lambda: actor.credits > 0)
+    finally:
+        anonymous.close(linger=0)
+        for squatter in squatters:
+            squatter.close(linger=0)
+
+
 class _RawZmtp:
     """A DEALER spoken by hand (ZMTP 3.0, NULL mechanism), to send what no
     ZeroMQ library would: a frame header claiming any length."""
