@@ -71,7 +71,8 @@ def _engine_class() -> type:
 
     from protocol.messages import TensorSpec, WeightManifest
     from protocol.transport import CurveConfig, TransportConfig
-    from protocol.weights import connect_store, join_channel, worker_rank
+    from protocol.weights import connect_store, worker_rank
+    from protocol.weights_backends import join_channel
 
     class BroadcastWeightTransferEngine(WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
         init_info_cls = GroupInitInfo

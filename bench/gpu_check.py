@@ -672,7 +672,8 @@ def ipc_member(conn: Connection, port: int, device: str, timeout_s: float) -> No
     publication and report its checksums; None ends it."""
     if device == "cuda":
         torch.cuda.set_device(0)
-    from protocol.weights import connect_store, join_channel
+    from protocol.weights import connect_store
+    from protocol.weights_backends import join_channel
 
     conn.send({"error": None})  # started: from here on the channel's deadline holds
     channel = join_channel(connect_store("127.0.0.1", port, timeout_s), 1, 2, 1, "ipc",
@@ -724,7 +725,8 @@ def project_ipc_parts(context: Any, device: str, plans: dict[str, TransferPlan],
     ``receive_ahead_streams`` draws ``RECEIVE_AHEAD`` tensors ahead in a
     thread and loads on a stream of its own, as actors/weight_transfer.py
     does under vLLM. A part that fails says why, with the member's stderr."""
-    from protocol.weights import host_store, join_channel
+    from protocol.weights import host_store
+    from protocol.weights_backends import join_channel
 
     timeout_s = plans["project_ipc"].deadline_s
     loaders = {"project_ipc": {"ahead": 0, "side_stream": False},
@@ -814,7 +816,8 @@ def group_member(conn: Connection, role: str, port: int, backend: str, device: s
         torch.cuda.set_device(0)
     if before_fix:
         build_groups_as_before_the_fix()
-    from protocol.weights import abandon_generation, connect_store, join_channel
+    from protocol.weights import abandon_generation, connect_store
+    from protocol.weights_backends import join_channel
 
     store = connect_store("127.0.0.1", port, deadline_s)
     conn.send({"error": None})

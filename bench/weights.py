@@ -57,7 +57,8 @@ import torch
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine import Engine, LoadTimes, quiet_vllm_logging
 from protocol import GroupInfo, WeightManifest
-from protocol.weights import WeightChannel, connect_store, host_store, join_channel, manifest_of
+from protocol.weights import WeightChannel, connect_store, host_store, manifest_of
+from protocol.weights_backends import join_channel
 from protocol.weights_collective import WeightGroup
 from recipes.tiny_model import TinyModelConfig, build_tiny_model
 

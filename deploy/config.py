@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from actors.config import ActorConfig, read_model_config
-from deploy.device_plan import static_device_problems
+from deploy.device_rules import static_device_problems
 from learner.config import LearnerConfig, TrackingConfig
 from protocol.schema import attribute_docs
 from protocol.transport import TransportConfig, bound_endpoint, is_loopback, listen_address

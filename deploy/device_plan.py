@@ -17,8 +17,9 @@ free memory while it starts and fails if another process allocates or frees
 meanwhile.
 
 A plan that cannot work is refused with every reason, each naming the fix
-(``DevicePlan.problems``); :func:`static_device_problems` are those that need
-no count of GPUs, checked when the configuration loads.
+(``DevicePlan.problems``); those that need no count of GPUs are
+:func:`deploy.device_rules.static_device_problems`, checked when the
+configuration loads.
 
 Usage::
 
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from deploy.device_rules import join_ids, static_device_problems, two_nccl_ranks
 from deploy.memory_plan import (
     GIB,
     ModelShape,
@@ -150,46 +152,6 @@ def cuda_visible_devices(devices: Sequence[int], inherited: str | None = None) -
     return ",".join(visible[d] if visible else str(d) for d in devices)
 
 
-def static_device_problems(learner: LearnerConfig, actors: ActorConfig) -> list[str]:
-    """What is wrong whatever the machine: the GPU lists against the ranks,
-    the engines and the transport. Checked when the configuration loads."""
-    problems = []
-    tp = actors.engine.tensor_parallel
-    for name, ids in (("learner.gpus", learner.gpus), ("actors.gpus", actors.gpus)):
-        if any(g < 0 for g in ids):
-            problems.append(f"{name} = {ids}: GPU indices are >= 0")
-        twice = sorted({g for g in ids if ids.count(g) > 1})
-        if twice:
-            problems.append(
-                f"{name} = {ids} lists GPU {_join(twice)} twice: "
-                + ("each learner rank needs a GPU of its own (NCCL refuses two ranks of one "
-                   "group on one device)" if name == "learner.gpus" else
-                   "each GPU serves one engine (a second engine fails vLLM's free-memory "
-                   "check at start)") + ": list distinct GPUs")
-    if learner.gpus and len(learner.gpus) != learner.nproc:
-        problems.append(f"learner.gpus = {learner.gpus} lists {len(learner.gpus)} GPUs for "
-                        f"learner.nproc = {learner.nproc} ranks: list one GPU per rank, or "
-                        "leave it empty (the first learner.nproc GPUs)")
-    if learner.gpus and learner.device == "cpu":
-        problems.append(f"learner.gpus = {learner.gpus} with learner.device = \"cpu\": empty "
-                        "learner.gpus, or set learner.device = \"auto\"")
-    if actors.gpus and tp >= 1:
-        if len(actors.gpus) % tp:
-            problems.append(f"actors.gpus = {actors.gpus} ({len(actors.gpus)} GPUs) is not a "
-                            f"whole number of engines of actors.engine.tensor_parallel = {tp}: "
-                            f"list a multiple of {tp} GPUs, or change tensor_parallel to divide "
-                            "them")
-        elif len(actors.gpus) // tp != actors.count:
-            problems.append(f"actors.gpus = {actors.gpus} makes {len(actors.gpus) // tp} engines "
-                            f"of tensor_parallel {tp} for actors.count = {actors.count}: list "
-                            f"count x tensor_parallel = {actors.count * tp} GPUs, or leave it "
-                            "empty (the GPUs after the learner's)")
-    shared = sorted(set(learner.gpus) & set(actors.gpus))
-    if shared and learner.weight_transport == "nccl":
-        problems.append(_two_nccl_ranks(shared))
-    return problems
-
-
 def plan_devices(config: JobConfig, gpus_present: int, gpu_bytes: int | None = None
                  ) -> DevicePlan:
     """The plan of ``compactionrl up`` for ``config`` on a machine with
@@ -213,7 +175,7 @@ def plan_devices(config: JobConfig, gpus_present: int, gpu_bytes: int | None = N
             have = f"GPUs 0-{gpus_present - 1}" if gpus_present else "no GPU"
             fix = (f"list GPUs below {gpus_present}" if gpus_present
                    else f"empty {name} to run on the CPU")
-            problems.append(f"{name} = {ids} names GPU {_join(beyond)}, but this machine has "
+            problems.append(f"{name} = {ids} names GPU {join_ids(beyond)}, but this machine has "
                             f"{have}: {fix}")
 
     # the learner's GPUs: listed, or the first nproc
@@ -339,7 +301,7 @@ def _transport(learner: LearnerConfig, actors: ActorConfig, learner_on_gpu: bool
         shared = sorted(set(learner_gpus) & {g for i in colocated for g in actor_gpus[i]})
         if requested == "nccl":
             if not (learner.gpus and actors.gpus):  # explicit lists: refused at load already
-                problems.append(_two_nccl_ranks(shared))
+                problems.append(two_nccl_ranks(shared))
             return "nccl"
         if requested == "gloo":  # through the CPU: any sharing works, slowly
             return "gloo"
@@ -347,15 +309,15 @@ def _transport(learner: LearnerConfig, actors: ActorConfig, learner_on_gpu: bool
         for i in colocated:
             if actor_gpus[i] != (rank0,):
                 problems.append(
-                    f"actor {i} on GPU {_join(actor_gpus[i])} shares the learner's GPUs, but "
+                    f"actor {i} on GPU {join_ids(actor_gpus[i])} shares the learner's GPUs, but "
                     f"ipc hands the weights from learner rank 0 (GPU {rank0}) to an engine on "
                     f"that one GPU: put actor {i} on GPU {rank0} alone (tensor_parallel 1), or "
                     "give it GPUs of its own")
         apart = [i for i in range(len(actor_gpus)) if i not in colocated]
         if apart:
             problems.append(
-                f"actor {_join(apart)} on GPUs of their own beside co-located actor "
-                f"{_join(colocated)}: one run has one weight transport (ipc to the co-located "
+                f"actor {join_ids(apart)} on GPUs of their own beside co-located actor "
+                f"{join_ids(colocated)}: one run has one weight transport (ipc to the co-located "
                 "engine, nccl to the others): co-locate one actor alone, or give every actor "
                 "GPUs of its own")
         return "ipc"
@@ -365,12 +327,6 @@ def _transport(learner: LearnerConfig, actors: ActorConfig, learner_on_gpu: bool
                         f"actors.gpus = [{learner_gpus[0]}] with actors.count = 1")
         return "nccl"
     return "nccl" if requested == "auto" else requested
-
-
-def _two_nccl_ranks(shared: list[int]) -> str:
-    return (f"GPU {_join(shared)} would hold a learner rank and an engine, two NCCL ranks on "
-            "one device, which NCCL refuses: set learner.weight_transport = \"auto\" (ipc for "
-            "co-location), or give the actors GPUs of their own (actors.gpus)")
 
 
 def _ports(*endpoints: str | int) -> tuple[int, ...]:
@@ -386,7 +342,3 @@ def _ports(*endpoints: str | int) -> tuple[int, ...]:
         if bound.startswith("port ") and bound[5:].isdigit():
             ports.append(int(bound[5:]))
     return tuple(ports)
-
-
-def _join(values: Sequence[int]) -> str:
-    return ", ".join(map(str, values))

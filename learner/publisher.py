@@ -51,10 +51,10 @@ from protocol.weights import (
     WeightChannel,
     abandon_generation,
     host_store,
-    join_channel,
     manifest_of,
     member_ranks,
 )
+from protocol.weights_backends import join_channel
 
 log = logging.getLogger("compactionrl.learner.publisher")
 

@@ -9,7 +9,9 @@ generation* made of rank 0 (the sender) and the current actors' engine
 workers, formed under the store prefix ``weights/<generation>``; a new
 generation is formed whenever the member set changes or a publication failed.
 A :class:`WeightChannel` is one member's end of one generation; the transport
-(``GroupInfo.backend``) says how the bytes move, one file per backend:
+(``GroupInfo.backend``) says how the bytes move, one file per backend,
+each importing this interface (``join_channel`` in
+:mod:`protocol.weights_backends` chooses among them, so nothing imports back):
 
 - ``gloo`` / ``nccl``: a process-group broadcast
   (:mod:`protocol.weights_collective`): any hosts, any devices;
@@ -38,7 +40,8 @@ member fails that publication, never the sender's process. Rank 0 then
 abandons the generation in the store (:func:`abandon_generation`), and the
 members still joining or receiving it fail at once, not at their deadline.
 
-Usage (rank 0, then every actor with its rank)::
+Usage (rank 0, then every actor with its rank; ``join_channel`` is
+:func:`protocol.weights_backends.join_channel`)::
 
     store = host_store(port)
     channel = join_channel(store, generation=3, world_size=3, rank=0, backend="gloo")
@@ -182,22 +185,6 @@ def abandon_generation(store: StoreClient, generation: int) -> None:
         generation_store(store, generation).abandon()
     except RuntimeError as exc:  # DistStoreError
         log.warning("could not mark generation %d abandoned: %s", generation, exc)
-
-
-def join_channel(store: StoreClient, generation: int, world_size: int, rank: int,
-                 backend: str, timeout_s: float = GROUP_TIMEOUT_S) -> WeightChannel:
-    """This member's end of ``generation`` on ``backend`` (``gloo``, ``nccl``
-    or ``ipc``); returns once every member has joined, or raises after
-    ``timeout_s``."""
-    if backend == "ipc":
-        from protocol.weights_ipc import IpcChannel
-
-        return IpcChannel(store, generation, world_size, rank, timeout_s)
-    if backend in ("gloo", "nccl"):
-        from protocol.weights_collective import WeightGroup
-
-        return WeightGroup(store, generation, world_size, rank, backend, timeout_s)
-    raise ValueError(f"unknown weight transport {backend!r} (gloo, nccl or ipc)")
 
 
 class WeightChannel(ABC):

@@ -17,7 +17,8 @@ import torch
 
 from actors.engine import Engine
 from protocol import GroupInfo
-from protocol.weights import WeightChannel, host_store, join_channel, manifest_of, member_ranks
+from protocol.weights import WeightChannel, host_store, manifest_of, member_ranks
+from protocol.weights_backends import join_channel
 from tests.ports import free_ports
 
 #: Longer than one KV block (128 tokens on CPU): the prefix cache must be cleared.

@@ -23,7 +23,8 @@ import zmq
 
 from protocol import EngineInfo, Hello, LearnerHello, Stamp, encode
 from protocol.transport import CurveConfig, TransportConfig, connect_dealer
-from protocol.weights import connect_store, join_channel
+from protocol.weights import connect_store
+from protocol.weights_backends import join_channel
 
 #: How long each attempt waits for a reply that must not come.
 SILENCE_S = 3.0

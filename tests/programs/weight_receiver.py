@@ -29,7 +29,8 @@ from protocol import (
     WeightsAnnounce,
     WeightsLoaded,
 )
-from protocol.weights import WeightChannel, connect_store, dtype_name, join_channel
+from protocol.weights import WeightChannel, connect_store, dtype_name
+from protocol.weights_backends import join_channel
 from tests.protocol_clients import ControlClient
 
 HEARTBEAT_S = 0.5

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from protocol.transport import TransportConfig
-from protocol.weights import host_store, join_channel
+from protocol.weights import host_store
+from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
     NCCL_CLEAN_UP_ONLY,
     NCCL_ERROR_HANDLING_VARIABLES,

@@ -21,13 +21,13 @@ from protocol.weights import (
     abandon_generation,
     connect_store,
     host_store,
-    join_channel,
     manifest_of,
     member_ranks,
     nbytes_of,
     received_ahead,
     worker_rank,
 )
+from protocol.weights_backends import join_channel
 from tests.ports import free_ports
 
 TENSORS = [("embed.weight", torch.randn(64, 8)), ("layer.weight", torch.randn(8, 8)),
