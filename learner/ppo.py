@@ -96,6 +96,31 @@ class _Prepared:
 
 
 @dataclass
+class _Pass:
+    """One micro-batch of an update: its sequences (indices into
+    ``part.sequences``), their padded token ids, and the minibatch's
+    per-token loss weights and global trainable-token count."""
+
+    part: _Prepared
+    group: list[int]
+    ids: torch.Tensor
+    policy_weights: list[torch.Tensor]
+    global_tokens: float
+
+
+@dataclass
+class _Rows:
+    """A micro-batch's per-token [B, L] rows, on the models' device."""
+
+    trainable: torch.Tensor
+    behaviour: torch.Tensor
+    advantages: torch.Tensor
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass
 class StepStatistics:
     """Sums over a step's forward passes and updates. The first group is
     summed over ranks too (each rank's losses are already divided by global
@@ -204,6 +229,83 @@ def _all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> l
     return tensor.tolist()
 
 
+# -------------------------------------------------------------------- advantages
+
+
+def sequence_advantages(config: LearnerConfig, batch: TrainBatch, sequences: list[Sequence],
+                        values: list[torch.Tensor]
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence, [L] advantages and returns (zero off the trainable
+    tokens). Whitening is collective: every rank calls this, an empty share too."""
+    advantages, returns = _gae(config, batch, sequences, values) if sequences else ([], [])
+    if config.whiten_advantages:
+        advantages = _whiten(sequences, advantages)
+    return advantages, returns
+
+
+def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[Sequence],
+         values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The advantage mode's advantages and returns over the sequences'
+    trainable tokens (learner.advantages), laid back into each sequence."""
+    flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
+    lengths, rollout_of = _segments(sequences)
+    step_rewards = (torch.cat([s.token_rewards[s.trainable] if s.token_rewards is not None
+                               else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
+                               for s in sequences])
+                    if any(s.token_rewards is not None for s in sequences) else None)
+    flat_adv, flat_ret = advantages_and_returns(
+        config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
+        batch.task_ids, config.gamma, segment_lambda(config, lengths), step_rewards)
+    advantages, returns, offset = [], [], 0
+    for sequence in sequences:
+        n = sum(sequence.segment_lengths)
+        adv = torch.zeros(len(sequence.tokens), dtype=torch.float64)
+        ret = torch.zeros(len(sequence.tokens), dtype=torch.float64)
+        adv[sequence.trainable] = flat_adv[offset: offset + n]
+        ret[sequence.trainable] = flat_ret[offset: offset + n]
+        advantages.append(adv.float())
+        returns.append(ret.float())
+        offset += n
+    return advantages, returns
+
+
+def segment_lambda(config: LearnerConfig, lengths: torch.Tensor) -> float | torch.Tensor:
+    """GAE's lambda: the configured one, or [S] one per segment of these lengths."""
+    return (adaptive_lambdas(lengths, config.lam_alpha)
+            if config.lam_mode == "adaptive" else config.lam)
+
+
+def cross_factors(config: LearnerConfig, sequences: list[Sequence]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factor (gamma*lambda)^{N_>s} (per-segment lambdas: their
+    product) of each segment with trainable tokens, under this run's gamma
+    and lambda, whatever the advantage mode applies, and whether it is a summary."""
+    lengths, rollout_of = _segments(sequences)
+    # a sequence of two segments holds an execution segment, then its summary
+    is_summary = torch.tensor([i == len(s.segment_lengths) - 1 and s.segment_type == "summary"
+                               for s in sequences for i in range(len(s.segment_lengths))],
+                              dtype=torch.bool)
+    factors = cross_trajectory_factors(lengths, rollout_of,
+                                       config.gamma * segment_lambda(config, lengths))
+    kept = lengths > 0
+    return factors[kept], is_summary[kept]
+
+
+def _whiten(sequences: list[Sequence], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The trainable tokens' advantages less their mean over every rank,
+    over their standard deviation."""
+    picked = [a[s.trainable].double() for s, a in zip(sequences, advantages, strict=True)]
+    flat = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
+    count, total, squares = _all_reduce([len(flat), flat.sum().item(),
+                                         (flat ** 2).sum().item()])
+    mean = total / max(count, 1)
+    std = max((squares / max(count, 1) - mean ** 2), 0.0) ** 0.5 + 1e-8
+    return [torch.where(s.trainable, (a - mean) / std, a)
+            for s, a in zip(sequences, advantages, strict=True)]
+
+
+# -------------------------------------------------------------------- the trainer
+
 class PPOTrainer:
     def __init__(self, policy: nn.Module, critic: Critic | None, config: LearnerConfig) -> None:
         """``critic`` None: ``policy`` carries a value head (``critic = "value_head"``)."""
@@ -264,7 +366,8 @@ class PPOTrainer:
         """The share's old values, and its advantages and returns from them
         (computed on the CPU: small, sequential per rollout)."""
         part.old_values = values
-        part.advantages, part.returns = self._advantages(batch, part.sequences, values)
+        part.advantages, part.returns = sequence_advantages(self.config, batch,
+                                                            part.sequences, values)
 
     def _evaluate(self, ids: torch.Tensor, logp: bool, values: bool
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -289,68 +392,6 @@ class PPOTrainer:
     def _ids(self, sequences: list[Sequence], group: list[int]) -> torch.Tensor:
         return pad([sequences[i].tokens for i in group]).to(self.device)
 
-    def _advantages(self, batch: TrainBatch, sequences: list[Sequence],
-                    values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence, [L] advantages and returns (zero off the trainable
-        tokens). Whitening is collective: every rank calls this, an empty share too."""
-        advantages, returns = self._gae(batch, sequences, values) if sequences else ([], [])
-        if self.config.whiten_advantages:
-            advantages = self._whiten(sequences, advantages)
-        return advantages, returns
-
-    def _gae(self, batch: TrainBatch, sequences: list[Sequence], values: list[torch.Tensor]
-             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
-        lengths, rollout_of = _segments(sequences)
-        step_rewards = (torch.cat([s.token_rewards[s.trainable] if s.token_rewards is not None
-                                   else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
-                                   for s in sequences])
-                        if any(s.token_rewards is not None for s in sequences) else None)
-        flat_adv, flat_ret = advantages_and_returns(
-            self.config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
-            batch.task_ids, self.config.gamma, self._lambda(lengths), step_rewards)
-        advantages, returns, offset = [], [], 0
-        for sequence in sequences:
-            n = sum(sequence.segment_lengths)
-            adv = torch.zeros(len(sequence.tokens), dtype=torch.float64)
-            ret = torch.zeros(len(sequence.tokens), dtype=torch.float64)
-            adv[sequence.trainable] = flat_adv[offset: offset + n]
-            ret[sequence.trainable] = flat_ret[offset: offset + n]
-            advantages.append(adv.float())
-            returns.append(ret.float())
-            offset += n
-        return advantages, returns
-
-    def _lambda(self, lengths: torch.Tensor) -> float | torch.Tensor:
-        """GAE's lambda: the configured one, or [S] one per segment of these lengths."""
-        return (adaptive_lambdas(lengths, self.config.lam_alpha)
-                if self.config.lam_mode == "adaptive" else self.config.lam)
-
-    def _cross_factors(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The factor (gamma*lambda)^{N_>s} (per-segment lambdas: their
-        product) of each segment with trainable tokens, under this run's gamma
-        and lambda, whatever the advantage mode applies, and whether it is a summary."""
-        lengths, rollout_of = _segments(sequences)
-        # a sequence of two segments holds an execution segment, then its summary
-        is_summary = torch.tensor([i == len(s.segment_lengths) - 1 and s.segment_type == "summary"
-                                   for s in sequences for i in range(len(s.segment_lengths))],
-                                  dtype=torch.bool)
-        factors = cross_trajectory_factors(lengths, rollout_of,
-                                           self.config.gamma * self._lambda(lengths))
-        kept = lengths > 0
-        return factors[kept], is_summary[kept]
-
-    def _whiten(self, sequences: list[Sequence], advantages: list[torch.Tensor]
-                ) -> list[torch.Tensor]:
-        picked = [a[s.trainable].double() for s, a in zip(sequences, advantages, strict=True)]
-        flat = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
-        count, total, squares = _all_reduce([len(flat), flat.sum().item(),
-                                             (flat ** 2).sum().item()])
-        mean = total / max(count, 1)
-        std = max((squares / max(count, 1) - mean ** 2), 0.0) ** 0.5 + 1e-8
-        return [torch.where(s.trainable, (a - mean) / std, a)
-                for s, a in zip(sequences, advantages, strict=True)]
-
     # ------------------------------------------------------------------ the step
 
     def step(self, batch: TrainBatch, value_only: bool = False) -> dict[str, float]:
@@ -363,7 +404,7 @@ class PPOTrainer:
         prepared = [self._prepare(batch, share, fused) for share in shares]
         statistics = StepStatistics()
         for part in prepared:
-            statistics.add_factors(*self._cross_factors(part.sequences))
+            statistics.add_factors(*cross_factors(self.config, part.sequences))
         for _ in range(self.config.ppo_epochs):
             for part in prepared:
                 self._update(part, statistics, batch, value_only)
@@ -385,9 +426,8 @@ class PPOTrainer:
                 value_only: bool = False) -> None:
         """One optimizer step on ``part``: per micro-batch, the value loss
         and the policy loss with the minibatch's global counts in their
-        weights (a critic model's backward before the policy's forward; a
-        value head's one backward for both)."""
-        config = self.config
+        weights (:meth:`_value_head_pass` or :meth:`_critic_model_pass`),
+        then one step of every optimizer."""
         local_tokens = sum(int(s.trainable.sum()) for s in part.sequences)
         local_segments = sum(n > 0 for s in part.sequences for n in s.segment_lengths)
         global_tokens, global_segments = _all_reduce([local_tokens, local_segments])
@@ -396,55 +436,96 @@ class PPOTrainer:
         policy_weights = self._policy_weights(part, global_tokens, global_segments)
         taking_prox = part.logp_prox is None
         logp_prox: list[torch.Tensor] = []
+        one_pass = self._value_head_pass if self.critic is None else self._critic_model_pass
         for group in part.groups:
-            ids = self._ids(part.sequences, group)
-            # The critic first: a fused first update with one micro-batch
-            # takes the old values (and so the advantages) from this pass.
-            logp, values = self._evaluate(ids, self.critic is None, True)
-            if part.old_values is None:
-                self._fix_values(part, batch, _unpad(part.sequences, part.groups,
-                                                     [values.detach()]))
-            trainable, behaviour, advantages, old_values, returns, weights = (
-                _stack([rows[i] for i in group], ids.shape).to(self.device) for rows in (
-                    [s.trainable for s in part.sequences],
-                    [s.behaviour_logprobs for s in part.sequences],
-                    part.advantages, part.old_values, part.returns, policy_weights))
-            v_loss, v_stats = value_loss(values, old_values, returns,
-                                         trainable / global_tokens, config.value_clip)
-            if logp is None:  # a critic model: its backward before the policy's forward
-                # FSDP averages gradients over ranks: times the world size, a sum
-                (v_loss * self.world_size).backward()
-                with torch.no_grad() if value_only else contextlib.nullcontext():
-                    logp, _ = self._evaluate(ids, True, False)
-            if taking_prox:  # the policy is at the step's start weights until this step
+            logp = one_pass(_Pass(part, group, self._ids(part.sequences, group), policy_weights,
+                                  global_tokens), statistics, batch, value_only)
+            if taking_prox:
                 logp_prox.append(logp.detach())
-                prox = logp.detach()
-            else:
-                prox = _stack([part.logp_prox[i] for i in group], ids.shape).to(self.device)
-            p_loss, p_stats = policy_loss(logp, prox, behaviour, advantages, weights,
-                                          config.clip_low, config.clip_high, config.is_cap,
-                                          config.is_mode)
-            loss = p_loss if self.critic is not None else p_loss + config.value_loss_coef * v_loss
-            if value_only:  # the critic's backward only (a critic model's is done)
-                loss = None if self.critic is not None else config.value_loss_coef * v_loss
-            if loss is not None:
-                (loss * self.world_size).backward()
-            statistics.add_pass(float(trainable.sum()), p_loss, v_loss, p_stats, v_stats,
-                                residual_moments(returns, old_values, trainable))
         if taking_prox:
             part.logp_prox = _unpad(part.sequences, part.groups, logp_prox)
+        self._step_optimizers(statistics, value_only)
+
+    def _value_head_pass(self, one: _Pass, statistics: StepStatistics, batch: TrainBatch,
+                         value_only: bool) -> torch.Tensor:
+        """A value head: one forward gives the log-probabilities and the
+        values, one backward takes both losses (the value loss scaled by
+        ``value_loss_coef``; in the warm-up only it). Returns the log-probabilities."""
+        logp, values = self._evaluate(one.ids, True, True)
+        rows = self._rows(one, batch, values)
+        v_loss, v_stats = value_loss(values, rows.old_values, rows.returns,
+                                     rows.trainable / one.global_tokens, self.config.value_clip)
+        p_loss, p_stats = self._policy_loss(one, rows, logp)
+        coef = self.config.value_loss_coef
+        loss = coef * v_loss if value_only else p_loss + coef * v_loss
+        # FSDP averages gradients over ranks: times the world size, a sum
+        (loss * self.world_size).backward()
+        statistics.add_pass(float(rows.trainable.sum()), p_loss, v_loss, p_stats, v_stats,
+                            residual_moments(rows.returns, rows.old_values, rows.trainable))
+        return logp
+
+    def _critic_model_pass(self, one: _Pass, statistics: StepStatistics, batch: TrainBatch,
+                           value_only: bool) -> torch.Tensor:
+        """A critic model: its forward and backward first (its activations
+        are freed before the policy's forward), then the policy's (only
+        measured in the warm-up). Returns the log-probabilities."""
+        _, values = self._evaluate(one.ids, False, True)
+        rows = self._rows(one, batch, values)
+        v_loss, v_stats = value_loss(values, rows.old_values, rows.returns,
+                                     rows.trainable / one.global_tokens, self.config.value_clip)
+        (v_loss * self.world_size).backward()
+        with torch.no_grad() if value_only else contextlib.nullcontext():
+            logp, _ = self._evaluate(one.ids, True, False)
+        p_loss, p_stats = self._policy_loss(one, rows, logp)
+        if not value_only:
+            (p_loss * self.world_size).backward()
+        statistics.add_pass(float(rows.trainable.sum()), p_loss, v_loss, p_stats, v_stats,
+                            residual_moments(rows.returns, rows.old_values, rows.trainable))
+        return logp
+
+    def _rows(self, one: _Pass, batch: TrainBatch, values: torch.Tensor) -> _Rows:
+        """The micro-batch's per-token rows, padded to its ids. A fused first
+        update with one micro-batch takes the old values (and so the
+        advantages) from this pass's ``values``."""
+        part = one.part
+        if part.old_values is None:
+            self._fix_values(part, batch, _unpad(part.sequences, part.groups, [values.detach()]))
+        return _Rows(*(_stack([rows[i] for i in one.group], one.ids.shape).to(self.device)
+                       for rows in ([s.trainable for s in part.sequences],
+                                    [s.behaviour_logprobs for s in part.sequences],
+                                    part.advantages, part.old_values, part.returns,
+                                    one.policy_weights)))
+
+    def _policy_loss(self, one: _Pass, rows: _Rows, logp: torch.Tensor
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped policy loss of the pass. Until the first update of the
+        step fixed log pi_prox, the policy is at the step's start weights:
+        its own log-probabilities are pi_prox."""
+        if one.part.logp_prox is None:
+            prox = logp.detach()
+        else:
+            prox = _stack([one.part.logp_prox[i] for i in one.group],
+                          one.ids.shape).to(self.device)
+        config = self.config
+        return policy_loss(logp, prox, rows.behaviour, rows.advantages, rows.weights,
+                           config.clip_low, config.clip_high, config.is_cap, config.is_mode)
+
+    def _step_optimizers(self, statistics: StepStatistics, value_only: bool) -> None:
+        """Clip the gradients and step every optimizer. In a value head's
+        warm-up the value loss reached the shared body too: only the head moves."""
         if value_only and self.critic is None:
-            # the value loss reaches the shared body too: only the head moves
             for name, parameter in self.policy.named_parameters():
                 if not is_value_head(name):
                     parameter.grad = None
-        if config.max_grad_norm > 0:
+        if self.config.max_grad_norm > 0:
             # with a value head, one norm over the body and both heads
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
+                                                  self.config.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             statistics.policy_grad_norm += float(norm)
             if self.critic is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), config.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
+                                               self.config.max_grad_norm)
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
