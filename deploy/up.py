@@ -393,7 +393,7 @@ class Up:
                             f"{service.crashes} times in a row; see {service.log}")
                 self._start_waiting(now)
                 for child in (self.replay, self.learner, *self.actors):
-                    self._tend(child, now)
+                    self._restart_if_exited(child, now)
                 if now - last_scrape >= SCRAPE_INTERVAL_S:
                     last_scrape = now
                     self._snapshot()
@@ -431,7 +431,7 @@ class Up:
         """An actor serves metrics once its engine has started (actors/process.py)."""
         return scrape(self._urls()[actor]) is not None
 
-    def _tend(self, child: Child, now: float) -> None:
+    def _restart_if_exited(self, child: Child, now: float) -> None:
         """Schedule the restart of a child that exited, or restart it when due."""
         code = child.exit_code()
         if code is not None and child.restart_at is None:

@@ -237,14 +237,14 @@ class Learner:
         checkpoint_every steps."""
         while self.step < self.config.max_steps:
             self.health.beat()
-            stopping, publish_now = self._agree(self.stopping,
+            stopping, publish_now = self._true_on_any_rank(self.stopping,
                                                 peers.weights_wanted(self.version))
             if stopping:
                 break
             if publish_now:
                 publisher.publish(self.version)
             frame = self._broadcast_bytes(peers.next_batch(
-                batch_size, self.version, self._waiting))
+                batch_size, self.version, self._should_stop_waiting))
             if not frame:
                 continue  # stopping, or weights are wanted first
             if not self._train(frame):
@@ -264,7 +264,7 @@ class Learner:
                     and self.step > self.config.critic_warmup_steps):  # a version to publish
                 publisher.publish(self.version)
 
-    def _waiting(self) -> bool:
+    def _should_stop_waiting(self) -> bool:
         """Asked over and over while a batch is awaited: the loop is alive;
         True once it should stop waiting."""
         self.health.beat()
@@ -327,7 +327,7 @@ class Learner:
 
     # ------------------------------------------------------------------ collectives
 
-    def _agree(self, *flags: bool) -> list[bool]:
+    def _true_on_any_rank(self, *flags: bool) -> list[bool]:
         """Each flag, true if it is true on any rank."""
         tensor = torch.tensor([int(f) for f in flags], device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)

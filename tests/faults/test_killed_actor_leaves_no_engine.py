@@ -9,7 +9,7 @@ actor's socket folder, go when the next engine on the machine starts.
 An actor whose engine core dies (vLLM's process goes on without it) gives
 its rollouts in flight up and exits with ``ENGINE_DIED_EXIT``, leaving no
 process: before, it heartbeat on with no episodes. ``up`` restarts a child
-that exited whatever its exit code (``Up._tend``): the fault run's phase 2
+that exited whatever its exit code (``Up._restart_if_exited``): the fault run's phase 2
 (tests/faults/test_up_faults.py) has it restart an actor SIGKILLed with
 episodes in flight, which rejoins with the current weights."""
 
