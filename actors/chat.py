@@ -10,8 +10,8 @@ marks the last one) still yields the pieces it puts between contents. The
 context then only appends ids: the policy's own tokens are never
 re-tokenised.
 
-Derived, then verified: an episode with two steps and a compaction is
-played through :class:`~actors.context.CompactionContext` with these pieces,
+Derived, then verified (:func:`verify_framing`): an episode with two steps
+and a compaction is played through :class:`~actors.context.CompactionContext` with these pieces,
 and the token ids of every prompt it builds must equal the template's own
 rendering of the same conversation, tokenised whole. A template the method
 cannot frame raises :class:`TemplateError` naming the template feature; it is
@@ -84,14 +84,14 @@ class ChatFormat:
         self.compaction = compaction
         self.environment = environment
         self.tools = tools or None
-        self.assistant_header = self._ids(self._generation_prompt())
+        self.assistant_header = self.text_ids(self._generation_prompt())
         step = self._step_pieces()
         self.assistant_end, self.assistant_footer = step["end"], step["footer"]
         self._assistant_end_text = self.decode(self.assistant_end, keep_special=True)
         self.observation_open, self.observation_close = step["open"], step["close"]
-        self.truncation_marker = self._ids(environment.truncation_marker)
-        self.summary_request = self._ids(self._summary_request_text(step["close_text"]))
-        self.verify()
+        self.truncation_marker = self.text_ids(environment.truncation_marker)
+        self.summary_request = self.text_ids(self._summary_request_text(step["close_text"]))
+        verify_framing(self)
         self.tool_calls = ToolCallParser(environment.tool_parser, tokenizer)
         self._with_tools: dict[str, ChatFormat] = {}
         # A harness resends its whole conversation every call: each content
@@ -177,9 +177,9 @@ class ChatFormat:
         eos = self.tokenizer.eos_token or ""
         end = eos if eos and closing.startswith(eos) else ""
         close_text = after_observation[:len(after_observation) - len(header)]
-        return {"end": self._ids(end), "footer": self._ids(closing[len(end):]),
-                "open": self._ids(after_action[len(closing):]), "close": self._ids(close_text),
-                "close_text": close_text}
+        return {"end": self.text_ids(end), "footer": self.text_ids(closing[len(end):]),
+                "open": self.text_ids(after_action[len(closing):]),
+                "close": self.text_ids(close_text), "close_text": close_text}
 
     def _summary_request_text(self, observation_close: str) -> str:
         """The user turn holding q_sum, as it follows an observation."""
@@ -233,17 +233,18 @@ class ChatFormat:
         return tuple(self.split(json.loads(framed), generation_prompt=True))
 
     def _ids_tuple(self, text: str) -> tuple[int, ...]:
-        return tuple(self._ids(text))
+        return tuple(self.text_ids(text))
 
     # ------------------------------------------------------------------ pieces
 
-    def _ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str) -> list[int]:
+        """``text`` tokenised alone, without special tokens added."""
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def content(self, text: str, max_tokens: int) -> tuple[list[int], bool]:
         """Token ids of turn content cut to ``max_tokens`` (ending with the
         marker when cut), and whether it was cut."""
-        ids = self._ids(text)
+        ids = self.text_ids(text)
         if len(ids) <= max_tokens:
             return ids, False
         keep = max(0, max_tokens - len(self.truncation_marker))
@@ -265,10 +266,10 @@ class ChatFormat:
             [{"role": "system", "content": _slot("s")}, {"role": "user", "content": _slot("u")}],
             generation_prompt=False)
         resume_head, resume_tail = self._resume_pieces(task)
-        head_ids, tail_ids = self._ids(resume_head), self._ids(resume_tail)
+        head_ids, tail_ids = self.text_ids(resume_head), self.text_ids(resume_tail)
         return TurnTokens(
-            system=self._ids(system + task.system),
-            task=self._ids(task_turn + task.instruction + after_task),
+            system=self.text_ids(system + task.system),
+            task=self.text_ids(task_turn + task.instruction + after_task),
             summary_request=self.summary_request,
             assistant_header=self.assistant_header, assistant_end=self.assistant_end,
             assistant_footer=self.assistant_footer, observation_open=self.observation_open,
@@ -286,51 +287,57 @@ class ChatFormat:
         head, _, tail = content.partition(summary)
         return between + head, tail + after
 
-    # ------------------------------------------------------------------ verification
 
-    def verify(self) -> None:
-        """Play a probe episode (two steps, a compaction keeping one) with
-        these pieces; every prompt's ids must equal the template's rendering
-        of the same conversation, tokenised whole."""
-        task = Task(task_id="probe", system="You solve tasks with the tools given.",
-                    instruction="Find the code in the rooms.")
-        actions = ["look north", "open the door"]
-        observations = ["a room with a box", "the door is open"]
-        summary = "I looked north and opened the door"
-        # room for anything: the probe compacts when told to, not when full
-        config = dataclasses.replace(self.compaction, enabled=True, context_tokens=1 << 20,
-                                     reserve_tokens=1 << 19, max_summary_tokens=1 << 10,
-                                     keep_steps=1)
-        context = CompactionContext(self.turns(task), config)
-        history: list[_Message] = [{"role": "system", "content": task.system},
-                                   {"role": "user", "content": task.instruction}]
-        self._expect(context.action_prompt(), history, "the first prompt (system and task)")
-        for action, observation in zip(actions, observations, strict=True):
-            context.add_step(self._sampled(action), self._ids(observation))
-            history += [{"role": "assistant", "content": action},
-                        {"role": "tool", "content": observation}]
-            self._expect(context.action_prompt(), history, "a step (action and observation)")
-        request = {"role": "user", "content": self.compaction.summary_instruction}
-        self._expect(context.summary_prompt(), history + [request], "the summary request")
-        sampled = self._sampled(summary)
-        context.compact(sampled, self.strip_end(sampled.token_ids))
-        resumed = self.compaction.resume_template.format(task=task.instruction, summary=summary)
-        rebuilt = [history[0], {"role": "user", "content": resumed}] + history[-2:]
-        self._expect(context.action_prompt(), rebuilt,
-                     "the context rebuilt after a compaction (resume turn and the kept step)")
+# ---------------------------------------------------------------------- verification
 
-    def _sampled(self, text: str) -> Generation:
-        """``text`` as the policy would sample it: its tokens, then the end of turn."""
-        ids = self._ids(text) + self.assistant_end
-        return Generation(ids, [0.0] * len(ids), [0] * len(ids))
 
-    def _expect(self, ids: list[int], messages: list[_Message], what: str) -> None:
-        expected = self._ids(self.render(messages, generation_prompt=True))
-        if ids == expected:
-            return
-        at = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b),
-                  min(len(ids), len(expected)))
-        raise TemplateError(
-            f"{what} framed from the template's pieces differs from the template's own "
-            f"rendering at token {at}: {self.tokenizer.decode(ids[at:at + 12])!r} vs "
-            f"{self.tokenizer.decode(expected[at:at + 12])!r}")
+def verify_framing(chat: ChatFormat) -> None:
+    """Play a probe episode (two steps, a compaction keeping one) with
+    ``chat``'s pieces; every prompt's ids must equal the template's rendering
+    of the same conversation, tokenised whole, or :class:`TemplateError`
+    says where they differ."""
+    task = Task(task_id="probe", system="You solve tasks with the tools given.",
+                instruction="Find the code in the rooms.")
+    actions = ["look north", "open the door"]
+    observations = ["a room with a box", "the door is open"]
+    summary = "I looked north and opened the door"
+    # room for anything: the probe compacts when told to, not when full
+    config = dataclasses.replace(chat.compaction, enabled=True, context_tokens=1 << 20,
+                                 reserve_tokens=1 << 19, max_summary_tokens=1 << 10,
+                                 keep_steps=1)
+    context = CompactionContext(chat.turns(task), config)
+    history: list[_Message] = [{"role": "system", "content": task.system},
+                               {"role": "user", "content": task.instruction}]
+    _expect(chat, context.action_prompt(), history, "the first prompt (system and task)")
+    for action, observation in zip(actions, observations, strict=True):
+        context.add_step(_sampled(chat, action), chat.text_ids(observation))
+        history += [{"role": "assistant", "content": action},
+                    {"role": "tool", "content": observation}]
+        _expect(chat, context.action_prompt(), history, "a step (action and observation)")
+    request = {"role": "user", "content": chat.compaction.summary_instruction}
+    _expect(chat, context.summary_prompt(), history + [request], "the summary request")
+    sampled = _sampled(chat, summary)
+    context.compact(sampled, chat.strip_end(sampled.token_ids))
+    resumed = chat.compaction.resume_template.format(task=task.instruction, summary=summary)
+    rebuilt = [history[0], {"role": "user", "content": resumed}] + history[-2:]
+    _expect(chat, context.action_prompt(), rebuilt,
+            "the context rebuilt after a compaction (resume turn and the kept step)")
+
+
+def _sampled(chat: ChatFormat, text: str) -> Generation:
+    """``text`` as the policy would sample it: its tokens, then the end of turn."""
+    ids = chat.text_ids(text) + chat.assistant_end
+    return Generation(ids, [0.0] * len(ids), [0] * len(ids))
+
+
+def _expect(chat: ChatFormat, ids: list[int], messages: list[_Message], what: str) -> None:
+    tokenizer = chat.tokenizer
+    expected = chat.text_ids(chat.render(messages, generation_prompt=True))
+    if ids == expected:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b),
+              min(len(ids), len(expected)))
+    raise TemplateError(
+        f"{what} framed from the template's pieces differs from the template's own "
+        f"rendering at token {at}: {tokenizer.decode(ids[at:at + 12])!r} vs "
+        f"{tokenizer.decode(expected[at:at + 12])!r}")
