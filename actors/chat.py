@@ -11,9 +11,9 @@ context then only appends ids: the policy's own tokens are never
 re-tokenised.
 
 Derived, then verified (:func:`verify_framing`): an episode with two steps
-and a compaction is played through :class:`~actors.context.CompactionContext` with these pieces,
-and the token ids of every prompt it builds must equal the template's own
-rendering of the same conversation, tokenised whole. A template the method
+and a compaction is played through :class:`~actors.context.CompactionContext`
+with these pieces, and the token ids of every prompt it builds must equal the
+template's own rendering of the same conversation, tokenised whole. A template the method
 cannot frame raises :class:`TemplateError` naming the template feature; it is
 never used with a wrong framing.
 
