@@ -227,12 +227,13 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from actors.preflight import check_episode_setup
     from deploy.device_plan import plan_devices
+    from deploy.placement import gpu_bytes, gpus_present
     from deploy.up import Up, prepare_model
 
     config = load_config(args.config, overrides)
-    gpus = args.gpus if args.gpus is not None else Up._gpus_present()
+    gpus = args.gpus if args.gpus is not None else gpus_present()
     gpu_bytes = (int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib is not None
-                 else None if args.gpus is not None else Up._gpu_bytes())
+                 else None if args.gpus is not None else gpu_bytes())
     plan = plan_devices(config, gpus, gpu_bytes)
     if args.plan:  # starts nothing
         # this machine's plan counts within up's own CUDA_VISIBLE_DEVICES; a preview's, not
@@ -244,7 +245,7 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
         for problem in plan.problems:
             print(f"compactionrl: refused: {problem}", file=sys.stderr)
         return 2 if plan.problems else 0
-    if args.gpus is not None and args.gpus != Up._gpus_present():
+    if args.gpus is not None and args.gpus != gpus_present():
         print("compactionrl: --gpus only previews a plan (with --plan); up uses the GPUs "
               "present", file=sys.stderr)
         return 2

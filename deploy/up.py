@@ -11,6 +11,9 @@ engine starts first, at the plan's ``gpu_memory_utilization``, and the learner
 once the engine answers on its metrics port: vLLM measures free memory while
 it starts and fails if another process allocates or frees meanwhile. On a
 CPU-only machine the plan sets no devices and local actors get a core each.
+The children, their arguments, cores and environments are
+:func:`deploy.placement.place_children`'s; each child's start, stop and
+restart back-off are :class:`deploy.children.Child`'s.
 
 Supervision:
 
@@ -46,29 +49,21 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.children import Child, signal_group, stop_leftovers
 from deploy.config import ConfigError, JobConfig, RunConfig, to_toml
 from deploy.device_plan import DevicePlan, plan_devices
+from deploy.placement import gpus_present, place_children
 from learner.checkpoint import checkpoint_position, latest_checkpoint
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
 from ops.report import read_history, write_report
 from ops.summary import RunEnds, RunScraper, pace_start, scrape, summarise
 
-#: Seconds before restarting a process after its n-th consecutive crash.
-RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-#: A process that ran this long before exiting starts its backoff afresh.
-BACKOFF_RESET_S = 60.0
-#: The replay or the learner exiting this many times in a row, each within
-#: ``BACKOFF_RESET_S`` of its start, is a crash loop (a bad configuration, a
-#: bug): the run stops instead of restarting it forever. Actors have no such
-#: limit: the run goes on without them, and an operator sees them down.
-SERVICE_MAX_CRASHES = 5
 SCRAPE_INTERVAL_S = 2.0
 #: Without a terminal (CI, pipes), one summary line this often.
 PLAIN_EVERY_S = 15.0
@@ -76,142 +71,9 @@ PLAIN_EVERY_S = 15.0
 LEARNER_STOP_S = 120.0
 #: The replay's final log sync.
 REPLAY_STOP_S = 20.0
-#: How long to wait for the killed leftovers of a dead child to be reaped.
-ORPHAN_REAP_S = 10.0
 #: How often a learner waiting for a co-located engine asks whether it is up.
 READY_POLL_S = 2.0
 EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
-
-
-@dataclass
-class Child:
-    name: str
-    args: list[str]
-    log: Path
-    process: subprocess.Popen | None = None
-    started_at: float = 0.0
-    crashes: int = 0
-    restarts: int = 0
-    restart_at: float | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    cores: frozenset[int] = frozenset()
-    """CPU cores it (and every process it starts) may run on; empty: any."""
-    restart_args: list[str] | None = None
-    """Arguments of a restart (the learner resumes); None: the same as the first start."""
-    leader_follows: bool = False
-    """Stopping signals only its direct children; it exits when they have
-    (torchrun: signalled itself, it logs a ``SignalException`` traceback even
-    when its ranks stop cleanly)."""
-
-    def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("a") as log:
-            # own process group: stopping it stops the engine's and torchrun's children
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "deploy.cli", *self.args], stdout=log, stderr=log,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, **self.env})
-        if self.cores:  # set before it starts its own children, which inherit it
-            os.sched_setaffinity(self.process.pid, self.cores)
-        self.started_at = time.monotonic()
-        self.restart_at = None
-
-    def exit_code(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def schedule_restart(self, now: float) -> float:
-        """After an exit at ``now``: count the crash (the count starts afresh
-        if it had run longer than ``BACKOFF_RESET_S``), set when it restarts,
-        and return the delay, which doubles with each crash in a row up to
-        the last of ``RESTART_BACKOFF_S``."""
-        if now - self.started_at > BACKOFF_RESET_S:
-            self.crashes = 0
-        delay = RESTART_BACKOFF_S[min(self.crashes, len(RESTART_BACKOFF_S) - 1)]
-        self.crashes += 1
-        self.restart_at = now + delay
-        return delay
-
-    def crash_looping(self) -> bool:
-        """Exited, after ``SERVICE_MAX_CRASHES`` exits in a row each soon
-        after its start: for the replay or the learner, the run stops."""
-        return self.crashes >= SERVICE_MAX_CRASHES and self.exit_code() is not None
-
-    def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> int | None:
-        """Signal the group, wait up to ``grace_s``, then kill what is left.
-
-        The direct children are signalled first: torchrun's ranks run in
-        sessions of their own and torchrun gives them only a few seconds
-        after forwarding a signal, too little for the final checkpoint and
-        export; signalled directly, they finish and torchrun exits with them
-        (``leader_follows``)."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            children = child_pids(self.process.pid)
-            for child in children:
-                _signal(child, sig)
-            if not (self.leader_follows and children):
-                _signal_group(self.process.pid, sig)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.process.pid, signal.SIGKILL)  # stragglers of the group
-        return self.process.wait()
-
-
-def stop_leftovers(dead: int | None, keep: set[int]) -> list[int]:
-    """Kill and reap what dead children left behind: the process group of
-    ``dead`` (a child's pid: a vLLM engine's core, workers and resource
-    tracker stay in it), and every orphan reparented to this process (``up``
-    is a subreaper), such as torchrun's ranks, which run in sessions of their
-    own. ``keep``: the pids of the children in service (never touched).
-    Returns the orphans' pids."""
-    if dead is not None:
-        _signal_group(dead, signal.SIGKILL)
-    orphans = [pid for pid in child_pids(os.getpid()) if pid not in keep]
-    for pid in orphans:
-        _signal_group(pid, signal.SIGKILL)
-        _signal(pid, signal.SIGKILL)
-    deadline = time.monotonic() + ORPHAN_REAP_S
-    waiting = set(orphans)
-    while waiting and time.monotonic() < deadline:
-        for pid in list(waiting):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:  # not ours (any more): gone
-                done = pid
-            if done:
-                waiting.discard(pid)
-        time.sleep(0.05)
-    return orphans
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 @dataclass
@@ -227,101 +89,15 @@ class Up:
 
     def __post_init__(self) -> None:
         if self.plan is None:
-            self.plan = plan_devices(self.config, self._gpus_present())
+            self.plan = plan_devices(self.config, gpus_present())
         if self.plan.problems:
             raise ConfigError(list(self.plan.problems))
         self.config_path = self.run_dir / "config.toml"
         self.history_path = self.run_dir / "metrics.jsonl"
-        logs = self.run_dir / "logs"
-        common = ["--config", str(self.config_path)]
-        self.replay = Child("replay", ["replay", *common], logs / "replay.log")
-        actor_cores, learner_cores = self._cpu_cores()
-        inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-        learner_plan = self.plan.process("learner")
-        transport = self._transport_args()
-        learner_env = {**self._learner_env(learner_cores), **learner_plan.env(inherited)}
-        self.learner = Child("learner", ["learner", *common, *transport,
-                                         *(["--resume"] if self.resume else [])],
-                             logs / "learner.log", env=learner_env,
-                             cores=learner_cores,
-                             restart_args=["learner", *common, *transport, "--resume"],
-                             leader_follows=True)
-        self.actors = [Child(f"actor-{i}", ["actor", *common, "--index", str(i), "--actor-id",
-                                            f"{self.config.run.name}-actor-{i}",
-                                            *self._bind_engine(actor_cores, i),
-                                            *transport, *self._engine_memory(i)],
-                             logs / f"actor-{i}.log",
-                             env=self.plan.process(f"actor-{i}").env(inherited),
-                             cores=frozenset({actor_cores[i]}) if actor_cores else frozenset())
-                       for i in range(self.config.actors.count)]
-        self._waiting = {self.learner.name: learner_plan.waits_for} if learner_plan.waits_for \
-            else {}
+        placed = place_children(self.config, self.plan, self.run_dir, self.resume)
+        self.replay, self.learner, self.actors = placed.replay, placed.learner, placed.actors
+        self._waiting = placed.waiting
         self._last_ready_poll = 0.0
-
-    def _transport_args(self) -> list[str]:
-        """The plan's weight transport for learner and actors ("auto" resolved
-        here: only the plan knows of co-location). Nothing on the CPU plan."""
-        if not self.plan.gpus_present:
-            return []
-        return ["--learner.weight_transport", self.plan.weight_transport]
-
-    def _engine_memory(self, index: int) -> list[str]:
-        """A co-located engine's lowered share of its GPU."""
-        memory = self.plan.process(f"actor-{index}").gpu_memory_utilization
-        if memory is None or memory == self.config.actors.engine.gpu_memory_utilization:
-            return []
-        return ["--actors.engine.gpu_memory_utilization", str(memory)]
-
-    def _cpu_cores(self) -> tuple[list[int], frozenset[int]]:
-        """On a CPU-only machine (engine binding "auto"): the core of each local
-        actor, round robin over all cores but the last ones, and the cores left
-        to the learner — as on a cluster, where each has devices of its own.
-        Engines that each spin OpenMP threads on every core starve each other
-        and the learner, and a learner on an engine's core slows both. Empty
-        (no placement) on GPU machines or with an explicit binding."""
-        if self.plan.gpus_present or self.config.actors.engine.cpu_threads_bind != "auto":
-            return [], frozenset()
-        cores = sorted(os.sched_getaffinity(0))
-        # at least one core is the learner's whenever there are two
-        span = max(1, min(self.config.actors.count, len(cores) - 1))
-        actor_cores = [cores[i % span] for i in range(self.config.actors.count)]
-        return actor_cores, frozenset(cores[span:] or cores)
-
-    @staticmethod
-    def _bind_engine(actor_cores: list[int], index: int) -> list[str]:
-        """The engine's OpenMP threads on the actor's core."""
-        return ["--actors.engine.cpu_threads_bind", str(actor_cores[index])] if actor_cores else []
-
-    def _learner_env(self, learner_cores: frozenset[int]) -> dict[str, str]:
-        """The learner's ranks share its cores: one OpenMP thread each per core."""
-        if not learner_cores:
-            return {}
-        return {"OMP_NUM_THREADS": str(max(1, len(learner_cores) // self.config.learner.nproc))}
-
-    @staticmethod
-    def _on_gpu() -> bool:
-        import torch
-
-        return torch.cuda.is_available()
-
-    @staticmethod
-    def _gpus_present() -> int:
-        """GPUs this process sees (within its own CUDA_VISIBLE_DEVICES)."""
-        if not Up._on_gpu():
-            return 0
-        import torch
-
-        return torch.cuda.device_count()
-
-    @staticmethod
-    def _gpu_bytes() -> int | None:
-        """The smallest GPU's memory in bytes (None without GPUs)."""
-        if not Up._gpus_present():
-            return None
-        import torch
-
-        return min(torch.cuda.get_device_properties(i).total_memory
-                   for i in range(torch.cuda.device_count()))
 
     # ------------------------------------------------------------------ the run
 
@@ -454,7 +230,7 @@ class Up:
         deadline = self.config.actors.shutdown_deadline_s + 10
         for actor in self.actors:
             if actor.process is not None and actor.process.poll() is None:
-                _signal_group(actor.process.pid, signal.SIGTERM)
+                signal_group(actor.process.pid, signal.SIGTERM)
         for actor in self.actors:
             actor.stop(deadline)
         self.replay.stop(REPLAY_STOP_S)

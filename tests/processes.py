@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from deploy.up import child_pids
+from deploy.children import child_pids
 from ops.summary import scrape
 from tests.ports import free_port_range, free_ports, loopback_addresses
 

@@ -15,7 +15,7 @@ from deploy.up import Up
 def cpu_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cores: int,
            overrides: list[str]) -> Up:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.setattr(Up, "_on_gpu", staticmethod(lambda: False))
+    monkeypatch.setattr("deploy.placement.on_gpu", lambda: False)
     return Up(load_config(None, overrides), tmp_path, interactive=False)
 
 

@@ -115,7 +115,7 @@ def test_stop_leftovers_kills_a_dead_childs_group_and_its_orphans(tmp_path: Path
     rank) are killed and reaped; the live child is untouched."""
     parent, pids = _run_parent(tmp_path, """
         import os, subprocess, sys, time
-        from deploy.up import stop_leftovers
+        from deploy.children import stop_leftovers
         from ops.lifetime import become_subreaper
 
         assert become_subreaper()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from deploy.up import BACKOFF_RESET_S, RESTART_BACKOFF_S, SERVICE_MAX_CRASHES, Child
+from deploy.children import BACKOFF_RESET_S, RESTART_BACKOFF_S, SERVICE_MAX_CRASHES, Child
 
 
 def _exited(child: Child) -> int:
