@@ -147,6 +147,9 @@ def turn_key(message: dict[str, Any]) -> str:
 
 @dataclass
 class Session:
+    """One harness session: its recorder, the completions it was returned,
+    and the segments it has closed (sent, or the newest held back)."""
+
     record: SessionRecord
     task_id: str
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -161,6 +164,28 @@ class Session:
     sent: int = 0
     summary_seconds: float = 0.0
     ended: bool = False
+
+    async def send_closed(self, host: SessionHost, closed: list[SegmentData]) -> None:
+        """Send what ``closed`` makes final: the held-back segment and all
+        but the newest, which is held back in its turn."""
+        for segment in closed:
+            if self.pending is not None:
+                await host.send_segment(self.record.rollout_id, self.task_id, self.sent,
+                                        self.pending, None)
+                self.sent += 1
+            self.pending = segment
+
+    def check_continuation(self, messages: list[dict[str, Any]]) -> None:
+        """A call that continues the last one must send its completion back as returned."""
+        previous = self.previous
+        if (previous is not None and len(messages) > len(previous)
+                and messages[:len(previous)] == previous
+                and messages[len(previous)]["role"] == "assistant"
+                and turn_key(messages[len(previous)]) != self.previous_key):
+            raise EndpointError(409, "contradiction",
+                                "the assistant message after the previous call's messages is "
+                                "not the completion that call returned: its tokens would "
+                                "contradict the recorded ones (send it back unchanged)")
 
 
 class RecordingEndpoint:
@@ -281,7 +306,7 @@ class RecordingEndpoint:
 
     async def _complete(self, request: web.Request, session: Session, body: ChatRequest,
                         messages: list[dict[str, Any]]) -> web.StreamResponse:
-        self._check_continuation(session, messages)
+        session.check_continuation(messages)
         try:
             chat = self.host.chat.with_tools(body.tools)
             prompt = chat.conversation_ids(
@@ -300,8 +325,9 @@ class RecordingEndpoint:
         began = time.monotonic()
         stream = self.host.policy.stream(prompt, max_tokens, seed=body.seed)
         if body.stream:
-            response, generation, message = await self._stream(
-                request, chat, body, stream, completion_id, max_tokens, len(prompt))
+            response, generation, message = await stream_completion(
+                request, chat, body, stream, completion_id, self.model_name, max_tokens,
+                len(prompt))
         else:
             generation = Generation([], [], [])
             async for delta in stream:
@@ -317,7 +343,7 @@ class RecordingEndpoint:
             session.recorded.popitem(last=False)
         session.previous, session.previous_key = messages, key
         rebuilds = session.record.rebuilds
-        await self._send(session, session.record.record(prompt, generation, summary))
+        await session.send_closed(self.host, session.record.record(prompt, generation, summary))
         self.host.metrics.endpoint_rebuilds.inc(session.record.rebuilds - rebuilds)
         self.host.metrics.endpoint_calls.labels("summary" if summary else "execution").inc()
         if response is not None:
@@ -328,55 +354,6 @@ class RecordingEndpoint:
             "choices": [{"index": 0, "message": message, "finish_reason": finish,
                          "logprobs": None}],
             "usage": usage(len(prompt), len(generation.token_ids))})
-
-    async def _stream(self, request: web.Request, chat: ChatFormat, body: ChatRequest,
-                      stream: AsyncIterator[Generation], completion_id: str, max_tokens: int,
-                      prompt_tokens: int
-                      ) -> tuple[web.StreamResponse, Generation, dict[str, Any]]:
-        """Server-sent events of the completion: text as it is sampled, or,
-        with tools, the whole message at the end (its calls are parsed then)."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        created = int(time.time())
-
-        async def event(delta: dict[str, Any], finish: str | None = None,
-                        extra: dict[str, Any] | None = None) -> None:
-            chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                     "model": self.model_name,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            await response.write(b"data: " + json.dumps(chunk | (extra or {})).encode() + b"\n\n")
-
-        generation = Generation([], [], [])
-        shown = ""
-        try:
-            await event({"role": "assistant", "content": ""})
-            async for delta in stream:
-                generation.extend(delta)
-                if body.tools:
-                    continue
-                text = chat.decode(chat.strip_end(generation.token_ids))
-                if len(text) > len(shown) and not text.endswith("\ufffd"):  # whole characters
-                    await event({"content": text[len(shown):]})
-                    shown = text
-        finally:  # a client gone midway: the engine's request is aborted, nothing recorded
-            await stream.aclose()  # type: ignore[attr-defined]
-        message, finish = completion_message(chat, generation, body.tools, max_tokens)
-        if body.tools:
-            await event({key: value for key, value in message.items() if key != "role"}
-                        | {"tool_calls": [call | {"index": i} for i, call
-                                          in enumerate(message.get("tool_calls") or [])]})
-        elif (message["content"] or "") != shown:
-            await event({"content": (message["content"] or "")[len(shown):]})
-        await event({}, finish)
-        if (body.stream_options or {}).get("include_usage"):
-            chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                     "model": self.model_name, "choices": [],
-                     "usage": usage(prompt_tokens, len(generation.token_ids))}
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response, generation, message
 
     async def _reward(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session"]
@@ -392,7 +369,7 @@ class RecordingEndpoint:
                 raise EndpointError(409, "nothing_sampled", f"session {session_id!r} has no "
                                     "completion to reward: it is abandoned")
             if last is not None:
-                await self._send(session, [last])
+                await session.send_closed(self.host, [last])
             success = body.reward >= 1.0 if body.success is None else body.success
             stats = RolloutStats(
                 outcome="done", success=success, steps=record.calls - record.summaries,
@@ -440,28 +417,6 @@ class RecordingEndpoint:
                 self.ended.popitem(last=False)
         self.host.metrics.endpoint_sessions.labels(how).inc()
         await self.host.close_rollout(session.record.rollout_id, abandoned=how == "abandoned")
-
-    async def _send(self, session: Session, closed: list[SegmentData]) -> None:
-        """Send what ``closed`` makes final: the held-back segment and all
-        but the newest, which is held back in its turn."""
-        for segment in closed:
-            if session.pending is not None:
-                await self.host.send_segment(session.record.rollout_id, session.task_id,
-                                             session.sent, session.pending, None)
-                session.sent += 1
-            session.pending = segment
-
-    def _check_continuation(self, session: Session, messages: list[dict[str, Any]]) -> None:
-        """A call that continues the last one must send its completion back as returned."""
-        previous = session.previous
-        if (previous is not None and len(messages) > len(previous)
-                and messages[:len(previous)] == previous
-                and messages[len(previous)]["role"] == "assistant"
-                and turn_key(messages[len(previous)]) != session.previous_key):
-            raise EndpointError(409, "contradiction",
-                                "the assistant message after the previous call's messages is "
-                                "not the completion that call returned: its tokens would "
-                                "contradict the recorded ones (send it back unchanged)")
 
     def _asks_summary(self, messages: list[dict[str, Any]]) -> bool:
         marker = self.config.summary_prompt
@@ -522,6 +477,56 @@ def completion_message(chat: ChatFormat, generation: Generation, tools: list[dic
                  "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
                 for index, call in enumerate(parsed.calls)]}, "tool_calls")
     return {"role": "assistant", "content": text}, finish
+
+
+async def stream_completion(request: web.Request, chat: ChatFormat, body: ChatRequest,
+                            stream: AsyncIterator[Generation], completion_id: str,
+                            model_name: str, max_tokens: int, prompt_tokens: int
+                            ) -> tuple[web.StreamResponse, Generation, dict[str, Any]]:
+    """Server-sent events of the completion: text as it is sampled, or,
+    with tools, the whole message at the end (its calls are parsed then)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    created = int(time.time())
+
+    async def event(delta: dict[str, Any], finish: str | None = None,
+                    extra: dict[str, Any] | None = None) -> None:
+        chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                 "model": model_name,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        await response.write(b"data: " + json.dumps(chunk | (extra or {})).encode() + b"\n\n")
+
+    generation = Generation([], [], [])
+    shown = ""
+    try:
+        await event({"role": "assistant", "content": ""})
+        async for delta in stream:
+            generation.extend(delta)
+            if body.tools:
+                continue
+            text = chat.decode(chat.strip_end(generation.token_ids))
+            if len(text) > len(shown) and not text.endswith("\ufffd"):  # whole characters
+                await event({"content": text[len(shown):]})
+                shown = text
+    finally:  # a client gone midway: the engine's request is aborted, nothing recorded
+        await stream.aclose()  # type: ignore[attr-defined]
+    message, finish = completion_message(chat, generation, body.tools, max_tokens)
+    if body.tools:
+        await event({key: value for key, value in message.items() if key != "role"}
+                    | {"tool_calls": [call | {"index": i} for i, call
+                                      in enumerate(message.get("tool_calls") or [])]})
+    elif (message["content"] or "") != shown:
+        await event({"content": (message["content"] or "")[len(shown):]})
+    await event({}, finish)
+    if (body.stream_options or {}).get("include_usage"):
+        chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                 "model": model_name, "choices": [],
+                 "usage": usage(prompt_tokens, len(generation.token_ids))}
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response, generation, message
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
