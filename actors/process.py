@@ -24,9 +24,10 @@ Protocol with the replay (DEALER -> ROUTER):
 - With a learner (``learner_address``): ``Hello`` to its control socket,
   heartbeats, and on each ``WeightsAnnounce`` join the group generation (if
   new), receive and load the weights into the running engine (generation
-  paused only meanwhile: stall ``reason="weights"``), then ``WeightsLoaded``.
-  No episode starts while the engine's weights are more than
-  ``max_staleness`` versions behind the learner (also stall ``weights``).
+  paused only meanwhile: stall ``reason="weights"``), then ``WeightsLoaded``
+  (:class:`actors.learner_link.LearnerLink`). No episode starts while the
+  engine's weights are more than ``max_staleness`` versions behind the
+  learner (also stall ``weights``).
 - With ``actors.endpoint.enabled`` the actor runs no episodes of its own:
   an agent harness drives its engine through the recording endpoint
   (actors/endpoint.py), each harness session one rollout, started with a
@@ -69,12 +70,12 @@ from actors.endpoint import EndpointError, RecordingEndpoint, serve_until
 from actors.engine import Engine
 from actors.envs.base import Environment, load_environment
 from actors.episode import EpisodeResult, run_episode
+from actors.learner_link import LearnerLink
 from actors.metrics import ActorMetrics
 from actors.preflight import check_episode_setup
 from actors.state import CreditAccount, LearnerView, Outbox
 from ops.metrics import Health, MetricsServer
 from protocol import (
-    NO_COMPLETE_VERSION,
     Abandon,
     Ack,
     EngineInfo,
@@ -82,12 +83,9 @@ from protocol import (
     ErrorCode,
     Heartbeat,
     Hello,
-    MemberWelcome,
     Message,
     ProtocolError,
     Stamp,
-    WeightsAnnounce,
-    WeightsLoaded,
     Welcome,
     encode,
 )
@@ -181,17 +179,16 @@ class Actor:
         self.credits = CreditAccount()
         self.outbox = Outbox()
         self.weights = LearnerView()
-        self.announcements: asyncio.Queue[tuple[int, WeightsAnnounce]] = asyncio.Queue()
-        """Announcements to apply, in order, with the announcing learner's incarnation."""
         self.active_episodes = 0
         self.episode_ended = asyncio.Event()
         """Set when an episode ends: the heartbeat task tells the replay at once
         (a start is told by the episode itself, before it begins)."""
         self.replay_handlers: dict[type[Message], Callable[[Any], None]] = {
             Welcome: self._on_welcome, Ack: self._on_ack, Error: self._on_replay_error}
-        self.learner_handlers: dict[type[Message], Callable[[Any], None]] = {
-            MemberWelcome: self._on_member_welcome, WeightsAnnounce: self._on_announce,
-            Error: self._on_learner_error}
+        self.learner_link = (LearnerLink(learner, engine, self.engine_info, self.config,
+                                         settings.transport.curve, self.weights, self.metrics,
+                                         lambda: self.stamp.next(), self._refused)
+                             if learner is not None else None)
         self.health = Health()
         """Ready once registered with the replay (the engine has started by
         then); alive while the event loop runs its heartbeat task."""
@@ -235,11 +232,8 @@ class Actor:
             self.replay.register(self._replay_hello, retry_s), self._heartbeat(),
             self._resend(), self._watch_engine(),
             self.replay.count_disconnects(self.metrics.disconnects.labels("replay").inc)]
-        if self.learner is not None:
-            coroutines += [
-                self.learner.serve(self.learner_handlers, self._dropped("learner")),
-                self.learner.register(self._learner_hello, retry_s), self._apply_weights(),
-                self.learner.count_disconnects(self.metrics.disconnects.labels("learner").inc)]
+        if self.learner_link is not None:
+            coroutines += self.learner_link.coroutines(self._dropped("learner"))
         if self.endpoint is not None:
             port = self.config.endpoint.port
             coroutines.append(serve_until(self.endpoint, port + self.settings.index if port else 0,
@@ -518,7 +512,8 @@ class Actor:
         self.metrics.unacked_segments.set(0)
         self.credits.forfeit()
         self.metrics.credits_held.set(0)
-        self._forgotten_by_learner()
+        if self.learner_link is not None:
+            self.learner_link.forgotten()
         self.replay.forgotten()
         if self.endpoint is not None:  # harness sessions of the dead incarnation end too
             self._ending_sessions = asyncio.get_running_loop().create_task(
@@ -532,68 +527,3 @@ class Actor:
             for frame in self.outbox.overdue(time.monotonic(), timeout):
                 self.metrics.segments_resent.inc()
                 await self.replay.send_frame(frame)
-
-    # ------------------------------------------------------------------ learner link
-
-    def _learner_hello(self) -> Hello:
-        return Hello(**self.stamp.next(), engine=self.engine_info,
-                     capacity=self.config.concurrent_episodes,
-                     policy_version=self.engine.version)
-
-    def _on_member_welcome(self, welcome: MemberWelcome) -> None:
-        self.weights.heard(welcome.policy_version)
-        self.learner.welcomed()
-        self.metrics.learner_registered.set(1)
-
-    def _forgotten_by_learner(self) -> None:
-        if self.learner is not None:
-            self.learner.forgotten()
-            self.metrics.learner_registered.set(0)
-
-    def _on_announce(self, announce: WeightsAnnounce) -> None:
-        self.weights.heard(announce.version)
-        self.announcements.put_nowait((announce.incarnation, announce))
-
-    def _on_learner_error(self, error: Error) -> None:
-        self._refused("learner", error)
-        if error.code == ErrorCode.UNREGISTERED:  # the learner restarted
-            self._forgotten_by_learner()
-
-    async def _apply_weights(self) -> None:
-        """Announcements, one at a time, the newest waiting first: an older
-        one's generation was given up by the learner when it announced the
-        next (joining it would wait out the group timeout for nothing, and
-        an actor that did so for each would never catch up)."""
-        while True:
-            learner_incarnation, announce = await self.announcements.get()
-            superseded = 0
-            while not self.announcements.empty():
-                learner_incarnation, announce = self.announcements.get_nowait()
-                superseded += 1
-            if superseded:
-                log.info("skipped %d superseded weight announcements", superseded)
-            group = (learner_incarnation, announce.group.generation)
-            try:
-                if group != self.weights.group:
-                    self.weights.group = None
-                    await self.engine.join_weight_group(announce.group,
-                                                        self.settings.transport.curve)
-                    self.weights.group = group
-                times = await self.engine.load_weights(announce.version, announce.manifest,
-                                                       self.config.kv_on_update)
-            except Exception as exc:  # a member died, a timeout: wait for the next one
-                self.weights.group = None
-                self.metrics.weight_failures.inc()
-                log.warning("weights of version %d not loaded: %s", announce.version, exc)
-                if self.engine.version == NO_COMPLETE_VERSION:
-                    # paused on a mix of weights: tell the learner (a Hello
-                    # reporting it), which publishes again at once
-                    self._forgotten_by_learner()
-                continue
-            self.metrics.stall("weights", times.stall_seconds)
-            self.metrics.policy_version.set(announce.version)
-            self.weights.changed.set()
-            log.info("loaded version %d in %.3f s (generation paused %.3f s)",
-                     announce.version, times.load_seconds, times.stall_seconds)
-            await self.learner.send(WeightsLoaded(
-                **self.stamp.next(), version=announce.version, seconds=times.load_seconds))

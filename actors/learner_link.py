@@ -1,0 +1,137 @@
+"""An actor's link to the learner's control socket: registration, the
+learner's announcements, and each publication received into the running
+engine (docs/protocol.md, "actor (learner link)").
+
+``Hello`` until a ``MemberWelcome`` arrives, and again whenever the learner
+forgets the actor (it restarted: ``unregistered``) or a load left the engine
+on a mix of weights (its ``Hello`` reports ``NO_COMPLETE_VERSION``, and the
+learner publishes again at once). Each ``WeightsAnnounce`` is queued; the
+newest one waiting is applied: join its group generation if new, receive and
+load the weights (generation paused meanwhile: stall ``reason="weights"``),
+then ``WeightsLoaded``. What the actor knows of the learner's versions is the
+:class:`~actors.state.LearnerView` it shares with its replay link."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from actors.config import ActorConfig
+from actors.engine import Engine
+from actors.metrics import ActorMetrics
+from actors.state import LearnerView
+from protocol import (
+    NO_COMPLETE_VERSION,
+    EngineInfo,
+    Error,
+    ErrorCode,
+    Hello,
+    MemberWelcome,
+    Message,
+    ProtocolError,
+    WeightsAnnounce,
+    WeightsLoaded,
+)
+from protocol.endpoint import ClientEndpoint
+from protocol.transport import CurveConfig
+
+log = logging.getLogger("compactionrl.actor")
+
+
+class LearnerLink:
+    """The learner link's handler table and its weight loading."""
+
+    def __init__(self, link: ClientEndpoint, engine: Engine, engine_info: EngineInfo,
+                 config: ActorConfig, curve: CurveConfig, weights: LearnerView,
+                 metrics: ActorMetrics, stamp: Callable[[], dict[str, Any]],
+                 refused: Callable[[str, Error], None]) -> None:
+        """``stamp()``: the header fields of the actor's next message (its
+        incarnation changes when it registers anew); ``refused``: how the
+        actor counts an ``Error`` from a peer."""
+        self.link = link
+        self.engine = engine
+        self.engine_info = engine_info
+        self.config = config
+        self.curve = curve
+        self.weights = weights
+        self.metrics = metrics
+        self.stamp = stamp
+        self.refused = refused
+        self.announcements: asyncio.Queue[tuple[int, WeightsAnnounce]] = asyncio.Queue()
+        """Announcements to apply, in order, with the announcing learner's incarnation."""
+        self.handlers: dict[type[Message], Callable[[Any], None]] = {
+            MemberWelcome: self._on_member_welcome, WeightsAnnounce: self._on_announce,
+            Error: self._on_error}
+
+    def coroutines(self, dropped: Callable[[ProtocolError], None]
+                   ) -> list[Coroutine[Any, Any, None]]:
+        """What runs for the link's life: its replies, its registration, the
+        weight loading and the count of dropped connections."""
+        return [self.link.serve(self.handlers, dropped),
+                self.link.register(self._hello, self.config.hello_retry_s),
+                self._apply_weights(),
+                self.link.count_disconnects(self.metrics.disconnects.labels("learner").inc)]
+
+    def forgotten(self) -> None:
+        """The learner no longer knows this actor: register again."""
+        self.link.forgotten()
+        self.metrics.learner_registered.set(0)
+
+    def _hello(self) -> Hello:
+        return Hello(**self.stamp(), engine=self.engine_info,
+                     capacity=self.config.concurrent_episodes,
+                     policy_version=self.engine.version)
+
+    def _on_member_welcome(self, welcome: MemberWelcome) -> None:
+        self.weights.heard(welcome.policy_version)
+        self.link.welcomed()
+        self.metrics.learner_registered.set(1)
+
+    def _on_announce(self, announce: WeightsAnnounce) -> None:
+        self.weights.heard(announce.version)
+        self.announcements.put_nowait((announce.incarnation, announce))
+
+    def _on_error(self, error: Error) -> None:
+        self.refused("learner", error)
+        if error.code == ErrorCode.UNREGISTERED:  # the learner restarted
+            self.forgotten()
+
+    async def _apply_weights(self) -> None:
+        """Announcements, one at a time, the newest waiting first: an older
+        one's generation was given up by the learner when it announced the
+        next (joining it would wait out the group timeout for nothing, and
+        an actor that did so for each would never catch up)."""
+        while True:
+            learner_incarnation, announce = await self.announcements.get()
+            superseded = 0
+            while not self.announcements.empty():
+                learner_incarnation, announce = self.announcements.get_nowait()
+                superseded += 1
+            if superseded:
+                log.info("skipped %d superseded weight announcements", superseded)
+            group = (learner_incarnation, announce.group.generation)
+            try:
+                if group != self.weights.group:
+                    self.weights.group = None
+                    await self.engine.join_weight_group(announce.group, self.curve)
+                    self.weights.group = group
+                times = await self.engine.load_weights(announce.version, announce.manifest,
+                                                       self.config.kv_on_update)
+            except Exception as exc:  # a member died, a timeout: wait for the next one
+                self.weights.group = None
+                self.metrics.weight_failures.inc()
+                log.warning("weights of version %d not loaded: %s", announce.version, exc)
+                if self.engine.version == NO_COMPLETE_VERSION:
+                    # paused on a mix of weights: tell the learner (a Hello
+                    # reporting it), which publishes again at once
+                    self.forgotten()
+                continue
+            self.metrics.stall("weights", times.stall_seconds)
+            self.metrics.policy_version.set(announce.version)
+            self.weights.changed.set()
+            log.info("loaded version %d in %.3f s (generation paused %.3f s)",
+                     announce.version, times.load_seconds, times.stall_seconds)
+            await self.link.send(WeightsLoaded(
+                **self.stamp(), version=announce.version, seconds=times.load_seconds))
