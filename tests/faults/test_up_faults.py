@@ -50,7 +50,7 @@ import pytest
 from ops.observability import promql_expressions, scrape_config
 from protocol import ErrorCode, Segment, decode
 from replay.log import SEGMENT, read_records
-from tests.faults.proxy import FaultProxy
+from tests.fault_proxy import FaultProxy
 from tests.ports import free_port_range, free_ports, loopback_addresses
 from tests.processes import (
     SMALL_EPISODES,
@@ -130,7 +130,7 @@ def _measured(what: str, value: object) -> None:
 
 
 @dataclass
-class Run:
+class FaultRun:
     """The ``up`` process, its ports and files, the proxied second actor."""
 
     folder: Path
@@ -204,7 +204,7 @@ def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRun]:
     root = tmp_path_factory.mktemp("up-faults")
     actor_address, learner_address, control_address = loopback_addresses(3)
     store, replay_metrics, learner_metrics = free_ports(3)
@@ -237,7 +237,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                               start_new_session=True)
     replay_proxy = FaultProxy(int(actor_address.rsplit(":", 1)[1]))
     control_proxy = FaultProxy(int(control_address.rsplit(":", 1)[1]))
-    state = Run(folder, up, up_output, {"replay": replay_metrics, "learner": learner_metrics,
+    state = FaultRun(folder, up, up_output, {"replay": replay_metrics, "learner": learner_metrics,
                                         "actor": actor_metrics}, replay_proxy, control_proxy,
                 prometheus, began)
     groups: set[int] = {up.pid}
@@ -278,7 +278,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 # ---------------------------------------------------------------------- 1. network
 
 
-def test_network_trouble_loses_nothing_silently(run: Run) -> None:
+def test_network_trouble_loses_nothing_silently(run: FaultRun) -> None:
     """Delay, dropped connections and a partition between the proxied actor and
     both services: it keeps contributing, every drop shows as a disconnect,
     lost segments are resent, and it is never declared dead."""
@@ -374,7 +374,7 @@ def test_network_trouble_loses_nothing_silently(run: Run) -> None:
 
 
 def test_actor_sigkilled_rejoins_with_current_weights(
-        run: Run, request: pytest.FixtureRequest) -> None:
+        run: FaultRun, request: pytest.FixtureRequest) -> None:
     """Each kill: up restarts actor-0, which rejoins as a new incarnation and
     loads the current weights before generating; its lost rollouts expire;
     no incomplete rollout reaches the learner; training goes on."""
@@ -459,7 +459,7 @@ def test_actor_sigkilled_rejoins_with_current_weights(
 # ---------------------------------------------------------------------- 3. SIGSTOP
 
 
-def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: Run) -> None:
+def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: FaultRun) -> None:
     """SIGSTOP past the liveness: the replay declares actor-0 dead and expires
     its rollouts; after SIGCONT its old incarnation is refused, it abandons
     what it had in flight, registers as a new incarnation and contributes
@@ -515,7 +515,7 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
 FREEZE_ATTEMPTS = 3
 
 
-def _freeze_while_actors_send(run: Run, pid: int) -> float:
+def _freeze_while_actors_send(run: FaultRun, pid: int) -> float:
     """SIGSTOP the replay until an actor sends it a segment; returns the
     actors' resend count when that freeze began. Episodes are a
     few seconds long on the tiny model: those in flight when the freeze
@@ -548,7 +548,7 @@ def _freeze_while_actors_send(run: Run, pid: int) -> float:
     raise AssertionError(f"no episode was in flight through any of {FREEZE_ATTEMPTS} freezes")
 
 
-def test_replay_killed_is_restarted_and_loses_no_acknowledged_segment(run: Run) -> None:
+def test_replay_killed_is_restarted_and_loses_no_acknowledged_segment(run: FaultRun) -> None:
     """The replay is frozen while actors send (their segments stay
     unacknowledged), then SIGKILLed: up restarts it, it recovers every
     segment of its log, the actors resend what it never acknowledged, no
@@ -608,7 +608,7 @@ def _checkpoint_version(folder: Path) -> int:
     return max(versions, default=0)
 
 
-def test_learner_killed_resumes_with_monotonic_versions(run: Run) -> None:
+def test_learner_killed_resumes_with_monotonic_versions(run: FaultRun) -> None:
     """Killed after publishing beyond its newest checkpoint, the learner is
     restarted with --resume: it continues from the checkpoint at a version
     above every one announced, versions never repeat, and both actors load
@@ -659,7 +659,7 @@ def test_learner_killed_resumes_with_monotonic_versions(run: Run) -> None:
 
 
 def test_a_paused_learner_stalls_the_actors_and_memory_stays_flat(
-        run: Run, soak_seconds: float) -> None:
+        run: FaultRun, soak_seconds: float) -> None:
     """With the learner frozen, the actors use the credits they have, then stall:
     no episode runs, the replay holds at most (S + 1) * B rollouts within its
     buffer bound, and the RSS of every process (each actor with its engine's
@@ -786,7 +786,7 @@ def _get(port: int, path: str) -> str:
 
 
 def test_every_panel_has_data_every_exposition_lints_and_each_process_is_ready(
-        run: Run) -> None:
+        run: FaultRun) -> None:
     """Over the run so far, every PromQL expression of every dashboard panel
     and alert returns data from the real Prometheus; each process's
     exposition passes promtool's lint and its ``/readyz`` says ready."""
@@ -805,7 +805,7 @@ def test_every_panel_has_data_every_exposition_lints_and_each_process_is_ready(
 # ---------------------------------------------------------------------- 8. shutdown
 
 
-def test_clean_shutdown_after_the_faults(run: Run) -> None:
+def test_clean_shutdown_after_the_faults(run: FaultRun) -> None:
     """The proxied actor flushes every segment (exit 0: all acknowledged);
     Ctrl-C stops the run cleanly, with its checkpoint, export, metrics history,
     report, summary and a resume command that can be pasted; the snapshot

@@ -25,7 +25,7 @@ ENGINE_START_S = 120
 
 
 @dataclass
-class Run:
+class ActorRun:
     peer: ReplayPeer
     exit_code: int
     sigterm_at: float
@@ -60,7 +60,7 @@ def _wait_for(peer: ReplayPeer, condition, timeout: float, process: subprocess.P
 
 
 @pytest.fixture(scope="module")
-def actor_run(tiny_model_dir: Path) -> Run:
+def actor_run(tiny_model_dir: Path) -> ActorRun:
     peer = ReplayPeer(credits_on_welcome=3)
     [port] = free_ports(1)
     process = subprocess.Popen(
@@ -99,7 +99,7 @@ def actor_run(tiny_model_dir: Path) -> Run:
         while process.poll() is None and time.monotonic() < end:
             peer.pump(0.2)
         exit_code = process.wait(timeout=5)
-        return Run(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics,
+        return ActorRun(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics,
                    credits_recovered, probes)
     finally:
         if process.poll() is None:
@@ -113,21 +113,21 @@ def actor_run(tiny_model_dir: Path) -> Run:
         peer.close()
 
 
-def test_actor_registers_and_sends_heartbeats(actor_run: Run) -> None:
+def test_actor_registers_and_sends_heartbeats(actor_run: ActorRun) -> None:
     assert actor_run.peer.hellos == 1
     assert actor_run.peer.heartbeats >= 2
 
 
-def test_starts_no_more_rollouts_than_credits(actor_run: Run) -> None:
+def test_starts_no_more_rollouts_than_credits(actor_run: ActorRun) -> None:
     assert len(actor_run.peer.rollouts()) == 4  # 3 on Welcome + 1 granted
 
 
-def test_credits_of_a_lost_reply_are_made_up_and_counted(actor_run: Run) -> None:
+def test_credits_of_a_lost_reply_are_made_up_and_counted(actor_run: ActorRun) -> None:
     assert actor_run.peer.credits_seen == actor_run.peer.credits_total == 4
     assert actor_run.credits_recovered == 1
 
 
-def test_lost_ack_is_resent_with_the_same_identity_and_not_duplicated(actor_run: Run) -> None:
+def test_lost_ack_is_resent_with_the_same_identity_and_not_duplicated(actor_run: ActorRun) -> None:
     peer = actor_run.peer
     assert peer.duplicates >= 1
     first_frame = peer.frames[0][1]
@@ -137,7 +137,7 @@ def test_lost_ack_is_resent_with_the_same_identity_and_not_duplicated(actor_run:
         assert segments[-1].final and not any(s.final for s in segments[:-1])
 
 
-def test_sigterm_finishes_the_episode_and_flushes_every_segment(actor_run: Run) -> None:
+def test_sigterm_finishes_the_episode_and_flushes_every_segment(actor_run: ActorRun) -> None:
     assert actor_run.exit_code == 0, actor_run.stderr[-3000:]
     [last] = set(actor_run.peer.rollouts()) - actor_run.first_rollouts
     segments = actor_run.peer.rollouts()[last]
@@ -153,7 +153,7 @@ def _sample(metrics: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_metrics_use_the_design_names(actor_run: Run) -> None:
+def test_metrics_use_the_design_names(actor_run: ActorRun) -> None:
     metrics = actor_run.metrics
     assert _rollouts_counted(metrics) == 3
     assert _sample(metrics, "crl_actor_compactions_total") >= 0
@@ -169,5 +169,5 @@ def test_metrics_use_the_design_names(actor_run: Run) -> None:
     assert not [line for line in metrics.splitlines() if line.startswith("vllm:")]
 
 
-def test_a_registered_actor_is_ready_and_alive(actor_run: Run) -> None:
+def test_a_registered_actor_is_ready_and_alive(actor_run: ActorRun) -> None:
     assert actor_run.probes == {"/readyz": "ready", "/healthz": "alive"}

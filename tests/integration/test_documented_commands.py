@@ -5,7 +5,7 @@ Commands are read from the fenced ``sh``/``bash`` blocks (continuation lines
 joined, trailing ``# comments`` dropped, here-documents attached to their
 command). Each one must be classified in ``COMMANDS``, and only once:
 
-- ``Run``: run exactly as written, through bash, from the repository root
+- ``RunAsWritten``: run exactly as written, through bash, from the repository root
   (with ``.venv/bin`` first on PATH, as in an activated venv, for a bare
   ``python`` or ``compactionrl``), with its quick flag appended where it has
   one (the benchmarks' ``--quick``; ``--dry-run`` for the two that train for
@@ -438,7 +438,7 @@ def run_eval_against_baseline(check: Check) -> None:
 # -- the registry --------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Run:
+class RunAsWritten:
     """Run as written from the repository root (``in_tmp``: from an empty
     folder, for a command that writes into the current one), ``extra``
     appended."""
@@ -476,7 +476,7 @@ CLUSTER = "needs a Kubernetes cluster"
 BENCH_DRY_RUN = ("--dry-run",)
 
 #: Every documented command, by its text (whitespace collapsed, comment dropped).
-COMMANDS: dict[str, Run | Elsewhere | Offline] = {
+COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     # README.md
     "make demo": Offline(
         "bootstraps the base policy (~5 min), trains 5 min and evaluates 400 episodes; "
@@ -486,36 +486,36 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     "make test": Offline(
         "the whole suite, this test included (hours on 2 cores); here: the target runs "
         "pytest on tests/", check_make_test),
-    ".venv/bin/python bench/codec.py --json": Run(
+    ".venv/bin/python bench/codec.py --json": RunAsWritten(
         ("--quick",), ("vs_pickle_32k", "vs_memcpy_32k", "vs_pickle_1k")),
-    ".venv/bin/python bench/actor.py --json": Run(
+    ".venv/bin/python bench/actor.py --json": RunAsWritten(
         ("--quick",), ("vs_raw_vllm", "summary_token_share", "compactions"), slow=True),
-    ".venv/bin/python bench/replay_ingest.py --json": Run(
+    ".venv/bin/python bench/replay_ingest.py --json": RunAsWritten(
         ("--quick",), ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
     # --quick measures 16 and 64 actors (the full run 64, 256 and 1,024: _1024 keys)
-    ".venv/bin/python bench/replay_scale.py --json": Run(
+    ".venv/bin/python bench/replay_scale.py --json": RunAsWritten(
         ("--quick",), ("vs_raw_zmq_64", "ack_p99_ms_64", "raw_ack_p99_ms_64",
                        "ack_p99_ms_saturated_64", "replay_rss_mb_64",
                        "replay_cpu_us_per_segment_64")),
-    ".venv/bin/python bench/ppo_step.py --json": Run(
+    ".venv/bin/python bench/ppo_step.py --json": RunAsWritten(
         ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
-    ".venv/bin/python bench/learner_memory.py --json": Run(
+    ".venv/bin/python bench/learner_memory.py --json": RunAsWritten(
         ("--quick",), ("peak_vs_today_8k", "tokens_per_s_vs_today_8k", "table")),
-    ".venv/bin/python bench/weights.py --json": Run(
+    ".venv/bin/python bench/weights.py --json": RunAsWritten(
         ("--quick",), ("push_vs_raw_100m", "ipc_push_vs_raw_100m", "stall_vs_load",
                        "stall_keep_vs_recompute", "push_seconds_by_receivers",
                        "push_growth_per_doubling", "relay_push_growth_per_doubling"),
         slow=True),
     # docs/weights.md: the fan-out curves alone
-    ".venv/bin/python bench/weights.py --fanout-only --json": Run(
+    ".venv/bin/python bench/weights.py --fanout-only --json": RunAsWritten(
         ("--quick",), ("push_seconds_by_receivers", "push_growth_per_doubling",
                        "relay_push_growth_per_doubling", "projected_push_s")),
-    ".venv/bin/python bench/checkpoint.py --json": Run(
+    ".venv/bin/python bench/checkpoint.py --json": RunAsWritten(
         ("--quick",), ("sync_save_s", "async_stall_s", "async_stall_vs_sync")),
-    ".venv/bin/python bench/async.py --json": Run(BENCH_DRY_RUN, ("commands",)),
-    ".venv/bin/python bench/stale.py --json": Run(BENCH_DRY_RUN, ("commands",)),
+    ".venv/bin/python bench/async.py --json": RunAsWritten(BENCH_DRY_RUN, ("commands",)),
+    ".venv/bin/python bench/stale.py --json": RunAsWritten(BENCH_DRY_RUN, ("commands",)),
     # docs/endpoint.md
-    ".venv/bin/python bench/endpoint.py --json": Run(
+    ".venv/bin/python bench/endpoint.py --json": RunAsWritten(
         ("--quick",), ("endpoint_vs_own_loop", "endpoint_vs_raw_vllm", "own_loop_vs_raw_vllm"),
         slow=True),
     "compactionrl up --actors.endpoint.enabled true": Elsewhere(
@@ -528,16 +528,17 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         "tests/integration/test_endpoint_harness.py",
         ("keyvault_agent.py", "--base-url", "--episodes"),
         "needs a running endpoint: that test runs the harness against one"),
-    ".venv/bin/python bench/compaction_cost.py --json": Run(
+    ".venv/bin/python bench/compaction_cost.py --json": RunAsWritten(
         ("--quick",), ("base", "trained", "trained_frozen_summariser",
                        "frozen_vs_trained_stall"), slow=True),
-    ".venv/bin/python bench/horizons.py --json": Run(
+    ".venv/bin/python bench/horizons.py --json": RunAsWritten(
         ("--quick",), ("policies", "sizes", "success"), slow=True),
     ".venv/bin/python bench/gpu_check.py --json": Elsewhere(
         "tests/unit/test_gpu_check.py", ("--dry-run", "--json"),
         "needs a CUDA device; that test runs it as written (refused without CUDA, saying "
         "to add --dry-run) and its whole dry run, whose report it checks part by part"),
-    ".venv/bin/python bench/ablations.py --quick": Run(BENCH_DRY_RUN, prints=("dry run:",)),
+    ".venv/bin/python bench/ablations.py --quick": RunAsWritten(BENCH_DRY_RUN,
+                                                                 prints=("dry run:",)),
     # docs/deploy.md
     "docker build -f deploy/Dockerfile -t registry.example.com/compactionrl:latest .": Offline(
         "needs a Docker daemon and the network (base image, vLLM); here: the Dockerfile and "
@@ -545,7 +546,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     "docker push registry.example.com/compactionrl:latest": Offline(
         "needs a registry; here: it pushes the tag the build step makes",
         check_pushed_tag_is_built),
-    "compactionrl keys init keys --clients 1": Run(
+    "compactionrl keys init keys --clients 1": RunAsWritten(
         in_tmp=True, prints=("authorized client keys: keys/authorized",)),
     "kubectl create secret generic compactionrl-keys --from-file=keys/": Offline(
         f"{CLUSTER}; here: every key the manifests mount from the Secret is a file "
@@ -565,7 +566,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         f"{CLUSTER}; here: the StatefulSet exists", check_workload("StatefulSet")),
     "kubectl scale deployment/actors-h100 --replicas 16": Offline(
         f"{CLUSTER}; here: the Deployment exists", check_workload("Deployment")),
-    "source .venv/bin/activate": Run(),
+    "source .venv/bin/activate": RunAsWritten(),
     "sbatch deploy/slurm/compactionrl.sbatch --run.out_dir /shared/runs": Elsewhere(
         "tests/unit/test_deploy_manifests.py", ("--run.out_dir",),
         "no Slurm here: that test runs the script with stand-ins for srun, scontrol and "
@@ -578,7 +579,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         "arguments parse and deploy/k8s/run.toml loads", check_actor_on_cluster),
     # docs/design.md
     "compactionrl config show --learner.advantage independent "
-    "--actors.compaction.keep_steps 1": Run(
+    "--actors.compaction.keep_steps 1": RunAsWritten(
         prints=('advantage = "independent"', "keep_steps = 1")),
     # docs/deploy.md: the GPU check's wheels, for a machine without the project
     "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
@@ -594,12 +595,12 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         "tests/unit/test_gpu_check.py", ("--json", "--out"),
         "needs a GPU; that test runs its dry run with these arguments"),
     # docs/deploy.md: starts nothing, whatever the machine
-    "compactionrl up --plan --gpus 8 --config deploy/configs/gpu-8xh100.toml": Run(
+    "compactionrl up --plan --gpus 8 --config deploy/configs/gpu-8xh100.toml": RunAsWritten(
         prints=("weights over nccl", "0,1,2,3")),
     # the 7B folder is not here: the plan says the memory was not checked (the
     # arithmetic itself is tests/unit/test_memory_plan.py's, with the 7B's shape)
     "compactionrl up --plan --gpus 8 --gpu-memory-gib 79.6 --config "
-    "deploy/configs/gpu-8xh100.toml": Run(prints=("weights over nccl",
+    "deploy/configs/gpu-8xh100.toml": RunAsWritten(prints=("weights over nccl",
                                                    "memory: not checked: no config.json")),
     # docs/environments.md: the bring-your-own guide, run in a temporary folder
     "compactionrl model init --out runs/qwen3-tiny": Elsewhere(
@@ -629,7 +630,7 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
         "with the shipped local-cpu.toml, the arguments parse and configure",
         check_up_with_my_toml),
     # 0: a run is up; 1: the run folder holds a finished run; 2: there is none yet
-    "compactionrl status": Run(exit_codes=(0, 1, 2)),
+    "compactionrl status": RunAsWritten(exit_codes=(0, 1, 2)),
     "compactionrl actor --config RUN/config.toml --replay tcp://HOST:5555 --learner "
     "tcp://HOST:5557 --actor-id my-gpu-box-0 --index 0": Elsewhere(
         "tests/faults/test_up_faults.py",
@@ -644,14 +645,14 @@ COMMANDS: dict[str, Run | Elsewhere | Offline] = {
     "compactionrl eval --model runs/local-cpu/export --baseline runs/base-model": Offline(
         "compares the policy `make demo` trains with the base: run with the tiny model as "
         "both, on 2 episodes", run_eval_against_baseline, slow=True),
-    "python bench/async.py --json --steps 12 --step-latency 0.3 --episodes 200": Run(
+    "python bench/async.py --json --steps 12 --step-latency 0.3 --episodes 200": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
     # docs/results.md (written by bench/ablations.py: the command of the last
     # invocation of each recipe's table, which was made in parts)
     "python bench/ablations.py --json --variants full,advantage=independent,"
-    "train_summary=false,loss_norm=segment,advantage=grpo,compaction=false": Run(
+    "train_summary=false,loss_norm=segment,advantage=grpo,compaction=false": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
-    "python bench/ablations.py --json --recipe paper": Run(
+    "python bench/ablations.py --json --recipe paper": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
     "python -m deploy.answer_lengths runs/ablations-paper-padreward/full-seed0 "
     "runs/ablations-paper-padreward/full-seed1": Offline(
@@ -702,7 +703,7 @@ def test_every_benchmark_is_run_as_documented() -> None:
     """Each benchmark has a documented command that runs here: by this test,
     or by the test named (``Elsewhere``, which holds its arguments)."""
     ran = " ".join(command for command, entry in COMMANDS.items()
-                   if isinstance(entry, Run | Elsewhere))
+                   if isinstance(entry, RunAsWritten | Elsewhere))
     missing = [path.name for path in sorted((ROOT / "bench").glob("*.py"))
                if f"bench/{path.name}" not in ran]
     assert not missing, f"benchmarks no documented command runs: {missing}"
@@ -717,8 +718,8 @@ def test_paths_named_in_the_docs_exist() -> None:
     assert not missing, f"paths the docs name that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("command, entry", _params(Run))
-def test_documented_command_runs(command: str, entry: Run, tmp_path: Path,
+@pytest.mark.parametrize("command, entry", _params(RunAsWritten))
+def test_documented_command_runs(command: str, entry: RunAsWritten, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path if entry.in_tmp else ROOT)
     shell = _documented(command).shell

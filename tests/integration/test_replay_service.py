@@ -17,7 +17,7 @@ from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
 from replay.service import VERSION_AHEAD, ReplayService
-from tests.faults.proxy import FaultProxy
+from tests.fault_proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
 from tests.processes import wait_until
 from tests.protocol_clients import ActorClient, LearnerClient
