@@ -16,8 +16,7 @@ from actors.config import CompactionConfig
 from actors.context import CompactionContext, Generation, TurnTokens
 from learner.batch import to_train_batch
 from learner.config import LearnerConfig
-from learner.models import load_critic, load_policy
-from learner.ppo import PPOTrainer
+from learner.ppo import sequence_advantages
 from protocol import Array, ErrorCode, ProtocolError
 from protocol.synthetic import synthetic_batch
 from protocol.validation import check_segment_content
@@ -89,19 +88,17 @@ def test_a_shared_summary_prefix_keeps_the_execution_segment_s_step_rewards() ->
     assert all(s.token_rewards is None for s in train.sequences if s.rollout != 0)
 
 
-def test_gae_adds_a_step_reward_to_the_advantages_up_to_its_token(tiny_model_dir: Path) -> None:
+def test_gae_adds_a_step_reward_to_the_advantages_up_to_its_token() -> None:
     """gamma = lambda = 1: a step reward r adds exactly r to the advantage of
     every trainable token of its segment up to its own, and nothing elsewhere."""
     config = LearnerConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
-    ppo = PPOTrainer(load_policy(str(tiny_model_dir), torch.float64),
-                     load_critic(str(tiny_model_dir), torch.float64), config)
     plain = to_train_batch(synthetic_batch(rollouts=4, seed=5), train_summary=True)
     shaped_batch, position = with_step_reward(synthetic_batch(rollouts=4, seed=5), 1, 0.75)
     shaped = to_train_batch(shaped_batch, train_summary=True)
     values = [torch.linspace(-0.5, 0.5, len(s.tokens), dtype=torch.float64)
               for s in plain.sequences]
-    before, _ = ppo._gae(plain, plain.sequences, values)
-    after, _ = ppo._gae(shaped, shaped.sequences, values)
+    before, _ = sequence_advantages(config, plain, plain.sequences, values)
+    after, _ = sequence_advantages(config, shaped, shaped.sequences, values)
     for index, (sequence, old, new) in enumerate(zip(plain.sequences, before, after,
                                                      strict=True)):
         difference = (new - old).double()
