@@ -151,7 +151,7 @@ def test_cli_plan_prints_json_and_starts_nothing(capsys: pytest.CaptureFixture[s
 
 def test_gpus_other_than_present_only_preview(capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("deploy.placement.gpus_present", lambda: 0)
+    monkeypatch.setattr("deploy.placement.on_gpu", lambda: False)
     assert main(["up", "--gpus", "2"]) == 2
     assert "only previews a plan" in capsys.readouterr().err
 
@@ -204,8 +204,7 @@ def test_up_starts_node_0_of_a_learner_on_several_nodes_and_names_the_others_com
     import deploy.up
 
     started: list[Up] = []
-    for where in ("deploy.placement.gpus_present", "deploy.up.gpus_present"):
-        monkeypatch.setattr(where, lambda: 0)
+    monkeypatch.setattr("deploy.placement.on_gpu", lambda: False)
     monkeypatch.setattr(deploy.up, "prepare_model", lambda config: None)
     # no model is bootstrapped here, so the episode check has none to load
     monkeypatch.setattr(actors.preflight, "check_episode_setup", _no_check)
