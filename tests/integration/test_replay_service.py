@@ -16,7 +16,8 @@ from protocol import PROTOCOL_VERSION, Abandon, ErrorCode, Stamp, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
-from replay.service import VERSION_AHEAD, ReplayService
+from replay.ingest import VERSION_AHEAD
+from replay.service import ReplayService
 from tests.fault_proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
 from tests.processes import wait_until
@@ -117,7 +118,7 @@ def test_another_message_under_a_stored_seq_is_taken_for_a_resend(replay: Replay
 def test_tokens_one_version_ahead_of_the_learner_s_request_are_taken_as_fresh(
         replay: ReplayThread) -> None:
     """The learner's request for version v can reach a restarted replay
-    after the actors' first tokens of v (replay/service.py: VERSION_AHEAD):
+    after the actors' first tokens of v (replay/ingest.py: VERSION_AHEAD):
     they are stored and served at staleness 0, not refused."""
     learner = replay.learner()
     learner.request(1, version=3)
@@ -204,7 +205,7 @@ def test_tokens_newer_than_the_learner_s_version_are_refused_from_the_first_segm
     assert f"outside the window [0, {VERSION_AHEAD}]" in error.text
     assert replay.metric("crl_replay_dropped_total", reason="invalid") == 1
     assert actor.pump_until(lambda: replay.metric("crl_replay_credits_outstanding") == 1)
-    assert rollout not in replay.service.buffer.pending
+    assert rollout not in replay.service.book.buffer.pending
     actor.errors.clear()
     learner = replay.learner()
     learner.request(1, version=7)
@@ -491,7 +492,7 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
         actor.hello()
         pushed = [actor.push_rollout(segments=1)]
         link.request(2, 0)
-        assert actor.pump_until(lambda: len(replay.service.batches.parked) == 1)
+        assert actor.pump_until(lambda: len(replay.service.serving.batches.parked) == 1)
         with proxy.partition():  # the batch is held, then lost with the connection
             pushed.append(actor.push_rollout(segments=1))
             assert actor.pump_until(lambda: replay.metric("crl_replay_batches_total") == 1)
@@ -520,7 +521,7 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
 
 
 def test_the_log_is_compacted_once_served_rollouts_dominate(replay: ReplayThread) -> None:
-    replay.service.compact_min_bytes = 0
+    replay.service.book.compact_min_bytes = 0
     actor = replay.actor()
     actor.hello()
     for _ in range(6):
@@ -562,7 +563,7 @@ def test_backpressure_when_the_learner_stops(replay: ReplayThread) -> None:
         start_what_credits_allow()
         actor.pump(0.1)
     assert started == 4
-    assert replay.service.buffer.nbytes <= 2 * 1024 * 1024
+    assert replay.service.book.buffer.nbytes <= 2 * 1024 * 1024
     learner = replay.learner()
     learner.request(2, version=0)
     assert learner.receive(10.0) is not None
@@ -610,7 +611,7 @@ def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay:
     assert replay.metric("crl_replay_segments_total", result="accepted") == 3
     # nothing of the flood is held: the buffer holds the good rollout only
     good = sum(len(encode(s)) for s in actor.acked.values())
-    assert replay.service.buffer.nbytes == good
+    assert replay.service.book.buffer.nbytes == good
     hostile.close(linger=0)
 
 
@@ -638,7 +639,7 @@ def test_segments_the_log_cannot_recover_are_skipped_and_counted(tmp_path: Path)
         registry = service.metrics.registry
         assert registry.get_sample_value("crl_replay_recovered_segments_total") == 1
         assert registry.get_sample_value("crl_replay_unrecoverable_segments_total") == 2
-        assert list(service.buffer.ready) == ["r-0"]
+        assert list(service.book.buffer.ready) == ["r-0"]
     finally:
         service.close()
 

@@ -1,0 +1,131 @@
+"""The replay's learner-facing side: batch requests, parked until enough
+ready rollouts exist and then answered with a ``Batch``
+(replay/batches.py keeps the requests and the batches served).
+
+The last ``Batch`` is kept until the learner's next request: the same
+request again (after a reconnect: the batch may have been lost with the
+connection) gets the same bytes again, never a second batch. The socket is
+the learner's alone: a message with another ``sender_id`` is refused.
+
+Usage::
+
+    serving = LearnerServing(endpoint, book, stamp, run_id)
+    if serving.receive():         # a pass; True when a batch was asked for
+        ingest.offer_credits()
+    serving.serve_parked()        # after new rollouts became ready
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from protocol import (
+    LEARNER_ID,
+    Batch,
+    BatchRequest,
+    ErrorCode,
+    LearnerHello,
+    LearnerWelcome,
+    Message,
+    StalenessStats,
+    Stamp,
+    encode,
+)
+from protocol.endpoint import Handler, Received, ServerEndpoint
+from replay.batches import BatchServer, ServedBatch
+from replay.book import RolloutBook
+from replay.buffer import to_rollout
+
+log = logging.getLogger("compactionrl.replay")
+
+
+class LearnerServing:
+    def __init__(self, endpoint: ServerEndpoint, book: RolloutBook, stamp: Stamp,
+                 run_id: str) -> None:
+        self.endpoint = endpoint
+        self.book = book
+        self.run_id = run_id
+        self.batches = BatchServer()
+        self._stamp = stamp
+        self._handlers: dict[type[Message], Handler] = {
+            LearnerHello: self._on_learner_hello, BatchRequest: self._on_batch_request}
+        self._asked = False
+        """A batch request arrived in the pass under way."""
+
+    def receive(self) -> bool:
+        """One pass over what the learner socket holds, then serve what
+        waits; True when a batch was asked for (a learner step is done: its
+        credits are free)."""
+        self._asked = False
+        for received in self.endpoint.receive():
+            if received.message.sender_id != LEARNER_ID:  # the socket is the learner's alone
+                self.endpoint.refuse(received, ErrorCode.IDENTITY,
+                                     f"the learner socket serves {LEARNER_ID!r} only")
+                continue
+            self.endpoint.dispatch(self._handlers, received)
+        self.serve_parked()
+        return self._asked
+
+    def _on_learner_hello(self, received: Received) -> None:
+        config = self.book.config
+        self.endpoint.send(received.identity, LearnerWelcome(
+            **self._stamp.next(), run_id=self.run_id, policy_version=self.book.learner_version,
+            rollouts_per_batch=config.rollouts_per_batch, max_staleness=config.max_staleness))
+
+    def _on_batch_request(self, received: Received) -> None:
+        identity, request = received.identity, received.message
+        if request.size < 0:
+            self.endpoint.refuse(received, ErrorCode.INVALID, f"size {request.size} < 0")
+            return
+        self.book.set_learner_version(request.policy_version)
+        if (frame := self.batches.resent(identity, request)) is not None:
+            # asked again after a reconnect: the batch may be lost on the way
+            self.book.metrics.batches_resent.inc()
+            self.endpoint.send_frame(identity, frame)
+            return
+        self.book.pacer.learner_waiting()
+        if (served := self.batches.ask(identity, request)) is not None:
+            self._confirm(served, request)
+        self._asked = True
+
+    def _confirm(self, served: ServedBatch, request: BatchRequest) -> None:
+        """A new request: the batch ``served`` before it arrived, or (from a
+        new incarnation) its learner died with it."""
+        book = self.book
+        if request.incarnation == served.request[0]:
+            for entry in served.entries:
+                book.count_finished(entry, "trained")
+                book.release(entry)
+        else:
+            book.buffer.restore(served.entries)
+            book.pacer.returned(len(served.entries))
+            book.metrics.batches_returned.inc()
+            log.info("a new learner incarnation asks: the %d rollouts served to the last one "
+                     "are served again", len(served.entries))
+            book.drop_stale()
+
+    def serve_parked(self) -> None:
+        """Answer the waiting requests, oldest first, while ready rollouts last."""
+        book, metrics = self.book, self.book.metrics
+        while (waiting := self.batches.waiting()) is not None:
+            identity, request = waiting
+            version = book.learner_version
+            entries = book.buffer.take(request.size, version)
+            if not entries:
+                return
+            book.pacer.consumed(len(entries))
+            staleness = np.array([e.staleness(version) for e in entries])
+            for value in staleness:
+                metrics.staleness.observe(value)
+            metrics.batches.inc()
+            frame = encode(Batch(
+                **self._stamp.next(), policy_version=version,
+                rollouts=[to_rollout(e, version) for e in entries],
+                staleness=StalenessStats(
+                    min=int(staleness.min()), max=int(staleness.max()),
+                    mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
+                    p95=float(np.percentile(staleness, 95)))))
+            self.batches.served(identity, request, frame, entries)
+            self.endpoint.send_frame(identity, frame)
