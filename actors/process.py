@@ -9,7 +9,8 @@ Protocol with the replay (DEALER -> ROUTER):
   credits in an ``Ack`` lost with a dropped connection are made up (counted).
 - Every closed segment is sent at once and kept until an ``Ack`` lists its
   seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
-  same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates.
+  same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates
+  (:class:`actors.replay_link.ReplayLink`).
 - ``Heartbeat`` every ``heartbeat_interval_s``, and at once whenever an
   episode starts or ends: it carries the episodes in flight, which the replay
   counts as lost if this process dies (a periodic report alone would miss
@@ -51,14 +52,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import itertools
 import logging
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -68,35 +66,20 @@ from actors.config import ActorConfig
 from actors.context import SegmentData
 from actors.endpoint import EndpointError, RecordingEndpoint, serve_until
 from actors.engine import Engine
-from actors.envs.base import Environment, load_environment
-from actors.episode import EpisodeResult, run_episode
+from actors.episode import EpisodeResult
 from actors.learner_link import LearnerLink
 from actors.metrics import ActorMetrics
 from actors.preflight import check_episode_setup
-from actors.state import CreditAccount, LearnerView, Outbox
+from actors.replay_link import ReplayLink
+from actors.slots import EpisodeSlots, InFlight
+from actors.state import LearnerView
 from ops.metrics import Health, MetricsServer
-from protocol import (
-    Abandon,
-    Ack,
-    EngineInfo,
-    Error,
-    ErrorCode,
-    Heartbeat,
-    Hello,
-    Message,
-    ProtocolError,
-    Stamp,
-    Welcome,
-    encode,
-)
+from protocol import EngineInfo, Error, Heartbeat, ProtocolError, Stamp
 from protocol.endpoint import ClientEndpoint, connection_id
 from protocol.transport import TransportConfig, connect_dealer
 
 log = logging.getLogger("compactionrl.actor")
 
-#: How often the resend loop looks for overdue segments, as a fraction of the
-#: ack timeout: fine enough that a resend is at most 25 % late.
-RESEND_CHECK_FRACTION = 0.25
 #: How often the actor looks whether its engine still runs: vLLM marks it
 #: dead within a second of its engine core's exit.
 ENGINE_CHECK_S = 1.0
@@ -118,14 +101,6 @@ class ActorSettings:
     run_seed: int = 0
     index: int = 0
     """Position among the actors of a launcher (offsets the metrics port and engine seed)."""
-
-
-def training_seed(run_seed: int, actor_id: str, incarnation: int, n: int) -> int:
-    """Episode seed, in [0, EVALUATION_SEEDS_FROM): distinct across actors,
-    incarnations and episodes."""
-    digest = hashlib.blake2b(f"{run_seed}/{actor_id}/{incarnation}/{n}".encode(),
-                             digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
 
 async def run_actor(settings: ActorSettings) -> int:
@@ -167,7 +142,7 @@ class Actor:
         self.engine = engine
         self.replay = replay
         self.learner = learner
-        self.incarnation = time.time_ns()
+        self.in_flight = InFlight(settings.actor_id, time.time_ns())
         self.stamp = Stamp(settings.actor_id, self.incarnation)
         self.metrics = ActorMetrics()
         self.engine_info = EngineInfo(device=engine.device(), dtype=engine.dtype(),
@@ -176,15 +151,10 @@ class Actor:
         # a template or a tool parser that cannot serve this model is refused at start
         self.chat = ChatFormat(engine.tokenizer, self.config.compaction, self.config.environment)
         self.chat.tool_calls.check()
-        self.credits = CreditAccount()
-        self.outbox = Outbox()
         self.weights = LearnerView()
-        self.active_episodes = 0
-        self.episode_ended = asyncio.Event()
-        """Set when an episode ends: the heartbeat task tells the replay at once
-        (a start is told by the episode itself, before it begins)."""
-        self.replay_handlers: dict[type[Message], Callable[[Any], None]] = {
-            Welcome: self._on_welcome, Ack: self._on_ack, Error: self._on_replay_error}
+        self.replay_link = ReplayLink(replay, self.engine_info, self.config, self.weights,
+                                      self.metrics, lambda: self.stamp.next(), self._refused,
+                                      self._declared_dead)
         self.learner_link = (LearnerLink(learner, engine, self.engine_info, self.config,
                                          settings.transport.curve, self.weights, self.metrics,
                                          lambda: self.stamp.next(), self._refused)
@@ -195,15 +165,18 @@ class Actor:
         self.health.readiness = lambda: (None if self.replay.registered.is_set()
                                          else "registering with the replay")
         self._stopping = asyncio.Event()
-        self._episode_numbers = itertools.count()
-        self._slots: list[asyncio.Task] = []
+        self.slots = EpisodeSlots(self.config, settings.run_seed, engine, self.chat,
+                                  self.metrics, self.replay_link, self.in_flight,
+                                  self._weights_fresh, self._stopping,
+                                  lambda: self._send_heartbeat(self.replay))
         self.endpoint = (RecordingEndpoint(self, settings.model)
                          if self.config.endpoint.enabled else None)
         self._ending_sessions: asyncio.Task | None = None
-        self._open_rollouts: set[str] = set()
-        """The rollouts of this incarnation's own episodes begun and not yet
-        finished (final segment sent) nor given up."""
         self.engine_died = False
+
+    @property
+    def incarnation(self) -> int:
+        return self.in_flight.incarnation
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -226,12 +199,8 @@ class Actor:
     async def _serve(self) -> int:
         self.metrics.set_engine(self.engine_info)
         self.metrics.episode_slots.set(self.config.concurrent_episodes)
-        retry_s = self.config.hello_retry_s
-        coroutines = [
-            self.replay.serve(self.replay_handlers, self._dropped("replay")),
-            self.replay.register(self._replay_hello, retry_s), self._heartbeat(),
-            self._resend(), self._watch_engine(),
-            self.replay.count_disconnects(self.metrics.disconnects.labels("replay").inc)]
+        coroutines = [*self.replay_link.coroutines(self._dropped("replay")),
+                      self._heartbeat(), self._watch_engine()]
         if self.learner_link is not None:
             coroutines += self.learner_link.coroutines(self._dropped("learner"))
         if self.endpoint is not None:
@@ -241,25 +210,25 @@ class Actor:
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
         self._start_slots()
         await self._stopping.wait()
-        log.info("stopping: %s in-flight episodes (%s)", self.active_episodes,
+        log.info("stopping: %s in-flight episodes (%s)", self.in_flight.count,
                  self.config.on_shutdown)
         deadline = time.monotonic() + self.config.shutdown_deadline_s
-        slots = self._slots
+        slots = self.slots.tasks
         if self.config.on_shutdown == "abandon":
-            self._abandon_episodes()
+            self.slots.cancel()
         await asyncio.wait(slots, timeout=max(0.0, deadline - time.monotonic()))
         for task in slots:
             task.cancel()
         if self.endpoint is not None:  # its sessions abandoned, told to the replay
             await self.endpoint.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.outbox.empty.wait(),
+            await asyncio.wait_for(self.replay_link.outbox.empty.wait(),
                                    max(0.0, deadline - time.monotonic()))
         for task in background:
             task.cancel()
         await asyncio.gather(*background, *slots, return_exceptions=True)
-        if self.outbox:
-            log.error("%d segments never acknowledged", len(self.outbox))
+        if self.replay_link.outbox:
+            log.error("%d segments never acknowledged", len(self.replay_link.outbox))
             return 1
         return ENGINE_DIED_EXIT if self.engine_died else 0
 
@@ -271,86 +240,16 @@ class Actor:
         while not self.engine.dead:
             await asyncio.sleep(ENGINE_CHECK_S)
         log.error("the vLLM engine died: giving up %d rollouts in flight; exiting with code "
-                  "%d for a restart", len(self._open_rollouts), ENGINE_DIED_EXIT)
+                  "%d for a restart", len(self.slots.open_rollouts), ENGINE_DIED_EXIT)
         self.engine_died = True
-        self._abandon_episodes()
-        # once their tasks are done, so that no segment follows an Abandon
-        await asyncio.gather(*self._slots, return_exceptions=True)
-        for rollout_id in sorted(self._open_rollouts):
-            await self._send_abandon(rollout_id)
+        await self.slots.give_up()
         self._stopping.set()
 
     # ------------------------------------------------------------------ episodes
 
     def _start_slots(self) -> None:
         """The actor's own episodes (none where a harness drives the endpoint)."""
-        self._slots = [asyncio.create_task(self._episode_slot(slot))
-                       for slot in range(self.config.concurrent_episodes
-                                         if self.endpoint is None else 0)]
-
-    def _abandon_episodes(self) -> None:
-        """Cancel the episodes in flight (their engine requests are aborted)."""
-        self.metrics.abandoned_rollouts.inc(self.active_episodes)
-        for task in self._slots:
-            task.cancel()
-
-    async def _episode_slot(self, slot: int) -> None:
-        environment = load_environment(self.config.environment.factory,
-                                       self.config.environment.options)
-        try:
-            while await self._take_credit():
-                n = next(self._episode_numbers)
-                task_seed, sampling_seed = (
-                    training_seed(self.settings.run_seed, self.settings.actor_id,
-                                  self.incarnation, number)
-                    for number in (n // self.config.group_size, n))
-                rollout_id = f"{self.settings.actor_id}-{self.incarnation}-{n}"
-                self.active_episodes += 1
-                self._open_rollouts.add(rollout_id)
-                try:
-                    # queued before anything else can run: a weight load may hold
-                    # the event loop for seconds, and the heartbeat task with it
-                    await self._send_heartbeat(self.replay)
-                    self.metrics.active_rollouts.inc()
-                    try:
-                        await self._play(environment, rollout_id, task_seed, sampling_seed)
-                    finally:
-                        self.metrics.active_rollouts.dec()
-                except Exception as exc:  # a turn failed (the engine's): the episode cannot go on
-                    if self.engine.dead:
-                        return  # the watcher gives the rollout up and stops the actor
-                    log.error("episode %s given up: %r", rollout_id, exc)
-                    self.metrics.abandoned_rollouts.inc()
-                    self._open_rollouts.discard(rollout_id)
-                    await self._send_abandon(rollout_id)
-                finally:
-                    self.active_episodes -= 1
-                    self.episode_ended.set()
-        finally:
-            await environment.close()
-
-    async def _take_credit(self) -> bool:
-        """Wait for weights fresh enough and a credit, and spend it; False once
-        the actor is stopping."""
-        began = time.monotonic()
-        while not self._weights_fresh() and not self._stopping.is_set():
-            await self._until(self.weights.changed)
-        self.metrics.stall("weights", time.monotonic() - began)
-        began = time.monotonic()
-        while not self._stopping.is_set() and not self.credits.spend():
-            await self._until(self.credits.available)
-        self.metrics.credits_held.set(self.credits.credits)
-        self.metrics.stall("credits", time.monotonic() - began)
-        return not self._stopping.is_set()
-
-    async def _until(self, event: asyncio.Event) -> None:
-        """Clear ``event`` and wait until it is set again or the actor stops."""
-        event.clear()
-        woken = asyncio.create_task(event.wait())
-        stop = asyncio.create_task(self._stopping.wait())
-        await asyncio.wait([woken, stop], return_when=asyncio.FIRST_COMPLETED)
-        woken.cancel()
-        stop.cancel()
+        self.slots.start(self.config.concurrent_episodes if self.endpoint is None else 0)
 
     def _weights_fresh(self) -> bool:
         """Generating now gives tokens the replay accepts (always, without a learner)."""
@@ -358,34 +257,9 @@ class Actor:
             return True
         return self.learner.registered.is_set() and self.weights.fresh(self.engine.version)
 
-    async def _play(self, environment: Environment, rollout_id: str, seed: int,
-                    sampling_seed: int) -> None:
-        index = itertools.count()
-
-        async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
-            if result is not None:  # the final segment: nothing of it is left to give up
-                self._open_rollouts.discard(rollout_id)
-            await self.send_segment(rollout_id, task_id, next(index), segment, result)
-
-        result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit,
-                                   sampling_seed=sampling_seed)
-        self.metrics.episode_finished(result.reward, result.stats, result.summary_seconds,
-                                      result.observations_cut, result.tool_call_errors)
-
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: SegmentData, result: EpisodeResult | None) -> None:
-        header = self.stamp.next()
-        message = segment.to_message(header, rollout_id, task_id, index,
-                                     None if result is None else result.reward,
-                                     None if result is None else result.stats)
-        self.metrics.segments_sent.inc()
-        await self._send_kept(header["seq"], encode(message))
-
-    async def _send_kept(self, seq: int, frame: bytes) -> None:
-        """Send a frame the replay acknowledges by seq, kept and resent until it does."""
-        self.outbox.sent(seq, frame, time.monotonic())
-        self.metrics.unacked_segments.set(len(self.outbox))
-        await self.replay.send_frame(frame)
+        await self.replay_link.send_segment(rollout_id, task_id, index, segment, result)
 
     # ------------------------------------------------------------------ harness sessions
 
@@ -401,30 +275,24 @@ class Actor:
         if not self._weights_fresh():
             raise EndpointError(429, "weights_behind", "the actor's weights are more than "
                                 "max_staleness versions behind the learner's: retry shortly")
-        if not self.credits.spend():
+        if not self.replay_link.credits.spend():
             raise EndpointError(429, "no_credit", "no rollout credit is free: retry shortly")
-        self.metrics.credits_held.set(self.credits.credits)
-        self.active_episodes += 1
+        self.metrics.credits_held.set(self.replay_link.credits.credits)
+        self.in_flight.begun()
         self.metrics.active_rollouts.inc()
         await self._send_heartbeat(self.replay)
-        return f"{self.settings.actor_id}-{self.incarnation}-{next(self._episode_numbers)}"
+        return self.in_flight.next_rollout()[1]
 
     async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
         """A harness session ended; ``abandoned``: without a reward, so the
         replay drops the rollout and returns its credit. A rollout of an
         incarnation already declared dead is not told: the replay expired it."""
-        self.active_episodes -= 1
+        self.in_flight.finished()
         self.metrics.active_rollouts.dec()
-        self.episode_ended.set()
         if abandoned:
             self.metrics.abandoned_rollouts.inc()
-            if rollout_id.startswith(f"{self.settings.actor_id}-{self.incarnation}-"):
-                await self._send_abandon(rollout_id)
-
-    async def _send_abandon(self, rollout_id: str) -> None:
-        """Tell the replay a rollout is given up: it drops it and returns its credit."""
-        header = self.stamp.next()
-        await self._send_kept(header["seq"], encode(Abandon(**header, rollout_id=rollout_id)))
+            if self.in_flight.ours(rollout_id):
+                await self.replay_link.send_abandon(rollout_id)
 
     # ------------------------------------------------------------------ both links
 
@@ -442,55 +310,26 @@ class Actor:
         while True:
             self.health.beat()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.episode_ended.wait(),
+                await asyncio.wait_for(self.in_flight.ended.wait(),
                                        self.settings.transport.heartbeat_interval_s)
-            self.episode_ended.clear()
+            self.in_flight.ended.clear()
             for link in (self.replay, self.learner):
                 if link is not None:
                     await self._send_heartbeat(link)
 
     async def _send_heartbeat(self, link: ClientEndpoint) -> None:
         await link.send(Heartbeat(
-            **self.stamp.next(), active_rollouts=self.active_episodes,
-            stall_seconds=self.metrics.stall_totals(), credit_ledger=self.credits.ledger,
-            credits_seen=self.credits.seen))
+            **self.stamp.next(), active_rollouts=self.in_flight.count,
+            stall_seconds=self.metrics.stall_totals(),
+            credit_ledger=self.replay_link.credits.ledger,
+            credits_seen=self.replay_link.credits.seen))
 
-    # ------------------------------------------------------------------ replay link
+    # ------------------------------------------------------------------ incarnations
 
-    def _replay_hello(self) -> Hello:
-        return Hello(**self.stamp.next(), engine=self.engine_info,
-                     capacity=self.config.concurrent_episodes)
-
-    def _on_welcome(self, welcome: Welcome) -> None:
-        # the staleness bound's one source: the replay's configuration
-        self.weights.max_staleness = welcome.max_staleness
-        # counted by the ledger: a second Welcome (a Hello retried) or an Ack
-        # before it adds only what it has that was not seen
-        self._grant(welcome)
-        self.replay.welcomed()
-
-    def _on_ack(self, ack: Ack) -> None:
-        self.outbox.settle(ack.stored_seqs)
-        self.metrics.unacked_segments.set(len(self.outbox))
-        # The replay hears of a new learner version before the weights are
-        # announced: credits granted for it must wait for them.
-        self.weights.heard(ack.policy_version)
-        self._grant(ack)
-
-    def _grant(self, reply: Ack | Welcome) -> None:
-        # more than this reply granted: the rest came in replies that were lost
-        self.metrics.credits_recovered.inc(
-            self.credits.grant(reply.credit_ledger, reply.credits_total, reply.credits))
-        self.metrics.credits_held.set(self.credits.credits)
-
-    def _on_replay_error(self, error: Error) -> None:
-        self._refused("replay", error)
-        # a rejection is final: the same bytes would be rejected again
-        if error.ref_seq is not None and self.outbox.settle([error.ref_seq]):
-            self.metrics.unacked_segments.set(len(self.outbox))
-        # about this incarnation (older seqs: one already left behind)
-        if (error.code == ErrorCode.DEAD_INCARNATION and error.ref_seq is not None
-                and error.ref_seq >= self.stamp.first_seq and not self._stopping.is_set()):
+    def _declared_dead(self, ref_seq: int) -> None:
+        """The replay refused message ``ref_seq`` as of a dead incarnation:
+        this one if the seq is its own (older seqs: one already left behind)."""
+        if ref_seq >= self.stamp.first_seq and not self._stopping.is_set():
             self._reincarnate()
 
     def _reincarnate(self) -> None:
@@ -499,31 +338,19 @@ class Actor:
         their unacknowledged segments (counted), and the process registers
         again with the replay and the learner."""
         old = self.incarnation
-        self.incarnation = max(time.time_ns(), old + 1)
+        self.in_flight.incarnation = max(time.time_ns(), old + 1)
         self.stamp = Stamp(self.settings.actor_id, self.incarnation,
                            first_seq=self.stamp.next_seq)
         log.warning("the replay declared incarnation %d dead: abandoning %d episodes and %d "
                     "unacknowledged segments; registering as incarnation %d", old,
-                    self.active_episodes, len(self.outbox), self.incarnation)
+                    self.in_flight.count, len(self.replay_link.outbox), self.incarnation)
         self.metrics.reincarnations.inc()
-        self._abandon_episodes()
-        self._open_rollouts.clear()  # expired by the replay
-        self.metrics.segments_abandoned.inc(self.outbox.abandon())
-        self.metrics.unacked_segments.set(0)
-        self.credits.forfeit()
-        self.metrics.credits_held.set(0)
+        self.slots.cancel()
+        self.slots.open_rollouts.clear()  # expired by the replay
+        self.replay_link.forfeit()
         if self.learner_link is not None:
             self.learner_link.forgotten()
-        self.replay.forgotten()
         if self.endpoint is not None:  # harness sessions of the dead incarnation end too
             self._ending_sessions = asyncio.get_running_loop().create_task(
                 self.endpoint.abandon_all())
         self._start_slots()
-
-    async def _resend(self) -> None:
-        timeout = self.config.ack_timeout_s
-        while True:
-            await asyncio.sleep(timeout * RESEND_CHECK_FRACTION)
-            for frame in self.outbox.overdue(time.monotonic(), timeout):
-                self.metrics.segments_resent.inc()
-                await self.replay.send_frame(frame)

@@ -77,26 +77,26 @@ async def _scenario(engine: StandInEngine) -> None:
     socket = ScriptedSocket()
     actor = make_actor("actor-f", engine, socket)
     actor.replay.welcomed()
+    link = actor.replay_link
     episodes: list[int] = []
 
-    async def slot(number: int) -> None:  # an episode that runs until cancelled
-        episodes.append(number)
-        actor.active_episodes += 1
+    async def slot() -> None:  # an episode that runs until cancelled
+        episodes.append(len(episodes))
+        actor.in_flight.begun()
         try:
             await asyncio.Event().wait()
         finally:
-            actor.active_episodes -= 1
+            actor.in_flight.finished()
 
-    actor._episode_slot = slot  # type: ignore[method-assign]
+    actor.slots._slot = slot  # type: ignore[method-assign]
     actor._start_slots()
-    first_slots = actor._slots
+    first_slots = actor.slots.tasks
     for _ in range(10):  # seqs 0..9 sent; 6..9 are segments still unacknowledged
         seq = actor.stamp.next()["seq"]
         if seq >= 6:
-            actor.outbox.sent(seq, b"frame", time.monotonic())
+            link.outbox.sent(seq, b"frame", time.monotonic())
     old_incarnation = actor.incarnation
-    receive = asyncio.create_task(actor.replay.serve(actor.replay_handlers,
-                                                     actor._dropped("replay")))
+    receive = asyncio.create_task(actor.replay.serve(link.handlers, actor._dropped("replay")))
     replay = Stamp("replay", 1)
 
     async def reply(ref_seq: int) -> None:
@@ -114,9 +114,9 @@ async def _scenario(engine: StandInEngine) -> None:
     assert actor.stamp.incarnation == actor.incarnation and actor.stamp.first_seq == 10
     assert all(task.cancelled() for task in first_slots)
     assert len(episodes) == 2 * actor.config.concurrent_episodes  # slots started afresh
-    assert not actor.outbox and actor.outbox.empty.is_set()
-    assert actor.credits.credits == 0
-    register = asyncio.create_task(actor.replay.register(actor._replay_hello, 60.0))
+    assert not link.outbox and link.outbox.empty.is_set()
+    assert link.credits.credits == 0
+    register = asyncio.create_task(actor.replay.register(link.hello, 60.0))
     await asyncio.sleep(0.05)
     [hello] = [decode(frame) for frame in socket.sent]  # forgotten: says Hello again
     assert isinstance(hello, Hello) and hello.incarnation == actor.incarnation
@@ -133,9 +133,9 @@ async def _scenario(engine: StandInEngine) -> None:
     assert actor.incarnation > reborn
     assert count("crl_actor_reincarnations_total") == 2
 
-    for task in (receive, register, *actor._slots):
+    for task in (receive, register, *actor.slots.tasks):
         task.cancel()
-    await asyncio.gather(receive, register, *actor._slots, return_exceptions=True)
+    await asyncio.gather(receive, register, *actor.slots.tasks, return_exceptions=True)
 
 
 def test_a_dead_incarnation_abandons_its_episodes_and_registers_anew(engine) -> None:
@@ -150,7 +150,7 @@ class _Environment:
 async def _heartbeat_scenario(monkeypatch, engine: StandInEngine) -> None:
     socket = ScriptedSocket()
     actor = make_actor("actor-h", engine, socket, TransportConfig(heartbeat_interval_s=3600.0))
-    monkeypatch.setattr("actors.process.load_environment", lambda *_: _Environment())
+    monkeypatch.setattr("actors.slots.load_environment", lambda *_: _Environment())
     credits = iter([True])
     finish = asyncio.Event()
 
@@ -160,15 +160,15 @@ async def _heartbeat_scenario(monkeypatch, engine: StandInEngine) -> None:
     async def play(*_: object) -> None:
         await finish.wait()
 
-    actor._take_credit = take_credit  # type: ignore[method-assign]
-    actor._play = play  # type: ignore[method-assign]
+    actor.slots._take_credit = take_credit  # type: ignore[method-assign]
+    actor.slots._play = play  # type: ignore[method-assign]
 
     async def reported() -> list[int]:
         await asyncio.sleep(0.1)
         return [decode(f).active_rollouts for f in socket.sent]
 
     heartbeat = asyncio.create_task(actor._heartbeat())
-    slot = asyncio.create_task(actor._episode_slot(0))
+    slot = asyncio.create_task(actor.slots._slot())
     assert await reported() == [1]  # at the start, not an interval later
     finish.set()
     await slot
