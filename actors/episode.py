@@ -63,6 +63,32 @@ Emit = Callable[[str, SegmentData, "EpisodeResult | None"], Awaitable[None]]
 only with the last segment."""
 
 
+@dataclass
+class _Tally:
+    """What an episode counts as it goes, for its :class:`EpisodeResult`."""
+
+    steps: int = 0
+    generated: int = 0
+    observations_cut: int = 0
+    summary_seconds: float = 0.0
+    outcome: str = "step_limit"
+    reward: float = 0.0
+    success: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    tool_call_errors: Counter[str] = field(default_factory=Counter)
+
+    def result(self, task: Task, context: CompactionContext, duration_s: float
+               ) -> EpisodeResult:
+        stats = RolloutStats(outcome=self.outcome, success=self.success, steps=self.steps,
+                             compactions=context.compactions, generated_tokens=self.generated,
+                             summary_tokens=context.summary_tokens, duration_s=duration_s,
+                             tags=task.tags)
+        return EpisodeResult(task_id=task.task_id, reward=self.reward, stats=stats,
+                             summary_seconds=self.summary_seconds,
+                             observations_cut=self.observations_cut,
+                             tool_call_errors=self.tool_call_errors, info=self.info)
+
+
 async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat,
                       config: ActorConfig, seed: int, emit: Emit,
                       greedy: bool = False, sampling_seed: int | None = None,
@@ -75,67 +101,64 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
     task = await environment.reset(seed)
     chat = chat.with_tools(task.tools)
     context = CompactionContext(chat.turns(task), config.compaction)
-    tool_call_errors: Counter[str] = Counter()
+    tally = _Tally()
     temperature = 0.0 if greedy else None
     base = seed if sampling_seed is None else sampling_seed
     turn_seeds = iter(range(base * SEED_STRIDE, (base + 1) * SEED_STRIDE))
-    steps = generated = observations_cut = 0
-    summary_seconds = reward = 0.0
-    success = False
-    info: dict[str, Any] = {}
-    outcome = "step_limit"
     last: SegmentData | None = None
-    while steps < config.environment.max_steps:
+    while tally.steps < config.environment.max_steps:
         if context.is_full():
-            outcome = "context_full"
+            tally.outcome = "context_full"
             break
         action = await policy.generate(context.action_prompt(),
                                        context.action_budget(config.sampling.max_turn_tokens),
                                        seed=next(turn_seeds), temperature=temperature)
-        generated += len(action.token_ids)
+        tally.generated += len(action.token_ids)
         try:
             result = await _act(environment, chat, task, chat.strip_end(action.token_ids),
-                                tool_call_errors)
+                                tally.tool_call_errors)
         except Exception as exc:  # a broken environment ends this episode, not the actor
             context.add_step(action, chat.content(f"environment error: {exc}", 64)[0])
-            outcome = "error"
+            tally.outcome = "error"
             break
-        steps += 1
+        tally.steps += 1
         observation, cut = chat.content(result.observation,
                                         config.environment.observation_max_tokens)
-        observations_cut += context.add_step(action, observation, result.step_reward) or cut
+        tally.observations_cut += context.add_step(action, observation, result.step_reward) or cut
         if result.done:
-            outcome, reward, success, info = "done", result.reward, result.success, result.info
+            tally.outcome, tally.reward = "done", result.reward
+            tally.success, tally.info = result.success, result.info
             break
         if not context.needs_compaction():
             continue
         if not context.compaction_allowed():
-            outcome = "compaction_limit"
+            tally.outcome = "compaction_limit"
             break
-        began = time.monotonic()
-        summary = await (summariser or policy).generate(
-            context.summary_prompt(), context.summary_budget(), seed=next(turn_seeds),
-            temperature=temperature)
-        summary_seconds += time.monotonic() - began
-        generated += len(summary.token_ids)
+        summary = await _summarise(summariser or policy, context, next(turn_seeds), temperature,
+                                   tally)
         try:
             closed = context.compact(summary, chat.strip_end(summary.token_ids))
         except CompactionFailed as failed:
             execution, last = failed.args[0]
             await emit(task.task_id, execution, None)
-            outcome = "compaction_failed"
+            tally.outcome = "compaction_failed"
             break
         for segment in closed:
             await emit(task.task_id, segment, None)
-    stats = RolloutStats(outcome=outcome, success=success, steps=steps,
-                         compactions=context.compactions, generated_tokens=generated,
-                         summary_tokens=context.summary_tokens,
-                         duration_s=time.monotonic() - start, tags=task.tags)
-    episode = EpisodeResult(task_id=task.task_id, reward=reward, stats=stats,
-                            summary_seconds=summary_seconds, observations_cut=observations_cut,
-                            tool_call_errors=tool_call_errors, info=info)
+    episode = tally.result(task, context, time.monotonic() - start)
     await emit(task.task_id, last if last is not None else context.finish(), episode)
     return episode
+
+
+async def _summarise(summariser: Policy, context: CompactionContext, seed: int,
+                     temperature: float | None, tally: _Tally) -> Generation:
+    """The summary of the context so far, its time and tokens counted."""
+    began = time.monotonic()
+    summary = await summariser.generate(context.summary_prompt(), context.summary_budget(),
+                                        seed=seed, temperature=temperature)
+    tally.summary_seconds += time.monotonic() - began
+    tally.generated += len(summary.token_ids)
+    return summary
 
 
 async def _act(environment: Environment, chat: ChatFormat, task: Task, action: list[int],

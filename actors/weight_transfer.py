@@ -26,8 +26,11 @@ the caller must not generate with it until then.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from protocol.messages import TensorSpec, WeightManifest
 
 BACKEND = "compactionrl"
 
@@ -61,6 +64,21 @@ class ManifestUpdateInfo:
     shapes: list[list[int]] = field(default_factory=list)
     bucket_bytes: int = 0
 
+    def manifest(self) -> WeightManifest:
+        return WeightManifest(
+            tensors=[TensorSpec(n, d, tuple(s)) for n, d, s in zip(
+                self.names, self.dtypes, self.shapes, strict=True)],
+            bucket_bytes=self.bucket_bytes)
+
+
+def _repack_tied_lm_head(model: Any, model_config: Any) -> None:
+    """With tied embeddings the CPU build keeps lm_head's own packed copy of
+    the embedding, which vLLM's layerwise reload does not rebuild: redo it."""
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None and getattr(model_config.hf_config, "tie_word_embeddings", False):
+        method.process_weights_after_loading(lm_head)
+
 
 def _engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -69,7 +87,6 @@ def _engine_class() -> type:
         initialize_layerwise_reload,
     )
 
-    from protocol.messages import TensorSpec, WeightManifest
     from protocol.transport import CurveConfig, TransportConfig
     from protocol.weights import connect_store, worker_rank
     from protocol.weights_backends import join_channel
@@ -93,10 +110,7 @@ def _engine_class() -> type:
             initialize_layerwise_reload(self.model)
 
         def receive_weights(self, update_info: ManifestUpdateInfo) -> None:
-            manifest = WeightManifest(
-                tensors=[TensorSpec(n, d, tuple(s)) for n, d, s in zip(
-                    update_info.names, update_info.dtypes, update_info.shapes, strict=True)],
-                bucket_bytes=update_info.bucket_bytes)
+            manifest = update_info.manifest()
             dtype = self.model_config.dtype
 
             def converted():
@@ -120,13 +134,7 @@ def _engine_class() -> type:
 
         def finish_weight_update(self) -> None:
             finalize_layerwise_reload(self.model, self.model_config)
-            # With tied embeddings the CPU build keeps lm_head's own packed copy
-            # of the embedding, which the reload does not rebuild: redo it.
-            lm_head = getattr(self.model, "lm_head", None)
-            method = getattr(lm_head, "quant_method", None)
-            if method is not None and getattr(self.model_config.hf_config,
-                                              "tie_word_embeddings", False):
-                method.process_weights_after_loading(lm_head)
+            _repack_tied_lm_head(self.model, self.model_config)
 
         def shutdown(self) -> None:
             self.group = None

@@ -50,7 +50,9 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,6 +63,9 @@ from protocol.weights import WeightChannel, connect_store, host_store, manifest_
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import WeightGroup
 from recipes.tiny_model import TinyModelConfig, build_tiny_model
+
+#: Named tensors, in the order they are pushed.
+Tensors = list[tuple[str, torch.Tensor]]
 
 #: Shape of the larger model: Qwen2 layers 768 wide; the layer count is
 #: chosen to reach the requested parameter count.
@@ -363,6 +368,26 @@ async def fanout_only(args: argparse.Namespace) -> dict:
     return report
 
 
+async def compare_pushes(key: str, engines: list[Engine], tensors: Tensors, on_wire: Tensors,
+                         flat: Tensors, wire: torch.dtype, pushes: int, store: Any, port: int,
+                         generations: Iterator[int]) -> dict:
+    """One receiver count's figures, under ``key``: the project's push into
+    the running ``engines`` against a raw broadcast of the same tensors and
+    of one flat buffer of their bytes, to as many plain receivers."""
+    n = len(engines)
+    raw_s = raw_broadcast(on_wire, n, pushes, store, port, next(generations))
+    flat_s = raw_broadcast(flat, n, pushes, store, port, next(generations))
+    push_s, loads = await push_into_engines(engines, tensors, pushes, store, port,
+                                            next(generations), wire)
+    return {f"{key}_push_s": round(push_s, 4), f"{key}_raw_s": round(raw_s, 4),
+            f"{key}_flat_s": round(flat_s, 4), f"{key}_push_vs_raw": round(push_s / raw_s, 2),
+            f"{key}_push_vs_flat": round(push_s / flat_s, 2),
+            f"{key}_stall_s": round(statistics.mean(t.stall_seconds for t in loads), 4),
+            f"{key}_load_s": round(statistics.mean(t.load_seconds for t in loads), 4),
+            f"{key}_phases_s": {name: round(statistics.mean(t.phases[name] for t in loads), 4)
+                                for name in loads[0].phases}}
+
+
 async def main(args: argparse.Namespace) -> dict:
     store = host_store(0)  # any free port
     port = store.port
@@ -385,23 +410,9 @@ async def main(args: argparse.Namespace) -> dict:
                        for i in range(max(args.engines))]
             try:
                 for n in args.engines:
-                    raw_s = raw_broadcast(on_wire, n, args.pushes, store, port,
-                                          next(generations))
-                    flat_s = raw_broadcast(flat, n, args.pushes, store, port, next(generations))
-                    push_s, loads = await push_into_engines(engines[:n], tensors, args.pushes,
-                                                            store, port, next(generations), wire)
-                    key = f"{label}_{n}"
-                    report[f"{key}_push_s"] = round(push_s, 4)
-                    report[f"{key}_raw_s"] = round(raw_s, 4)
-                    report[f"{key}_flat_s"] = round(flat_s, 4)
-                    report[f"{key}_push_vs_raw"] = round(push_s / raw_s, 2)
-                    report[f"{key}_push_vs_flat"] = round(push_s / flat_s, 2)
-                    report[f"{key}_stall_s"] = round(statistics.mean(
-                        t.stall_seconds for t in loads), 4)
-                    report[f"{key}_load_s"] = round(statistics.mean(
-                        t.load_seconds for t in loads), 4)
-                    report[f"{key}_phases_s"] = {name: round(statistics.mean(
-                        t.phases[name] for t in loads), 4) for name in loads[0].phases}
+                    report.update(await compare_pushes(
+                        f"{label}_{n}", engines[:n], tensors, on_wire, flat, wire, args.pushes,
+                        store, port, generations))
                 if 1 in args.engines:  # the same push over ipc (staging files, this host)
                     ipc_s, _ = await push_into_engines(engines[:1], tensors, args.pushes,
                                                        store, port, next(generations), wire,

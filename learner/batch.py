@@ -139,19 +139,8 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                 step_rewards = None
             count = int(mask.sum())
             if share_prefixes and _extends(previous, segment.segment_type, tokens, mask):
-                n = len(previous.tokens)
-                previous.tokens = tokens
-                previous.trainable = torch.cat([previous.trainable, mask[n:]])
-                previous.behaviour_logprobs = torch.cat([previous.behaviour_logprobs,
-                                                         logprobs[n:]])
-                if step_rewards is not None or previous.token_rewards is not None:
-                    earlier = (previous.token_rewards if previous.token_rewards is not None
-                               else torch.zeros(n, dtype=torch.float64))
-                    later = (step_rewards[n:] if step_rewards is not None
-                             else torch.zeros(len(tokens) - n, dtype=torch.float64))
-                    previous.token_rewards = torch.cat([earlier, later])
-                previous.segment_type = segment.segment_type
-                previous.segment_lengths.append(count)
+                _merge(previous, segment.segment_type, tokens, mask, logprobs, step_rewards,
+                       count)
                 previous = None  # a sequence holds one summary at most
                 continue
             previous = Sequence(tokens, mask, logprobs, index, segment.segment_type, [count],
@@ -165,6 +154,25 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
         tags.append(dict(final.stats.tags) if final.stats else {})
     return TrainBatch(sequences, torch.tensor(rewards, dtype=torch.float64), task_ids,
                       successes, compactions, tags)
+
+
+def _merge(previous: Sequence, segment_type: str, tokens: torch.Tensor, mask: torch.Tensor,
+           logprobs: torch.Tensor, step_rewards: torch.Tensor | None, count: int) -> None:
+    """Extend ``previous`` by the segment that continues it (its tokens
+    start with ``previous``'s): the sequence is trained once, its prefix
+    shared."""
+    n = len(previous.tokens)
+    previous.tokens = tokens
+    previous.trainable = torch.cat([previous.trainable, mask[n:]])
+    previous.behaviour_logprobs = torch.cat([previous.behaviour_logprobs, logprobs[n:]])
+    if step_rewards is not None or previous.token_rewards is not None:
+        earlier = (previous.token_rewards if previous.token_rewards is not None
+                   else torch.zeros(n, dtype=torch.float64))
+        later = (step_rewards[n:] if step_rewards is not None
+                 else torch.zeros(len(tokens) - n, dtype=torch.float64))
+        previous.token_rewards = torch.cat([earlier, later])
+    previous.segment_type = segment_type
+    previous.segment_lengths.append(count)
 
 
 def _extends(previous: Sequence | None, segment_type: str, tokens: torch.Tensor,

@@ -162,26 +162,7 @@ class Learner:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        torch.manual_seed(0)
-        sharding = Sharding(self.device, self.bf16, self.config.activation_checkpointing)
-        value_head = self.config.critic == "value_head"
-        remote = self.settings.trust_remote_code
-        policy = load_policy(self.settings.model, sharding=sharding, value_head=value_head,
-                             trust_remote_code=remote)
-        critic = None if value_head else load_critic(self.settings.model, sharding=sharding,
-                                                     trust_remote_code=remote)
-        self.trainer = PPOTrainer(policy, critic, self.config)
-        checkpoints = self.run_dir / "checkpoints"
-        self.checkpoints = CheckpointWriter(
-            checkpoints, background_saves(self.config.async_checkpoint, self.device.type),
-            self.config.keep_last, self.config.keep_every)
-        chosen = (select_checkpoint(checkpoints, self.settings.resume)
-                  if self.settings.resume else None)
-        if chosen is not None:
-            self.version, self.step = load_checkpoint(chosen, self.trainer)
-            log.info("resumed from %s at version %d", chosen, self.version)
-            if self.rank == 0 and (aside := set_aside_later(checkpoints, chosen)) is not None:
-                log.info("later checkpoints of the abandoned branch moved to %s", aside)
+        checkpoints = self._load_and_resume()
         peers: _Peers = (_RankZeroPeers(self.settings, self.metrics,
                                         checkpoints / ANNOUNCED_RECORD)
                          if self.rank == 0 else _Peers())
@@ -219,7 +200,8 @@ class Learner:
             self._steps(peers, publisher, batch_size)
             self._checkpoint(final=True)
             export_hf(self.trainer.policy, self.settings.model, self.run_dir / "export",
-                      self.export_dtype, self.config.export_timeout_s, remote)
+                      self.export_dtype, self.config.export_timeout_s,
+                      self.settings.trust_remote_code)
             if self.rank == 0:
                 log.info("stopped cleanly (%s) at step %d, version %d: checkpoint and export "
                          "written", "signal" if self.stopping else "max_steps", self.step,
@@ -230,6 +212,31 @@ class Learner:
                 self.tracker.close()
             server.close()
         return 0
+
+    def _load_and_resume(self) -> Path:
+        """Load the policy and its critic, sharded, and resume from the
+        checkpoint the settings name, if any; returns the checkpoint folder."""
+        torch.manual_seed(0)
+        sharding = Sharding(self.device, self.bf16, self.config.activation_checkpointing)
+        value_head = self.config.critic == "value_head"
+        remote = self.settings.trust_remote_code
+        policy = load_policy(self.settings.model, sharding=sharding, value_head=value_head,
+                             trust_remote_code=remote)
+        critic = None if value_head else load_critic(self.settings.model, sharding=sharding,
+                                                     trust_remote_code=remote)
+        self.trainer = PPOTrainer(policy, critic, self.config)
+        checkpoints = self.run_dir / "checkpoints"
+        self.checkpoints = CheckpointWriter(
+            checkpoints, background_saves(self.config.async_checkpoint, self.device.type),
+            self.config.keep_last, self.config.keep_every)
+        chosen = (select_checkpoint(checkpoints, self.settings.resume)
+                  if self.settings.resume else None)
+        if chosen is not None:
+            self.version, self.step = load_checkpoint(chosen, self.trainer)
+            log.info("resumed from %s at version %d", chosen, self.version)
+            if self.rank == 0 and (aside := set_aside_later(checkpoints, chosen)) is not None:
+                log.info("later checkpoints of the abandoned branch moved to %s", aside)
+        return checkpoints
 
     def _steps(self, peers: _Peers, publisher: WeightPublisher, batch_size: int) -> None:
         """Train until max_steps or a stop: publish when an actor needs

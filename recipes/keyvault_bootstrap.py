@@ -304,20 +304,9 @@ def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
             codes_named = [n for n, w in enumerate(written) if w in CODE_NAMES]
             if not codes_named:
                 continue
-            code, named_at = written[codes_named[-1]], codes_named[-1]
             if visible is None:  # decoded once per reply that states a value
                 visible = facts_in(chat.decode(segment.tokens[:reply_start]), ordered)
-            if ordered:
-                # a summary names the position before the value; an answer by place
-                place = len(written) - named_at - 2
-                position = (written[-2] if kind == "summary"
-                            else ORDINALS[place] if place < len(ORDINALS) else None)
-                acceptable = {visible.get((code, position))}
-            else:
-                done = {w for w in written[named_at + 1:-1] if w in NUMBER_WORDS[:10]}
-                done |= {w for n in codes_named[:-1] if written[n] == code
-                         for w in written[n + 1:n + 2]}
-                acceptable = set(values_by_code(visible).get(code, [])) - done
+            acceptable = _right_copies(written, codes_named, kind, visible, ordered)
             if word not in acceptable:
                 continue  # a guess, not a copy
             total[kind] += 1
@@ -327,6 +316,24 @@ def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData]
         report[kind] = right[kind] / total[kind] if total[kind] else float("nan")
         report[f"{kind}_values"] = total[kind]
     return report
+
+
+def _right_copies(written: list[str], codes_named: list[int], kind: str,
+                  visible: dict[tuple[str, str], str], ordered: bool) -> set[str | None]:
+    """The values the last word of ``written`` (a reply so far, whose words
+    at ``codes_named`` are code names) may rightly be, given the facts
+    ``visible`` before the reply."""
+    named_at = codes_named[-1]
+    code = written[named_at]
+    if ordered:
+        # a summary names the position before the value; an answer by place
+        place = len(written) - named_at - 2
+        position = (written[-2] if kind == "summary"
+                    else ORDINALS[place] if place < len(ORDINALS) else None)
+        return {visible.get((code, position))}
+    done = {w for w in written[named_at + 1:-1] if w in NUMBER_WORDS[:10]}
+    done |= {w for n in codes_named[:-1] if written[n] == code for w in written[n + 1:n + 2]}
+    return set(values_by_code(visible).get(code, [])) - done
 
 
 def made_for(actors: ActorConfig, recipe: BootstrapConfig) -> dict[str, Any]:
