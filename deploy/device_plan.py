@@ -159,9 +159,28 @@ def plan_devices(config: JobConfig, gpus_present: int, gpu_bytes: int | None = N
     CUDA_VISIBLE_DEVICES, core pinning left to ``up``) of ``gpu_bytes``
     each (None: unknown, memory not checked)."""
     learner, actors = config.learner, config.actors
-    problems = static_device_problems(learner, actors)
-    tp = max(1, actors.engine.tensor_parallel)
+    problems = static_device_problems(learner, actors) + _machine_problems(config, gpus_present)
     learner_on_gpu = gpus_present > 0 and learner.device != "cpu"
+    learner_gpus = _learner_gpus(learner, learner_on_gpu, gpus_present, problems)
+    actor_gpus = _actor_gpus(actors, gpus_present, learner_gpus, problems)
+    learner_set = set(learner_gpus)
+    colocated = [i for i, gpus in enumerate(actor_gpus) if learner_set & set(gpus)]
+    transport = _transport(learner, actors, learner_on_gpu, learner_gpus, actor_gpus, colocated,
+                           problems)
+    memory = _memory(config, learner_on_gpu, gpu_bytes, bool(colocated), problems)
+    processes = _processes(config, learner_gpus, actor_gpus, colocated, transport, memory)
+    if colocated and not actors.metrics_port:
+        problems.append("co-location starts the learner once the engine answers on its metrics "
+                        "port, and actors.metrics_port = 0 turns it off: set actors.metrics_port")
+    return DevicePlan(gpus_present, transport, processes, tuple(problems),
+                      tuple(f"actor-{i}" for i in colocated), memory.note)
+
+
+def _machine_problems(config: JobConfig, gpus_present: int) -> list[str]:
+    """What ``config`` asks of devices that a machine with ``gpus_present``
+    GPUs does not have."""
+    learner, actors = config.learner, config.actors
+    problems = []
     if learner.device == "cuda" and gpus_present == 0:
         problems.append("learner.device = \"cuda\" but this machine has no GPU: set "
                         "learner.device = \"auto\" (the CPU here) or plan for a GPU machine "
@@ -177,46 +196,54 @@ def plan_devices(config: JobConfig, gpus_present: int, gpu_bytes: int | None = N
                    else f"empty {name} to run on the CPU")
             problems.append(f"{name} = {ids} names GPU {join_ids(beyond)}, but this machine has "
                             f"{have}: {fix}")
+    return problems
 
-    # the learner's GPUs: listed, or the first nproc
-    learner_gpus: tuple[int, ...] = ()
-    if learner_on_gpu:
-        learner_gpus = tuple(learner.gpus) or tuple(range(min(learner.nproc, gpus_present)))
-        if not learner.gpus and learner.nproc > gpus_present:
-            problems.append(f"learner.nproc = {learner.nproc} ranks need a GPU each; this "
-                            f"machine has {gpus_present}: lower learner.nproc")
 
-    # each actor's GPUs: listed (tensor_parallel each), or the GPUs after the learner's
-    actor_gpus: list[tuple[int, ...]] = [() for _ in range(actors.count)]
-    if gpus_present and actors.count:
-        if actors.gpus:
-            if len(actors.gpus) == actors.count * tp:  # otherwise refused above
-                actor_gpus = [tuple(actors.gpus[i * tp:(i + 1) * tp])
-                              for i in range(actors.count)]
-        else:
-            free = [g for g in range(gpus_present) if g not in learner_gpus]
-            needed = actors.count * tp
-            if len(free) >= needed:
-                actor_gpus = [tuple(free[i * tp:(i + 1) * tp]) for i in range(actors.count)]
-            elif not free and actors.count == 1 and tp == 1 and learner_gpus:
-                actor_gpus = [(learner_gpus[0],)]  # one GPU for both: co-location
-            else:
-                problems.append(
-                    f"actors.count = {actors.count} engines of actors.engine.tensor_parallel = "
-                    f"{tp} need {needed} GPUs besides the learner's {len(learner_gpus)}; this "
-                    f"machine has {len(free)} left of {gpus_present}: lower actors.count or "
-                    "learner.nproc, or list actors.gpus (an actor on learner rank 0's GPU "
-                    "shares it: co-location)")
+def _learner_gpus(learner: LearnerConfig, on_gpu: bool, gpus_present: int,
+                  problems: list[str]) -> tuple[int, ...]:
+    """The learner's GPUs: listed, or the first ``nproc``; none on the CPU."""
+    if not on_gpu:
+        return ()
+    if not learner.gpus and learner.nproc > gpus_present:
+        problems.append(f"learner.nproc = {learner.nproc} ranks need a GPU each; this "
+                        f"machine has {gpus_present}: lower learner.nproc")
+    return tuple(learner.gpus) or tuple(range(min(learner.nproc, gpus_present)))
 
-    learner_set = set(learner_gpus)
-    colocated = [i for i, gpus in enumerate(actor_gpus) if learner_set & set(gpus)]
-    transport = _transport(learner, actors, learner_on_gpu, learner_gpus, actor_gpus, colocated,
-                           problems)
 
-    engine = actors.engine
+def _actor_gpus(actors: ActorConfig, gpus_present: int, learner_gpus: tuple[int, ...],
+                problems: list[str]) -> list[tuple[int, ...]]:
+    """Each actor's GPUs (``tensor_parallel`` each): listed, or the GPUs
+    after the learner's, or the learner's first for one actor where no GPU
+    is left (co-location); none on the CPU."""
+    tp = max(1, actors.engine.tensor_parallel)
+    none: list[tuple[int, ...]] = [() for _ in range(actors.count)]
+    if not gpus_present or not actors.count:
+        return none
+    if actors.gpus:  # a list of the wrong length was refused before
+        return ([tuple(actors.gpus[i * tp:(i + 1) * tp]) for i in range(actors.count)]
+                if len(actors.gpus) == actors.count * tp else none)
+    free = [g for g in range(gpus_present) if g not in learner_gpus]
+    needed = actors.count * tp
+    if len(free) >= needed:
+        return [tuple(free[i * tp:(i + 1) * tp]) for i in range(actors.count)]
+    if not free and actors.count == 1 and tp == 1 and learner_gpus:
+        return [(learner_gpus[0],)]  # one GPU for both: co-location
+    problems.append(
+        f"actors.count = {actors.count} engines of actors.engine.tensor_parallel = "
+        f"{tp} need {needed} GPUs besides the learner's {len(learner_gpus)}; this "
+        f"machine has {len(free)} left of {gpus_present}: lower actors.count or "
+        "learner.nproc, or list actors.gpus (an actor on learner rank 0's GPU "
+        "shares it: co-location)")
+    return none
+
+
+def _processes(config: JobConfig, learner_gpus: tuple[int, ...],
+               actor_gpus: list[tuple[int, ...]], colocated: list[int], transport: Transport,
+               memory: _Memory) -> tuple[ProcessPlan, ...]:
+    """The replay's, the learner's and each actor's plan."""
+    learner, actors, engine = config.learner, config.actors, config.actors.engine
     # the engine on a shared GPU takes what the learner leaves
     shared_share = round(1.0 - learner.gpu_memory_fraction, 4)
-    memory = _memory(config, learner_on_gpu, gpu_bytes, bool(colocated), problems)
     processes = [ProcessPlan("replay", ports=_ports(
         config.replay.actor_address, config.replay.learner_address, config.replay.metrics_port))]
     processes.append(ProcessPlan(
@@ -238,11 +265,7 @@ def plan_devices(config: JobConfig, gpus_present: int, gpu_bytes: int | None = N
             ports=(actors.metrics_port + i,) if actors.metrics_port else (),
             weight_transport=transport, gpu_memory_utilization=share,
             memory=memory.engine(share) if gpus else ""))
-    if colocated and not actors.metrics_port:
-        problems.append("co-location starts the learner once the engine answers on its metrics "
-                        "port, and actors.metrics_port = 0 turns it off: set actors.metrics_port")
-    return DevicePlan(gpus_present, transport, tuple(processes), tuple(problems),
-                      tuple(f"actor-{i}" for i in colocated), memory.note)
+    return tuple(processes)
 
 
 @dataclass(frozen=True)
