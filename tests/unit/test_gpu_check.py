@@ -266,6 +266,31 @@ def test_chunked_logprobs_match_the_whole_pass(gpu_check: ModuleType) -> None:
         torch.testing.assert_close(chunked_grad, whole_grad)
 
 
+@pytest.mark.parametrize("chunk", [16, 7])
+def test_the_chunked_log_softmax_is_the_learner_s(gpu_check: ModuleType, chunk: int) -> None:
+    """The script keeps its own copy of learner/models.py's chunked
+    log-softmax (it runs without the project installed): the same values
+    and the same gradients for the same inputs, so the two cannot drift (7:
+    a last chunk shorter than the others)."""
+    from learner.models import _ChunkedLogprobs
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3 * 37, 24, generator=generator)
+    weight = torch.randn(50, 24, generator=generator)
+    targets = torch.randint(50, (3, 37), generator=generator)
+    results = []
+    for function in (_ChunkedLogprobs, gpu_check.ChunkedLogprobs):
+        inputs = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        chosen = function.apply(*inputs, targets, chunk)
+        (chosen * torch.linspace(-1, 1, chosen.numel()).view_as(chosen)).sum().backward()
+        results.append((chosen.detach(), [tensor.grad for tensor in inputs]))
+    (learner, learner_grads), (script, script_grads) = results
+    assert script.shape == learner.shape == targets.shape
+    torch.testing.assert_close(script, learner, rtol=0, atol=0)
+    for script_grad, learner_grad in zip(script_grads, learner_grads, strict=True):
+        torch.testing.assert_close(script_grad, learner_grad, rtol=0, atol=0)
+
+
 def test_dry_run_learner_part(gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
     report, out = dry_run
     assert json.loads((out / "gpu_check.json").read_text()) == report
