@@ -20,10 +20,8 @@ import asyncio
 import contextlib
 import itertools
 import json
-import tempfile
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
@@ -109,12 +107,11 @@ async def raw_replay(engine: Engine, episodes: list[list[tuple[list[int], int]]]
 async def warm_tiny_engine(concurrency: int) -> AsyncIterator[tuple[Engine, ActorConfig]]:
     """An engine on a fresh tiny model, warmed up by ``concurrency`` episodes,
     with the small-window actor configuration; shut down on exit."""
-    from recipes.tiny_model import build_tiny_model
+    from recipes.tiny_model import temporary_tiny_model
 
     config = load_config(None, SMALL_WINDOW).actors
-    with tempfile.TemporaryDirectory() as folder:
-        model = build_tiny_model(Path(folder) / "tiny")
-        engine = await Engine.start(str(model), config.engine, config.sampling)
+    with temporary_tiny_model() as model:
+        engine = await Engine.start(model, config.engine, config.sampling)
         try:
             await agent_loop(engine, concurrency, concurrency)
             yield engine, config

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -45,9 +44,10 @@ from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
 from actors.episode import EpisodeResult
 from deploy.config import load_config
-from deploy.evaluate import play_held_out
+from deploy.evaluate import play_held_out, require_model_folders
 from ops.files import write_section
 from protocol import Batch, Rollout, StalenessStats, Stamp
+from recipes.tiny_model import temporary_tiny_model
 
 #: Rollouts of the timed learner step (a step of the local default trains 16).
 LEARNER_ROLLOUTS = 64
@@ -211,16 +211,10 @@ def main() -> None:
         args.learner_repeats = 1 if args.quick else 3
     quiet_vllm_logging()
     if args.quick:
-        from recipes.tiny_model import build_tiny_model
-
-        with tempfile.TemporaryDirectory() as folder:
-            tiny = str(build_tiny_model(Path(folder) / "tiny"))
+        with temporary_tiny_model() as tiny:
             report = asyncio.run(measure(tiny, tiny, args))
     else:
-        for model in (args.base, args.trained):
-            if not Path(model).is_dir():
-                raise SystemExit(f"{model} is not a model folder: run `make demo` first "
-                                 "(or give --base and --trained)")
+        require_model_folders([args.base, args.trained], "give --base and --trained")
         report = asyncio.run(measure(args.base, args.trained, args))
     if args.docs:
         write_docs(report, Path(args.docs))

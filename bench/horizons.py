@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import json
 import shlex
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,9 @@ from typing import Any
 from actors.config import ActorConfig
 from actors.engine import Engine, quiet_vllm_logging
 from deploy.config import load_config
-from deploy.evaluate import EvalReport, play_held_out, summarise
+from deploy.evaluate import EvalReport, play_held_out, require_model_folders, summarise
 from ops.files import write_section
+from recipes.tiny_model import temporary_tiny_model
 
 #: Size name -> keyvault options over the local default's (codes 1, digits 3,
 #: rooms 10, distractor words 3).
@@ -133,18 +133,12 @@ def main() -> None:
     episodes = args.episodes or (4 if args.quick else 200)
     quiet_vllm_logging()
     if args.quick:
-        from recipes.tiny_model import build_tiny_model
-
-        with tempfile.TemporaryDirectory() as folder:
-            tiny = str(build_tiny_model(Path(folder) / "tiny"))
+        with temporary_tiny_model() as tiny:
             report = measure({"tiny": tiny}, dict(list(SIZES.items())[:2]), episodes)
     else:
         policies = dict(p.split("=", 1) for p in (args.policy or [
             "base=runs/base-model", "trained=runs/local-cpu/export"]))
-        for model in policies.values():
-            if not Path(model).is_dir():
-                raise SystemExit(f"{model} is not a model folder: run `make demo` first "
-                                 "(or give --policy NAME=MODEL)")
+        require_model_folders(list(policies.values()), "give --policy NAME=MODEL")
         report = measure(policies, SIZES, episodes)
     if args.docs:
         write_docs(report, Path(args.docs), shlex.join(

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -110,10 +108,9 @@ def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConf
 
 def tiny_models(config: LearnerConfig) -> tuple[PPOTrainer, torch.nn.Module, torch.nn.Module]:
     """A trainer on a fresh tiny model, and a bare policy and critic of the same weights."""
-    from recipes.tiny_model import build_tiny_model
+    from recipes.tiny_model import temporary_tiny_model
 
-    with tempfile.TemporaryDirectory() as folder:
-        model = str(build_tiny_model(Path(folder) / "tiny"))
+    with temporary_tiny_model() as model:
         torch.manual_seed(0)
         trainer = PPOTrainer(load_policy(model), load_critic(model), config)
         return trainer, load_policy(model), load_critic(model)

@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
@@ -36,6 +37,16 @@ from actors.preflight import check_episode_setup
 CONCURRENT_EPISODES = 32
 #: z for a two-sided 95 % interval.
 Z_95 = 1.959964
+
+
+def require_model_folders(models: list[str], alternative: str) -> None:
+    """Stop with one line unless every one of ``models`` is a folder: the
+    evaluation benchmarks compare the demo's policies, which ``make demo``
+    makes (``alternative``: how to name other ones)."""
+    for model in models:
+        if not Path(model).is_dir():
+            raise SystemExit(f"{model} is not a model folder: run `make demo` first "
+                             f"(or {alternative})")
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:

@@ -12,7 +12,10 @@ the tiny model and real Qwen models the same way.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +78,14 @@ def build_tokenizer() -> Tokenizer:
     corpus = [f"{piece}\n {piece}" for piece in pieces for _ in range(2)]
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
+
+
+@contextlib.contextmanager
+def temporary_tiny_model() -> Iterator[str]:
+    """A fresh tiny model in a temporary folder, removed afterwards: what a
+    benchmark's quick run plays or trains."""
+    with tempfile.TemporaryDirectory() as folder:
+        yield str(build_tiny_model(Path(folder) / "tiny"))
 
 
 def build_tiny_model(out: Path, config: TinyModelConfig | None = None) -> Path:
