@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from deploy.config import JobConfig, load_config
-from ops.summary import finished_rollouts
+from ops.report import read_history
+from ops.summary import finished_rollouts, training_window
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
@@ -55,16 +56,6 @@ def run(command: list[str], log: Path) -> None:
         completed = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     if completed.returncode != 0:
         raise SystemExit(f"command failed ({completed.returncode}); see {log}")
-
-
-def window(history: list[dict[str, Any]], steps: int) -> tuple[dict, dict]:
-    """Snapshots at the first completed learner step and at the last."""
-    # learner_step: None until the learner serves it (a snapshot before it resumed)
-    trained = [h for h in history if h.get("learner_up") and (h.get("learner_step") or 0) >= 1]
-    if len(trained) < 2:
-        raise SystemExit("too few metric snapshots with the learner training: raise --steps")
-    last = next((h for h in trained if h["learner_step"] >= steps), trained[-1])
-    return trained[0], last
 
 
 def episode_slots(config: JobConfig) -> int:
@@ -113,9 +104,10 @@ def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> di
     config = load_config(None, overrides)
     shutil.rmtree(run_dir, ignore_errors=True)  # this script's own output, from a last run
     run([COMPACTIONRL, "up", *overrides], log)
-    history = [json.loads(line) for line in
-               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    first, last = window(history, args.steps)
+    try:
+        first, last = training_window(read_history(run_dir / "metrics.jsonl"), args.steps)
+    except ValueError as exc:
+        raise SystemExit(f"{exc}: raise --steps") from None
     seconds = last["time"] - first["time"]
     slots = config.actors.count * config.actors.concurrent_episodes
     stalled = ((last["stall_credits_s"] - first["stall_credits_s"])

@@ -31,7 +31,8 @@ from typing import Any
 
 from deploy.config import load_config
 from ops.files import write_section
-from ops.summary import finished_rollouts, staleness_quantile
+from ops.report import read_history
+from ops.summary import finished_rollouts, staleness_quantile, training_window
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))
@@ -67,10 +68,7 @@ def finished_with(run_dir: Path, settings: dict[str, Any]) -> bool:
 
 
 def measure(run_dir: Path) -> dict[str, Any]:
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
-    trained = [h for h in history if (h.get("learner_step") or 0) >= 1]
-    first, last = trained[0], trained[-1]
+    first, last = training_window(read_history(run_dir / "metrics.jsonl"))
     seconds = last["time"] - first["time"]
     return {"learner_steps": last["learner_step"],
             "learner_tokens_per_s": (last["learner_tokens"] - first["learner_tokens"]) / seconds,

@@ -129,6 +129,20 @@ def _counters(samples: Samples, source: str) -> dict[str, float]:
     return raw
 
 
+def training_window(history: list[Snapshot], steps: int | None = None
+                    ) -> tuple[Snapshot, Snapshot]:
+    """The snapshots of a run's ``metrics.jsonl`` at its first completed
+    learner step and at its last (or the first at ``steps``, if given): the
+    window a benchmark divides counters over. A snapshot taken while the
+    learner was down carries no step of its own (``learner_step`` None)."""
+    trained = [h for h in history if h.get("learner_up") and (h.get("learner_step") or 0) >= 1]
+    if len(trained) < 2:
+        raise ValueError("fewer than two metric snapshots with the learner training")
+    last = trained[-1] if steps is None else next(
+        (h for h in trained if h["learner_step"] >= steps), trained[-1])
+    return trained[0], last
+
+
 def finished_rollouts(snapshot: Snapshot) -> dict[str, float] | None:
     """What dropping stale rollouts does, from the replay's complete
     rollouts: ``stale_fraction`` of them dropped, and the mean sampled tokens

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import math
 
-from ops.summary import RunEnds, RunScraper, Samples, cross_factors, pace_start, summarise
+import pytest
+
+from ops.summary import (
+    RunEnds,
+    RunScraper,
+    Samples,
+    cross_factors,
+    pace_start,
+    summarise,
+    training_window,
+)
 
 
 def _samples(**metrics: float | dict[tuple[tuple[str, str], ...], float]) -> Samples:
@@ -175,3 +185,19 @@ def test_the_summary_gives_the_mean_cross_trajectory_factor_by_segment_type() ->
     empty = RunScraper({}).fold({"learner": _learner(0, 0)}, {})
     assert cross_factors(empty) == {}
     assert summarise(empty, None, empty, RunEnds(max_steps=10))["credit"].endswith(": -")
+
+
+def test_the_training_window_spans_the_snapshots_with_the_learner_training() -> None:
+    """From the first completed step to the last (or the first at the given
+    step); snapshots before the first step, or while the learner was down
+    (no step of its own), are outside it."""
+    history = [{"learner_up": 1, "learner_step": 0, "time": 0},
+               {"learner_up": 1, "learner_step": 1, "time": 1},
+               {"learner_up": 0, "learner_step": None, "time": 2},
+               {"learner_up": 1, "learner_step": 3, "time": 3},
+               {"learner_up": 1, "learner_step": 5, "time": 4}]
+    assert [s["time"] for s in training_window(history)] == [1, 4]
+    assert [s["time"] for s in training_window(history, steps=2)] == [1, 3]
+    assert [s["time"] for s in training_window(history, steps=9)] == [1, 4]
+    with pytest.raises(ValueError, match="fewer than two"):
+        training_window(history[:3])
