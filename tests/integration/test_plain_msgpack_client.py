@@ -10,7 +10,6 @@ connection first; tests/unit/test_codec.py has the decoder's)."""
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +23,9 @@ import zmq
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from protocol.transport import TransportConfig
-from replay.config import ReplayConfig
 from replay.service import ReplayService
 from tests.ports import loopback_addresses
+from tests.replay_thread import ReplayThread
 
 #: docs/protocol.md, "Fields": the header's protocol_version.
 PROTOCOL_VERSION = 5
@@ -102,25 +101,20 @@ def segment(client: PlainClient, rollout_id: str, index: int, final: bool,
 
 @pytest.fixture
 def services(tmp_path: Path) -> Iterator[tuple[ReplayService, str, str, ControlPlane, str]]:
-    actor_address, learner_address, control_address = loopback_addresses(3)
+    """A replay serving in a thread (tests/replay_thread.py) and a learner
+    control socket, on loopback ports."""
     transport = TransportConfig(heartbeat_interval_s=HEARTBEAT_S, heartbeat_liveness=LIVENESS,
                                 max_message_bytes=MAX_MESSAGE_BYTES)
-    replay = ReplayService(ReplayConfig(
-        actor_address=actor_address, learner_address=learner_address, rollouts_per_batch=1,
-        max_staleness=1, durable_log=False, metrics_port=0, max_buffer_bytes=MAX_BUFFER_BYTES),
-        transport, vocab_size=VOCAB)
-    stop = threading.Event()
-    thread = threading.Thread(target=replay.serve, args=(stop,), daemon=True)
-    thread.start()
+    [control_address] = loopback_addresses(1)
     control = ControlPlane(control_address, transport, "plain", 1, "immediate",
                            LearnerMetrics(), tmp_path / "announced.json")
-    try:
-        yield replay, actor_address, learner_address, control, control_address
-    finally:
-        control.close()
-        stop.set()
-        thread.join(timeout=10)
-        replay.close()
+    with ReplayThread.on_loopback(transport, VOCAB, rollouts_per_batch=1, max_staleness=1,
+                                  durable_log=False, max_buffer_bytes=MAX_BUFFER_BYTES) as replay:
+        try:
+            yield (replay.service, replay.config.actor_address, replay.config.learner_address,
+                   control, control_address)
+        finally:
+            control.close()
 
 
 @pytest.fixture

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from protocol import Array, ErrorCode, ProtocolError, Segment
+from protocol import ErrorCode, ProtocolError, Segment
 from protocol.validation import check_segment_content
-
-
-def _segment(tokens=(1, 2, 3, 4), mask=(0, 0, 1, 1), logprobs=(0, 0, -0.5, -1.5),
-             versions=(-1, -1, 3, 4)) -> Segment:
-    def array(values, dtype):
-        return Array.from_numpy(np.array(values, dtype=dtype))
-
-    return Segment(sender_id="a", incarnation=0, seq=0, sent_at=0.0, rollout_id="r",
-                   task_id="t", index=0, segment_type="execution",
-                   tokens=array(tokens, "int32"), loss_mask=array(mask, "uint8"),
-                   logprobs=array(logprobs, "float32"), versions=array(versions, "int32"),
-                   final=False)
+from tests.small_segment import small_segment
 
 
 def check(segment: Segment) -> None:
@@ -26,9 +14,9 @@ def check(segment: Segment) -> None:
 
 
 def test_a_valid_segment_passes_and_reports_its_oldest_version() -> None:
-    assert check_segment_content(_segment(), vocab_size=10, oldest_version=2,
+    assert check_segment_content(small_segment(), vocab_size=10, oldest_version=2,
                                  newest_version=5) == 3
-    assert check_segment_content(_segment((), (), (), ()), vocab_size=10, oldest_version=2,
+    assert check_segment_content(small_segment((), (), (), ()), vocab_size=10, oldest_version=2,
                                  newest_version=5) is None
 
 
@@ -44,9 +32,9 @@ def test_a_valid_segment_passes_and_reports_its_oldest_version() -> None:
 ])
 def test_invalid_contents_are_rejected(changes: dict) -> None:
     with pytest.raises(ProtocolError) as info:
-        check(_segment(**changes))
+        check(small_segment(**changes))
     assert info.value.code is ErrorCode.INVALID
 
 
 def test_versions_of_context_tokens_are_not_checked() -> None:
-    check(_segment(versions=(-1, 99, 3, 4)))
+    check(small_segment(versions=(-1, 99, 3, 4)))

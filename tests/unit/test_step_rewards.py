@@ -20,6 +20,7 @@ from learner.ppo import sequence_advantages
 from protocol import Array, ErrorCode, ProtocolError
 from protocol.synthetic import synthetic_batch
 from protocol.validation import check_segment_content
+from tests.small_segment import small_segment
 
 
 def turns() -> TurnTokens:
@@ -46,9 +47,7 @@ def test_a_step_reward_sits_on_the_last_token_of_its_action_only() -> None:
 
 
 def segment_with(rewards: list[float], mask: tuple = (0, 0, 1, 1)):
-    from tests.unit.test_segment_content import _segment
-
-    segment = _segment(mask=mask)
+    segment = small_segment(mask=mask)
     return msgspec.structs.replace(segment, token_rewards=Array.from_numpy(
         np.array(rewards, dtype=np.float32)))
 
