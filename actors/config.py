@@ -204,7 +204,7 @@ class EnvironmentConfig:
 
 @dataclass
 class EndpointConfig:
-    """The recording endpoint (actors/endpoint.py, docs/endpoint.md): an
+    """The recording endpoint (actors/recording_endpoint.py, docs/endpoint.md): an
     OpenAI-compatible chat completions server in front of the actor's engine,
     so that an agent harness drives the policy and its calls are trained."""
 

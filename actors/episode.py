@@ -33,7 +33,7 @@ from protocol import RolloutStats
 SEED_STRIDE = 100_003
 
 
-class Policy(Protocol):
+class GeneratingPolicy(Protocol):
     """What the loop needs from the engine (:class:`actors.engine.Engine`)."""
 
     async def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None,
@@ -89,10 +89,10 @@ class _Tally:
                              tool_call_errors=self.tool_call_errors, info=self.info)
 
 
-async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat,
+async def run_episode(policy: GeneratingPolicy, environment: Environment, chat: ChatFormat,
                       config: ActorConfig, seed: int, emit: Emit,
                       greedy: bool = False, sampling_seed: int | None = None,
-                      summariser: Policy | None = None) -> EpisodeResult:
+                      summariser: GeneratingPolicy | None = None) -> EpisodeResult:
     """Play one episode of the task ``seed``; turns are sampled with seeds
     derived from ``sampling_seed`` (default: ``seed``). ``summariser`` writes
     the summaries (default: ``policy``; another: a frozen summariser, to
@@ -150,7 +150,7 @@ async def run_episode(policy: Policy, environment: Environment, chat: ChatFormat
     return episode
 
 
-async def _summarise(summariser: Policy, context: CompactionContext, seed: int,
+async def _summarise(summariser: GeneratingPolicy, context: CompactionContext, seed: int,
                      temperature: float | None, tally: _Tally) -> Generation:
     """The summary of the context so far, its time and tokens counted."""
     began = time.monotonic()

@@ -31,7 +31,7 @@ Protocol with the replay (DEALER -> ROUTER):
   learner (also stall ``weights``).
 - With ``actors.endpoint.enabled`` the actor runs no episodes of its own:
   an agent harness drives its engine through the recording endpoint
-  (actors/endpoint.py), each harness session one rollout, started with a
+  (actors/recording_endpoint.py), each harness session one rollout, started with a
   credit like an episode; a session given up is told to the replay
   (``Abandon``), which drops it and returns its credit.
 - On SIGTERM: no new episode; in-flight ones are abandoned or finished
@@ -64,12 +64,12 @@ import zmq.asyncio
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import SegmentData
-from actors.endpoint import EndpointError, RecordingEndpoint, serve_until
 from actors.engine import Engine
 from actors.episode import EpisodeResult
 from actors.learner_link import LearnerLink
 from actors.metrics import ActorMetrics
 from actors.preflight import check_episode_setup
+from actors.recording_endpoint import EndpointError, RecordingEndpoint, serve_until
 from actors.replay_link import ReplayLink
 from actors.slots import EpisodeSlots, InFlight
 from actors.state import LearnerView

@@ -1,7 +1,7 @@
 """Segments from a harness's calls: the recording endpoint's bookkeeping (no engine, no HTTP).
 
 A harness we did not write drives the policy through the OpenAI-compatible
-endpoint (actors/endpoint.py); each of its sessions is one rollout. The
+endpoint (actors/recording_endpoint.py); each of its sessions is one rollout. The
 endpoint renders every call's messages to token ids (splicing in the
 policy's recorded tokens for the assistant turns it wrote) and hands
 :meth:`SessionRecord.record` the prompt and what was sampled. The segments

@@ -1,7 +1,7 @@
 """An actor's own episodes: ``concurrent_episodes`` slots, each starting an
 episode whenever the engine's weights are fresh enough and a credit is free,
 until the actor stops; and the count of rollouts in flight, which its own
-episodes and a harness's sessions (actors/endpoint.py) share.
+episodes and a harness's sessions (actors/recording_endpoint.py) share.
 
 Usage::
 

@@ -41,10 +41,10 @@ from actor import (  # bench/actor.py
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import SegmentData
-from actors.endpoint import RecordingEndpoint
 from actors.engine import Engine, quiet_vllm_logging
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
+from actors.recording_endpoint import RecordingEndpoint
 
 
 class BenchHost:

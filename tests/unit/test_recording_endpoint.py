@@ -18,9 +18,9 @@ import pytest
 from actors.chat import ChatFormat
 from actors.config import ActorConfig, EndpointConfig
 from actors.context import Generation, SegmentData
-from actors.endpoint import MAX_BODY_NESTING, EndpointError, RecordingEndpoint
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
+from actors.recording_endpoint import MAX_BODY_NESTING, EndpointError, RecordingEndpoint
 from tests.guides import guide_block
 
 CALL = {"name": "bash", "arguments": {"command": "ls"}}

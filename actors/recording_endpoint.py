@@ -79,7 +79,7 @@ class EndpointError(Exception):
         self.status, self.reason = status, reason
 
 
-class Policy(Protocol):
+class StreamingPolicy(Protocol):
     async def stream(self, prompt: list[int], max_tokens: int, seed: int | None = None,
                      temperature: float | None = None) -> AsyncIterator[Generation]: ...
 
@@ -92,7 +92,7 @@ class SessionHost(Protocol):
     metrics: ActorMetrics
 
     @property
-    def policy(self) -> Policy: ...
+    def policy(self) -> StreamingPolicy: ...
 
     async def open_rollout(self) -> str:
         """Spend a credit for a new rollout and return its id; raise
