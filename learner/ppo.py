@@ -281,7 +281,7 @@ def cross_factors(config: LearnerConfig, sequences: list[Sequence]
     product) of each segment with trainable tokens, under this run's gamma
     and lambda, whatever the advantage mode applies, and whether it is a summary."""
     lengths, rollout_of = _segments(sequences)
-    # a sequence of two segments holds an execution segment, then its summary
+    # A sequence of two segments holds an execution segment, then its summary.
     is_summary = torch.tensor([i == len(s.segment_lengths) - 1 and s.segment_type == "summary"
                                for s in sequences for i in range(len(s.segment_lengths))],
                               dtype=torch.bool)
@@ -384,7 +384,8 @@ class PPOTrainer:
         on the rank with the most (FSDP's collectives run once per pass)."""
         budget = self.microbatch_tokens
         if budget == 0:
-            return [list(range(len(sequences)))]  # one pass everywhere, no need to agree
+            # One pass on every rank: the ranks need not agree on a grouping.
+            return [list(range(len(sequences)))]
         groups = microbatches([len(s.tokens) for s in sequences], budget)
         count = int(_all_reduce([len(groups)], dist.ReduceOp.MAX)[0])
         return groups + [[] for _ in range(count - len(groups))]
@@ -458,7 +459,8 @@ class PPOTrainer:
         p_loss, p_stats = self._policy_loss(one, rows, logp)
         coef = self.config.value_loss_coef
         loss = coef * v_loss if value_only else p_loss + coef * v_loss
-        # FSDP averages gradients over ranks: times the world size, a sum
+        # FSDP averages the gradients over ranks; scaling the loss by the world
+        # size makes that average the sum that the global token count normalises.
         (loss * self.world_size).backward()
         statistics.add_pass(float(rows.trainable.sum()), p_loss, v_loss, p_stats, v_stats,
                             residual_moments(rows.returns, rows.old_values, rows.trainable))
@@ -518,7 +520,8 @@ class PPOTrainer:
                 if not is_value_head(name):
                     parameter.grad = None
         if self.config.max_grad_norm > 0:
-            # with a value head, one norm over the body and both heads
+            # With a value head, the policy's parameters include the head, so one
+            # norm is taken over the body and both heads.
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
                                                   self.config.max_grad_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
