@@ -1,16 +1,10 @@
-"""The actor process: concurrent episodes on one engine, segments to the replay.
+"""The actor process: concurrent episodes on one engine, segments to the
+replay. The messages it exchanges are in docs/protocol.md ("actor (replay
+link)", "actor (learner link)"); the two links are
+:class:`actors.replay_link.ReplayLink` and
+:class:`actors.learner_link.LearnerLink`, its own episodes
+:class:`actors.slots.EpisodeSlots`. What this module decides:
 
-Protocol with the replay (DEALER -> ROUTER):
-
-- ``Hello`` until a ``Welcome`` arrives; the ``Welcome`` sets the credits.
-- An episode starts only by spending a credit; more credits come with ``Ack``s.
-  Waiting for one is stall time (``reason="credits"``). Credits are counted by
-  the replay's ledger total, and each heartbeat says which total was seen, so
-  credits in an ``Ack`` lost with a dropped connection are made up (counted).
-- Every closed segment is sent at once and kept until an ``Ack`` lists its
-  seq; unacknowledged segments are resent after ``ack_timeout_s`` with the
-  same ``(actor_id, incarnation, seq)``, so the replay can drop duplicates
-  (:class:`actors.replay_link.ReplayLink`).
 - ``Heartbeat`` every ``heartbeat_interval_s``, and at once whenever an
   episode starts or ends: it carries the episodes in flight, which the replay
   counts as lost if this process dies (a periodic report alone would miss
@@ -22,18 +16,12 @@ Protocol with the replay (DEALER -> ROUTER):
   continuing the old ones: nothing of the dead incarnation counts twice. The
   replay's word decides, not the actor's own sense of a gap: only the replay
   knows whether it declared the actor dead.
-- With a learner (``learner_address``): ``Hello`` to its control socket,
-  heartbeats, and on each ``WeightsAnnounce`` join the group generation (if
-  new), receive and load the weights into the running engine (generation
-  paused only meanwhile: stall ``reason="weights"``), then ``WeightsLoaded``
-  (:class:`actors.learner_link.LearnerLink`). No episode starts while the
-  engine's weights are more than ``max_staleness`` versions behind the
-  learner (also stall ``weights``).
-- With ``actors.endpoint.enabled`` the actor runs no episodes of its own:
-  an agent harness drives its engine through the recording endpoint
-  (actors/recording_endpoint.py), each harness session one rollout, started with a
-  credit like an episode; a session given up is told to the replay
-  (``Abandon``), which drops it and returns its credit.
+- No episode starts while the engine's weights are more than
+  ``max_staleness`` versions behind the learner (stall ``reason="weights"``).
+- With ``actors.endpoint.enabled`` the actor runs no episodes of its own: an
+  agent harness drives its engine through the recording endpoint
+  (actors/recording_endpoint.py, docs/endpoint.md), each harness session one
+  rollout, started with a credit like an episode.
 - On SIGTERM: no new episode; in-flight ones are abandoned or finished
   (``on_shutdown``); unacknowledged segments are flushed until
   ``shutdown_deadline_s``. Exit code 0 only if every segment was acknowledged.
