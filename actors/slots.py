@@ -91,6 +91,8 @@ class EpisodeSlots:
         self.stopping = stopping
         self.tell_replay = tell_replay
         self.tasks: list[asyncio.Task] = []
+        self.playing = 0
+        """The actor's own episodes under way (harness sessions are not)."""
         self.open_rollouts: set[str] = set()
         """The rollouts of this incarnation's own episodes begun and not yet
         finished (final segment sent) nor given up."""
@@ -99,8 +101,9 @@ class EpisodeSlots:
         self.tasks = [asyncio.create_task(self._slot()) for _ in range(count)]
 
     def cancel(self) -> None:
-        """Cancel the episodes in flight (their engine requests are aborted)."""
-        self.metrics.abandoned_rollouts.inc(self.in_flight.count)
+        """Cancel the episodes in flight (their engine requests are aborted),
+        counted as abandoned; harness sessions are the endpoint's to count."""
+        self.metrics.abandoned_rollouts.inc(self.playing)
         for task in self.tasks:
             task.cancel()
 
@@ -132,6 +135,7 @@ class EpisodeSlots:
                           number)
             for number in (n // self.config.group_size, n))
         self.in_flight.begun()
+        self.playing += 1
         self.open_rollouts.add(rollout_id)
         try:
             # queued before anything else can run: a weight load may hold
@@ -150,6 +154,7 @@ class EpisodeSlots:
             self.open_rollouts.discard(rollout_id)
             await self.replay_link.send_abandon(rollout_id)
         finally:
+            self.playing -= 1
             self.in_flight.finished()
         return True
 

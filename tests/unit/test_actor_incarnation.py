@@ -83,10 +83,14 @@ async def _scenario(engine: StandInEngine) -> None:
     async def slot() -> None:  # an episode that runs until cancelled
         episodes.append(len(episodes))
         actor.in_flight.begun()
+        actor.slots.playing += 1
         try:
             await asyncio.Event().wait()
         finally:
+            actor.slots.playing -= 1
             actor.in_flight.finished()
+
+    actor.in_flight.begun()  # a harness session in flight: the endpoint counts its end
 
     actor.slots._slot = slot  # type: ignore[method-assign]
     actor._start_slots()
