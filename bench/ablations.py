@@ -69,7 +69,7 @@ from deploy.evaluate import wilson_interval
 from ops.files import write_section
 from ops.report import bar_chart
 from ops.summary import cross_factors
-from recipes.keyvault_bootstrap import base_digest
+from starting_points.keyvault_bootstrap import base_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACTIONRL = str(Path(sys.executable).with_name("compactionrl"))

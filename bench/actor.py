@@ -107,7 +107,7 @@ async def raw_replay(engine: Engine, episodes: list[list[tuple[list[int], int]]]
 async def warm_tiny_engine(concurrency: int) -> AsyncIterator[tuple[Engine, ActorConfig]]:
     """An engine on a fresh tiny model, warmed up by ``concurrency`` episodes,
     with the small-window actor configuration; shut down on exit."""
-    from recipes.tiny_model import temporary_tiny_model
+    from starting_points.tiny_model import temporary_tiny_model
 
     config = load_config(None, SMALL_WINDOW).actors
     with temporary_tiny_model() as model:

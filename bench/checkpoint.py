@@ -29,7 +29,7 @@ from learner.config import LearnerConfig
 from learner.models import load_critic, load_policy
 from learner.ppo import PPOTrainer
 from protocol.synthetic import synthetic_batch
-from recipes.tiny_model import TinyModelConfig, build_tiny_model
+from starting_points.tiny_model import TinyModelConfig, build_tiny_model
 
 
 def trainer_on(folder: Path, quick: bool) -> tuple[PPOTrainer, int]:

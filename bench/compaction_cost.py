@@ -47,7 +47,7 @@ from deploy.config import load_config
 from deploy.evaluate import play_held_out, require_model_folders
 from ops.files import write_section
 from protocol import Batch, Rollout, StalenessStats, Stamp
-from recipes.tiny_model import temporary_tiny_model
+from starting_points.tiny_model import temporary_tiny_model
 
 #: Rollouts of the timed learner step (a step of the local default trains 16).
 LEARNER_ROLLOUTS = 64

@@ -33,7 +33,7 @@ from actors.engine import Engine, quiet_vllm_logging
 from deploy.config import load_config
 from deploy.evaluate import EvalReport, play_held_out, require_model_folders, summarise
 from ops.files import write_section
-from recipes.tiny_model import temporary_tiny_model
+from starting_points.tiny_model import temporary_tiny_model
 
 #: Size name -> keyvault options over the local default's (codes 1, digits 3,
 #: rooms 10, distractor words 3).

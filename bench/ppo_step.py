@@ -108,7 +108,7 @@ def bare_step(policy, critic, optimizers, batch: TrainBatch, config: LearnerConf
 
 def tiny_models(config: LearnerConfig) -> tuple[PPOTrainer, torch.nn.Module, torch.nn.Module]:
     """A trainer on a fresh tiny model, and a bare policy and critic of the same weights."""
-    from recipes.tiny_model import temporary_tiny_model
+    from starting_points.tiny_model import temporary_tiny_model
 
     with temporary_tiny_model() as model:
         torch.manual_seed(0)

@@ -62,7 +62,7 @@ from protocol import GroupInfo, WeightManifest
 from protocol.weights import WeightChannel, connect_store, host_store, manifest_of
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import WeightGroup
-from recipes.tiny_model import TinyModelConfig, build_tiny_model
+from starting_points.tiny_model import TinyModelConfig, build_tiny_model
 
 #: Named tensors, in the order they are pushed.
 Tensors = list[tuple[str, torch.Tensor]]

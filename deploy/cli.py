@@ -48,7 +48,7 @@ def _cmd_config_fields(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_model_init(args: argparse.Namespace, overrides: list[str]) -> int:
-    from recipes.tiny_model import TinyModelConfig, build_tiny_model
+    from starting_points.tiny_model import TinyModelConfig, build_tiny_model
 
     start = time.perf_counter()
     out = build_tiny_model(Path(args.out), TinyModelConfig(seed=args.seed))
@@ -66,7 +66,7 @@ def _cmd_model_sample(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_bootstrap(args: argparse.Namespace, overrides: list[str]) -> int:
-    from recipes.keyvault_bootstrap import bootstrap
+    from starting_points.keyvault_bootstrap import bootstrap
 
     config = load_config(args.config, overrides)
     out = Path(args.out or config.run.model)

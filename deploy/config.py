@@ -31,8 +31,8 @@ from deploy.device_rules import static_device_problems
 from learner.config import LearnerConfig, TrackingConfig
 from protocol.schema import attribute_docs
 from protocol.transport import TransportConfig, bound_endpoint, is_loopback, listen_address
-from recipes.config import BootstrapConfig
 from replay.config import ReplayConfig
+from starting_points.config import BootstrapConfig
 
 DEFAULT_CONFIG = "local-cpu.toml"
 

@@ -327,7 +327,7 @@ def prepare_model(config: JobConfig) -> None:
     used, with a note saying which differ."""
     model = Path(config.run.model)
     if (model / "config.json").is_file():
-        from recipes.keyvault_bootstrap import differences
+        from starting_points.keyvault_bootstrap import differences
 
         changed = differences(model, config.actors, config.bootstrap)
         if changed:  # a base for the same game still trains; the user decides
@@ -337,7 +337,7 @@ def prepare_model(config: JobConfig) -> None:
     if config.run.model != RunConfig().model:
         raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "
                          "local HF-format model folder")
-    from recipes.keyvault_bootstrap import KEPT_BASE, bootstrap, restore_kept_base
+    from starting_points.keyvault_bootstrap import KEPT_BASE, bootstrap, restore_kept_base
 
     why_not = restore_kept_base(model, config.actors, config.bootstrap)
     if why_not is None:

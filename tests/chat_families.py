@@ -11,7 +11,7 @@ from typing import Any
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from recipes.tiny_model import CHAT_TEMPLATE as CHATML
+from starting_points.tiny_model import CHAT_TEMPLATE as CHATML
 
 TEMPLATES = Path(__file__).parent / "unit" / "chat_templates"
 

@@ -140,7 +140,7 @@ class LoopThread:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, built once per test session."""
-    from recipes.tiny_model import build_tiny_model
+    from starting_points.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -22,7 +22,7 @@ from replay.service import ReplayService
 from tests.ports import loopback_addresses
 from tests.protocol_clients import ActorClient, LearnerClient
 
-#: The tiny model's vocabulary (recipes/tiny_model.py): what its segments hold.
+#: The tiny model's vocabulary (starting_points/tiny_model.py): what its segments hold.
 TINY_VOCAB = 1054
 
 

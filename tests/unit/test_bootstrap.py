@@ -15,8 +15,8 @@ import pytest
 from actors.chat import ChatFormat
 from actors.envs.base import EVALUATION_SEEDS_FROM
 from deploy.config import ConfigError, load_config
-from recipes.config import BootstrapConfig
-from recipes.keyvault_bootstrap import (
+from starting_points.config import BootstrapConfig
+from starting_points.keyvault_bootstrap import (
     KEPT_BASE,
     KEPT_BASE_DIGEST,
     Demonstrator,

@@ -10,8 +10,8 @@ import pytest
 
 from learner.config import LearnerConfig
 from protocol.bounds import bound_problems, bounded
-from recipes.config import BootstrapConfig
 from replay.config import ReplayConfig
+from starting_points.config import BootstrapConfig
 
 
 @dataclass

@@ -15,8 +15,8 @@ ALLOWED = {
     "actors": {"protocol", "ops"},
     "replay": {"protocol", "ops"},
     "learner": {"protocol", "ops"},
-    "recipes": {"protocol", "ops", "actors"},
-    "deploy": {"protocol", "ops", "actors", "replay", "learner", "recipes"},
+    "starting_points": {"protocol", "ops", "actors"},
+    "deploy": {"protocol", "ops", "actors", "replay", "learner", "starting_points"},
 }
 
 

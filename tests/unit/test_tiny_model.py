@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.envs.vocabulary import WORDS
-from recipes.tiny_model import IM_END, IM_START
+from starting_points.tiny_model import IM_END, IM_START
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_model_is_tiny_qwen2_with_tied_embeddings(tiny_model_dir: Path, tokenize
 
 
 def test_building_is_deterministic(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from recipes.tiny_model import build_tiny_model
+    from starting_points.tiny_model import build_tiny_model
 
     again = build_tiny_model(tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):

@@ -10,7 +10,7 @@ the tiny model in a few minutes on CPU:
    demonstration token is exactly what the policy will see and produce. It
    reads only its own context: it says ``next`` until the rooms run out, then
    answers with the digits it can see (a digit it cannot see is guessed).
-2. **The imperfection recipe** (:class:`recipes.config.BootstrapConfig`, reported with
+2. **The imperfection recipe** (:class:`starting_points.config.BootstrapConfig`, reported with
    every result): each summary keeps every fact visible in the window *with
    probability* ``1 - drop_fact_probability``, independently. A fine-tuned
    model copies that habit, so facts that pass through more compactions are
@@ -43,7 +43,7 @@ from actors.context import Generation, SegmentData
 from actors.envs.base import load_environment
 from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, ORDINALS, KeyVault
 from actors.episode import EpisodeResult, run_episode
-from recipes.config import BootstrapConfig
+from starting_points.config import BootstrapConfig
 
 #: A fact as keyvault's notes state it: "alpha second seven", or "alpha seven"
 #: when the code's digits are unordered; summaries state kept facts the same way.
@@ -402,7 +402,7 @@ def bootstrap(out: Path, actors: ActorConfig, recipe: BootstrapConfig,
     if not (source_model / "config.json").is_file():
         if recipe.source != BootstrapConfig().source:
             raise SystemExit(f"bootstrap.source = {recipe.source!r} has no config.json")
-        from recipes.tiny_model import build_tiny_model
+        from starting_points.tiny_model import build_tiny_model
 
         log(f"building the tiny model in {source_model}")
         build_tiny_model(source_model)
