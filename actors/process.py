@@ -155,7 +155,7 @@ class Actor:
         self._stopping = asyncio.Event()
         self.slots = EpisodeSlots(self.config, settings.run_seed, engine, self.chat,
                                   self.metrics, self.replay_link, self.in_flight,
-                                  self._weights_fresh, self._stopping,
+                                  self.weights, self._weights_fresh, self._stopping,
                                   lambda: self._send_heartbeat(self.replay))
         self.endpoint = (RecordingEndpoint(self, settings.model)
                          if self.config.endpoint.enabled else None)

@@ -6,7 +6,7 @@ episodes and a harness's sessions (actors/recording_endpoint.py) share.
 Usage::
 
     slots = EpisodeSlots(config, run_seed, engine, chat, metrics, replay_link, in_flight,
-                         weights_fresh, stopping, tell_replay)
+                         weights, weights_fresh, stopping, tell_replay)
     slots.start(config.concurrent_episodes)
     slots.cancel()            # stopping, or declared dead: episodes in flight end
     await slots.give_up()     # the engine died: the replay drops what is open
@@ -29,6 +29,7 @@ from actors.envs.base import Environment, load_environment
 from actors.episode import EpisodeResult, run_episode
 from actors.metrics import ActorMetrics
 from actors.replay_link import ReplayLink
+from actors.state import LearnerView
 
 log = logging.getLogger("compactionrl.actor")
 
@@ -75,9 +76,11 @@ class InFlight:
 class EpisodeSlots:
     def __init__(self, config: ActorConfig, run_seed: int, engine: Engine, chat: ChatFormat,
                  metrics: ActorMetrics, replay_link: ReplayLink, in_flight: InFlight,
-                 weights_fresh: Callable[[], bool], stopping: asyncio.Event,
+                 weights: LearnerView, weights_fresh: Callable[[], bool], stopping: asyncio.Event,
                  tell_replay: Callable[[], Awaitable[None]]) -> None:
-        """``weights_fresh()``: generating now gives tokens the replay
+        """``weights``: what the actor knows of the learner's versions (its
+        ``changed`` event wakes a slot waiting for fresh weights);
+        ``weights_fresh()``: generating now gives tokens the replay
         accepts; ``tell_replay()``: a heartbeat to the replay (an episode
         that starts is told at once)."""
         self.config = config
@@ -87,6 +90,7 @@ class EpisodeSlots:
         self.metrics = metrics
         self.replay_link = replay_link
         self.in_flight = in_flight
+        self.weights = weights
         self.weights_fresh = weights_fresh
         self.stopping = stopping
         self.tell_replay = tell_replay
@@ -163,7 +167,7 @@ class EpisodeSlots:
         the actor is stopping."""
         began = time.monotonic()
         while not self.weights_fresh() and not self.stopping.is_set():
-            await self._until(self.replay_link.weights.changed)
+            await self._until(self.weights.changed)
         self.metrics.stall("weights", time.monotonic() - began)
         began = time.monotonic()
         credits = self.replay_link.credits

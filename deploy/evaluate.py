@@ -22,12 +22,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import SegmentData
-from actors.engine import Engine, quiet_vllm_logging
+from actors.engine import Engine, quiet_vllm_logging, require_model_folder
 from actors.envs.base import EVALUATION_SEEDS_FROM, load_environment
 from actors.episode import EpisodeResult, run_episode
 from actors.preflight import check_episode_setup
@@ -40,13 +39,16 @@ Z_95 = 1.959964
 
 
 def require_model_folders(models: list[str], alternative: str) -> None:
-    """Stop with one line unless every one of ``models`` is a folder: the
-    evaluation benchmarks compare the demo's policies, which ``make demo``
-    makes (``alternative``: how to name other ones)."""
+    """Stop with one line unless every one of ``models`` is a model folder
+    (:func:`actors.engine.require_model_folder`): the evaluation benchmarks
+    compare the demo's policies, which ``make demo`` makes (``alternative``:
+    how to name other ones)."""
     for model in models:
-        if not Path(model).is_dir():
+        try:
+            require_model_folder(model)
+        except FileNotFoundError:
             raise SystemExit(f"{model} is not a model folder: run `make demo` first "
-                             f"(or {alternative})")
+                             f"(or {alternative})") from None
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
