@@ -46,9 +46,10 @@ class LearnerLink:
     def __init__(self, link: ClientEndpoint, engine: Engine, engine_info: EngineInfo,
                  config: ActorConfig, curve: CurveConfig, weights: LearnerView,
                  metrics: ActorMetrics, stamp: Callable[[], dict[str, Any]],
-                 refused: Callable[[str, Error], None]) -> None:
+                 token: Callable[[], bytes], refused: Callable[[str, Error], None]) -> None:
         """``stamp()``: the header fields of the actor's next message (its
-        incarnation changes when it registers anew); ``refused``: how the
+        incarnation changes when it registers anew); ``token()``: its
+        incarnation's ``Hello.token``; ``refused``: how the
         actor counts an ``Error`` from a peer."""
         self.link = link
         self.engine = engine
@@ -58,6 +59,7 @@ class LearnerLink:
         self.weights = weights
         self.metrics = metrics
         self.stamp = stamp
+        self.token = token
         self.refused = refused
         self.announcements: asyncio.Queue[tuple[int, WeightsAnnounce]] = asyncio.Queue()
         """Announcements to apply, in order, with the announcing learner's incarnation."""
@@ -82,7 +84,7 @@ class LearnerLink:
     def _hello(self) -> Hello:
         return Hello(**self.stamp(), engine=self.engine_info,
                      capacity=self.config.concurrent_episodes,
-                     policy_version=self.engine.version)
+                     policy_version=self.engine.version, token=self.token())
 
     def _on_member_welcome(self, welcome: MemberWelcome) -> None:
         self.weights.heard(welcome.policy_version)
@@ -95,7 +97,7 @@ class LearnerLink:
 
     def _on_error(self, error: Error) -> None:
         self.refused("learner", error)
-        if error.code == ErrorCode.UNREGISTERED:  # the learner restarted
+        if error.code == ErrorCode.UNREGISTERED:  # the learner restarted, or our connection is new
             self.forgotten()
 
     async def _apply_weights(self) -> None:

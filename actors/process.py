@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -63,7 +64,7 @@ from actors.slots import EpisodeSlots, InFlight
 from actors.state import LearnerView
 from ops.metrics import Health, MetricsServer
 from protocol import EngineInfo, Error, Heartbeat, ProtocolError, Stamp
-from protocol.endpoint import ClientEndpoint, connection_id
+from protocol.endpoint import ClientEndpoint
 from protocol.transport import TransportConfig, connect_dealer
 
 log = logging.getLogger("compactionrl.actor")
@@ -73,6 +74,8 @@ log = logging.getLogger("compactionrl.actor")
 ENGINE_CHECK_S = 1.0
 #: The exit code of an actor whose engine died.
 ENGINE_DIED_EXIT = 3
+#: Bytes of an incarnation's ``Hello.token`` (128 bits).
+HELLO_TOKEN_BYTES = 16
 
 
 @dataclass
@@ -101,12 +104,11 @@ async def run_actor(settings: ActorSettings) -> int:
                                 seed_offset=settings.index,
                                 weight_transfer=settings.learner_address is not None)
     context = zmq.asyncio.Context()
-    identity = connection_id(settings.actor_id)  # one per process: see connection_id
     max_bytes = settings.transport.max_message_bytes
-    replay = ClientEndpoint(connect_dealer(context, settings.replay_address, settings.transport,
-                                           identity), max_bytes)
+    replay = ClientEndpoint(connect_dealer(context, settings.replay_address, settings.transport),
+                            max_bytes)
     learner = (ClientEndpoint(connect_dealer(context, settings.learner_address,
-                                             settings.transport, identity), max_bytes)
+                                             settings.transport), max_bytes)
                if settings.learner_address else None)
     try:
         return await Actor(settings, engine, replay, learner).run()
@@ -132,6 +134,8 @@ class Actor:
         self.learner = learner
         self.in_flight = InFlight(settings.actor_id, time.time_ns())
         self.stamp = Stamp(settings.actor_id, self.incarnation)
+        self.token = secrets.token_bytes(HELLO_TOKEN_BYTES)
+        """The incarnation's ``Hello.token``: a reconnect moves it with it."""
         self.metrics = ActorMetrics()
         self.engine_info = EngineInfo(device=engine.device(), dtype=engine.dtype(),
                                       tensor_parallel=self.config.engine.tensor_parallel,
@@ -141,11 +145,12 @@ class Actor:
         self.chat.tool_calls.check()
         self.weights = LearnerView()
         self.replay_link = ReplayLink(replay, self.engine_info, self.config, self.weights,
-                                      self.metrics, lambda: self.stamp.next(), self._refused,
-                                      self._declared_dead)
+                                      self.metrics, lambda: self.stamp.next(),
+                                      lambda: self.token, self._refused, self._declared_dead)
         self.learner_link = (LearnerLink(learner, engine, self.engine_info, self.config,
                                          settings.transport.curve, self.weights, self.metrics,
-                                         lambda: self.stamp.next(), self._refused)
+                                         lambda: self.stamp.next(), lambda: self.token,
+                                         self._refused)
                              if learner is not None else None)
         self.health = Health()
         """Ready once registered with the replay (the engine has started by
@@ -329,6 +334,7 @@ class Actor:
         self.in_flight.incarnation = max(time.time_ns(), old + 1)
         self.stamp = Stamp(self.settings.actor_id, self.incarnation,
                            first_seq=self.stamp.next_seq)
+        self.token = secrets.token_bytes(HELLO_TOKEN_BYTES)
         log.warning("the replay declared incarnation %d dead: abandoning %d episodes and %d "
                     "unacknowledged segments; registering as incarnation %d", old,
                     self.in_flight.count, len(self.replay_link.outbox), self.incarnation)

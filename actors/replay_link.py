@@ -7,7 +7,10 @@ each ``Ack`` brings more. Credits are counted by the replay's ledger total,
 so credits in a reply lost with a dropped connection are made up (counted).
 Every closed segment is sent at once and kept until an ``Ack`` lists its
 seq; unacknowledged ones are resent after ``ack_timeout_s`` with the same
-``(actor_id, incarnation, seq)``, so the replay can drop duplicates. A
+``(actor_id, incarnation, seq)``, so the replay can drop duplicates. An
+``unregistered`` refusal (the replay restarted, or the connection is new)
+registers again, its ``Hello`` carrying the incarnation's token that moves
+it to the new connection; the refused message is resent. A
 ``dead_incarnation`` refusal is handed to the actor, which alone knows
 whether it still concerns its current incarnation."""
 
@@ -47,10 +50,12 @@ class ReplayLink:
 
     def __init__(self, link: ClientEndpoint, engine_info: EngineInfo, config: ActorConfig,
                  weights: LearnerView, metrics: ActorMetrics,
-                 stamp: Callable[[], dict[str, Any]], refused: Callable[[str, Error], None],
+                 stamp: Callable[[], dict[str, Any]], token: Callable[[], bytes],
+                 refused: Callable[[str, Error], None],
                  declared_dead: Callable[[int], None]) -> None:
         """``stamp()``: the header fields of the actor's next message;
-        ``refused``: how the actor counts an ``Error`` from a peer;
+        ``token()``: its incarnation's ``Hello.token``; ``refused``: how the
+        actor counts an ``Error`` from a peer;
         ``declared_dead(ref_seq)``: the replay refused the message ``ref_seq``
         as of an incarnation it declared dead."""
         self.link = link
@@ -59,6 +64,7 @@ class ReplayLink:
         self.weights = weights
         self.metrics = metrics
         self.stamp = stamp
+        self.token = token
         self.refused = refused
         self.declared_dead = declared_dead
         self.credits = CreditAccount()
@@ -76,7 +82,7 @@ class ReplayLink:
 
     def hello(self) -> Hello:
         return Hello(**self.stamp(), engine=self.engine_info,
-                     capacity=self.config.concurrent_episodes)
+                     capacity=self.config.concurrent_episodes, token=self.token())
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: SegmentData, result: EpisodeResult | None) -> None:
@@ -133,7 +139,12 @@ class ReplayLink:
 
     def _on_error(self, error: Error) -> None:
         self.refused("replay", error)
-        # a rejection is final: the same bytes would be rejected again
+        if error.code == ErrorCode.UNREGISTERED:
+            # this connection is new to the replay (it restarted, or ours did):
+            # register on it; what it refused stays kept and is resent
+            self.link.forgotten()
+            return
+        # any other rejection is final: the same bytes would be rejected again
         if error.ref_seq is not None and self.outbox.settle([error.ref_seq]):
             self.metrics.unacked_segments.set(len(self.outbox))
         if error.code == ErrorCode.DEAD_INCARNATION and error.ref_seq is not None:

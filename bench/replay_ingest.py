@@ -28,8 +28,8 @@ from pathlib import Path
 
 import zmq
 
-from protocol import Batch, BatchRequest, Stamp, decode, encode
-from protocol.synthetic import synthetic_segment
+from protocol import Ack, Batch, BatchRequest, Stamp, decode, encode
+from protocol.synthetic import synthetic_hello, synthetic_segment
 from protocol.transport import TransportConfig, bind_router, connect_dealer
 from replay.config import ReplayConfig
 from replay.service import ReplayService
@@ -40,18 +40,24 @@ TOKENS = 8192
 def sender(address: str, index: int, segments: int, raw: bool, start: multiprocessing.Event,
            done: multiprocessing.Queue) -> None:
     stamp = Stamp(f"sender-{index}", 1)
+    hello = encode(synthetic_hello(stamp))  # the replay hears a connection after its hello
     frames = [encode(synthetic_segment(stamp, f"s{index}-r{n // 2}", n % 2, n % 2 == 1,
                                   tokens=TOKENS)) for n in range(segments)]
     context = zmq.Context()
-    socket = connect_dealer(context, address, TransportConfig(), f"sender-{index}".encode())
+    socket = connect_dealer(context, address, TransportConfig())
     start.wait()
     began = time.perf_counter()
+    if not raw:
+        socket.send(hello)
     for frame in frames:
         socket.send(frame, copy=False)
     acknowledged = 0
     while acknowledged < segments:
         reply = socket.recv()
-        acknowledged += 1 if raw else len(decode(reply).stored_seqs)
+        if raw:
+            acknowledged += 1
+        elif isinstance(message := decode(reply), Ack):  # not the hello's Welcome
+            acknowledged += len(message.stored_seqs)
     done.put((began, time.perf_counter(), sum(len(f) for f in frames)))
     socket.close(linger=0)
     context.term()
@@ -113,7 +119,7 @@ def replay_ingest(senders: int, segments: int, durable: bool, folder: Path
 
 def serve_batches(address: str, batches: int) -> list[float]:
     context = zmq.Context()
-    socket = connect_dealer(context, address, TransportConfig(), b"learner")
+    socket = connect_dealer(context, address, TransportConfig())
     stamp = Stamp("learner", 1)
     latencies = []
     for _ in range(batches):

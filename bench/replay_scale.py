@@ -46,14 +46,12 @@ from pathlib import Path
 
 import zmq
 
-from protocol import Ack, Batch, BatchRequest, Heartbeat, Hello, Stamp, Welcome, decode, encode
-from protocol.messages import EngineInfo
-from protocol.synthetic import synthetic_segment
+from protocol import Ack, Batch, BatchRequest, Heartbeat, Stamp, Welcome, decode, encode
+from protocol.synthetic import synthetic_hello, synthetic_segment
 from protocol.transport import TransportConfig, bind_router, connect_dealer
 from replay.config import ReplayConfig
 from replay.service import ReplayService
 
-ENGINE = EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1, model="bench")
 HEARTBEAT_S = 1.0
 TRANSPORT = TransportConfig(heartbeat_interval_s=HEARTBEAT_S, heartbeat_liveness=30,
                             max_message_bytes=512 * 1024 * 1024)
@@ -76,7 +74,7 @@ class SimulatedActor:
     def __init__(self, context: zmq.Context, address: str, name: str, incarnation: int,
                  tokens: int, raw: bool) -> None:
         self.stamp = Stamp(name, incarnation)
-        self.socket = connect_dealer(context, address, TRANSPORT, name.encode())
+        self.socket = connect_dealer(context, address, TRANSPORT)
         self.raw = raw
         self.tokens = tokens
         self.ledger, self.seen, self.credits = 0, 0, 1 if raw else 0
@@ -86,7 +84,7 @@ class SimulatedActor:
 
     def hello(self) -> None:
         if not self.raw:
-            self.socket.send(encode(Hello(**self.stamp.next(), engine=ENGINE, capacity=1)))
+            self.socket.send(encode(synthetic_hello(self.stamp)))
 
     def start_rollout(self, now: float) -> None:
         """Spend a credit: both segments of a rollout go out at once."""
@@ -211,7 +209,7 @@ def replay_process(folder: str, batch: int, addresses: multiprocessing.Queue,
 def drain_batches(address: str, batch: int, stop: threading.Event) -> None:
     """The learner: a request at a time, each answered batch taken at once."""
     context = zmq.Context()
-    socket = connect_dealer(context, address, TRANSPORT, b"learner")
+    socket = connect_dealer(context, address, TRANSPORT)
     stamp = Stamp("learner", 1)
     waiting = False
     while not stop.is_set():

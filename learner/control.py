@@ -70,6 +70,9 @@ class Member:
     actor_id: str
     incarnation: int
     identity: bytes
+    """The connection it registered on (its routing id, drawn by the ROUTER)."""
+    token: bytes
+    """From its first ``Hello``: a ``Hello`` on another connection must carry it to move it."""
     engine: EngineInfo
     version: int
     """Version of the weights it reported holding (Hello, then WeightsLoaded),
@@ -215,27 +218,26 @@ class ControlPlane:
             self._inbox.close(linger=0)
 
     def _handle(self, received: Received) -> None:
-        """A message from a registered member goes to the handler of its
-        type; one from an unknown sender, or a replaced incarnation, must say
-        Hello (again) first."""
+        """A message from a member's connection goes to the handler of its
+        type; any other must say Hello (again) first, and a Hello for a
+        member registered on another live connection must carry its token
+        (a reconnect), else it would take the member's announcements (and so
+        the weights) over."""
         message = received.message
         with self._lock:
             member = self._members.get(message.sender_id)
         if isinstance(message, Hello):
             if (member is not None and message.incarnation == member.incarnation
                     and member.identity != received.identity
-                    and member.identity in self._liveness):
-                # a second live connection for one incarnation: it would take
-                # the member's announcements (and so the weights) over
+                    and member.identity in self._liveness and message.token != member.token):
                 self._endpoint.refuse(received, ErrorCode.IDENTITY, "this incarnation is a "
-                                      "member on another connection")
+                                      "member on another connection, and this hello lacks its "
+                                      "token")
                 return
-        elif member is None or member.incarnation != message.incarnation:
-            self._endpoint.refuse(received, ErrorCode.UNREGISTERED, "send Hello first")
-            return
-        elif member.identity != received.identity:
-            self._endpoint.refuse(received, ErrorCode.IDENTITY,
-                                  "this incarnation is a member on another connection")
+        elif (member is None or member.incarnation != message.incarnation
+              or member.identity != received.identity):
+            self._endpoint.refuse(received, ErrorCode.UNREGISTERED,
+                                  "this connection is not a member's: send Hello on it first")
             return
         self._endpoint.dispatch(self._handlers, received)
 
@@ -244,15 +246,18 @@ class ControlPlane:
         with self._lock:
             member = self._members.get(hello.sender_id)
             if member is not None and hello.incarnation == member.incarnation:
-                # its Hello again (retried, or after a failed load): the same
-                # member; an older report may be late, a broken one is not
+                # its Hello again (retried, after a failed load, or on a new
+                # connection with its token): the same member; an older report
+                # may be late, a broken one is not
+                if member.identity != identity:
+                    self._displace(member.identity, hello)
                 member.identity = identity
                 member.version = (NO_COMPLETE_VERSION
                                   if hello.policy_version == NO_COMPLETE_VERSION
                                   else max(member.version, hello.policy_version))
             elif member is None or hello.incarnation > member.incarnation:
                 self._members[hello.sender_id] = Member(
-                    hello.sender_id, hello.incarnation, identity, hello.engine,
+                    hello.sender_id, hello.incarnation, identity, hello.token, hello.engine,
                     hello.policy_version)
                 self.metrics.members.set(len(self._members))
                 log.info("actor %s joined (incarnation %d, version %d)",
@@ -262,6 +267,14 @@ class ControlPlane:
             **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
             heartbeat_interval_s=self.transport.heartbeat_interval_s,
             heartbeat_liveness=self.transport.heartbeat_liveness))
+
+    def _displace(self, old: bytes, hello: Hello) -> None:
+        """A member moved to a new connection: the old one is told why it
+        hears no more (it is usually gone), and is no longer watched."""
+        self._liveness.forget(old)
+        self._endpoint.reject(old, ErrorCode.IDENTITY, f"displaced: incarnation "
+                              f"{hello.incarnation} of {hello.sender_id} said hello with its "
+                              "token on another connection")
 
     def _on_heartbeat(self, received: Received) -> None:
         self._liveness.seen(received.identity)

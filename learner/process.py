@@ -436,8 +436,7 @@ class _ReplayLink:
     def __init__(self, settings: LearnerSettings, duplicates: Counter,
                  duplicate_rollouts: Counter) -> None:
         self.context = zmq.Context()
-        self.socket = connect_dealer(self.context, settings.replay_address, settings.transport,
-                                     LEARNER_ID.encode())
+        self.socket = connect_dealer(self.context, settings.replay_address, settings.transport)
         self.connections = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         """An event per (re)connection to the replay."""
         self.stamp = Stamp(LEARNER_ID, time.time_ns())

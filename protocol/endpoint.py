@@ -2,13 +2,15 @@
 (:class:`ServerEndpoint`) and the client side of a DEALER (:class:`ClientEndpoint`).
 
 A :class:`ServerEndpoint` owns what every service does the same way: the
-one-frame rule, decoding within the size bound, the identity rule
-(:func:`speaks_for`: the connection's routing id is ``sender_id``, or
-``sender_id/suffix``, :func:`connection_id`), refusing with an ``Error``
-that names the message's ``seq`` and a counter, replies that never block on
-a peer that has gone, and dispatch through a ``{message type: handler}``
-table. A service is then its handler tables over its state: where a message
-is handled is one lookup in that table.
+one-frame rule, decoding within the size bound, the client-key rule (with
+CURVE, a ``sender_id`` belongs to the key it first spoke with), refusing
+with an ``Error`` that names the message's ``seq`` and a counter, replies
+that never block on a peer that has gone, and dispatch through a
+``{message type: handler}`` table. Which connection speaks for which actor
+incarnation is each service's registry's rule (``replay/registry.py``,
+``learner/control.py``): it reads ``Hello``s, which an endpoint does not. A
+service is then its handler tables over its state: where a message is
+handled is one lookup in that table.
 
 A client (the actor's replay and learner links) is likewise its handler
 table over its state; its endpoint owns decoding, dropping what cannot be
@@ -32,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,29 +51,12 @@ log = logging.getLogger("compactionrl.protocol.endpoint")
 MAX_ERROR_TEXT = 500
 
 
-def connection_id(sender_id: str) -> bytes:
-    """A client process's routing id: its ``sender_id``, ``/`` and a random
-    suffix, drawn once per process. ZeroMQ hands a routing id over to the
-    newest connection that presents it (``ROUTER_HANDOVER``, which a
-    reconnecting process needs), silently for the older one; with a suffix
-    no other process presents this one by chance or by guess, and the
-    services bind each incarnation to the connection it registered on."""
-    return f"{sender_id}/{secrets.token_hex(8)}".encode()
-
-
-def speaks_for(routing_id: bytes, sender_id: str) -> bool:
-    """The identity rule: a connection speaks for ``sender_id`` if its
-    routing id is that name, or that name, ``/`` and a suffix."""
-    name = sender_id.encode()
-    return routing_id == name or routing_id.startswith(name + b"/")
-
-
 @dataclass(frozen=True)
 class Received:
     """A decoded message that passed the endpoint's checks."""
 
     identity: bytes
-    """The connection's routing id."""
+    """The connection's routing id, drawn by the ROUTER (clients set none)."""
     message: Message
     frame: memoryview
     """The bytes it came in (arrays in ``message`` are views into them)."""
@@ -121,11 +105,6 @@ class ServerEndpoint:
                 message = decode(frame, self.max_message_bytes)
             except ProtocolError as exc:
                 self.reject(identity, exc.code, str(exc), ref_seq=exc.ref_seq)
-                continue
-            if not speaks_for(identity, message.sender_id):
-                self.refuse(Received(identity, message, frame), ErrorCode.IDENTITY,
-                            "sender_id is not the connection's routing id (or its prefix "
-                            "before '/')")
                 continue
             # the ZAP handler names an authenticated client by its public key
             if self.bind_keys and (key := parts[0].get("User-Id")) != self._keys.setdefault(
@@ -230,8 +209,10 @@ class ClientEndpoint:
         self.registered.set()
 
     def forgotten(self) -> None:
-        """The peer no longer knows this client: register again."""
-        self._forgotten.set()
+        """The peer no longer knows this client on this connection: register
+        again (a ``Hello`` under way already does)."""
+        if self.registered.is_set():
+            self._forgotten.set()
 
     async def count_disconnects(self, disconnected: Callable[[], None]) -> None:
         """Tell ``disconnected`` each time the connection drops: ZeroMQ

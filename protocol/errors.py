@@ -32,7 +32,10 @@ class ErrorCode(StrEnum):
     trainable token, a final segment without a reward, a token version
     outside the window, ...)."""
     IDENTITY = "identity"
-    """``sender_id`` is not the connection's routing id."""
+    """The sender may not speak for ``sender_id`` here: the connection speaks for another
+    actor, another client key owns the id, the incarnation is registered on another live
+    connection and this ``hello`` lacks its token, or ``learner`` on the learner socket. Also
+    told, unasked, to a connection whose incarnation moved to another (displaced). Final."""
     OWNER = "owner"
     """A segment or abandon of a rollout that another actor incarnation owns
     (the one that sent its first segment): only the owner may add to,
@@ -48,8 +51,9 @@ class ErrorCode(StrEnum):
     and expired its rollouts: the process, if it lives, must register as a
     new one."""
     UNREGISTERED = "unregistered"
-    """The learner's control plane does not know the sender (it restarted, or
-    the sender never said ``Hello``): send ``Hello`` first."""
+    """This connection is not registered for the sender's incarnation (the service restarted,
+    the connection is new after a reconnect, or the sender never said ``Hello``): say
+    ``Hello`` on it, then send the message again. Not final."""
 
 
 class ProtocolError(Exception):

@@ -31,10 +31,12 @@ from protocol.errors import ErrorCode, ProtocolError
 #: 4: ``Abandon`` (a rollout given up by a living actor).
 #: 5: ``Welcome`` says the replay's frame bound, vocabulary and staleness
 #: grace; header and segment fields have ranges (``invalid`` outside them).
-PROTOCOL_VERSION = 5
+#: 6: ``Hello`` carries the incarnation's token; a connection speaks only
+#: after its ``Hello`` (clients set no routing id).
+PROTOCOL_VERSION = 6
 
-#: The ``sender_id`` and routing id of the learner (its rank 0), the one
-#: client the replay's learner socket serves.
+#: The ``sender_id`` of the learner (its rank 0), the one client the
+#: replay's learner socket serves.
 LEARNER_ID = "learner"
 #: Longest ``sender_id`` and ``rollout_id``, in characters.
 MAX_ID_CHARS = 256
@@ -43,6 +45,8 @@ MAX_ID_CHARS = 256
 MAX_COUNTER = 2**63 - 1
 #: Segments a rollout may have (``index`` below it).
 MAX_SEGMENTS = 2**31
+#: Bounds of ``Hello.token``, in bytes: 16 is 128 bits, beyond guessing.
+MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64
 
 SegmentType = Literal["execution", "summary"]
 EpisodeOutcome = Literal[
@@ -66,9 +70,9 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True, gc=False):
     """The schema version the sender speaks; any other is refused (``protocol_version``)."""
     sender_id: str
     """The sending process (``actor-3``, ``replay``, ``learner``), 1 to 256 characters. On the
-    replay's sockets and the learner's control socket the connection's ZeroMQ routing id must be
-    its UTF-8 bytes, or those, ``/`` and a suffix (the project's processes draw a random one per
-    process), else ``identity``. ``learner`` is the learner's alone."""
+    replay's actor socket and the learner's control socket a connection speaks for the actor
+    incarnation whose ``hello`` registered it (anything else is ``unregistered``); ``learner``
+    is the learner's alone."""
     incarnation: int
     """In [0, 2^63). Changes each time the sender restarts or registers anew; a restarted actor
     takes a larger one."""
@@ -144,10 +148,19 @@ class Hello(Message, tag="hello"):
     tensor-parallel worker."""
     capacity: int
     """How many episodes the actor runs concurrently."""
+    token: bytes
+    """16 to 64 random bytes drawn once per incarnation and sent only in its ``hello``s: the
+    incarnation's ``hello`` on a new connection (a reconnect) moves it there only if it
+    carries the token of its first ``hello``, else ``identity``."""
     policy_version: int = 0
     """Version of the weights the actor's engine holds (0 = the starting model;
     ``NO_COMPLETE_VERSION``: a weight load failed midway, the engine holds a mix
     and waits, paused, for the next publication)."""
+
+    def validate(self) -> None:
+        if not MIN_TOKEN_BYTES <= len(self.token) <= MAX_TOKEN_BYTES:
+            raise ProtocolError(ErrorCode.INVALID, f"token of {len(self.token)} bytes "
+                                f"({MIN_TOKEN_BYTES} to {MAX_TOKEN_BYTES})")
 
 
 NO_COMPLETE_VERSION = -1

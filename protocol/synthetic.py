@@ -1,4 +1,6 @@
-"""Synthetic segments and batches, for tests and benchmarks.
+"""Synthetic hellos, segments and batches, for tests and benchmarks.
+
+``synthetic_hello``: an actor's registration with a fresh random token.
 
 ``synthetic_segment``: every other token trainable, token ids below 100,
 log-probabilities -1 on trainable tokens: valid for any vocabulary of 100 or
@@ -8,10 +10,30 @@ in its seed.
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 
 from protocol.arrays import Array
-from protocol.messages import Batch, Rollout, RolloutStats, Segment, StalenessStats, Stamp
+from protocol.messages import (
+    MIN_TOKEN_BYTES,
+    Batch,
+    EngineInfo,
+    Hello,
+    Rollout,
+    RolloutStats,
+    Segment,
+    StalenessStats,
+    Stamp,
+)
+
+
+def synthetic_hello(stamp: Stamp, capacity: int = 1, token: bytes | None = None,
+                    policy_version: int = 0, dtype: str = "bfloat16") -> Hello:
+    """``token``: the incarnation's (None: a fresh random one)."""
+    return Hello(**stamp.next(), capacity=capacity, policy_version=policy_version,
+                 engine=EngineInfo(device="cpu", dtype=dtype, tensor_parallel=1, model="m"),
+                 token=secrets.token_bytes(MIN_TOKEN_BYTES) if token is None else token)
 
 
 def synthetic_segment(stamp: Stamp, rollout_id: str, index: int, final: bool,

@@ -3,13 +3,15 @@
 Rules (DESIGN §3.2): DEALER/ROUTER only, explicit high-water marks,
 ``ROUTER_MANDATORY`` (a reply to a vanished peer raises instead of vanishing),
 ``MAXMSGSIZE`` (the library drops a peer that announces a larger frame before
-it is buffered), heartbeats with a liveness count, optional CURVE.
+it is buffered), heartbeats with a liveness count, optional CURVE. Clients
+set no routing id: the ROUTER names each connection itself, with a number
+that never crosses the wire, so no peer can present another's.
 
 Usage::
 
     ctx = zmq.Context()
     router = bind_router(ctx, "tcp://127.0.0.1:5555", TransportConfig())
-    dealer = connect_dealer(ctx, "tcp://127.0.0.1:5555", TransportConfig(), identity=b"actor-1")
+    dealer = connect_dealer(ctx, "tcp://127.0.0.1:5555", TransportConfig())
 """
 
 from __future__ import annotations
@@ -166,9 +168,12 @@ def bind_router(context: zmq.Context, address: str, config: TransportConfig) -> 
     socket = context.socket(zmq.ROUTER)
     _common_options(socket, config)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    # A restarted actor reconnects with the same identity before its old TCP
-    # connection is noticed dead: the new connection must take the identity over.
-    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # No ROUTER_HANDOVER (libzmq's default, said here because it is the
+    # security rule): a peer that presents a routing id in use is not heard,
+    # instead of taking the connection over. The project's clients present
+    # none, so a reconnect is a new connection with a new id, and a service
+    # moves an incarnation to it only on a hello with the incarnation's token.
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if config.curve.enabled:
         public, secret = zmq.auth.load_certificate(config.curve.server_secret_key)
         socket.curve_publickey = public
@@ -178,13 +183,11 @@ def bind_router(context: zmq.Context, address: str, config: TransportConfig) -> 
     return socket
 
 
-def connect_dealer(
-    context: zmq.Context, address: str, config: TransportConfig, identity: bytes
-) -> zmq.Socket:
-    """A DEALER with a stable identity, connected to ``address``."""
+def connect_dealer(context: zmq.Context, address: str, config: TransportConfig) -> zmq.Socket:
+    """A DEALER connected to ``address``, with no routing id of its own (the
+    ROUTER names each of its connections)."""
     socket = context.socket(zmq.DEALER)
     _common_options(socket, config)
-    socket.setsockopt(zmq.IDENTITY, identity)
     socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     if config.curve.enabled:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -264,10 +263,7 @@ class StoreClient(dist.Store):
         self.prefix = ""
         # the process's shared context: a context of its own, collected
         # before its socket, would block the collector (and the GIL) in term()
-        # a fresh identity per client: a worker's store of an earlier
-        # generation may still be connected
-        self._socket = connect_dealer(zmq.Context.instance(), address, transport,
-                                      b"store-" + secrets.token_hex(8).encode())
+        self._socket = connect_dealer(zmq.Context.instance(), address, transport)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._root: StoreClient | None = None

@@ -1,7 +1,7 @@
 """The learner side of the replay, without sockets: batch requests waiting
 for rollouts, and each batch served until its learner confirms it arrived.
 
-Rules, per learner identity:
+Rules, per learner (its ``sender_id``; the socket serves one):
 
 - at most one request waits (its newest; a request of size 0 wants nothing
   and only confirms), and requests are served oldest first;
@@ -17,8 +17,8 @@ Rules, per learner identity:
 Usage::
 
     batches = BatchServer()
-    if (frame := batches.resent(identity, request)) is not None: send(frame)
-    previous = batches.ask(identity, request)       # confirm or restore it
+    if (frame := batches.resent(learner, request)) is not None: send(frame)
+    previous = batches.ask(learner, request)        # confirm or restore it
     while (waiting := batches.waiting()) is not None: ...; batches.served(...)
 """
 
@@ -49,40 +49,40 @@ class ServedBatch:
 
 class BatchServer:
     def __init__(self) -> None:
-        self.parked: list[tuple[bytes, BatchRequest]] = []
-        """Requests waiting for rollouts, oldest first, one per identity."""
-        self.unconfirmed: dict[bytes, ServedBatch] = {}
-        """Per identity, the batch served and not yet confirmed."""
+        self.parked: list[tuple[str, BatchRequest]] = []
+        """Requests waiting for rollouts, oldest first, one per learner."""
+        self.unconfirmed: dict[str, ServedBatch] = {}
+        """Per learner, the batch served and not yet confirmed."""
 
-    def resent(self, identity: bytes, request: BatchRequest) -> bytes | None:
+    def resent(self, learner: str, request: BatchRequest) -> bytes | None:
         """The frame served for exactly this request (asked again after a
         reconnect), or None."""
-        served = self.unconfirmed.get(identity)
+        served = self.unconfirmed.get(learner)
         if served is not None and served.request == (request.incarnation, request.seq):
             return served.frame
         return None
 
-    def ask(self, identity: bytes, request: BatchRequest) -> ServedBatch | None:
-        """A new request of ``identity``: it waits (unless of size 0) in
+    def ask(self, learner: str, request: BatchRequest) -> ServedBatch | None:
+        """A new request of ``learner``: it waits (unless of size 0) in
         place of any older one. Returns the batch served to it before, no
         longer held here."""
-        previous = self.unconfirmed.pop(identity, None)
-        self.parked = [(i, r) for i, r in self.parked if i != identity]
+        previous = self.unconfirmed.pop(learner, None)
+        self.parked = [(asker, r) for asker, r in self.parked if asker != learner]
         if request.size:
-            self.parked.append((identity, request))
+            self.parked.append((learner, request))
         return previous
 
-    def waiting(self) -> tuple[bytes, BatchRequest] | None:
+    def waiting(self) -> tuple[str, BatchRequest] | None:
         """The oldest request still waiting."""
         return self.parked[0] if self.parked else None
 
-    def served(self, identity: bytes, request: BatchRequest, frame: bytes,
+    def served(self, learner: str, request: BatchRequest, frame: bytes,
                entries: list[RolloutEntry]) -> None:
-        """The oldest waiting request, ``identity``'s, is answered."""
-        if not self.parked or self.parked[0][0] != identity:
+        """The oldest waiting request, ``learner``'s, is answered."""
+        if not self.parked or self.parked[0][0] != learner:
             raise ValueError("only the oldest waiting request is served")
         self.parked.pop(0)
-        self.unconfirmed[identity] = ServedBatch((request.incarnation, request.seq), frame,
+        self.unconfirmed[learner] = ServedBatch((request.incarnation, request.seq), frame,
                                                  entries)
 
     def unconfirmed_frames(self) -> Iterator[bytes | memoryview]:

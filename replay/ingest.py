@@ -5,8 +5,8 @@ actor gets back.
 One ingest pass reads up to :data:`INGEST_BATCH` actor messages, writes the
 accepted segments to the durable log, makes them durable (the fsync policy),
 and only then acknowledges them, with credits. Every message is checked
-first: a ``sender_id`` that is not the connection's, an old or dead
-incarnation, a rollout another incarnation owns, segment contents outside
+first: a connection not registered by its incarnation's ``Hello``, an old
+or dead incarnation, a rollout another incarnation owns, segment contents outside
 the vocabulary or the version window: each gets an ``Error`` reply and a
 counter, never a crash.
 
@@ -115,18 +115,27 @@ class ActorIngest:
         """The incarnation rules (replay/registry.py), then the handler of
         the message's type."""
         identity, message = received.identity, received.message
-        refusal = self.registry.refusal(identity, message.sender_id, message.incarnation)
-        if refusal is not None:  # its rollouts are gone: nothing of it may count twice
+        hello = message if isinstance(message, Hello) else None
+        refusal = self.registry.refusal(identity, message.sender_id, message.incarnation,
+                                        None if hello is None else hello.token)
+        if refusal is not None:  # a refused incarnation's rollouts are gone: none counts twice
             self.endpoint.refuse(received, *refusal)
             return
-        replaced = self.registry.admit(identity, message.sender_id, message.incarnation)
-        if replaced is not None:  # restarted before its old incarnation fell silent
-            self._actor_gone(replaced)
+        if hello is None:
+            self.registry.seen(identity)
+        else:
+            replaced, displaced = self.registry.register(
+                identity, hello.sender_id, hello.incarnation, hello.token, hello.capacity)
+            if replaced is not None:  # restarted before its old incarnation fell silent
+                self._actor_gone(replaced)
+            if displaced is not None:  # it reconnected: the old connection hears why it ends
+                self.endpoint.reject(displaced, ErrorCode.IDENTITY, f"displaced: incarnation "
+                                     f"{hello.incarnation} of {hello.sender_id} said hello "
+                                     "with its token on another connection")
         self.endpoint.dispatch(self._handlers, received)
 
     def _on_hello(self, received: Received) -> None:
         hello, identity = received.message, received.identity
-        self.registry.peers[identity].capacity = max(1, hello.capacity)
         facts = self.facts
         self.endpoint.send(identity, Welcome(
             **self._stamp.next(), run_id=facts.run_id, policy_version=self.book.learner_version,

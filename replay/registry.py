@@ -3,39 +3,47 @@ which are over: the replay's actor bookkeeping, without sockets.
 
 Rules, for an actor id:
 
-- its *current* incarnation is the newest that has spoken; an older one is
+- a connection speaks for an incarnation once that incarnation's ``Hello``
+  registered it; anything else on a connection not registered for the
+  sender's incarnation is refused (``unregistered``: say hello), and a
+  connection registered for one actor speaks for no other (``identity``);
+- its *current* incarnation is the newest registered; an older one is
   refused for good (``stale_incarnation``): its rollouts were counted lost
   when the newer one appeared;
 - an incarnation silent for the liveness timeout is declared *dead*
   (:meth:`ActorRegistry.expire`) and refused for good (``dead_incarnation``):
   its rollouts expire, so nothing it sends later may count twice; the
   process, if it lives, comes back as a new incarnation;
-- a connection whose actor restarts before its old incarnation fell silent
-  replaces that incarnation at once (:meth:`ActorRegistry.admit` returns the
-  old one, gone); a restart keeps the capacity the actor said last. So does
-  a newer incarnation on another connection (a restarted process draws a new
-  routing id, ``protocol.endpoint.connection_id``);
-- the current incarnation speaks on the connection it was admitted on: the
-  same incarnation on another live connection is refused (``identity``), so
-  no second connection shares an actor's ledger, acks or rollouts.
+- a newer incarnation's ``Hello`` replaces the current one at once, on its
+  connection or another (:meth:`ActorRegistry.register` returns the old
+  one, gone): a restarted process reconnects before its old connection is
+  noticed dead;
+- the current incarnation speaks on one connection. Its ``Hello`` on
+  another (a reconnect: clients set no routing id, so a new TCP connection
+  is a new routing id) moves it there if it carries the token of the
+  incarnation's first ``Hello``, and the old connection is displaced;
+  without the token it is refused (``identity``), so no second connection
+  shares an actor's ledger, acks or rollouts.
 
 Usage::
 
     registry = ActorRegistry(Liveness(interval_s, liveness))
-    if (refusal := registry.refusal(identity, actor_id, incarnation)) is not None: refuse(*refusal)
-    replaced = registry.admit(identity, actor_id, incarnation)   # gone, if not None
+    token = message.token if isinstance(message, Hello) else None
+    if (refusal := registry.refusal(identity, actor_id, incarnation, token)) is not None: ...
+    if token is not None:
+        replaced, displaced = registry.register(identity, actor_id, incarnation, token, capacity)
+    else:
+        registry.seen(identity)
     for identity, peer in registry.expire(now): ...               # declared dead
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from protocol.errors import ErrorCode
 from protocol.transport import Liveness
-
-#: Credits an actor may hold when it did not say its capacity (no Hello seen).
-DEFAULT_CAPACITY = 1
 
 
 @dataclass
@@ -44,27 +52,39 @@ class Peer:
 
     actor_id: str
     incarnation: int
-    capacity: int = DEFAULT_CAPACITY
+    token: bytes
+    """From its first ``Hello``: a ``Hello`` on another connection must carry it to move it."""
+    capacity: int
     active_rollouts: int = 0
     """In flight at its last heartbeat, including rollouts not yet seen here."""
+
+
+class Registration(NamedTuple):
+    """What a ``Hello`` changed besides registering its connection."""
+
+    replaced: Peer | None
+    """The older incarnation it replaces, gone (or None)."""
+    displaced: bytes | None
+    """The connection its incarnation moved from (a reconnect), or None."""
 
 
 class ActorRegistry:
     def __init__(self, liveness: Liveness) -> None:
         self.liveness = liveness
         self.peers: dict[bytes, Peer] = {}
-        """Per connection (routing id), the incarnation speaking on it."""
+        """Per registered connection (routing id), the incarnation speaking on it."""
         self.current: dict[str, int] = {}
-        """Per actor id, the newest incarnation that has spoken."""
+        """Per actor id, the newest incarnation registered."""
         self.dead: dict[str, int] = {}
         """Per actor id, the newest incarnation declared dead."""
         self.connection: dict[str, bytes] = {}
         """Per actor id, the connection its current incarnation speaks on."""
 
-    def refusal(self, identity: bytes, actor_id: str,
-                incarnation: int) -> tuple[ErrorCode, str] | None:
+    def refusal(self, identity: bytes, actor_id: str, incarnation: int,
+                token: bytes | None) -> tuple[ErrorCode, str] | None:
         """Why a message of this incarnation on connection ``identity`` is
-        refused, or None."""
+        refused, or None. ``token``: the message's if it is a ``Hello``,
+        None for any other kind."""
         current = self.current.get(actor_id)
         if current is not None and incarnation < current:
             return (ErrorCode.STALE_INCARNATION,
@@ -73,32 +93,43 @@ class ActorRegistry:
             return (ErrorCode.DEAD_INCARNATION,
                     f"incarnation {incarnation} was declared dead (silent for "
                     f"{self.liveness.timeout_s:g} s): register as a new one")
+        here = self.peers.get(identity)
+        if here is not None and here.actor_id != actor_id:
+            return (ErrorCode.IDENTITY, f"this connection speaks for {here.actor_id}")
+        if token is None:
+            if here is None or here.incarnation != incarnation:
+                return (ErrorCode.UNREGISTERED, f"this connection is not registered for "
+                        f"incarnation {incarnation}: say hello on it first")
+            return None
         bound = self.connection.get(actor_id)
-        if incarnation == current and bound not in (None, identity) and bound in self.peers:
-            return (ErrorCode.IDENTITY, f"incarnation {incarnation} of {actor_id} speaks on "
-                    "another connection")
+        elsewhere = self.peers.get(bound) if bound not in (None, identity) else None
+        if elsewhere is not None and elsewhere.incarnation == incarnation \
+                and token != elsewhere.token:
+            return (ErrorCode.IDENTITY, f"incarnation {incarnation} of {actor_id} is registered "
+                    "on another connection, and this hello lacks its token")
         return None
 
-    def admit(self, identity: bytes, actor_id: str, incarnation: int) -> Peer | None:
-        """Record a message of an incarnation :meth:`refusal` let through,
-        on connection ``identity``, seen now. Returns the older incarnation
-        it replaces (on this connection or the actor's last one), which is
-        gone (one declared dead was dealt with then and is no longer here),
-        or None."""
-        old = self.peers.get(identity)
-        replaced = old if old is not None and incarnation > old.incarnation else None
+    def register(self, identity: bytes, actor_id: str, incarnation: int, token: bytes,
+                 capacity: int) -> Registration:
+        """Record a ``Hello`` that :meth:`refusal` let through, seen now: the
+        connection speaks for this incarnation from now on."""
         bound = self.connection.get(actor_id)
-        if bound not in (None, identity) and bound in self.peers:  # restarted elsewhere
-            replaced = self.peers.pop(bound)
+        previous = self.peers.pop(bound, None) if bound is not None else None
+        if bound not in (None, identity):
             self.liveness.forget(bound)
-            old = old or replaced  # its capacity carries over
         self.connection[actor_id] = identity
         self.current[actor_id] = incarnation
-        if old is None or old.incarnation != incarnation:
-            self.peers[identity] = Peer(actor_id, incarnation,
-                                        old.capacity if old else DEFAULT_CAPACITY)
+        same = previous is not None and previous.incarnation == incarnation
+        peer = previous if same else Peer(actor_id, incarnation, token, capacity)
+        peer.capacity = max(1, capacity)
+        self.peers[identity] = peer
         self.liveness.seen(identity)
-        return replaced
+        return Registration(replaced=None if same else previous,
+                            displaced=bound if same and bound != identity else None)
+
+    def seen(self, identity: bytes) -> None:
+        """A registered connection spoke (any message but ``Hello``)."""
+        self.liveness.seen(identity)
 
     def expire(self, now: float) -> list[tuple[bytes, Peer]]:
         """The peers silent past the liveness timeout, removed and their

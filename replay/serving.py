@@ -5,7 +5,9 @@ ready rollouts exist and then answered with a ``Batch``
 The last ``Batch`` is kept until the learner's next request: the same
 request again (after a reconnect: the batch may have been lost with the
 connection) gets the same bytes again, never a second batch. The socket is
-the learner's alone: a message with another ``sender_id`` is refused.
+the learner's alone: a message with another ``sender_id`` is refused. A
+reconnect is a new connection (clients set no routing id): replies go to
+the connection the learner spoke on last.
 
 Usage::
 
@@ -53,6 +55,8 @@ class LearnerServing:
             LearnerHello: self._on_learner_hello, BatchRequest: self._on_batch_request}
         self._asked = False
         """A batch request arrived in the pass under way."""
+        self._connection = b""
+        """The connection the learner spoke on last, where its batches go."""
 
     def receive(self) -> bool:
         """One pass over what the learner socket holds, then serve what
@@ -64,6 +68,7 @@ class LearnerServing:
                 self.endpoint.refuse(received, ErrorCode.IDENTITY,
                                      f"the learner socket serves {LEARNER_ID!r} only")
                 continue
+            self._connection = received.identity
             self.endpoint.dispatch(self._handlers, received)
         self.serve_parked()
         return self._asked
@@ -75,18 +80,18 @@ class LearnerServing:
             rollouts_per_batch=config.rollouts_per_batch, max_staleness=config.max_staleness))
 
     def _on_batch_request(self, received: Received) -> None:
-        identity, request = received.identity, received.message
+        learner, request = received.message.sender_id, received.message
         if request.size < 0:
             self.endpoint.refuse(received, ErrorCode.INVALID, f"size {request.size} < 0")
             return
         self.book.set_learner_version(request.policy_version)
-        if (frame := self.batches.resent(identity, request)) is not None:
+        if (frame := self.batches.resent(learner, request)) is not None:
             # asked again after a reconnect: the batch may be lost on the way
             self.book.metrics.batches_resent.inc()
-            self.endpoint.send_frame(identity, frame)
+            self.endpoint.send_frame(self._connection, frame)
             return
         self.book.pacer.learner_waiting()
-        if (served := self.batches.ask(identity, request)) is not None:
+        if (served := self.batches.ask(learner, request)) is not None:
             self._confirm(served, request)
         self._asked = True
 
@@ -110,7 +115,7 @@ class LearnerServing:
         """Answer the waiting requests, oldest first, while ready rollouts last."""
         book, metrics = self.book, self.book.metrics
         while (waiting := self.batches.waiting()) is not None:
-            identity, request = waiting
+            learner, request = waiting
             version = book.learner_version
             entries = book.buffer.take(request.size, version)
             if not entries:
@@ -127,5 +132,5 @@ class LearnerServing:
                     min=int(staleness.min()), max=int(staleness.max()),
                     mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
                     p95=float(np.percentile(staleness, 95)))))
-            self.batches.served(identity, request, frame, entries)
-            self.endpoint.send_frame(identity, frame)
+            self.batches.served(learner, request, frame, entries)
+            self.endpoint.send_frame(self._connection, frame)

@@ -5,6 +5,7 @@ learner's control socket."""
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 
 import zmq
@@ -13,7 +14,6 @@ from protocol import (
     Ack,
     Batch,
     BatchRequest,
-    EngineInfo,
     Error,
     Heartbeat,
     Hello,
@@ -24,8 +24,22 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.synthetic import synthetic_segment
+from protocol.synthetic import synthetic_hello, synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
+
+
+def dealer(context: zmq.Context, address: str, transport: TransportConfig | None = None,
+           routing_id: bytes | None = None) -> zmq.Socket:
+    """A client socket as the project's (no routing id of its own), or one
+    presenting ``routing_id``, as a client of another make may."""
+    if routing_id is None:
+        return connect_dealer(context, address, transport or TransportConfig())
+    assert transport is None, "a routing id of its own is for plain sockets here"
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.ROUTING_ID, routing_id)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    return socket
 
 
 class ActorClient:
@@ -35,10 +49,11 @@ class ActorClient:
                  incarnation: int = 1, capacity: int = 4,
                  transport: TransportConfig | None = None,
                  routing_id: bytes | None = None) -> None:
-        """``routing_id``: the connection's (default ``actor_id`` itself)."""
-        self.socket = connect_dealer(context, address, transport or TransportConfig(),
-                                     routing_id or actor_id.encode())
+        """``routing_id``: one the socket presents (default: none, as the project's)."""
+        self.socket = dealer(context, address, transport, routing_id)
         self.stamp = Stamp(actor_id, incarnation)
+        self.token = secrets.token_bytes(16)
+        """Its incarnation's: a hello with it moves the incarnation to a new connection."""
         self.capacity = capacity
         self.credits = 0
         """To spend: a test starts a rollout by taking one."""
@@ -48,13 +63,13 @@ class ActorClient:
         self.acked: dict[int, Segment] = {}
         self.sent: dict[int, Segment] = {}
         self.errors: list[Error] = []
+        self.registered = False
+        """Welcomed on this connection, as far as it knows."""
         self.policy_version = 0
         self._rollouts = itertools.count()
 
     def hello(self) -> None:
-        self.send(Hello(**self.stamp.next(), capacity=self.capacity,
-                        engine=EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1,
-                                          model="m")))
+        self.send(synthetic_hello(self.stamp, self.capacity, self.token))
 
     def heartbeat(self, active_rollouts: int = 0) -> None:
         self.send(Heartbeat(**self.stamp.next(), active_rollouts=active_rollouts,
@@ -71,13 +86,16 @@ class ActorClient:
         rollout_id = f"{self.stamp.sender_id}-{self.stamp.incarnation}-{next(self._rollouts)}"
         lengths = tokens if isinstance(tokens, list) else [tokens] * segments
         for index, length in enumerate(lengths):
-            segment = synthetic_segment(self.stamp, rollout_id, index, index == len(lengths) - 1,
-                                        version, length)
-            frame = encode(segment)
-            self.unacked[segment.seq] = frame
-            self.sent[segment.seq] = segment
-            self.socket.send(frame)
+            self.send_kept(synthetic_segment(self.stamp, rollout_id, index,
+                                             index == len(lengths) - 1, version, length))
         return rollout_id
+
+    def send_kept(self, segment: Segment) -> None:
+        """Send a segment and keep it until acknowledged (then in ``acked``)."""
+        frame = encode(segment)
+        self.unacked[segment.seq] = frame
+        self.sent[segment.seq] = segment
+        self.socket.send(frame)
 
     def resend_unacked(self) -> None:
         for frame in self.unacked.values():
@@ -89,6 +107,8 @@ class ActorClient:
             if not self.socket.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 continue
             message = decode(self.socket.recv())
+            if isinstance(message, Welcome):
+                self.registered = True
             if isinstance(message, Welcome | Ack):
                 if message.credit_ledger != self.credit_ledger:
                     self.credit_ledger, self.credits_seen, self.credits = (
@@ -102,7 +122,17 @@ class ActorClient:
                         self.acked[seq] = self.sent[seq]
             elif isinstance(message, Error):
                 self.errors.append(message)
-                self.unacked.pop(message.ref_seq, None)
+                if message.code == "unregistered":
+                    # not final (the replay restarted, or the connection is
+                    # new): say hello again, as an actor does; the refused
+                    # message stays kept for its resend
+                    if self.registered:
+                        self.registered = False
+                        self.hello()
+                elif message.ref_seq is None:  # displaced: registered nowhere now
+                    self.registered = False
+                else:
+                    self.unacked.pop(message.ref_seq, None)
 
     def pump_until(self, condition, timeout_s: float = 15.0) -> bool:
         """Pump until ``condition()`` holds (True) or the timeout passes (False):
@@ -122,7 +152,7 @@ class ActorClient:
 class LearnerClient:
     def __init__(self, context: zmq.Context, address: str,
                  transport: TransportConfig | None = None, incarnation: int = 1) -> None:
-        self.socket = connect_dealer(context, address, transport or TransportConfig(), b"learner")
+        self.socket = connect_dealer(context, address, transport or TransportConfig())
         self.stamp = Stamp("learner", incarnation)
 
     def request(self, size: int, version: int) -> bytes:
@@ -148,11 +178,14 @@ class ControlClient:
     def __init__(self, context: zmq.Context, address: str, actor_id: str,
                  transport: TransportConfig | None = None, routing_id: bytes | None = None,
                  incarnation: int | None = None) -> None:
-        self.socket = connect_dealer(context, address, transport or TransportConfig(),
-                                     routing_id or actor_id.encode())
+        self.socket = dealer(context, address, transport, routing_id)
         self.stamp = Stamp(actor_id, time.time_ns() if incarnation is None else incarnation)
+        self.token = secrets.token_bytes(16)
+        """Its incarnation's, in each ``Hello`` unless the test gives one."""
 
     def send(self, message_type: type, **fields: object) -> None:
+        if message_type is Hello:
+            fields.setdefault("token", self.token)
         self.socket.send(encode(message_type(**self.stamp.next(), **fields)))
 
     def receive(self, timeout_ms: int = 5000) -> Message:

@@ -29,6 +29,7 @@ from protocol import (
     WeightsLoaded,
     Welcome,
 )
+from protocol.messages import MAX_TOKEN_BYTES, MIN_TOKEN_BYTES
 
 ids = st.text(min_size=1, max_size=24)
 counts = st.integers(min_value=0, max_value=2**31 - 1)
@@ -106,7 +107,8 @@ def messages(draw, kind: str | None = None):
     if kind == "hello":
         engine = draw(st.builds(EngineInfo, device=ids, dtype=ids, tensor_parallel=counts,
                                 model=ids))
-        return Hello(**h, engine=engine, capacity=draw(counts))
+        return Hello(**h, engine=engine, capacity=draw(counts),
+                     token=draw(st.binary(min_size=MIN_TOKEN_BYTES, max_size=MAX_TOKEN_BYTES)))
     if kind == "welcome":
         return Welcome(**h, run_id=draw(ids), policy_version=draw(counts),
                        heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts),

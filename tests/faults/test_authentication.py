@@ -17,7 +17,6 @@ import zmq
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from protocol import Abandon, EngineInfo, Error, Hello, MemberWelcome
-from protocol.endpoint import connection_id
 from protocol.synthetic import synthetic_segment
 from protocol.transport import CurveConfig, TransportConfig, generate_keys
 from tests.ports import loopback_addresses
@@ -86,28 +85,27 @@ def test_only_clients_with_an_authorized_key_reach_the_replay_and_the_learner(
         member = ControlClient(context, control_address, "actor-0", secure)
         member.send(Hello, engine=ENGINE, capacity=1)
         assert isinstance(member.receive(), MemberWelcome)
-        assert [m.actor_id for m in plane.members()] == ["actor-0"]
+        [registered] = plane.members()
+        assert registered.actor_id == "actor-0"
 
         # another authorized key claiming actor-0, even as a newer incarnation
         # on a connection of its own: refused on both sockets, actor-0 unmoved
         impostor = ActorClient(context, replay.actor_address, actor_id="actor-0",
-                               incarnation=actor.stamp.incarnation + 1, transport=other_key,
-                               routing_id=connection_id("actor-0"))
+                               incarnation=actor.stamp.incarnation + 1, transport=other_key)
         impostor.hello()
         assert impostor.pump_until(lambda: impostor.errors)
         assert [e.code for e in impostor.errors] == ["identity"] and impostor.credits == 0
-        other = ControlClient(context, control_address, "actor-0", other_key,
-                              routing_id=connection_id("actor-0"))
+        other = ControlClient(context, control_address, "actor-0", other_key)
         other.send(Hello, engine=ENGINE, capacity=1)
         reply = other.receive()
         assert isinstance(reply, Error) and reply.code == "identity", reply
         actor.push_rollout(segments=1)
         assert actor.pump_until(lambda: not actor.unacked) and not actor.errors
-        assert [m.identity for m in plane.members()] == [b"actor-0"]
+        assert [m.identity for m in plane.members()] == [registered.identity]
 
         # that key's own actor cannot finish or abandon actor-0's rollout
         stranger = ActorClient(context, replay.actor_address, actor_id="actor-1",
-                               transport=other_key, routing_id=connection_id("actor-1"))
+                               transport=other_key)
         stranger.hello()  # welcomed (credits are flow control, not needed to be refused)
         actor.send(synthetic_segment(actor.stamp, "r-curve", 0, final=False))
         assert actor.pump_until(lambda: replay.metric("crl_replay_segments_total",

@@ -35,9 +35,9 @@ class _Flood:
 
     def __init__(self, context: zmq.Context, replay_address: str, control_address: str) -> None:
         self._targets = [
-            (connect_dealer(context, replay_address, TransportConfig(), b"hostile"),
+            (connect_dealer(context, replay_address, TransportConfig()),
              [frames for _, frames, _ in replay_catalogue(Stamp("hostile", 1))]),
-            (connect_dealer(context, control_address, TransportConfig(), b"hostile"),
+            (connect_dealer(context, control_address, TransportConfig()),
              [frames for _, frames, _ in control_catalogue(Stamp("hostile", 1))])]
         self.sent = [0, 0]
         """Frames sent to the replay, to the control socket."""

@@ -41,11 +41,11 @@ from protocol import (
     WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
+    Welcome,
     decode,
     encode,
 )
-from protocol.endpoint import connection_id
-from protocol.synthetic import synthetic_segment
+from protocol.synthetic import synthetic_hello, synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
 from tests.hostile_frames import (
     ENGINE,
@@ -58,7 +58,7 @@ from tests.hostile_frames import (
 )
 from tests.ports import loopback_addresses
 from tests.processes import ReplayProcess, rss_bytes, wait_until
-from tests.protocol_clients import ActorClient, ControlClient, LearnerClient
+from tests.protocol_clients import ActorClient, ControlClient, LearnerClient, dealer
 
 #: The replay's frame limit here: small, so that an oversized frame is cheap to send.
 MAX_MESSAGE_BYTES = 1 << 20
@@ -85,7 +85,7 @@ def context() -> Iterator[zmq.Context]:
 
 
 def _hostile(context: zmq.Context, address: str) -> zmq.Socket:
-    return connect_dealer(context, address, TransportConfig(), b"hostile")
+    return connect_dealer(context, address, TransportConfig())
 
 
 def _header_seq(frames: list[bytes]) -> int | None:
@@ -114,8 +114,7 @@ def _header_seq(frames: list[bytes]) -> int | None:
 
 
 def _error(socket: zmq.Socket, timeout_ms: int = 10_000) -> Error:
-    """The next Error; Acks are passed over (any peer that is heard from is
-    granted a credit: restarted replays rely on it, see docs/reliability.md)."""
+    """The next Error; Acks (credits of a registered peer) are passed over."""
     while True:
         assert socket.poll(timeout_ms), "no reply"
         reply = decode(socket.recv())
@@ -130,8 +129,11 @@ def test_each_kind_of_bad_frame_gets_an_error_and_a_counter(replay: ReplayProces
     learner.request(2, version=LEARNER_VERSION)
     replay.wait_learner_version(LEARNER_VERSION)
     hostile = _hostile(context, replay.actor_address)
+    stamp = Stamp("hostile", 1)
+    hostile.send(encode(synthetic_hello(stamp)))  # registered: its frames reach every check
+    assert hostile.poll(10_000) and isinstance(decode(hostile.recv()), Welcome)
     expected: Counter[str] = Counter()
-    for what, frames, reason in replay_catalogue(Stamp("hostile", 1)):
+    for what, frames, reason in replay_catalogue(stamp):
         hostile.send_multipart(frames)
         reply = _error(hostile)
         assert reply.code == reason, f"{what}: {reply.code} {reply.text}"
@@ -187,8 +189,7 @@ def test_the_learner_socket_refuses_bombs_and_actor_messages_and_keeps_serving(
         replay: ReplayProcess, context: zmq.Context) -> None:
     # a client that says it is the learner: bombs are malformed, an actor's
     # message is not for this socket; any other sender is not the learner
-    hostile = connect_dealer(context, replay.learner_address, TransportConfig(),
-                             LEARNER_ID.encode())
+    hostile = connect_dealer(context, replay.learner_address, TransportConfig())
     stamp, stranger = Stamp(LEARNER_ID, 1), Stamp("hostile", 1)
     hello = msgspec.msgpack.decode(encode(LearnerHello(**stamp.next())))
     catalogue = depth_bombs(hello) + [
@@ -207,7 +208,7 @@ def test_the_learner_socket_refuses_bombs_and_actor_messages_and_keeps_serving(
             f"{what}: {reply.code} {reply.text}"
         expected[reason] += 1
         assert replay.wait_rejected(sum(expected.values())) == expected, what
-    hostile.close(linger=0)  # the learner's routing id, for the real one below
+    hostile.close(linger=0)
     actor = ActorClient(context, replay.actor_address, actor_id="actor-good")
     actor.hello()
     actor.push_rollout(segments=2, version=0, tokens=TOKENS)
@@ -260,31 +261,79 @@ def test_only_the_actor_that_began_a_rollout_may_add_to_finish_or_abandon_it(
 
 def test_a_second_connection_cannot_speak_for_a_registered_actor(
         replay: ReplayProcess, context: zmq.Context) -> None:
-    """Another process presenting a registered actor's id and incarnation, on
-    a connection of its own (its own routing id, as every process draws one):
-    refused and counted, while the actor's acks, credits and batches go on."""
-    genuine = ActorClient(context, replay.actor_address, actor_id="actor-1",
-                          routing_id=connection_id("actor-1"))
+    """Another process presenting a registered actor's id and incarnation on
+    a connection of its own: its hello without the incarnation's token is
+    refused (``identity``), anything else is ``unregistered``; one that
+    presents the actor's exact routing id is not heard at all. The actor's
+    acks, credits and batches go on."""
+    genuine = ActorClient(context, replay.actor_address, actor_id="actor-1")
     genuine.hello()
     assert genuine.pump_until(lambda: genuine.credits > 0)
-    for routing_id in (b"actor-1", connection_id("actor-1")):
-        impostor = ActorClient(context, replay.actor_address, actor_id="actor-1",
-                               routing_id=routing_id)
-        impostor.stamp = Stamp("actor-1", genuine.stamp.incarnation, first_seq=10_000)
-        _refused_as(impostor, Hello(**impostor.stamp.next(), capacity=64, engine=ENGINE),
-                    "identity")
-        _refused_as(impostor, synthetic_segment(impostor.stamp, "r-impostor", 0, final=True,
-                                                tokens=TOKENS), "identity")
-        impostor.close()
-    genuine.push_rollout(segments=2, tokens=TOKENS)
-    assert genuine.pump_until(lambda: not genuine.unacked) and not genuine.errors
+    impostor = ActorClient(context, replay.actor_address, actor_id="actor-1")
+    impostor.stamp = Stamp("actor-1", genuine.stamp.incarnation, first_seq=10_000)
+    _refused_as(impostor, synthetic_hello(impostor.stamp, 64), "identity")
+    for message in (synthetic_segment(impostor.stamp, "r-impostor", 0, final=True,
+                                      tokens=TOKENS),
+                    Abandon(**impostor.stamp.next(), rollout_id="r-impostor")):
+        _refused_as(impostor, message, "unregistered")
+    impostor.close()
+    # A client of another make may present a routing id; a second connection
+    # presenting the same one is ignored by ZeroMQ (no ROUTER_HANDOVER):
+    # the replay never hears it, and it takes nothing over.
+    named = ActorClient(context, replay.actor_address, actor_id="actor-2",
+                        routing_id=b"actor-2/5f0c9e2b")
+    named.hello()
+    assert named.pump_until(lambda: named.credits > 0)
+    squatter = ActorClient(context, replay.actor_address, actor_id="actor-2",
+                           routing_id=b"actor-2/5f0c9e2b")
+    squatter.stamp = Stamp("actor-2", named.stamp.incarnation, first_seq=10_000)
+    squatter.send(synthetic_segment(squatter.stamp, "r-squatter", 0, final=True, tokens=TOKENS))
+    squatter.pump(1.0)
+    assert not squatter.errors and not squatter.acked
+    squatter.close()
+    for client in (genuine, named):
+        client.push_rollout(segments=2, tokens=TOKENS)
+        assert client.pump_until(lambda c=client: not c.unacked) and not client.errors
+    learner = LearnerClient(context, replay.learner_address)
+    learner.request(2, version=0)
+    batch = learner.receive(10.0)
+    assert batch is not None and {s.sender_id for r in batch.rollouts for s in r.segments} == {
+        "actor-1", "actor-2"}
+    assert replay.metric("crl_replay_rejected_messages_total", reason="identity") == 1
+    assert replay.metric("crl_replay_rejected_messages_total", reason="unregistered") == 2
+    assert replay.metric("crl_replay_segments_total", result="accepted") == 4
+    # the gauge is set each tick: the impostors never counted as actors
+    wait_until(lambda: replay.metric("crl_replay_actors_alive") == 2, 10, "two actors alive")
+
+
+def test_a_reconnect_moves_the_incarnation_with_its_token_and_the_old_connection_hears_why(
+        replay: ReplayProcess, context: zmq.Context) -> None:
+    """A reconnect is a new connection (clients set no routing id): the
+    incarnation's hello on it, with its token, moves the incarnation there
+    (ledger and rollouts kept) and the old connection is told it is
+    displaced; a rollout begun on the old connection finishes on the new."""
+    old = ActorClient(context, replay.actor_address, actor_id="actor-1")
+    old.hello()
+    assert old.pump_until(lambda: old.credits > 0)
+    old.send_kept(synthetic_segment(old.stamp, "r-moved", 0, final=False, tokens=TOKENS))
+    assert old.pump_until(lambda: len(old.acked) == 1)
+    new = ActorClient(context, replay.actor_address, actor_id="actor-1")
+    new.stamp, new.token = old.stamp, old.token
+    new.hello()
+    assert new.pump_until(lambda: new.credits_seen > 0)  # its Welcome: the same ledger
+    assert (new.credit_ledger, new.credits_seen) == (old.credit_ledger, old.credits_seen)
+    assert old.pump_until(lambda: bool(old.errors))
+    [displaced] = old.errors
+    assert displaced.code == "identity" and "displaced" in displaced.text
+    new.send_kept(synthetic_segment(new.stamp, "r-moved", 1, final=True, tokens=TOKENS))
+    assert new.pump_until(lambda: len(new.acked) == 1) and not new.errors
+    _refused_as(old, synthetic_segment(old.stamp, "r-late", 0, final=True, tokens=TOKENS),
+                "unregistered")
     learner = LearnerClient(context, replay.learner_address)
     learner.request(1, version=0)
     batch = learner.receive(10.0)
-    assert batch is not None and {s.rollout_id for s in batch.rollouts[0].segments} == {
-        s.rollout_id for s in genuine.acked.values()}
-    assert replay.metric("crl_replay_rejected_messages_total", reason="identity") == 4
-    # the gauge is set each tick: the impostors never counted as actors
+    assert batch is not None and [s.index for s in batch.rollouts[0].segments] == [0, 1]
+    assert replay.metric("crl_replay_rejected_messages_total", reason="identity") == 1
     wait_until(lambda: replay.metric("crl_replay_actors_alive") == 1, 10, "one actor alive")
 
 
@@ -299,9 +348,9 @@ def test_a_peer_claiming_the_next_anonymous_routing_id_does_not_kill_the_replay(
     """Peers that present the routing ids libzmq would give the next peers
     without one, then such a peer: libzmq aborts a process whose numbering
     they guessed (two connections killed the replay before it seeded it).
-    The replay answers the anonymous peer (its id speaks for no sender) and
-    goes on serving an actor."""
-    squatters = [connect_dealer(context, replay.actor_address, TransportConfig(), routing_id)
+    The replay answers the anonymous peer (it said no hello) and goes on
+    serving an actor."""
+    squatters = [dealer(context, replay.actor_address, routing_id=routing_id)
                  for routing_id in UNSEEDED_ANONYMOUS_IDS]
     stamp = Stamp("anonymous", 1)
 
@@ -314,10 +363,10 @@ def test_a_peer_claiming_the_next_anonymous_routing_id_does_not_kill_the_replay(
     anonymous = context.socket(zmq.DEALER)
     anonymous.connect(replay.actor_address)
     try:
-        for squatter in squatters:  # each refused: its id speaks for no sender
-            assert _error(squatter).code == "identity"
+        for squatter in squatters:  # each refused: it said no hello
+            assert _error(squatter).code == "unregistered"
         anonymous.send(heartbeat())
-        assert _error(anonymous).code == "identity"
+        assert _error(anonymous).code == "unregistered"
         assert replay.background.process.poll() is None, replay.background.log()[-3000:]
         actor = ActorClient(context, replay.actor_address, actor_id="actor-1")
         actor.hello()
@@ -471,27 +520,44 @@ def test_the_control_socket_rejects_and_counts_bad_frames_through_a_flood(contro
 
 
 def test_a_second_connection_cannot_take_a_members_announcements(control) -> None:
+    """The learner's control socket: an impostor of a member's incarnation is
+    refused (its hello lacks the token, its load report is unregistered) and
+    hears no weights; the member's own reconnect, with its token, moves the
+    membership and the announcements to the new connection."""
     plane, metrics, address = control
     context = zmq.Context()
     try:
-        genuine = ControlClient(context, address, "actor-1",
-                                routing_id=connection_id("actor-1"))
+        genuine = ControlClient(context, address, "actor-1")
         genuine.send(Hello, engine=ENGINE, capacity=1)
         assert isinstance(genuine.receive(), MemberWelcome)
         impostor = ControlClient(context, address, "actor-1",
                                  incarnation=genuine.stamp.incarnation)
-        for kind, fields in ((Hello, {"engine": ENGINE, "capacity": 1}),
-                             (WeightsLoaded, {"version": 0, "seconds": 0.1})):
+        for kind, fields, code in ((Hello, {"engine": ENGINE, "capacity": 1}, "identity"),
+                                   (WeightsLoaded, {"version": 0, "seconds": 0.1},
+                                    "unregistered")):
             impostor.send(kind, **fields)
             reply = impostor.receive()
-            assert isinstance(reply, Error) and reply.code == "identity", reply
-        assert _rejected(metrics) == Counter(identity=2)
-        [member] = plane.members()
+            assert isinstance(reply, Error) and reply.code == code, reply
+        assert _rejected(metrics) == Counter(identity=1, unregistered=1)
         manifest = WeightManifest(tensors=[TensorSpec("w", "float32", (2,))], bucket_bytes=0)
-        plane.announce(1, [(member, manifest, GroupInfo(
-            generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
-            backend="gloo"))])
+
+        def announce(version: int) -> None:
+            [member] = plane.members()
+            plane.announce(version, [(member, manifest, GroupInfo(
+                generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
+                backend="gloo"))])
+
+        announce(1)
         assert isinstance(genuine.receive(), WeightsAnnounce)
         assert not impostor.socket.poll(500)  # nothing of the weights reaches it
+        moved = ControlClient(context, address, "actor-1")
+        moved.stamp, moved.token = genuine.stamp, genuine.token
+        moved.send(Hello, engine=ENGINE, capacity=1)
+        assert isinstance(moved.receive(), MemberWelcome)
+        displaced = genuine.receive()
+        assert displaced.code == "identity" and "displaced" in displaced.text
+        announce(2)
+        assert moved.receive().version == 2
+        assert not genuine.socket.poll(500)
     finally:
         context.destroy(linger=0)

@@ -21,7 +21,6 @@ from protocol import (
     Heartbeat,
     Hello,
     MemberWelcome,
-    Stamp,
     TensorSpec,
     WeightManifest,
     WeightsAnnounce,
@@ -104,17 +103,19 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
                      credits_seen=0)
         reply = hostile.receive()
         assert isinstance(reply, Error) and reply.code == "unregistered"
-        # someone else's identity in the header
-        impostor = ControlClient(context, address, "impostor")
-        impostor.stamp = Stamp("actor-1", 1)
-        impostor.send(Hello, engine=ENGINE, capacity=1)
-        assert isinstance(impostor.receive(), Error)
-        assert _rejected(metrics, "identity") == 1
-        assert plane.members() == []
-        # and a well-behaved actor is still served
-        actor = ControlClient(context, address, "actor-1")
+        # a member's incarnation claimed on another connection without its token
+        actor = ControlClient(context, address, "actor-1", incarnation=1)
         actor.send(Hello, engine=ENGINE, capacity=1)
         assert isinstance(actor.receive(), MemberWelcome)
+        impostor = ControlClient(context, address, "actor-1", incarnation=1)
+        impostor.send(Hello, engine=ENGINE, capacity=1)
+        assert impostor.receive().code == "identity"
+        assert _rejected(metrics, "identity") == 1
+        # and the member is still served on its own connection
+        [member] = plane.members()
+        actor.send(Hello, engine=ENGINE, capacity=1)
+        assert isinstance(actor.receive(), MemberWelcome)
+        assert plane.members()[0].identity == member.identity
     finally:
         context.destroy(linger=0)
 

@@ -10,6 +10,7 @@ connection first; tests/unit/test_codec.py has the decoder's)."""
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from tests.ports import loopback_addresses
 from tests.replay_thread import ReplayThread
 
 #: docs/protocol.md, "Fields": the header's protocol_version.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 VOCAB = 100
 MAX_MESSAGE_BYTES = 64 * 1024
 #: Room for a few small rollouts, not for a 4,096-token segment (~53 kB).
@@ -38,15 +39,16 @@ HEARTBEAT_S, LIVENESS = 0.2, 10
 
 
 class PlainClient:
-    """A DEALER whose identity is its sender_id, as the docs' Identity rule says."""
+    """A DEALER with no routing id of its own, as docs/protocol.md's
+    "Connections" says; its incarnation's token is 16 random bytes."""
 
     def __init__(self, context: zmq.Context, address: str, sender_id: str,
-                 incarnation: int = 1) -> None:
+                 incarnation: int = 1, token: bytes | None = None) -> None:
         self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, sender_id.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
         self.sender_id, self.incarnation = sender_id, incarnation
+        self.token = secrets.token_bytes(16) if token is None else token
         self.seqs = itertools.count()
 
     def header(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -69,7 +71,7 @@ class PlainClient:
         raise AssertionError(f"no {kind} within {timeout_s} s")
 
     def hello(self, capacity: int = 4, answer: str = "welcome") -> dict[str, Any]:
-        self.send(self.header("hello", capacity=capacity, engine={
+        self.send(self.header("hello", capacity=capacity, token=self.token, engine={
             "device": "cpu", "dtype": "float32", "tensor_parallel": 1, "model": "plain"}))
         return self.receive(answer)
 
@@ -201,6 +203,9 @@ def test_every_replay_error_code_names_the_refused_seq(
     # the connection before the replay reads it; the DEALER reconnects.
     actor.send(segment(actor, "bad", 0, True, length=MAX_MESSAGE_BYTES // 4))
     assert not actor.socket.poll(1000)
+    # the new connection is registered nowhere: its hello with the
+    # incarnation's token moves the incarnation to it (a reconnect)
+    assert actor.hello()["credits_total"] >= 1
     codes = set()
     for what, frames, seq, code in _replay_cases(actor, context, actor_address):
         actor.send(actor.header("heartbeat", active_rollouts=0, stall_seconds={},
@@ -209,6 +214,16 @@ def test_every_replay_error_code_names_the_refused_seq(
         error = actor.receive("error")
         assert (error["code"], error["ref_seq"]) == (code, seq), (what, error["text"])
         codes.add(code)
+    # a connection that said no hello: registered nowhere
+    stranger = PlainClient(context, actor_address, "plain-actor", token=actor.token)
+    seq = stranger.send(segment(stranger, "unregistered", 0, True))
+    error = stranger.receive("error")
+    assert (error["code"], error["ref_seq"]) == ("unregistered", seq)
+    # its hello without the incarnation's token: the incarnation lives on its first connection
+    stranger.token = secrets.token_bytes(16)
+    assert stranger.hello(answer="error")["code"] == "identity"
+    stranger.socket.close()
+    codes |= {"unregistered"}
     # an old incarnation after a newer one registered
     newer = PlainClient(context, actor_address, "plain-actor", incarnation=2)
     newer.hello()
@@ -217,8 +232,7 @@ def test_every_replay_error_code_names_the_refused_seq(
     seq = old.send(segment(old, "old", 0, True))
     assert (old.receive("error")["code"], seq) == ("stale_incarnation", seq)
     # Incarnation 2 falls silent past the liveness: declared dead, refused
-    # until it registers anew. (One routing id, one connection: the newest
-    # takes it over, so each step speaks through a socket of its own.)
+    # until it registers anew.
     old.socket.close()
     newer.socket.close()
     time.sleep(HEARTBEAT_S * (LIVENESS + 3))

@@ -21,7 +21,7 @@ from replay.service import ReplayService
 from tests.fault_proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
 from tests.processes import wait_until
-from tests.protocol_clients import ActorClient, LearnerClient
+from tests.protocol_clients import ActorClient, LearnerClient, dealer
 from tests.replay_thread import ReplayThread
 
 
@@ -578,9 +578,7 @@ def test_backpressure_when_the_learner_stops(replay: ReplayThread) -> None:
 def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: ReplayThread
                                                                         ) -> None:
     rng = random.Random(7)
-    hostile = replay.context.socket(zmq.DEALER)
-    hostile.setsockopt(zmq.IDENTITY, b"hostile")
-    hostile.connect(replay.service.config.actor_address)
+    hostile = dealer(replay.context, replay.service.config.actor_address)
     valid = encode(synthetic_segment(ActorClient(replay.context, "inproc://unused").stamp, "r", 0,
                                 True))
     plain = msgspec.msgpack.decode(valid)
@@ -605,7 +603,7 @@ def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay:
             hostile.recv()
             replies += 1
     rejected = sum(replay.metric("crl_replay_rejected_messages_total", reason=r) for r in (
-        "malformed", "protocol_version", "array", "length_mismatch", "invalid", "identity",
+        "malformed", "protocol_version", "array", "length_mismatch", "invalid", "unregistered",
         "unknown_kind", "oversized"))
     assert rejected == len(frames) == replies
     assert replay.metric("crl_replay_segments_total", result="accepted") == 3

@@ -21,6 +21,7 @@ from protocol.transport import (
     generate_keys,
 )
 from tests.processes import run_command
+from tests.protocol_clients import dealer
 
 ROOT = Path(__file__).parents[2]
 RECEIVE_TIMEOUT_MS = 3000
@@ -36,7 +37,7 @@ def context() -> Iterator[zmq.Context]:
 
 
 def _hello(stamp: Stamp) -> Hello:
-    return Hello(**stamp.next(), capacity=2,
+    return Hello(**stamp.next(), capacity=2, token=bytes(16),
                  engine=EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1, model="m"))
 
 
@@ -53,16 +54,17 @@ def _endpoint(socket: zmq.Socket) -> str:
 def test_dealer_router_round_trip(context: zmq.Context) -> None:
     config = TransportConfig()
     router = bind_router(context, "tcp://127.0.0.1:*", config)
-    dealer = connect_dealer(context, _endpoint(router), config, identity=b"actor-1")
-    dealer.send(encode(_hello(Stamp("actor-1", 1))))
+    client = connect_dealer(context, _endpoint(router), config)
+    client.send(encode(_hello(Stamp("actor-1", 1))))
     identity, frame = _receive(router, RECEIVE_TIMEOUT_MS)
-    assert identity == b"actor-1" and isinstance(decode(frame), Hello)
+    # the client presents no routing id: the ROUTER names the connection (00 + 4 bytes)
+    assert len(identity) == 5 and identity[0] == 0 and isinstance(decode(frame), Hello)
     welcome = Welcome(**Stamp("replay", 0).next(), run_id="run", policy_version=3,
                       heartbeat_interval_s=1.0, heartbeat_liveness=5, max_staleness=2,
                       rollouts_per_batch=8, credits=4, credit_ledger=1, credits_total=4,
                       max_message_bytes=1 << 20, vocab_size=1000, stale_grace=0)
     router.send_multipart([identity, encode(welcome)])
-    [reply] = _receive(dealer, RECEIVE_TIMEOUT_MS)
+    [reply] = _receive(client, RECEIVE_TIMEOUT_MS)
     assert decode(reply) == welcome
 
 
@@ -76,12 +78,31 @@ def test_router_refuses_to_send_to_an_unknown_peer(context: zmq.Context) -> None
 def test_frames_over_the_size_cap_never_arrive(context: zmq.Context) -> None:
     config = TransportConfig(max_message_bytes=64 * 1024)
     router = bind_router(context, "tcp://127.0.0.1:*", config)
-    big = connect_dealer(context, _endpoint(router), TransportConfig(), identity=b"big")
+    big = connect_dealer(context, _endpoint(router), TransportConfig())
     big.send(b"\0" * (128 * 1024))
     assert _receive(router, SILENCE_MS) is None
-    small = connect_dealer(context, _endpoint(router), TransportConfig(), identity=b"small")
+    small = connect_dealer(context, _endpoint(router), TransportConfig())
     small.send(b"ok")
-    assert _receive(router, RECEIVE_TIMEOUT_MS) == [b"small", b"ok"]
+    assert _receive(router, RECEIVE_TIMEOUT_MS)[1] == b"ok"
+
+
+def test_a_peer_presenting_a_routing_id_in_use_is_not_heard_and_takes_nothing_over(
+        context: zmq.Context) -> None:
+    """No ROUTER_HANDOVER: a second connection that presents the routing id
+    of a live one (an impostor, or a client of another make that sets one)
+    is ignored by ZeroMQ; the first connection keeps sending and receiving."""
+    router = bind_router(context, "tcp://127.0.0.1:*", TransportConfig())
+    first = dealer(context, _endpoint(router), routing_id=b"actor-1/5f0c")
+    first.send(b"first")
+    assert _receive(router, RECEIVE_TIMEOUT_MS) == [b"actor-1/5f0c", b"first"]
+    impostor = dealer(context, _endpoint(router), routing_id=b"actor-1/5f0c")
+    impostor.send(b"impostor")
+    assert _receive(router, SILENCE_MS) is None
+    router.send_multipart([b"actor-1/5f0c", b"reply"])
+    assert _receive(first, RECEIVE_TIMEOUT_MS) == [b"reply"]
+    assert _receive(impostor, SILENCE_MS) is None
+    first.send(b"again")
+    assert _receive(router, RECEIVE_TIMEOUT_MS) == [b"actor-1/5f0c", b"again"]
 
 
 def _send_unless_refused(dealer: zmq.Socket, frame: bytes) -> None:
@@ -101,18 +122,17 @@ def test_curve_admits_only_authorized_keys(context: zmq.Context,
         router = bind_router(context, "tcp://127.0.0.1:*", secure)
         address = _endpoint(router)
 
-        plain = connect_dealer(context, address, TransportConfig(), identity=b"plain")
+        plain = connect_dealer(context, address, TransportConfig())
         _send_unless_refused(plain, b"no keys")
         intruder_config = CurveConfig(**{**vars(curve_config),
                                          "client_secret_key": str(intruder_secret)})
-        intruder = connect_dealer(context, address, TransportConfig(curve=intruder_config),
-                                  identity=b"intruder")
+        intruder = connect_dealer(context, address, TransportConfig(curve=intruder_config))
         _send_unless_refused(intruder, b"wrong key")
         assert _receive(router, SILENCE_MS) is None
 
-        member = connect_dealer(context, address, secure, identity=b"member")
+        member = connect_dealer(context, address, secure)
         member.send(b"right key")
-        assert _receive(router, RECEIVE_TIMEOUT_MS) == [b"member", b"right key"]
+        assert _receive(router, RECEIVE_TIMEOUT_MS)[1] == b"right key"
         assert _receive(router, SILENCE_MS) is None
 
 

@@ -65,7 +65,8 @@ def seed_messages() -> list[Message]:
     stamp = Stamp("actor-0", 1)
     return [
         Hello(**stamp.next(), engine=EngineInfo(device="cpu", dtype="bfloat16",
-                                                tensor_parallel=1, model="m"), capacity=2),
+                                                tensor_parallel=1, model="m"), capacity=2,
+              token=bytes(range(16))),
         Welcome(**stamp.next(), run_id="r", policy_version=3, heartbeat_interval_s=1.0,
                 heartbeat_liveness=5, max_staleness=2, rollouts_per_batch=4, credits=2,
                 credit_ledger=7, credits_total=2, max_message_bytes=1 << 20, vocab_size=100,

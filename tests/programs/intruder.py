@@ -33,7 +33,7 @@ ENGINE = EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1, model="m"
 
 def _socket_attempt(context: zmq.Context, address: str, transport: TransportConfig,
                     message: bytes) -> dict:
-    dealer = connect_dealer(context, address, transport, b"intruder")
+    dealer = connect_dealer(context, address, transport)
     try:
         sent = bool(dealer.poll(int(SILENCE_S * 1000), zmq.POLLOUT))
         if sent:
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--server-key", required=True, help="the run's public server key")
     args = parser.parse_args()
     stamp = Stamp("intruder", 1)
-    hello = encode(Hello(**stamp.next(), engine=ENGINE, capacity=1))
+    hello = encode(Hello(**stamp.next(), engine=ENGINE, capacity=1, token=bytes(16)))
     learner_hello = encode(LearnerHello(**stamp.next()))
     transports = {
         "no CURVE": TransportConfig(),

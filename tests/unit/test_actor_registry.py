@@ -1,74 +1,98 @@
 """The replay's actor bookkeeping without sockets (replay/registry.py):
-which incarnation a connection speaks for, who is refused for good, and
-who is declared dead."""
+which incarnation a connection speaks for, who is refused for good, who is
+declared dead, and how a reconnect moves an incarnation."""
 
 from __future__ import annotations
 
 from protocol import ErrorCode
 from protocol.transport import Liveness
-from replay.registry import DEFAULT_CAPACITY, ActorRegistry
+from replay.registry import ActorRegistry
 
 #: Silent for 3 x 1 s: dead.
 INTERVAL_S, LIVENESS = 1.0, 3
+TOKEN, OTHER_TOKEN = b"t" * 16, b"o" * 16
 
 
 def registry() -> ActorRegistry:
     return ActorRegistry(Liveness(INTERVAL_S, LIVENESS))
 
 
-def test_a_new_incarnation_replaces_the_old_one_on_its_connection_and_keeps_its_capacity(
-) -> None:
+def hello(actors: ActorRegistry, connection: bytes, actor_id: str, incarnation: int,
+          token: bytes = TOKEN, capacity: int = 4):
+    """A Hello the rules let through, registered."""
+    assert actors.refusal(connection, actor_id, incarnation, token) is None
+    return actors.register(connection, actor_id, incarnation, token, capacity)
+
+
+def test_a_connection_speaks_only_after_its_incarnation_s_hello() -> None:
     actors = registry()
-    assert actors.admit(b"conn", "actor-1", 1) is None
-    actors.peers[b"conn"].capacity = 4
-    replaced = actors.admit(b"conn", "actor-1", 2)
-    assert replaced is not None and (replaced.actor_id, replaced.incarnation) == ("actor-1", 1)
-    assert (actors.peers[b"conn"].incarnation, actors.peers[b"conn"].capacity) == (2, 4)
-    code, text = actors.refusal(b"conn", "actor-1", 1)
+    code, text = actors.refusal(b"conn", "actor-9", 0, None)  # a segment, a heartbeat
+    assert code is ErrorCode.UNREGISTERED and "say hello" in text
+    assert hello(actors, b"conn", "actor-9", 0) == (None, None)
+    assert actors.refusal(b"conn", "actor-9", 0, None) is None
+    code, _ = actors.refusal(b"conn", "actor-9", 1, None)  # a newer incarnation: its hello first
+    assert code is ErrorCode.UNREGISTERED
+
+
+def test_a_connection_speaks_for_one_actor() -> None:
+    actors = registry()
+    hello(actors, b"conn", "actor-1", 1)
+    for token in (None, TOKEN):
+        code, text = actors.refusal(b"conn", "actor-2", 1, token)
+        assert code is ErrorCode.IDENTITY and "speaks for actor-1" in text
+
+
+def test_a_new_incarnation_replaces_the_old_one_on_its_connection() -> None:
+    actors = registry()
+    hello(actors, b"conn", "actor-1", 1)
+    replaced, displaced = hello(actors, b"conn", "actor-1", 2, token=OTHER_TOKEN, capacity=2)
+    assert (replaced.actor_id, replaced.incarnation, displaced) == ("actor-1", 1, None)
+    assert (actors.peers[b"conn"].incarnation, actors.peers[b"conn"].capacity) == (2, 2)
+    code, text = actors.refusal(b"conn", "actor-1", 1, None)
     assert code is ErrorCode.STALE_INCARNATION and "replaced by 2" in text
-    assert actors.refusal(b"conn", "actor-1", 2) is None
-    assert actors.admit(b"conn", "actor-1", 2) is None  # the same one again: nothing gone
+    assert hello(actors, b"conn", "actor-1", 2, token=OTHER_TOKEN) == (None, None)  # retried
 
 
 def test_a_silent_incarnation_is_declared_dead_and_refused_until_a_newer_one_speaks() -> None:
     actors = registry()
-    actors.admit(b"conn", "actor-1", 1)
-    actors.admit(b"other", "actor-2", 1)
+    hello(actors, b"conn", "actor-1", 1)
+    hello(actors, b"other", "actor-2", 1)
     # the clock Liveness reads is time.monotonic(): expire at a time far ahead
     actors.liveness.seen(b"other", now=10.0 ** 9)
     [(identity, peer)] = actors.expire(now=10.0 ** 9)
     assert identity == b"conn" and (peer.actor_id, peer.incarnation) == ("actor-1", 1)
     assert b"conn" not in actors.peers and actors.alive() == 1
-    code, _ = actors.refusal(b"conn", "actor-1", 1)
-    assert code is ErrorCode.DEAD_INCARNATION
-    assert actors.refusal(b"conn", "actor-1", 2) is None
-    assert actors.admit(b"conn", "actor-1", 2) is None  # dead before: not gone twice
-    assert actors.peers[b"conn"].capacity == DEFAULT_CAPACITY
-
-
-def test_an_unknown_actor_is_let_through() -> None:
-    assert registry().refusal(b"conn", "actor-9", 0) is None
+    for token in (None, TOKEN):  # its hello with the token included: over for good
+        code, _ = actors.refusal(b"conn", "actor-1", 1, token)
+        assert code is ErrorCode.DEAD_INCARNATION
+    assert hello(actors, b"conn", "actor-1", 2) == (None, None)  # dead before: not gone twice
 
 
 def test_a_restart_on_a_new_connection_replaces_the_old_incarnation_at_once() -> None:
     actors = registry()
-    actors.admit(b"actor-1/aaaa", "actor-1", 1)
-    actors.peers[b"actor-1/aaaa"].capacity = 4
-    replaced = actors.admit(b"actor-1/bbbb", "actor-1", 2)
-    assert replaced is not None and replaced.incarnation == 1
-    assert list(actors.peers) == [b"actor-1/bbbb"] and actors.peers[b"actor-1/bbbb"].capacity == 4
+    hello(actors, b"first", "actor-1", 1)
+    replaced, displaced = hello(actors, b"second", "actor-1", 2, token=OTHER_TOKEN)
+    assert replaced is not None and replaced.incarnation == 1 and displaced is None
+    assert list(actors.peers) == [b"second"]
     assert actors.alive() == 1  # the old connection is not declared dead later
-    code, _ = actors.refusal(b"actor-1/aaaa", "actor-1", 1)
+    code, _ = actors.refusal(b"first", "actor-1", 1, None)
     assert code is ErrorCode.STALE_INCARNATION
 
 
-def test_a_second_connection_for_the_current_incarnation_is_refused_while_the_first_lives(
-) -> None:
+def test_a_reconnect_moves_the_incarnation_only_with_its_token() -> None:
     actors = registry()
-    actors.admit(b"actor-1/aaaa", "actor-1", 1)
-    code, text = actors.refusal(b"actor-1", "actor-1", 1)  # an impostor, or another process
-    assert code is ErrorCode.IDENTITY and "another connection" in text
-    assert actors.refusal(b"actor-1/aaaa", "actor-1", 1) is None
-    # once the first connection's incarnation is declared dead, it is over for good
-    [_] = actors.expire(now=10.0 ** 9)
-    assert actors.refusal(b"actor-1", "actor-1", 1)[0] is ErrorCode.DEAD_INCARNATION
+    hello(actors, b"first", "actor-1", 1, capacity=3)
+    actors.peers[b"first"].active_rollouts = 2
+    # a second live connection: without the token it is an impostor, with or
+    # without a hello; the first connection goes on
+    code, text = actors.refusal(b"second", "actor-1", 1, OTHER_TOKEN)
+    assert code is ErrorCode.IDENTITY and "lacks its token" in text
+    code, _ = actors.refusal(b"second", "actor-1", 1, None)
+    assert code is ErrorCode.UNREGISTERED
+    assert actors.refusal(b"first", "actor-1", 1, None) is None
+    # the incarnation's own hello on its new connection: moved, state and all
+    assert hello(actors, b"second", "actor-1", 1, capacity=3) == (None, b"first")
+    assert list(actors.peers) == [b"second"] and actors.alive() == 1
+    assert (actors.peers[b"second"].active_rollouts, actors.peers[b"second"].token) == (2, TOKEN)
+    code, _ = actors.refusal(b"first", "actor-1", 1, None)
+    assert code is ErrorCode.UNREGISTERED  # the old connection is heard no more

@@ -47,7 +47,7 @@ def test_segment_arrays_are_dtype_shape_bytes_triples() -> None:
 def test_fields_are_named_in_the_map() -> None:
     hello = Hello(sender_id="a", incarnation=0, seq=0, sent_at=0.0, capacity=4,
                   engine=EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1,
-                                    model="tiny"))
+                                    model="tiny"), token=bytes(16))
     plain = msgpack.unpackb(encode(hello), raw=False)
     assert plain["kind"] == "hello"
     assert plain["engine"] == {"device": "cpu", "dtype": "bfloat16", "tensor_parallel": 1,

@@ -84,9 +84,7 @@ def test_a_type_the_table_lacks_is_refused_as_unexpected_naming_its_seq(pair) ->
 @pytest.mark.parametrize("frames, code, ref_seq", [
     ([b"\xc1"], ErrorCode.MALFORMED, None),
     ([b"a", b"b"], ErrorCode.MALFORMED, None),
-    ([encode(BatchRequest(**Stamp("someone-else", 1, first_seq=7).next(), size=1,
-                          policy_version=0))], ErrorCode.IDENTITY, 7),
-], ids=["not-msgpack", "two-frames", "identity"])
+], ids=["not-msgpack", "two-frames"])
 def test_a_frame_that_breaks_a_rule_is_refused_before_any_handler(
         pair, frames: list[bytes], code: ErrorCode, ref_seq: int | None) -> None:
     endpoint, dealer, refused = pair
@@ -129,6 +127,7 @@ async def _client_scenario() -> None:
         # Hello is retried until welcomed ...
         hellos = [await router.recv_multipart() for _ in range(2)]
         assert all(identity == b"client" for identity, _ in hellos)
+        link.forgotten()  # while a Hello is under way: its retries register already
         link.welcomed()
         await asyncio.sleep(0.05)
         while await router.poll(100):  # one retry may have been on its way

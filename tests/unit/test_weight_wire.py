@@ -35,7 +35,7 @@ TENSORS = [("embed.weight", torch.randn(64, 8)), ("layer.weight", torch.randn(8,
 
 
 def _member(name: str, dtype: str, tensor_parallel: int = 1) -> Member:
-    return Member(name, 1, name.encode(), EngineInfo(device="cpu", dtype=dtype,
+    return Member(name, 1, name.encode(), b"t" * 16, EngineInfo(device="cpu", dtype=dtype,
                                                      tensor_parallel=tensor_parallel,
                                                      model="m"), version=0)
 
