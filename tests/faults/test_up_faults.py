@@ -163,6 +163,13 @@ class FaultRun:
         port = self.ports["actor"] + (0 if name == "actor-0" else 1)
         return metric(port, metric_name, **labels)
 
+    def actor_count(self, name: str, metric_name: str, **labels: str) -> int:
+        """An actor counter a phase reasons from: asked again if the actor is
+        slow to answer, never read as 0 (a 0 read as a mark lets a phase
+        believe a segment was sent when none was)."""
+        port = self.ports["actor"] + (0 if name == "actor-0" else 1)
+        return int(answered_metric(port, metric_name, **labels))
+
     def replay(self, metric_name: str, **labels: str) -> float:
         return metric(self.ports["replay"], metric_name, **labels)
 
@@ -515,7 +522,7 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
 FREEZE_ATTEMPTS = 3
 
 
-def _freeze_while_actors_send(run: FaultRun, pid: int) -> float:
+def _freeze_while_actors_send(run: FaultRun, pid: int) -> int:
     """SIGSTOP the replay until an actor sends it a segment; returns the
     actors' resend count when that freeze began. Episodes are a
     few seconds long on the tiny model: those in flight when the freeze
@@ -526,8 +533,8 @@ def _freeze_while_actors_send(run: FaultRun, pid: int) -> float:
     that sends nothing for 60 s is a failure."""
     actors = ("actor-0", "proxied")
 
-    def total(name: str) -> float:
-        return sum(run.actor(a, name) for a in actors)
+    def total(name: str) -> int:
+        return sum(run.actor_count(a, name) for a in actors)
 
     for attempt in range(1, FREEZE_ATTEMPTS + 1):
         run.wait(lambda: total("crl_actor_active_rollouts") > 0, "episodes in flight")
@@ -568,7 +575,7 @@ def test_replay_killed_is_restarted_and_loses_no_acknowledged_segment(run: Fault
              and run.replay("crl_replay_recovered_segments_total") == logged,
              "the restarted replay to recover its log")
     up_s = time.monotonic() - killed_at
-    resend_s = run.wait(lambda: sum(run.actor(a, "crl_actor_segments_resent_total")
+    resend_s = run.wait(lambda: sum(run.actor_count(a, "crl_actor_segments_resent_total")
                                     for a in ("actor-0", "proxied")) > resent,
                         "the actors to resend what was never acknowledged")
     run.wait(lambda: run.learner_step() > steps, "a learner step after the restart")
