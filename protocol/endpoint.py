@@ -210,9 +210,10 @@ class ClientEndpoint:
 
     def forgotten(self) -> None:
         """The peer no longer knows this client on this connection: register
-        again (a ``Hello`` under way already does)."""
-        if self.registered.is_set():
-            self._forgotten.set()
+        again. Told while a ``Hello`` is under way, it says ``Hello`` once more
+        after the ``Welcome``: that one may predate what changed (a weight
+        load that failed since)."""
+        self._forgotten.set()
 
     async def count_disconnects(self, disconnected: Callable[[], None]) -> None:
         """Tell ``disconnected`` each time the connection drops: ZeroMQ
