@@ -30,6 +30,10 @@ link)", "actor (learner link)"); the two links are
   replay drops them at once), unacknowledged segments are flushed as on
   SIGTERM, and the process exits with ``ENGINE_DIED_EXIT`` for its
   supervisor to restart it.
+- When one of its loops raises (a link's replies, its registration, resends,
+  heartbeats, weight loading), the actor stops as on SIGTERM and exits with
+  ``LOOP_FAILED_EXIT``, the cause in its log: running on without the loop
+  would leave it deaf or silent to a peer, unseen.
 
 Usage::
 
@@ -74,6 +78,9 @@ log = logging.getLogger("compactionrl.actor")
 ENGINE_CHECK_S = 1.0
 #: The exit code of an actor whose engine died.
 ENGINE_DIED_EXIT = 3
+#: The exit code of an actor one of whose loops (a link's replies, its
+#: registration, resends, heartbeats, weight loading) raised.
+LOOP_FAILED_EXIT = 4
 #: Bytes of an incarnation's ``Hello.token`` (128 bits).
 HELLO_TOKEN_BYTES = 16
 
@@ -166,6 +173,7 @@ class Actor:
                          if self.config.endpoint.enabled else None)
         self._ending_sessions: asyncio.Task | None = None
         self.engine_died = False
+        self.loop_failed = False
 
     @property
     def incarnation(self) -> int:
@@ -201,6 +209,8 @@ class Actor:
             coroutines.append(serve_until(self.endpoint, port + self.settings.index if port else 0,
                                           self._stopping))
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
+        for task in background:
+            task.add_done_callback(self._loop_ended)
         self._start_slots()
         await self._stopping.wait()
         log.info("stopping: %s in-flight episodes (%s)", self.in_flight.count,
@@ -223,7 +233,21 @@ class Actor:
         if self.replay_link.outbox:
             log.error("%d segments never acknowledged", len(self.replay_link.outbox))
             return 1
-        return ENGINE_DIED_EXIT if self.engine_died else 0
+        if self.engine_died:  # the cause of whatever else failed with it
+            return ENGINE_DIED_EXIT
+        return LOOP_FAILED_EXIT if self.loop_failed else 0
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A loop that raised would leave the actor running without it (deaf
+        to a peer, or never resending): stop for a restart instead, the
+        cause in the log. Loops end without raising only when cancelled at
+        shutdown, or once stopping (the recording endpoint's server)."""
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        log.error("%s failed, stopping for a restart", task.get_coro().__qualname__,
+                  exc_info=error)
+        self.loop_failed = True
+        self._stopping.set()
 
     async def _watch_engine(self) -> None:
         """Stop the actor once its engine has died. vLLM does not exit with

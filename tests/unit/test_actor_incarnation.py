@@ -1,8 +1,9 @@
 """The actor's answer to being declared dead by the replay (a frozen process
 resumed): abandon what is in flight and register as a new incarnation whose
 seqs continue the old ones, so replies about the old incarnation are told
-apart. The actor runs without an engine: its engine, episode slots and
-sockets are stand-ins."""
+apart; and to one of its own loops failing: stop for a restart. The actor
+runs without an engine: its engine, episode slots and sockets are
+stand-ins."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from actors.config import ActorConfig
-from actors.process import Actor, ActorSettings
+from actors.process import LOOP_FAILED_EXIT, Actor, ActorSettings
 from protocol import DEFAULT_MAX_MESSAGE_BYTES, Error, ErrorCode, Hello, Stamp, decode, encode
 from protocol.endpoint import ClientEndpoint
 from protocol.transport import TransportConfig
@@ -43,9 +44,10 @@ def engine(tiny_model_dir: Path) -> StandInEngine:
 
 
 def make_actor(actor_id: str, engine: StandInEngine, socket: Any,
-               transport: TransportConfig | None = None) -> Actor:
+               transport: TransportConfig | None = None,
+               config: ActorConfig | None = None) -> Actor:
     settings = ActorSettings(actor_id=actor_id, model="none",
-                             replay_address="tcp://127.0.0.1:1", actor=ActorConfig(),
+                             replay_address="tcp://127.0.0.1:1", actor=config or ActorConfig(),
                              transport=transport or TransportConfig())
     return Actor(settings, engine, ClientEndpoint(socket, DEFAULT_MAX_MESSAGE_BYTES), None)
 
@@ -71,6 +73,19 @@ class ScriptedSocket:
     async def recv(self, copy: bool = False) -> _Frame:
         frame = await self.inbox.get()
         return _Frame(frame)
+
+    def get_monitor_socket(self, events: int) -> ScriptedSocket:
+        """A monitor that reports no event (its ``recv_multipart`` waits)."""
+        return ScriptedSocket()
+
+    async def recv_multipart(self) -> list[bytes]:
+        return [await self.inbox.get()]
+
+    def disable_monitor(self) -> None:
+        pass
+
+    def close(self, linger: int = 0) -> None:
+        pass
 
 
 async def _scenario(engine: StandInEngine) -> None:
@@ -186,3 +201,30 @@ def test_the_replay_hears_of_an_episode_the_moment_it_starts_and_ends(monkeypatc
     """If the process dies, the replay counts as lost the episodes of its last
     heartbeat: one started after a periodic report would go uncounted."""
     asyncio.run(asyncio.wait_for(_heartbeat_scenario(monkeypatch, engine), 60))
+
+
+async def _broken_link_scenario(engine: StandInEngine) -> None:
+    socket = ScriptedSocket()
+    actor = make_actor("actor-b", engine, socket,
+                       config=ActorConfig(shutdown_deadline_s=1.0, on_shutdown="abandon"))
+
+    async def idle_slot() -> None:
+        await asyncio.Event().wait()
+
+    actor.slots._slot = idle_slot  # type: ignore[method-assign]
+
+    async def broken_recv(copy: bool = False) -> _Frame:
+        raise RuntimeError("the replay link's socket broke")
+
+    socket.recv = broken_recv  # type: ignore[method-assign]
+    assert await actor._serve() == LOOP_FAILED_EXIT
+    assert actor._stopping.is_set()
+
+
+def test_a_loop_that_raises_stops_the_actor_for_a_restart(engine, caplog) -> None:
+    """The replay link's receive loop raising would leave the actor deaf to
+    the replay, heartbeating on: it stops instead, with its own exit code and
+    the cause in the log."""
+    asyncio.run(asyncio.wait_for(_broken_link_scenario(engine), 60))
+    assert "ClientEndpoint.serve failed, stopping for a restart" in caplog.text
+    assert "the replay link's socket broke" in caplog.text
