@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -69,6 +68,7 @@ from actors.state import LearnerView
 from ops.metrics import Health, MetricsServer
 from protocol import EngineInfo, Error, Heartbeat, ProtocolError, Stamp
 from protocol.endpoint import ClientEndpoint
+from protocol.messages import new_token
 from protocol.transport import TransportConfig, connect_dealer
 
 log = logging.getLogger("compactionrl.actor")
@@ -81,8 +81,6 @@ ENGINE_DIED_EXIT = 3
 #: The exit code of an actor one of whose loops (a link's replies, its
 #: registration, resends, heartbeats, weight loading) raised.
 LOOP_FAILED_EXIT = 4
-#: Bytes of an incarnation's ``Hello.token`` (128 bits).
-HELLO_TOKEN_BYTES = 16
 
 
 @dataclass
@@ -141,7 +139,7 @@ class Actor:
         self.learner = learner
         self.in_flight = InFlight(settings.actor_id, time.time_ns())
         self.stamp = Stamp(settings.actor_id, self.incarnation)
-        self.token = secrets.token_bytes(HELLO_TOKEN_BYTES)
+        self.token = new_token()
         """The incarnation's ``Hello.token``: a reconnect moves it with it."""
         self.metrics = ActorMetrics()
         self.engine_info = EngineInfo(device=engine.device(), dtype=engine.dtype(),
@@ -358,7 +356,7 @@ class Actor:
         self.in_flight.incarnation = max(time.time_ns(), old + 1)
         self.stamp = Stamp(self.settings.actor_id, self.incarnation,
                            first_seq=self.stamp.next_seq)
-        self.token = secrets.token_bytes(HELLO_TOKEN_BYTES)
+        self.token = new_token()
         log.warning("the replay declared incarnation %d dead: abandoning %d episodes and %d "
                     "unacknowledged segments; registering as incarnation %d", old,
                     self.in_flight.count, len(self.replay_link.outbox), self.incarnation)

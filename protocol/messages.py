@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from typing import Any, Literal
 
@@ -47,6 +48,11 @@ MAX_COUNTER = 2**63 - 1
 MAX_SEGMENTS = 2**31
 #: Bounds of ``Hello.token``, in bytes: 16 is 128 bits, beyond guessing.
 MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64
+
+
+def new_token() -> bytes:
+    """A fresh incarnation's ``Hello.token``: the shortest allowed, random."""
+    return secrets.token_bytes(MIN_TOKEN_BYTES)
 
 SegmentType = Literal["execution", "summary"]
 EpisodeOutcome = Literal[

@@ -10,13 +10,10 @@ in its seed.
 
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 
 from protocol.arrays import Array
 from protocol.messages import (
-    MIN_TOKEN_BYTES,
     Batch,
     EngineInfo,
     Hello,
@@ -25,15 +22,15 @@ from protocol.messages import (
     Segment,
     StalenessStats,
     Stamp,
+    new_token,
 )
 
 
-def synthetic_hello(stamp: Stamp, capacity: int = 1, token: bytes | None = None,
-                    policy_version: int = 0, dtype: str = "bfloat16") -> Hello:
+def synthetic_hello(stamp: Stamp, capacity: int = 1, token: bytes | None = None) -> Hello:
     """``token``: the incarnation's (None: a fresh random one)."""
-    return Hello(**stamp.next(), capacity=capacity, policy_version=policy_version,
-                 engine=EngineInfo(device="cpu", dtype=dtype, tensor_parallel=1, model="m"),
-                 token=secrets.token_bytes(MIN_TOKEN_BYTES) if token is None else token)
+    return Hello(**stamp.next(), capacity=capacity,
+                 engine=EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1, model="m"),
+                 token=new_token() if token is None else token)
 
 
 def synthetic_segment(stamp: Stamp, rollout_id: str, index: int, final: bool,

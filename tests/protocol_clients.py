@@ -5,7 +5,6 @@ learner's control socket."""
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
 
 import zmq
@@ -24,6 +23,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.messages import new_token
 from protocol.synthetic import synthetic_hello, synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
 
@@ -52,7 +52,7 @@ class ActorClient:
         """``routing_id``: one the socket presents (default: none, as the project's)."""
         self.socket = dealer(context, address, transport, routing_id)
         self.stamp = Stamp(actor_id, incarnation)
-        self.token = secrets.token_bytes(16)
+        self.token = new_token()
         """Its incarnation's: a hello with it moves the incarnation to a new connection."""
         self.capacity = capacity
         self.credits = 0
@@ -180,7 +180,7 @@ class ControlClient:
                  incarnation: int | None = None) -> None:
         self.socket = dealer(context, address, transport, routing_id)
         self.stamp = Stamp(actor_id, time.time_ns() if incarnation is None else incarnation)
-        self.token = secrets.token_bytes(16)
+        self.token = new_token()
         """Its incarnation's, in each ``Hello`` unless the test gives one."""
 
     def send(self, message_type: type, **fields: object) -> None:
