@@ -50,11 +50,13 @@ class EngineConfig:
     gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (GPU only)."""
     cpu_threads_bind: str = "auto"
-    """CPU build only: cores the engine's OpenMP threads run on ("auto":
-    vLLM's choice, every core the process may use but the last, which it
-    keeps for its scheduler; "nobind"; or a list such as "0-3"). Engines on
-    one machine with "auto" all bind the same cores: they thrash, and an
-    engine started beside a busy one was starved there while it started.
+    """CPU build only: cores the engine's threads run on (a list such as
+    "0-3"; "auto" or "nobind": every core the process may use). With one
+    worker the model runs in vLLM's engine-core process, and the list binds
+    that process; with tensor_parallel > 1, vLLM binds each worker ("0|1":
+    a list per worker, and "auto" is vLLM's choice). Engines on one machine
+    that share cores thrash: an engine started beside a busy one was starved
+    while it started.
     `compactionrl up` gives each local CPU actor its own core when this is
     "auto"; an actor started by hand beside others needs one named here."""
     cpu_kv_cache_gib: int = bounded(1, ge=1, why="whole GiB")

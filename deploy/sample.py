@@ -7,7 +7,7 @@ import json
 import time
 
 from actors.config import EngineConfig
-from actors.engine import engine_kwargs, quiet_vllm_logging
+from actors.engine import engine_kwargs, engine_process_started, quiet_vllm_logging
 from deploy.model_check import BF16_LOGPROB_TOLERANCE, compare
 
 #: float32 engines agree with the float32 reference to rounding noise.
@@ -25,7 +25,8 @@ def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
         return_dict=False)
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(model, engine))
+    with engine_process_started(engine):
+        llm = LLM(**engine_kwargs(model, engine))
     started_s = time.perf_counter() - start
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
                             ignore_eos=True)

@@ -1,7 +1,8 @@
 """An actor and its vLLM engine do not outlive each other.
 
 An actor started by hand and SIGKILLed takes its engine with it: the engine
-core, its worker and multiprocessing's resource tracker, which in a chaos
+core (which on CPU runs the model itself; a worker per GPU elsewhere) and
+multiprocessing's resource tracker, which in a chaos
 run outlived the actor for minutes (on a GPU they hold the memory the
 restarted actor's engine needs). The engine's ipc socket files, left in the
 actor's socket folder, go when the next engine on the machine starts.
@@ -19,6 +20,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -27,7 +29,6 @@ import pytest
 
 from actors.engine import SOCKET_FOLDER_PREFIX
 from actors.process import ENGINE_DIED_EXIT
-from tests.ports import loopback_addresses
 from tests.processes import (
     SMALL_EPISODES,
     Background,
@@ -47,19 +48,25 @@ ROOT = Path(__file__).parents[2]
 
 def test_a_sigkilled_actor_leaves_no_engine_process_and_its_sockets_go_at_the_next_start(
         tiny_model_dir: Path, tmp_path: Path, short_tmp: Path) -> None:
-    # nothing listens there: the actor starts its engine, then waits for a replay
-    [replay] = loopback_addresses(1)
+    # a plain TCP listener, not a replay: the actor connects to it once its
+    # engine runs, then waits for a greeting that never comes
     tmp = short_tmp
+    listener = socket.create_server(("127.0.0.1", 0))
     actor = Background(["actor", "--run.model", str(tiny_model_dir), "--no-learner",
-                        "--replay", replay, "--actors.engine.cpu_threads_bind", "nobind"],
+                        "--replay", f"tcp://127.0.0.1:{listener.getsockname()[1]}",
+                        "--actors.engine.cpu_threads_bind", "nobind"],
                        tmp_path / "actor.log", env={"TMPDIR": str(tmp)})
     tree: list[int] = []
     try:
-        deadline = time.monotonic() + 240
-        while not any("Worker" in command_line(p) for p in process_tree(actor.process.pid)):
-            assert actor.process.poll() is None, actor.log()[-4000:]
-            assert time.monotonic() < deadline, f"no engine worker:\n{actor.log()[-4000:]}"
-            time.sleep(0.5)
+        with listener:
+            listener.settimeout(1.0)
+            deadline = time.monotonic() + 240
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    listener.accept()[0].close()
+                    break
+                assert actor.process.poll() is None, actor.log()[-4000:]
+                assert time.monotonic() < deadline, f"no engine:\n{actor.log()[-4000:]}"
         tree = process_tree(actor.process.pid)
         engine = [p for p in tree if "EngineCore" in command_line(p)]
         assert engine, [command_line(p) for p in tree]
