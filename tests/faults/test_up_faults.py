@@ -3,6 +3,8 @@ actors, torchrun learner, replay), injected one after another; each test is
 one phase and asserts its outcome from the processes' metrics, their logs and
 the replay's durable log:
 
+0. each actor's engine runs on the core it was given (on CPU the engine-core
+   process runs the model);
 1. network trouble (delay, dropped connections, a partition) through a TCP
    proxy between a second actor and the replay and learner;
 2. actor-0 SIGKILLed with episodes in flight (again and again with
@@ -57,7 +59,9 @@ from tests.processes import (
     VENV_BIN,
     Background,
     answered_metric,
+    command_line,
     compactionrl,
+    engine_core,
     metric,
     process_tree,
     rss_bytes,
@@ -280,6 +284,23 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         replay_proxy.close()
         control_proxy.close()
         prometheus.stop()
+
+
+# ---------------------------------------------------------------------- 0. cores
+
+
+def test_each_actor_s_engine_runs_on_the_core_it_was_given(run: FaultRun) -> None:
+    """actor-0 got its core from ``up``'s placement and the proxied actor
+    ``cpu_threads_bind = 1`` by hand, in an actor process that may use every
+    core: every thread of each engine-core process runs there."""
+    for actor in (run.children()["actor-0"], run.proxied.process.pid):
+        words = command_line(actor).split()
+        core = int(words[words.index("--actors.engine.cpu_threads_bind") + 1])
+        engine = engine_core(actor)
+        threads = [int(tid) for tid in os.listdir(f"/proc/{engine}/task")]
+        bound = {tid: os.sched_getaffinity(tid) for tid in threads}
+        _measured(f"engine threads of the actor bound to core {core}", len(threads))
+        assert set(map(frozenset, bound.values())) == {frozenset({core})}, bound
 
 
 # ---------------------------------------------------------------------- 1. network
