@@ -184,7 +184,7 @@ class Learner:
             batch_size = self._broadcast_int(peers.join())
             publisher = WeightPublisher(self.trainer.policy, self.config, self.settings.transport,
                                         self.rank, peers.control, self.metrics,
-                                        self._broadcast_int)
+                                        self._broadcast_int, lambda: self.stopping)
             restored = self.version
             self.version = self._broadcast_int(peers.starting_version(restored))
             if self.version != restored and self.rank == 0:

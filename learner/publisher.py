@@ -31,6 +31,7 @@ actors load while the learner trains).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -111,11 +112,25 @@ def plan_lanes(members: list[Member], trained: torch.dtype) -> list[Lane]:
     return lanes
 
 
+def reason_to_give_up(lane: Lane, members: list[Member], stopping: bool) -> str | None:
+    """Why rank 0 stops waiting for ``lane``'s members to join a generation:
+    the learner is ``stopping``, or a member is no longer among ``members``
+    (it left, or a new incarnation replaced it; the next publication forms a
+    generation with what is there). Else None: wait on."""
+    if stopping:
+        return "the learner is stopping"
+    current = {(m.actor_id, m.incarnation) for m in members}
+    gone = [m.actor_id for m in lane.members if (m.actor_id, m.incarnation) not in current]
+    return f"{', '.join(gone)} left" if gone else None
+
+
 class WeightPublisher:
     def __init__(self, policy: nn.Module, config: LearnerConfig, transport: TransportConfig,
                  rank: int, control: ControlPlane | None, metrics: LearnerMetrics,
-                 agree: Callable[[int], int]) -> None:
-        """``agree(value)`` broadcasts rank 0's ``value`` to every rank."""
+                 agree: Callable[[int], int], stopping: Callable[[], bool]) -> None:
+        """``agree(value)`` broadcasts rank 0's ``value`` to every rank;
+        ``stopping()``: whether the learner is stopping (a generation still
+        forming is then given up)."""
         self.parameters = engine_parameters(policy)
         self.trained_dtype = self.parameters[0][1].dtype
         self.config = config
@@ -123,6 +138,7 @@ class WeightPublisher:
         self.control = control
         self.metrics = metrics
         self.agree = agree
+        self.stopping = stopping
         self.backend = weight_backend(config.weight_transport, dist.get_backend())
         # members connect to the advertised address; the store listens on the bind
         self.host, self.port = split_address(config.weight_store_address)
@@ -218,7 +234,8 @@ class WeightPublisher:
             for lane in self.lanes:
                 try:
                     lane.group = join_channel(self.store, lane.generation, lane.world_size, 0,
-                                              self.backend, self.config.weight_timeout_s)
+                                              self.backend, self.config.weight_timeout_s,
+                                              functools.partial(self._give_up, lane))
                 except RuntimeError as exc:  # a member never joined
                     log.warning("group generation %d did not form: %s", lane.generation, exc)
                     lane.group = None
@@ -227,6 +244,9 @@ class WeightPublisher:
         if len(formed) < len(self.lanes):
             self.lane_key = ()
         return formed
+
+    def _give_up(self, lane: Lane) -> str | None:
+        return reason_to_give_up(lane, self.control.members(), self.stopping())
 
     def _gathered(self) -> Iterator[torch.Tensor]:
         """Full tensors, one at a time, in manifest order (a collective per

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
@@ -81,6 +82,14 @@ GROUP_TIMEOUT_S = 30.0
 #: How often a member waiting on a broadcast asks the store whether rank 0
 #: abandoned the generation (a broadcast that completes sooner never asks).
 ABANDONED_POLL_S = 0.25
+
+#: How often a join that may be given up (``JoinCancelled``) asks why: the
+#: most a stop or a member's departure waits for the join to notice it.
+JOIN_POLL_S = 0.5
+
+#: Asked while a join waits for the other members: a reason to give the
+#: generation up now (the learner stops; a member left), or None to wait on.
+JoinCancelled = Callable[[], str | None]
 
 
 class TransferFailed(RuntimeError):
@@ -196,25 +205,42 @@ class WeightChannel(ABC):
     """Where received tensors are (and where rank 0 packs buckets)."""
 
     def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, cancelled: JoinCancelled | None = None) -> None:
+        """``cancelled``: see :meth:`_join`."""
         self.generation = generation
         self.world_size = world_size
         self.rank = rank
         self.timeout_s = timeout_s
         self._store = generation_store(store, generation)
+        self._cancelled = cancelled
 
     def _join(self, transport: str) -> None:
         """Returns once every member of the generation has joined (each
         sets its key in the generation's store); raises ``RuntimeError``
-        after ``timeout_s``. Before the first collective: NCCL creates its
-        communicator inside it, with no deadline of ours."""
+        after ``timeout_s``, or as soon as ``cancelled()`` gives a reason
+        (asked every ``JOIN_POLL_S``: rank 0 gives up a generation whose
+        member left, or when it stops, rather than wait out the deadline).
+        Before the first collective: NCCL creates its communicator inside
+        it, with no deadline of ours."""
         self._store.set(f"join/{self.rank}", "1")
-        try:
-            self._store.wait([f"join/{r}" for r in range(self.world_size)],
-                             timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:  # DistStoreError: a member never joined
-            raise RuntimeError(f"{transport} generation {self.generation} did not form in "
-                               f"{self.timeout_s:g} s: {exc}") from exc
+        keys = [f"join/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            wait_s = max(0.0, left if self._cancelled is None else min(left, JOIN_POLL_S))
+            asked = time.monotonic()
+            try:
+                self._store.wait(keys, timedelta(seconds=wait_s))
+                return
+            except RuntimeError as exc:  # DistStoreError
+                # sooner than asked: not a timeout (rank 0 abandoned the generation)
+                early = time.monotonic() - asked < wait_s
+                if early or time.monotonic() >= deadline:
+                    raise RuntimeError(f"{transport} generation {self.generation} did not "
+                                       f"form in {self.timeout_s:g} s: {exc}") from exc
+                if self._cancelled is not None and (why := self._cancelled()):
+                    raise RuntimeError(f"{transport} generation {self.generation} given up "
+                                       f"while forming: {why}") from exc
 
     def abandoned(self, within_s: float | None = None) -> bool:
         """Members: whether rank 0 abandoned this generation, asked within

@@ -39,6 +39,7 @@ from protocol.messages import TensorSpec
 from protocol.weights import (
     ABANDONED_POLL_S,
     GROUP_TIMEOUT_S,
+    JoinCancelled,
     TransferFailed,
     WeightChannel,
     dtype_of,
@@ -125,10 +126,12 @@ class WeightGroup(WeightChannel):
     """One generation of the broadcast group, as seen by one member."""
 
     def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
-                 backend: str = "gloo", timeout_s: float = GROUP_TIMEOUT_S) -> None:
-        """Join; returns when every member has joined (or raises after ``timeout_s``)."""
+                 backend: str = "gloo", timeout_s: float = GROUP_TIMEOUT_S,
+                 cancelled: JoinCancelled | None = None) -> None:
+        """Join; returns when every member has joined (or raises after
+        ``timeout_s``, or once ``cancelled()`` gives a reason)."""
         # the generation's store view is kept: the group's C++ side calls into it
-        super().__init__(store, generation, world_size, rank, timeout_s)
+        super().__init__(store, generation, world_size, rank, timeout_s, cancelled)
         self.backend = backend
         self._join(backend)
         if backend == "nccl":

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from protocol.weights import GROUP_TIMEOUT_S, TransferFailed, WeightChannel
+from protocol.weights import GROUP_TIMEOUT_S, JoinCancelled, TransferFailed, WeightChannel
 from protocol.weights_store import StoreClient
 
 #: Shared files (the CPU twin) are named so; a receiver maps no other file.
@@ -150,9 +150,11 @@ class IpcChannel(WeightChannel):
     SLOTS = 2
 
     def __init__(self, store: StoreClient, generation: int, world_size: int, rank: int,
-                 timeout_s: float = GROUP_TIMEOUT_S) -> None:
-        """Join; returns when every member has joined (or raises after ``timeout_s``)."""
-        super().__init__(store, generation, world_size, rank, timeout_s)
+                 timeout_s: float = GROUP_TIMEOUT_S,
+                 cancelled: JoinCancelled | None = None) -> None:
+        """Join; returns when every member has joined (or raises after
+        ``timeout_s``, or once ``cancelled()`` gives a reason)."""
+        super().__init__(store, generation, world_size, rank, timeout_s, cancelled)
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
         self._aborted = False

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from protocol.transport import TransportConfig
-from protocol.weights import host_store
+from protocol.weights import JOIN_POLL_S, host_store
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
     NCCL_CLEAN_UP_ONLY,
@@ -105,6 +105,29 @@ def test_a_generation_whose_member_never_comes_fails_its_join_within_the_deadlin
         with pytest.raises(RuntimeError, match=f"{backend} generation 1 did not form in 1 s"):
             join_channel(store, 1, 2, 0, backend, 1.0)
         assert time.monotonic() - began < 30  # the store's own timeout is 60 s
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_join_stops_waiting_as_soon_as_it_is_given_a_reason(backend: str) -> None:
+    """Asked every JOIN_POLL_S: a member that left, or a learner that stops,
+    ends the join then, not at its deadline."""
+    store = host_store(0, timeout_s=60)
+    asked: list[float] = []
+
+    def cancelled() -> str | None:
+        asked.append(time.monotonic())
+        return "actor-1 left" if len(asked) == 3 else None
+
+    try:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError,
+                           match=f"{backend} generation 1 given up while forming: actor-1 left"):
+            join_channel(store, 1, 2, 0, backend, 60.0, cancelled)
+        assert len(asked) == 3
+        assert asked[0] - began >= JOIN_POLL_S * 0.9  # it waited between the questions
+        assert time.monotonic() - began < 30  # not the join's deadline (60 s)
     finally:
         store.close()
 

@@ -6,6 +6,7 @@ and shared files between processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from learner.control import Member
-from learner.publisher import plan_lanes, weight_backend, wire_dtype
+from learner.publisher import plan_lanes, reason_to_give_up, weight_backend, wire_dtype
 from protocol import EngineInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
@@ -70,6 +71,15 @@ def test_a_mixed_fleet_is_split_into_one_lane_per_dtype() -> None:
     assert [(lane.dtype, [m.actor_id for m in lane.members], lane.bases, lane.world_size)
             for lane in lanes] == [(torch.bfloat16, ["a", "c"], [1, 3], 4),
                                    (torch.float16, ["b"], [1], 2)]
+
+
+def test_rank_0_gives_a_forming_generation_up_when_a_member_left_or_the_learner_stops() -> None:
+    [lane] = plan_lanes([_member("a", "bfloat16"), _member("b", "bfloat16")], torch.float32)
+    assert reason_to_give_up(lane, lane.members, stopping=False) is None
+    assert reason_to_give_up(lane, lane.members, stopping=True) == "the learner is stopping"
+    assert reason_to_give_up(lane, lane.members[:1], stopping=False) == "b left"
+    replaced = dataclasses.replace(lane.members[0], incarnation=2)  # killed and back
+    assert reason_to_give_up(lane, [replaced, lane.members[1]], stopping=False) == "a left"
 
 
 def _member_process(port: int, backend: str, manifest: WeightManifest | None,
