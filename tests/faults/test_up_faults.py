@@ -545,13 +545,18 @@ FREEZE_ATTEMPTS = 3
 
 def _freeze_while_actors_send(run: FaultRun, pid: int) -> int:
     """SIGSTOP the replay until an actor sends it a segment; returns the
-    actors' resend count when that freeze began. Episodes are a
-    few seconds long on the tiny model: those in flight when the freeze
-    begins can all end in the scrapes before it (seen in a fresh-clone run:
-    both actors idle on credits for the whole 120 s, which only the frozen
-    replay could grant). A freeze with no episode in flight cannot see a
-    send, so it is thawed and tried again; one with an episode in flight
-    that sends nothing for 60 s is a failure."""
+    actors' resend count when that freeze began.
+
+    The marks are read after the SIGSTOP: a segment counted after them was
+    sent to a replay already frozen, so it is held unacknowledged. Read
+    before it (as this phase once did), the scrapes took long enough for a
+    segment to be sent, stored and acknowledged in between; the freeze then
+    "saw" a send that held nothing, and no resend ever came (a fresh-clone
+    failure, found in the logs: every segment counted was in the killed
+    replay's log). Episodes are a few seconds long on the tiny model: those
+    in flight when the freeze begins can all end before it. A freeze with no
+    episode in flight cannot see a send, so it is thawed and tried again; one
+    with an episode in flight that sends nothing for 60 s is a failure."""
     actors = ("actor-0", "proxied")
 
     def total(name: str) -> int:
@@ -559,10 +564,10 @@ def _freeze_while_actors_send(run: FaultRun, pid: int) -> int:
 
     for attempt in range(1, FREEZE_ATTEMPTS + 1):
         run.wait(lambda: total("crl_actor_active_rollouts") > 0, "episodes in flight")
-        resent = total("crl_actor_segments_resent_total")
-        mark = total("crl_actor_segments_sent_total")
         _kill_group(pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
+        resent = total("crl_actor_segments_resent_total")
+        mark = total("crl_actor_segments_sent_total")
         while time.monotonic() - frozen_at < 60:
             if total("crl_actor_segments_sent_total") > mark:
                 _measured("replay freezes until one saw a segment sent", attempt)
