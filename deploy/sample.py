@@ -63,15 +63,19 @@ def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
     if as_json:
         print(json.dumps(report))
     else:
-        print(f"engine started in {started_s:.1f} s ({engine.dtype}); "
-              f"prompt {len(prompt_ids)} tokens")
-        print(f"completion: {report['completion']!r}")
-        print(f"first tokens: {report['completion_tokens']}")
-        print(f"log-probs:    {report['logprobs']}")
-        print(f"{num_prompts} x {max_tokens} tokens at {report['generated_tokens_per_s']} tokens/s")
-        if check:
-            c = report["check"]
-            print(f"vs transformers: max |d log p| = {c['max_logprob_error']:.2e} "
-                  f"(tolerance {c['tolerance']}), greedy mismatches beyond ties: "
-                  f"{c['greedy_mismatches']} -> {'OK' if ok else 'DISAGREE'}")
+        _print_report(report, engine.dtype, f"{num_prompts} x {max_tokens}")
     return 0 if ok else 1
+
+
+def _print_report(report: dict, dtype: str, workload: str) -> None:
+    """The report for a reader (``workload``: "prompts x tokens")."""
+    print(f"engine started in {report['engine_start_s']:.1f} s ({dtype}); "
+          f"prompt {report['prompt_tokens']} tokens")
+    print(f"completion: {report['completion']!r}")
+    print(f"first tokens: {report['completion_tokens']}")
+    print(f"log-probs:    {report['logprobs']}")
+    print(f"{workload} tokens at {report['generated_tokens_per_s']} tokens/s")
+    if (c := report.get("check")) is not None:
+        print(f"vs transformers: max |d log p| = {c['max_logprob_error']:.2e} "
+              f"(tolerance {c['tolerance']}), greedy mismatches beyond ties: "
+              f"{c['greedy_mismatches']} -> {'OK' if c['ok'] else 'DISAGREE'}")
