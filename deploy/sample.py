@@ -63,11 +63,11 @@ def sample(model: str, engine: EngineConfig, *, prompt: str, max_tokens: int,
     if as_json:
         print(json.dumps(report))
     else:
-        _print_report(report, engine.dtype, f"{num_prompts} x {max_tokens}")
+        print_report(report, engine.dtype, f"{num_prompts} x {max_tokens}")
     return 0 if ok else 1
 
 
-def _print_report(report: dict, dtype: str, workload: str) -> None:
+def print_report(report: dict, dtype: str, workload: str) -> None:
     """The report for a reader (``workload``: "prompts x tokens")."""
     print(f"engine started in {report['engine_start_s']:.1f} s ({dtype}); "
           f"prompt {report['prompt_tokens']} tokens")
