@@ -32,6 +32,19 @@ def _staging_files() -> set[str]:
     return {p.name for p in shared_file_dir().glob(f"{SHARED_FILE_PREFIX}*")}
 
 
+@pytest.fixture
+def own_staging_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Staging files in a folder of this test's own: a test that counts
+    what is left sees only its own files, not those of a test running
+    beside it on another xdist worker (whose buffers in /dev/shm once made
+    such a count fail)."""
+    monkeypatch.setattr("protocol.weights_ipc.shared_file_dir", lambda: tmp_path)
+    probe = StagingBuffer(8, torch.device("cpu"))  # the channels' buffers go there too
+    assert Path(probe.handle["path"]).parent == tmp_path
+    probe.unlink()
+    return tmp_path
+
+
 def test_a_cuda_handle_survives_json_as_the_rebuild_arguments() -> None:
     share = (3, b"\x00ipc\xff" * 13, 4096, 512, b"ref\x01", 7, b"\x02event", True)
     handle = json.loads(json.dumps(cuda_handle(share, 1000, "GPU-abc")))
@@ -94,8 +107,8 @@ def _channels(world_size: int, timeout_s: float = 30.0) -> list[IpcChannel]:
     return channels  # type: ignore[return-value]
 
 
-def test_many_buckets_and_publications_arrive_exactly_through_two_staging_buffers() -> None:
-    before = _staging_files()
+def test_many_buckets_and_publications_arrive_exactly_through_two_staging_buffers(
+        own_staging_dir: Path) -> None:
     channels = _channels(3)
     received: dict[int, list[list[tuple[str, torch.Tensor]]]] = {1: [], 2: []}
     publications = [[(f"t{i}", torch.full((10 + i,), float(p * 100 + i))) for i in range(12)]
@@ -123,7 +136,7 @@ def test_many_buckets_and_publications_arrive_exactly_through_two_staging_buffer
             for (_, a), (_, b) in zip(got, sent, strict=True):
                 assert torch.equal(a, b)
     # every staging file is unlinked once mapped by all receivers
-    assert _staging_files() <= before
+    assert list(own_staging_dir.iterdir()) == []
 
 
 def test_a_bucket_larger_than_its_staging_buffer_replaces_only_that_buffer() -> None:
@@ -144,13 +157,13 @@ def test_a_bucket_larger_than_its_staging_buffer_replaces_only_that_buffer() -> 
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, tensors, strict=True))
 
 
-def test_a_receiver_that_never_acknowledges_fails_the_sender_and_leaves_no_file() -> None:
-    before = _staging_files()
+def test_a_receiver_that_never_acknowledges_fails_the_sender_and_leaves_no_file(
+        own_staging_dir: Path) -> None:
     sender, _silent = _channels(2, timeout_s=1.0)
     tensors = [(f"t{i}", torch.ones(100)) for i in range(4)]
     with pytest.raises(TransferFailed, match="not acknowledged"):
         sender.send(manifest_of(tensors, 0), (t for _, t in tensors))
-    assert _staging_files() <= before
+    assert list(own_staging_dir.iterdir()) == []
     with pytest.raises(TransferFailed, match="aborted"):  # the channel is spent
         sender.send(manifest_of(tensors, 0), (t for _, t in tensors))
 
