@@ -467,6 +467,11 @@ class Engine:
 
     async def shutdown(self) -> None:
         self._llm.shutdown()
+        # AsyncLLM.__del__ shuts it down again, and when that runs at
+        # interpreter exit (the engine referenced to the end), the modules it
+        # calls are gone: a traceback on stderr after every clean stop. Once
+        # is enough; the instance's attribute is what __del__ finds.
+        self._llm.shutdown = lambda *args, **kwargs: None
 
 
 KVOnUpdate = Literal["keep", "recompute"]
