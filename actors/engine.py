@@ -36,6 +36,7 @@ from typing import Any, Literal
 from actors.config import EngineConfig, SamplingConfig, read_model_config
 from actors.context import Generation
 from protocol import NO_COMPLETE_VERSION, GroupInfo, WeightManifest
+from protocol.environment import environment
 from protocol.transport import CurveConfig
 
 
@@ -274,17 +275,8 @@ def engine_process_started(config: EngineConfig) -> Iterator[None]:
     (it inherits it), and the caller's own settings restored after."""
     from vllm.platforms import current_platform
 
-    changes = engine_process_env(config, current_platform.is_cpu())
-    saved = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
-    try:
+    with environment(engine_process_env(config, current_platform.is_cpu())):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def passed_through(extra_args: dict[str, Any], set_here: set[str]) -> dict[str, Any]:

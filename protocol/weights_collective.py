@@ -27,7 +27,6 @@ wait a minute for the watchdog.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -35,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from protocol.environment import environment
 from protocol.messages import TensorSpec
 from protocol.weights import (
     ABANDONED_POLL_S,
@@ -69,16 +69,8 @@ def nccl_error_handling(mode: str = NCCL_CLEAN_UP_ONLY) -> Iterator[None]:
     names, so that neither overrides the other) say ``mode`` meanwhile, and
     are restored after. Only that group is affected: the learner's own
     training group keeps what torchrun set."""
-    saved = {name: os.environ.get(name) for name in NCCL_ERROR_HANDLING_VARIABLES}
-    os.environ.update(dict.fromkeys(NCCL_ERROR_HANDLING_VARIABLES, mode))
-    try:
+    with environment(dict.fromkeys(NCCL_ERROR_HANDLING_VARIABLES, mode)):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 #: Aborted NCCL groups, kept for the process's life (:func:`retire`).
