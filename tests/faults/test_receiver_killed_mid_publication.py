@@ -77,7 +77,10 @@ def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
              "--learner.weight_bucket_bytes", str(64 * 1024),  # several buckets
              "--learner.weight_timeout_s", str(TIMEOUT_S),
              "--learner.weight_transport", transport,
-             "--transport.heartbeat_interval_s", "0.5"], logs["learner"])
+             # the dead receiver leaves the membership 5 s after its last
+             # heartbeat; the generations formed meanwhile are given up then
+             "--transport.heartbeat_interval_s", "0.5", "--transport.heartbeat_liveness", "10"],
+            logs["learner"])
         survivor = _receiver(control, "survivor", logs["survivor"], "--dtype", "bfloat16")
         doomed = _receiver(control, "doomed", logs["doomed"], "--dtype", "bfloat16",
                            "--die-in", str(DIE_IN))
