@@ -8,8 +8,11 @@ on a mix of weights (its ``Hello`` reports ``NO_COMPLETE_VERSION``, and the
 learner publishes again at once). Each ``WeightsAnnounce`` is queued; the
 newest one waiting is applied: join its group generation if new, receive and
 load the weights (generation paused meanwhile: stall ``reason="weights"``),
-then ``WeightsLoaded``. What the actor knows of the learner's versions is the
-:class:`~actors.state.LearnerView` it shares with its replay link."""
+then ``WeightsLoaded``. The learner announces a publication again to an
+actor that reconnects while it is under way (the first announcement may have
+been lost with the old connection); one already loaded is skipped. What the
+actor knows of the learner's versions is the :class:`~actors.state.LearnerView`
+it shares with its replay link."""
 
 from __future__ import annotations
 
@@ -114,6 +117,8 @@ class LearnerLink:
             if superseded:
                 log.info("skipped %d superseded weight announcements", superseded)
             group = (learner_incarnation, announce.group.generation)
+            if group == self.weights.group and announce.version <= self.engine.version:
+                continue  # announced again after a reconnect, and loaded already
             try:
                 if group != self.weights.group:
                     self.weights.group = None

@@ -17,6 +17,8 @@ Usage::
                            announced_record=run_dir / "checkpoints" / "announced.json")
     members = control.members()
     control.announce(version, [(member, manifest, group_info), ...])
+    ...  # the broadcast
+    control.publication_ended()
     if control.publication_wanted(version): ...
     control.close()
 """
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import msgspec
 import zmq
 
 from learner.metrics import LearnerMetrics
@@ -79,6 +82,11 @@ class Member:
     or that a successful broadcast delivered to it (its report may lag)."""
     fresh: bool = True
     """Joined after the last publication that included it."""
+    pending: WeightsAnnounce | None = None
+    """The announcement of the publication under way, until it ends: sent
+    again if the member says hello on a new connection meanwhile, since the
+    first may have been lost with the old one (else the broadcast would wait
+    its whole timeout for a member that never heard of it)."""
 
 
 class ControlPlane:
@@ -183,9 +191,19 @@ class ControlPlane:
             for member in self._current([member for member, _, _ in announcements]):
                 member.fresh = False
         for member, manifest, group in announcements:
-            frame = encode(WeightsAnnounce(**self._stamp.next(), version=version,
-                                           manifest=manifest, group=group))
-            self._outbox.send_multipart([member.identity, frame])
+            announce = WeightsAnnounce(**self._stamp.next(), version=version,
+                                       manifest=manifest, group=group)
+            with self._lock:
+                member.pending = announce
+                identity = member.identity
+            self._outbox.send_multipart([identity, encode(announce)])
+
+    def publication_ended(self) -> None:
+        """The publication announced last is over (delivered, failed or never
+        formed): a member that reconnects now needs no announcement of it."""
+        with self._lock:
+            for member in self._members.values():
+                member.pending = None
 
     def close(self) -> None:
         self._stop.set()
@@ -243,6 +261,7 @@ class ControlPlane:
 
     def _on_hello(self, received: Received) -> None:
         hello, identity = received.message, received.identity
+        pending = None
         with self._lock:
             member = self._members.get(hello.sender_id)
             if member is not None and hello.incarnation == member.incarnation:
@@ -251,6 +270,7 @@ class ControlPlane:
                 # may be late, a broken one is not
                 if member.identity != identity:
                     self._displace(member.identity, hello)
+                    pending = member.pending
                 member.identity = identity
                 member.version = (NO_COMPLETE_VERSION
                                   if hello.policy_version == NO_COMPLETE_VERSION
@@ -267,6 +287,10 @@ class ControlPlane:
             **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
             heartbeat_interval_s=self.transport.heartbeat_interval_s,
             heartbeat_liveness=self.transport.heartbeat_liveness))
+        if pending is not None:
+            log.info("announcing version %d again to %s on its new connection",
+                     pending.version, hello.sender_id)
+            self._endpoint.send(identity, msgspec.structs.replace(pending, **self._stamp.next()))
 
     def _displace(self, old: bytes, hello: Hello) -> None:
         """A member moved to a new connection: the old one is told why it

@@ -163,6 +163,13 @@ class WeightPublisher:
     def publish(self, version: int) -> bool:
         """Publish ``version`` to the current members. On rank 0, True if the
         broadcast reached every member."""
+        try:
+            return self._publish(version)
+        finally:
+            if self.control is not None:
+                self.control.publication_ended()
+
+    def _publish(self, version: int) -> bool:
         members = self.control.members() if self.control else []
         if not self.agree(len(members)):
             return False

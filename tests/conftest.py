@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections import defaultdict
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -81,6 +82,24 @@ def _start_rank(item: pytest.Item) -> int:
     if SESSION_ENGINES.intersection(getattr(item, "fixturenames", ())):
         return 0
     return 2 if item.nodeid.startswith("tests/unit/") else 1
+
+
+#: Seconds each xdist worker spent in tests (setup, call and teardown), read
+#: by the controller from its workers' reports.
+WORKER_BUSY_S: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(report, "node", None)  # set on the controller's copy of a worker's report
+    if worker is not None:
+        WORKER_BUSY_S[worker.gateway.id] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The run's wall time is its busiest worker's: a log shows how even they were."""
+    if WORKER_BUSY_S:
+        terminalreporter.write_line("seconds each xdist worker spent in tests: " + ", ".join(
+            f"{worker} {seconds:.0f}" for worker, seconds in sorted(WORKER_BUSY_S.items())))
 
 
 # optional: a run without xdist (``-p no:xdist``) has no such hook

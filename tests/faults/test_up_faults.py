@@ -311,34 +311,51 @@ def test_network_trouble_loses_nothing_silently(run: FaultRun) -> None:
     both services: it keeps contributing, every drop shows as a disconnect,
     lost segments are resent, and it is never declared dead."""
     sent = lambda: run.actor("proxied", "crl_actor_segments_sent_total")  # noqa: E731
+    began, steps_at = time.monotonic(), dict[str, float]()
+
+    def reached(step: str) -> None:  # where the phase spends its time, printed
+        steps_at[step] = round(time.monotonic() - began, 1)
+
     run.wait(lambda: sent() > 0, "segments from the proxied actor")
     before = {"resent": run.actor("proxied", "crl_actor_segments_resent_total"),
               "replay": run.actor("proxied", "crl_actor_disconnects_total", peer="replay"),
               "learner": run.actor("proxied", "crl_actor_disconnects_total", peer="learner"),
-              "steps": run.learner_step()}
+              "steps": run.learner_step(),
+              "failed": run.learner("crl_learner_weight_publications_total", result="failed")}
 
     run.replay_proxy.delay_s = run.control_proxy.delay_s = 0.25
     mark = sent()
     run.wait(lambda: sent() > mark, "a segment through the delaying proxy")
     run.replay_proxy.delay_s = run.control_proxy.delay_s = 0.0
+    reached("delayed")
 
-    for _ in range(DROPS):
+    for drop in range(DROPS):
         mark = sent()
         run.wait(lambda mark=mark: sent() > mark, "a segment before the next drop",
                  timeout=AFTER_DROP_S)
         run.replay_proxy.drop()
         run.control_proxy.drop()
+        reached(f"drop {drop + 1}")
 
     # A partition that holds at least one segment (it is lost when the cut
     # ends); on a loaded machine an episode may send nothing within CUT_MAX_S:
     # cut again. A segment the actor counts as sent is held only once its
     # bytes reached the proxy: one still on its way out of the actor when the
     # cut ended reaches the replay over the next connection and is never
-    # resent (what made this phase fail once, waiting for a resend).
+    # resent (what made this phase fail once, waiting for a resend). A cut
+    # begins once a segment sent over the connection made after the last
+    # drop was acknowledged: one begun while the actor's ZeroMQ handshake
+    # through the proxy was still under way held the connection half open,
+    # and the actor's socket queued its segments instead of writing them
+    # (the cut held nothing for its whole 20 s, two runs in three).
     aborted = run.replay_proxy.aborted
-    for _ in range(CUTS):
-        run.wait(lambda: run.actor("proxied", "crl_actor_active_rollouts") > 0,
-                 "an episode in flight at the proxied actor")
+    unacked = lambda: run.actor("proxied", "crl_actor_unacked_segments")  # noqa: E731
+    for cut in range(CUTS):
+        mark = sent()
+        run.wait(lambda mark=mark: (sent() > mark and unacked() == 0
+                                    and run.actor("proxied", "crl_actor_active_rollouts") > 0),
+                 "a segment acknowledged, and an episode in flight at the proxied actor")
+        reached(f"cut {cut + 1}")
         mark = sent()
         cut_began = time.monotonic()
 
@@ -353,7 +370,8 @@ def test_network_trouble_loses_nothing_silently(run: FaultRun) -> None:
         cut_s = time.monotonic() - cut_began
         if held_segment:
             break
-    assert held_segment, f"no segment was sent during {CUTS} partitions of {CUT_MAX_S:.0f} s"
+    assert held_segment, (f"no segment was sent during {CUTS} partitions of {CUT_MAX_S:.0f} s "
+                          f"(seconds to each step: {steps_at})")
     # what the actor said at each look, shown if it fails: a gauge stuck at
     # one value is a segment never acknowledged, one that moves is traffic
     looks: list[tuple[float, float, float, float]] = []
@@ -369,10 +387,14 @@ def test_network_trouble_loses_nothing_silently(run: FaultRun) -> None:
         lambda: (f"(s since the cut, resent, unacked, sent) at the last looks: {looks[-40:]}\n"
                  f"proxied actor:\n{run.proxied.log()[-3000:]}\n"
                  f"replay:\n{run.log('replay')[-3000:]}"))
+    reached("resent and acknowledged")
     mark = sent()
     run.wait(lambda: sent() > mark, "new segments after the partition")
+    reached("a new segment")
     steps = before["steps"]
     run.wait(lambda: run.learner_step() > steps, "learner steps after the network trouble")
+    reached("a learner step")
+    _measured("network: seconds from the phase's start to each step", steps_at)
 
     disconnects = {peer: run.actor("proxied", "crl_actor_disconnects_total", peer=peer)
                    - before[peer] for peer in ("replay", "learner")}
@@ -396,6 +418,10 @@ def test_network_trouble_loses_nothing_silently(run: FaultRun) -> None:
     assert run.actor("proxied", "crl_actor_reincarnations_total") == 0
     assert run.replay("crl_replay_rejected_messages_total", reason=ErrorCode.DEAD_INCARNATION) == 0
     assert run.replay("crl_replay_dropped_total", reason="expired") == 0
+    # an announcement lost with a dropped connection is sent again on the
+    # next one: no publication waits out its timeout for it
+    failed = run.learner("crl_learner_weight_publications_total", result="failed")
+    assert failed == before["failed"], f"{failed - before['failed']} publications failed"
 
 
 # ---------------------------------------------------------------------- 2. actor SIGKILL

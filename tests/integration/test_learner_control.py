@@ -228,3 +228,37 @@ def test_a_late_joiner_within_the_staleness_bound_waits_only_if_told_to(
     finally:
         context.destroy(linger=0)
         plane.close()
+
+
+def test_a_member_that_reconnects_mid_publication_is_announced_to_again(control) -> None:
+    """The announcement may be lost with a dropped connection: the member's
+    Hello on its new connection (its token) brings the publication under way
+    to it again, and once the publication ended, nothing."""
+    plane, _, address = control
+    context = zmq.Context()
+    try:
+        before = ControlClient(context, address, "actor-1")
+        before.send(Hello, engine=ENGINE, capacity=1, policy_version=0)
+        assert isinstance(before.receive(), MemberWelcome)
+        [member] = plane.members()
+        group = GroupInfo(generation=3, master_addr="h", master_port=1, world_size=2, rank=1,
+                          backend="gloo")
+        plane.announce(7, [(member, MANIFEST, group)])
+        assert isinstance(before.receive(), WeightsAnnounce)
+
+        def reconnected() -> ControlClient:
+            """The same incarnation on a new connection, its token and seqs going on."""
+            client = ControlClient(context, address, "actor-1")
+            client.stamp, client.token = before.stamp, before.token
+            client.send(Hello, engine=ENGINE, capacity=1, policy_version=0)
+            assert isinstance(client.receive(), MemberWelcome)
+            return client
+
+        again = reconnected().receive()
+        assert isinstance(again, WeightsAnnounce)
+        assert (again.version, again.group, again.manifest) == (7, group, MANIFEST)
+        plane.publication_ended()
+        with pytest.raises(AssertionError, match="no reply"):
+            reconnected().receive(timeout_ms=500)
+    finally:
+        context.destroy(linger=0)
