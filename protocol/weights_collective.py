@@ -20,13 +20,15 @@ variable is read when a group is built) and a timeout far above the
 project's deadline (:func:`nccl_watchdog_timeout_s`). Every member joins
 through the store first (``WeightChannel._join``), with our deadline: NCCL
 creates its communicator inside the first collective, which has none. An
-aborted NCCL group is never destroyed (:func:`retire`): its destructor can
-wait a minute for the watchdog.
+aborted NCCL group is never destroyed, an aborted gloo group not before its
+pending operation timed out (:func:`retire`): either destructor joins a
+thread that may still be waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -73,23 +75,36 @@ def nccl_error_handling(mode: str = NCCL_CLEAN_UP_ONLY) -> Iterator[None]:
         yield
 
 
-#: Aborted NCCL groups, kept for the process's life (:func:`retire`).
-RETIRED_NCCL_GROUPS: list[object] = []
+#: Aborted groups kept referenced (:func:`retire`), each with when it may go:
+#: NCCL ones never, gloo ones once the operation they had pending timed out.
+RETIRED_GROUPS: list[tuple[object, float]] = []
+#: A retired gloo group goes this long after its own timeout.
+GLOO_RELEASE_GRACE_S = 5.0
 
 
-def retire(group: object, backend: str) -> None:
-    """After ``group`` was aborted: an NCCL group is kept referenced, never
-    destroyed. ProcessGroupNCCL's destructor joins its watchdog thread, and a
-    watchdog that saw a peer's death before the member's own wait did logs
-    its clean-up a minute after its flight-recorder dump signal (measured on
-    an H200, docs/weights.md "Run on an H200", where such a member did not
-    join the next generation in time). Destroyed when a member leaves the
-    failed generation, the group would likely hold the member that long.
-    What stays is one group object a failure, its communicators aborted. A
-    gloo group has no watchdog and is released as usual. Not yet run on a
-    GPU."""
-    if backend == "nccl" and not any(kept is group for kept in RETIRED_NCCL_GROUPS):
-        RETIRED_NCCL_GROUPS.append(group)
+def retire(group: object, backend: str, timeout_s: float) -> None:
+    """After ``group`` (built with ``timeout_s``) was aborted: keep it
+    referenced while destroying it could block. Either backend's destructor
+    joins a thread of the group's:
+
+    - NCCL: its watchdog, which after a peer's death may log its clean-up a
+      minute after its flight-recorder dump signal (measured on an H200,
+      docs/weights.md "Run on an H200", where such a member did not join the
+      next generation in time). Kept for the process's life: one group
+      object a failure, its communicators aborted. Not yet run on a GPU.
+    - gloo: the worker thread of the broadcast pending at the abort, which
+      ``abort()`` does not end (gloo's abort is a no-op here); it ends at
+      the group's own timeout. Dropped at once, the group blocked whoever
+      collected it, in the fault run the survivor's load of the next
+      generation, for the rest of that timeout (15 s of 30). Kept until
+      then, and a few seconds more.
+
+    Groups whose time has come are released here, by the next failure."""
+    now = time.monotonic()
+    RETIRED_GROUPS[:] = [(kept, until) for kept, until in RETIRED_GROUPS if until > now]
+    if not any(kept is group for kept, _ in RETIRED_GROUPS):
+        until = math.inf if backend == "nccl" else now + timeout_s + GLOO_RELEASE_GRACE_S
+        RETIRED_GROUPS.append((group, until))
 
 
 def wait_within(work: dist.Work, deadline: float,
@@ -193,4 +208,4 @@ class WeightGroup(WeightChannel):
             self._group.abort()
         except RuntimeError:
             pass
-        retire(self._group, self.backend)
+        retire(self._group, self.backend, self.timeout_s)

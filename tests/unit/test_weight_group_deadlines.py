@@ -9,18 +9,22 @@ created communicator, which the join now precedes)."""
 
 from __future__ import annotations
 
+import gc
+import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from protocol.transport import TransportConfig
 from protocol.weights import JOIN_POLL_S, host_store
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
+    GLOO_RELEASE_GRACE_S,
     NCCL_CLEAN_UP_ONLY,
     NCCL_ERROR_HANDLING_VARIABLES,
-    RETIRED_NCCL_GROUPS,
     nccl_error_handling,
     nccl_watchdog_timeout_s,
     retire,
@@ -132,25 +136,47 @@ def test_a_join_stops_waiting_as_soon_as_it_is_given_a_reason(backend: str) -> N
         store.close()
 
 
-def test_an_aborted_nccl_group_is_kept_so_leaving_it_never_waits_for_its_watchdog(
+def test_an_aborted_group_is_kept_while_destroying_it_could_block(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """ProcessGroupNCCL's destructor joins a watchdog that may sleep a minute
-    after a peer's death: an aborted NCCL group stays referenced (once, however
-    often it is aborted); a gloo group, which has no watchdog, is not kept."""
-    monkeypatch.setattr("protocol.weights_collective.RETIRED_NCCL_GROUPS", kept := [])
+    """Either destructor joins a thread of the group's: an aborted NCCL group
+    (its watchdog may sleep a minute after a peer's death) is kept for good,
+    an aborted gloo group until the operation it had pending timed out; each
+    once, however often it is aborted; released by the next failure."""
+    monkeypatch.setattr("protocol.weights_collective.RETIRED_GROUPS",
+                        kept := [(object(), time.monotonic() - 1)])
     nccl, gloo = object(), object()
-    retire(nccl, "nccl")
-    retire(nccl, "nccl")
-    retire(gloo, "gloo")
-    assert kept == [nccl] and RETIRED_NCCL_GROUPS == []
+    began = time.monotonic()
+    retire(nccl, "nccl", 30.0)
+    retire(nccl, "nccl", 30.0)
+    retire(gloo, "gloo", 30.0)
+    assert [group for group, _ in kept] == [nccl, gloo]  # the expired one released
+    assert kept[0][1] == math.inf
+    assert began + 30 + GLOO_RELEASE_GRACE_S <= kept[1][1] <= time.monotonic() + 30 + \
+        GLOO_RELEASE_GRACE_S
 
 
-def test_an_aborted_gloo_weight_group_is_not_kept() -> None:
-    """The real abort path on gloo, which has no watchdog: nothing is kept."""
+def test_an_aborted_gloo_group_with_a_broadcast_pending_is_dropped_without_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real path: a member's broadcast is pending when it aborts (its
+    sender gave up); gloo's abort does not end it, and the group's
+    destructor would wait for it (until the group's timeout). Kept, the
+    member's last reference goes at once."""
+    monkeypatch.setattr("protocol.weights_collective.RETIRED_GROUPS", kept := [])
+    timeout_s = 3.0
     store = host_store(0, timeout_s=60)
     try:
-        group = join_channel(store, 1, 1, 0, "gloo", 5.0)
-        group.abort()
-        assert group.backend == "gloo" and RETIRED_NCCL_GROUPS == []
+        with ThreadPoolExecutor(2) as pool:
+            sender, member = pool.map(
+                lambda rank: join_channel(store, 1, 2, rank, "gloo", timeout_s), (0, 1))
+        member._start(torch.empty(4))  # rank 0 never sends
+        member.abort()
+        assert [group for group, _ in kept] == [member._group]
+        began = time.monotonic()
+        del member
+        gc.collect()
+        assert time.monotonic() - began < timeout_s / 2  # not the broadcast's timeout
+        time.sleep(timeout_s)  # the pending broadcast times out: releasing it is quick
+        kept.clear()
+        del sender
     finally:
         store.close()
