@@ -162,7 +162,7 @@ def test_an_aborted_gloo_group_with_a_broadcast_pending_is_dropped_without_waiti
     destructor would wait for it (until the group's timeout). Kept, the
     member's last reference goes at once."""
     monkeypatch.setattr("protocol.weights_collective.RETIRED_GROUPS", kept := [])
-    timeout_s = 3.0
+    timeout_s = 30.0
     store = host_store(0, timeout_s=60)
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -174,9 +174,8 @@ def test_an_aborted_gloo_group_with_a_broadcast_pending_is_dropped_without_waiti
         began = time.monotonic()
         del member
         gc.collect()
-        assert time.monotonic() - began < timeout_s / 2  # not the broadcast's timeout
-        time.sleep(timeout_s)  # the pending broadcast times out: releasing it is quick
+        assert time.monotonic() - began < timeout_s / 3  # not the broadcast's timeout
+        del sender  # its connections close: the pending broadcast fails, and goes at once
         kept.clear()
-        del sender
     finally:
         store.close()
