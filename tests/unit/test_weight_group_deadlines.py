@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from protocol.transport import TransportConfig
-from protocol.weights import JOIN_POLL_S, host_store
+from protocol.weights import JOIN_POLL_S, connect_store, host_store
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
     GLOO_RELEASE_GRACE_S,
@@ -164,10 +164,13 @@ def test_an_aborted_gloo_group_with_a_broadcast_pending_is_dropped_without_waiti
     monkeypatch.setattr("protocol.weights_collective.RETIRED_GROUPS", kept := [])
     timeout_s = 30.0
     store = host_store(0, timeout_s=60)
+    # a client of its own for each rank, as in two processes: a client's calls
+    # are serialised, and rank 0's join holds its client while it waits
+    clients = [store, connect_store("127.0.0.1", store.port, 60)]
     try:
         with ThreadPoolExecutor(2) as pool:
             sender, member = pool.map(
-                lambda rank: join_channel(store, 1, 2, rank, "gloo", timeout_s), (0, 1))
+                lambda rank: join_channel(clients[rank], 1, 2, rank, "gloo", timeout_s), (0, 1))
         member._start(torch.empty(4))  # rank 0 never sends
         member.abort()
         assert [group for group, _ in kept] == [member._group]
@@ -178,4 +181,5 @@ def test_an_aborted_gloo_group_with_a_broadcast_pending_is_dropped_without_waiti
         del sender  # its connections close: the pending broadcast fails, and goes at once
         kept.clear()
     finally:
+        clients[1].close()
         store.close()
