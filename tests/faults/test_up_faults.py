@@ -203,6 +203,49 @@ def _segments(data: bytes, since: int = 0) -> list[Segment]:
             if kind == SEGMENT and end > since]
 
 
+@dataclass
+class BusyActor:
+    """Marks read while every slot of actor-0 had an episode in flight, the
+    number in flight read last, just before the caller kills or freezes it."""
+    pid: int
+    expired: int
+    segments_mark: int
+    replay_offset: int
+    in_flight: int
+
+
+def _every_slot_busy(run: FaultRun) -> BusyActor:
+    """Wait until both of actor-0's slots have an episode in flight, their
+    start reported to the replay. With a slot free, an episode could start
+    between the read and the kill, which the replay would count and the
+    caller would not."""
+    while True:
+        run.wait(lambda: run.actor("actor-0", "crl_actor_active_rollouts") == SLOTS,
+                 "every slot of actor-0 with an episode in flight")
+        time.sleep(REPORTED_S)
+        marks = (run.children()["actor-0"],
+                 run.replay_count("crl_replay_dropped_total", reason="expired"),
+                 len(run.segments_log()), len(run.log("replay")))
+        in_flight = int(run.actor("actor-0", "crl_actor_active_rollouts"))
+        if in_flight == SLOTS:  # else one ended meanwhile
+            return BusyActor(*marks, in_flight)
+
+
+def _finished_since(run: FaultRun, busy: BusyActor, incarnation: int) -> int:
+    """Episodes counted in flight at the marks whose final segment was stored
+    since: the gauge drops just after that segment is sent, so an episode
+    it still counted at the kill may be complete, not lost."""
+    return len({s.rollout_id for s in _segments(run.segments_log(), busy.segments_mark)
+                if s.sender_id == ACTOR_0 and s.final and s.incarnation == incarnation})
+
+
+def _replay_accounts(run: FaultRun) -> list[str]:
+    """The replay's log lines on actor-0's incarnations that ended: what it
+    counted lost, and from which report."""
+    return [line for line in run.log("replay").splitlines()
+            if ACTOR_0 in line and ("gone:" in line or "silent" in line)]
+
+
 def _trainable_versions(segment: Segment) -> list[int]:
     mask = segment.loss_mask.numpy()
     return segment.versions.numpy()[mask == 1].tolist()
@@ -440,24 +483,14 @@ def test_actor_sigkilled_rejoins_with_current_weights(
     began = time.monotonic()
     kills = 0
     rejoin_s: list[float] = []
-    lost: list[tuple[int, int]] = []
+    lost: list[tuple[int, int, int]] = []
     while kills < KILLS or time.monotonic() - began < soak_s:
-        # Both slots busy: no episode can start between the read below and
-        # the kill, which the replay would count and this test would not.
-        run.wait(lambda: run.actor("actor-0", "crl_actor_active_rollouts") == SLOTS,
-                 "every slot of actor-0 with an episode in flight")
-        time.sleep(REPORTED_S)  # their start was reported to the replay
-        expired = run.replay_count("crl_replay_dropped_total", reason="expired")
         version_at_kill = run.learner("crl_learner_policy_version")
-        pid = run.children()["actor-0"]
+        busy = _every_slot_busy(run)
+        pid = busy.pid
         dead = process_tree(pid)
-        log_mark = len(run.segments_log())
         killed_incarnation = int(re.findall(rf"actor {ACTOR_0} joined \(incarnation (\d+)",
                                             run.log("learner"))[-1])
-        # read last, just before the kill
-        in_flight = int(run.actor("actor-0", "crl_actor_active_rollouts"))
-        if in_flight != SLOTS:
-            continue  # one ended meanwhile
         os.kill(pid, signal.SIGKILL)  # the actor alone: its engine must not outlive it
         killed_at = time.monotonic()
         kills += 1
@@ -476,14 +509,9 @@ def test_actor_sigkilled_rejoins_with_current_weights(
         run.wait(lambda i=killed_incarnation: f"{ACTOR_0} (incarnation {i}) gone:"
                  in run.log("replay"), "the replay's account of the killed incarnation",
                  timeout=LIVENESS * HEARTBEAT_S * 4)
-        counted = run.replay_count("crl_replay_dropped_total", reason="expired") - expired
-        # An episode the gauge still counted may have sent its final segment
-        # just before the kill (the gauge drops just after it is sent): that
-        # rollout is complete, not lost; its final segment is in the log.
-        finished = len({s.rollout_id for s in _segments(run.segments_log(), log_mark)
-                        if s.sender_id == ACTOR_0 and s.final
-                        and s.incarnation == killed_incarnation})
-        lost.append((in_flight, finished, counted))
+        counted = run.replay_count("crl_replay_dropped_total", reason="expired") - busy.expired
+        finished = _finished_since(run, busy, killed_incarnation)
+        lost.append((busy.in_flight, finished, counted))
         incarnation = int(re.findall(rf"actor {ACTOR_0} joined \(incarnation (\d+)",
                                      run.log("learner"))[-1])
         run.notes[f"incarnation-{kills}"] = incarnation
@@ -505,9 +533,8 @@ def test_actor_sigkilled_rejoins_with_current_weights(
               "counted expired", lost)
     # every lost rollout, once: the episodes in flight at the kill, less those
     # whose final segment got through; else the replay's own account
-    assert all(n - finished <= counted <= n for n, finished, counted in lost), [
-        line for line in run.log("replay").splitlines() if ACTOR_0 in line
-        and ("gone:" in line or "silent" in line)]
+    assert all(n - finished <= counted <= n for n, finished, counted in lost), \
+        _replay_accounts(run)
     assert run.learner("crl_learner_rejected_batches_total") == 0  # no partial rollout
 
 
@@ -519,15 +546,8 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
     its rollouts; after SIGCONT its old incarnation is refused, it abandons
     what it had in flight, registers as a new incarnation and contributes
     again; nothing of the dead incarnation is stored after its death."""
-    in_flight = 0
-    while not in_flight:  # episodes in flight, their start reported to the replay
-        run.wait(lambda: run.actor("actor-0", "crl_actor_active_rollouts") > 0,
-                 "episodes in flight at actor-0")
-        time.sleep(REPORTED_S)
-        pid = run.children()["actor-0"]
-        expired = run.replay("crl_replay_dropped_total", reason="expired")
-        replay_offset = len(run.log("replay"))
-        in_flight = int(run.actor("actor-0", "crl_actor_active_rollouts"))
+    busy = _every_slot_busy(run)
+    pid, replay_offset = busy.pid, busy.replay_offset
     _kill_group(pid, signal.SIGSTOP)
     try:
         declared = run.wait(lambda: "is silent: declared dead" in run.log("replay")[
@@ -547,14 +567,17 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
     _measured("SIGSTOP to declared dead (s)", round(declared, 1))
     _measured("SIGCONT to new incarnation's first stored segment (s)",
               round(time.monotonic() - resumed_at, 1))
-    _measured("frozen phase: episodes in flight / expired rollouts / refused messages / "
-              "abandoned episodes",
-              (in_flight, run.replay("crl_replay_dropped_total", reason="expired") - expired,
+    expired = run.replay_count("crl_replay_dropped_total", reason="expired") - busy.expired
+    finished = _finished_since(run, busy, dead)
+    _measured("frozen phase: episodes in flight / of them finished just before the freeze / "
+              "expired rollouts / refused messages / abandoned episodes",
+              (busy.in_flight, finished, expired,
                run.replay("crl_replay_rejected_messages_total", reason=ErrorCode.DEAD_INCARNATION),
                run.actor("actor-0", "crl_actor_abandoned_rollouts_total")))
     assert run.children()["actor-0"] == pid  # the same process, not a restart
-    # every rollout in flight at the freeze, exactly once
-    assert run.replay("crl_replay_dropped_total", reason="expired") - expired == in_flight
+    # every rollout in flight at the freeze, once: those the gauge counted,
+    # less those whose final segment got through just before it
+    assert busy.in_flight - finished <= expired <= busy.in_flight, _replay_accounts(run)
     assert run.replay("crl_replay_rejected_messages_total", reason=ErrorCode.DEAD_INCARNATION) >= 1
     assert run.actor("actor-0", "crl_actor_abandoned_rollouts_total") >= 1
     # nothing of the dead incarnation was stored once it was declared dead
