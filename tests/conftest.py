@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -40,12 +41,30 @@ SESSION_ENGINES = frozenset({"tiny_llm_float32", "actor_engine", "live_engine",
                              "engine_loop"})
 
 
+#: Seconds this machine took for a fixed pure-Python loop (the best of three,
+#: timed before any test starts): machines of one kind differ in speed, and
+#: the suite's times can only be compared between logs that print this.
+REFERENCE_LOOP_STEPS = 1_000_000
+MACHINE_REFERENCE_S: list[float] = []
+
+
+def _reference_loop_s() -> float:
+    began = time.perf_counter()
+    total = 0
+    for step in range(REFERENCE_LOOP_STEPS):
+        total += step * step
+    return time.perf_counter() - began
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``pytest -n N`` each worker runs on its own share of the cores
     (inherited by every process its tests start, and followed by ``up``'s and
     vLLM's own placement, which read the affinity): two workers on two cores
-    then never run four engines and learners on one core while the other idles."""
+    then never run four engines and learners on one core while the other idles.
+    The controller (or a run without workers) times the reference loop first."""
     share = xdist_share()
+    if share is None and not MACHINE_REFERENCE_S:
+        MACHINE_REFERENCE_S.append(min(_reference_loop_s() for _ in range(3)))
     cores = sorted(os.sched_getaffinity(0))
     if share is not None and share[1] <= len(cores):
         worker, workers = share
@@ -100,6 +119,11 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if WORKER_BUSY_S:
         terminalreporter.write_line("seconds each xdist worker spent in tests: " + ", ".join(
             f"{worker} {seconds:.0f}" for worker, seconds in sorted(WORKER_BUSY_S.items())))
+    if MACHINE_REFERENCE_S:
+        terminalreporter.write_line(
+            f"machine reference: {REFERENCE_LOOP_STEPS:,} steps of a pure-Python loop took "
+            f"{MACHINE_REFERENCE_S[0]:.3f} s before the first test (to compare this "
+            "machine's speed with another log's)")
 
 
 # optional: a run without xdist (``-p no:xdist``) has no such hook
