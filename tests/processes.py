@@ -48,10 +48,12 @@ def run_command(args: list[str], timeout: float, env: dict[str, str] | None = No
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str,
                process: subprocess.Popen | None = None, context: Callable[[], str] = str,
-               poll_s: float = 0.3) -> float:
+               poll_s: float = 0.3, between: Callable[[float], object] = time.sleep) -> float:
     """Seconds until ``condition()`` holds; fails after ``timeout`` s, or as
     soon as ``process`` (the one the condition waits on) exits, with
-    ``context()`` (log tails, say) in the message."""
+    ``context()`` (log tails, say) in the message. ``between(poll_s)`` runs
+    between two checks: a sleep, or the serving of an in-process peer that
+    the condition waits on (``ReplayPeer.pump``)."""
     began = time.monotonic()
     while not condition():
         if process is not None and process.poll() is not None:
@@ -59,7 +61,7 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str,
                                  f"{what}\n{context()}")
         if time.monotonic() - began > timeout:
             raise AssertionError(f"no {what} within {timeout} s\n{context()}")
-        time.sleep(poll_s)
+        between(poll_s)
     return time.monotonic() - began
 
 

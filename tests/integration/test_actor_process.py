@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.ports import free_ports
-from tests.processes import SMALL_EPISODES, VENV_BIN
+from tests.processes import SMALL_EPISODES, VENV_BIN, wait_until
 from tests.replay_peer import ReplayPeer
 
 pytestmark = pytest.mark.slow
@@ -51,14 +51,6 @@ def _resent(metrics: str) -> float:
                if line.startswith("crl_actor_segments_resent_total"))
 
 
-def _wait_for(peer: ReplayPeer, condition, timeout: float, process: subprocess.Popen) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, "actor exited early"
-        assert time.monotonic() < end, "timed out waiting on the actor"
-        peer.pump(0.2)
-
-
 @pytest.fixture(scope="module")
 def actor_run(tiny_model_dir: Path) -> ActorRun:
     peer = ReplayPeer(credits_on_welcome=3)
@@ -70,7 +62,8 @@ def actor_run(tiny_model_dir: Path) -> ActorRun:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         # three credited rollouts, the first ack lost on the way
-        _wait_for(peer, lambda: peer.finished() == 3, ENGINE_START_S + 120, process)
+        wait_until(lambda: peer.finished() == 3, ENGINE_START_S + 120, "three rollouts finished",
+                   process, poll_s=0.2, between=peer.pump)
         first = set(peer.rollouts())
         # the actor counts a rollout just after sending its last segment, and
         # resends the segment whose ack was lost once ack_timeout_s has passed
@@ -82,14 +75,16 @@ def actor_run(tiny_model_dir: Path) -> ActorRun:
             return (_rollouts_counted(scraped[-1]) == 3
                     and _resent(scraped[-1]) >= 1)
 
-        _wait_for(peer, all_counted, 30, process)
+        wait_until(all_counted, 30, "every rollout counted", process, poll_s=0.2,
+                   between=peer.pump)
         metrics = scraped[-1]
         probes = {path: _scrape(port, path).strip() for path in ("/readyz", "/healthz")}
         # one more rollout, its credit in a reply lost on the way (made up after
         # the actor's next heartbeat) and its acks withheld; SIGTERM while it runs
         peer.withhold_acks = True
         peer.grant(1, lost=True)
-        _wait_for(peer, lambda: len(peer.rollouts()) == 4, 60, process)
+        wait_until(lambda: len(peer.rollouts()) == 4, 60, "a fourth rollout", process,
+                   poll_s=0.2, between=peer.pump)
         credits_recovered = _sample(_scrape(port), "crl_actor_credits_recovered_total")
         sigterm_at = time.monotonic()
         process.send_signal(signal.SIGTERM)
