@@ -29,7 +29,7 @@ the others (see :data:`SERVER_CORES`).
     python bench/replay_scale.py [--json] [--quick] [--actors 64 256 1024] [--seconds 10]
         [--processes 4] [--tokens 2048] [--load 0.5]
 
-``--quick``: 16 and 64 actors for 2 s each (a smoke test of the same code).
+``--quick``: 64 actors for 2 s (a smoke test of the same code).
 """
 
 from __future__ import annotations
@@ -320,9 +320,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true",
-                        help="--actors 16 64 --seconds 2 unless given (smoke test)")
+                        help="--actors 64 --seconds 2 unless given (smoke test)")
     parser.add_argument("--actors", type=int, nargs="+", default=None,
-                        help="simulated actor counts: 64 256 1024 (--quick: 16 64)")
+                        help="simulated actor counts: 64 256 1024 (--quick: 64)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="measured window per case: 10 (--quick: 2)")
     parser.add_argument("--processes", type=int, default=4, help="client processes: 4")
@@ -331,7 +331,7 @@ def main() -> None:
                         help="offered load for latency, times the replay's saturated rate: 0.5")
     args = parser.parse_args()
     if args.actors is None:
-        args.actors = [16, 64] if args.quick else [64, 256, 1024]
+        args.actors = [64] if args.quick else [64, 256, 1024]
     if args.seconds is None:
         args.seconds = 2.0 if args.quick else 10.0
     result: dict = {"actors": args.actors, "seconds": args.seconds, "tokens": args.tokens,

@@ -492,7 +492,7 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         ("--quick",), ("vs_raw_vllm", "summary_token_share", "compactions"), slow=True),
     ".venv/bin/python bench/replay_ingest.py --json": RunAsWritten(
         ("--quick",), ("vs_raw_zmq_log_off", "vs_raw_zmq_log_on", "batch_latency_ms_p50")),
-    # --quick measures 16 and 64 actors (the full run 64, 256 and 1,024: _1024 keys)
+    # --quick measures 64 actors (the full run 64, 256 and 1,024: _1024 keys)
     ".venv/bin/python bench/replay_scale.py --json": RunAsWritten(
         ("--quick",), ("vs_raw_zmq_64", "ack_p99_ms_64", "raw_ack_p99_ms_64",
                        "ack_p99_ms_saturated_64", "replay_rss_mb_64",

@@ -23,11 +23,13 @@ import zmq
 
 from protocol import EngineInfo, Hello, LearnerHello, Stamp, encode
 from protocol.transport import CurveConfig, TransportConfig, connect_dealer
-from protocol.weights import connect_store
+from protocol.weights import StoreClient, connect_store
 from protocol.weights_backends import join_channel
 
 #: How long each attempt waits for a reply that must not come.
 SILENCE_S = 3.0
+#: How long each store call waits for an answer or a group.
+STORE_TIMEOUT_S = 2.0
 ENGINE = EngineInfo(device="cpu", dtype="bfloat16", tensor_parallel=1, model="m")
 
 
@@ -49,24 +51,41 @@ def _socket_attempt(context: zmq.Context, address: str, transport: TransportConf
         dealer.close(linger=0)
 
 
+def _store_call(host: str, port: int, transport: TransportConfig,
+                call: Callable[[StoreClient], object]) -> str | None:
+    """One call through a store client of its own (a client answers one call
+    at a time, so calls that shared one would wait out each other's silence):
+    None if it was answered, else the error it raised."""
+    store = connect_store(host, port, STORE_TIMEOUT_S, transport)
+    try:
+        call(store)
+        return None
+    except RuntimeError as exc:  # DistStoreError: no answer, or a join that timed out
+        return str(exc)[:200]
+    finally:
+        store.close()
+
+
+def _join(store: StoreClient, generation: int, rank: int) -> None:
+    join_channel(store, generation, 3, rank, "gloo", STORE_TIMEOUT_S)
+
+
 def _store_attempts(host: str, port: int, transport: TransportConfig) -> dict:
-    """Read the store, then join generations 1..4 as every rank a small
-    group could give an actor: each must fail (no group, so no tensor)."""
-    outcome: dict[str, object] = {"replies": 0, "joined": 0}
-    store = connect_store(host, port, 2.0, transport)
-    for read in (lambda: store.num_keys(), lambda: store.get("weights/1/rank_0")):
-        try:
-            read()
-            outcome["replies"] += 1
-        except RuntimeError as exc:  # DistStoreError: no answer
-            outcome["read_error"] = str(exc)[:200]
-    for generation in range(1, 5):
-        for rank in (1, 2):
-            try:
-                join_channel(store, generation, 3, rank, "gloo", 2.0)
-                outcome["joined"] += 1
-            except RuntimeError as exc:
-                outcome["join_error"] = str(exc)[:200]
+    """Read the store, and join generations 1..4 as every rank a small group
+    could give an actor, all at once: each must fail (no group, so no tensor)."""
+    calls: dict[str, list[Callable[[StoreClient], object]]] = {
+        "read": [lambda store: store.num_keys(), lambda store: store.get("weights/1/rank_0")],
+        "join": [functools.partial(_join, generation=generation, rank=rank)
+                 for generation in range(1, 5) for rank in (1, 2)]}
+    with ThreadPoolExecutor(max_workers=sum(map(len, calls.values()))) as pool:
+        running = {kind: [pool.submit(_store_call, host, port, transport, call)
+                          for call in kind_calls] for kind, kind_calls in calls.items()}
+        errors = {kind: [future.result() for future in futures]
+                  for kind, futures in running.items()}
+    outcome: dict[str, object] = {"replies": errors["read"].count(None),
+                                  "joined": errors["join"].count(None)}
+    for kind, kind_errors in errors.items():
+        outcome.update({f"{kind}_error": error for error in kind_errors if error})
     return outcome
 
 
