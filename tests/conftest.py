@@ -95,12 +95,14 @@ def _start_rank(item: pytest.Item) -> int:
     rank; ``make test`` passes ``--no-loadscope-reorder`` so xdist hands out
     groups in this order): the long groups first, the session engines' group
     (a dozen engine tests in a row) before all, the many short unit tests
-    last, where they fill whichever worker is done first. Otherwise a
+    (those not marked ``slow``) last, where they fill whichever worker is
+    done first. Otherwise a
     two-minute module handed out last keeps one worker busy while the other
     idles."""
     if SESSION_ENGINES.intersection(getattr(item, "fixturenames", ())):
         return 0
-    return 2 if item.nodeid.startswith("tests/unit/") else 1
+    short = item.nodeid.startswith("tests/unit/") and item.get_closest_marker("slow") is None
+    return 2 if short else 1
 
 
 #: Seconds each xdist worker spent in tests (setup, call and teardown), read

@@ -19,6 +19,10 @@ import torch
 from tests.processes import run_command
 from tests.scripts import import_script
 
+#: Its dry run starts process groups and runs the script several times (~30 s):
+#: slow, so that it starts early on its xdist worker (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).parents[2] / "bench" / "gpu_check.py"
 
 

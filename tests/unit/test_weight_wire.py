@@ -31,6 +31,10 @@ from protocol.weights import (
 from protocol.weights_backends import join_channel
 from tests.ports import free_ports
 
+#: Its members are processes joining gloo groups (~25 s in all): slow, so that it
+#: starts early on its xdist worker (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 TENSORS = [("embed.weight", torch.randn(64, 8)), ("layer.weight", torch.randn(8, 8)),
            ("layer.bias", torch.randn(8)), ("steps", torch.arange(3))]
 
