@@ -96,9 +96,8 @@ def _start_rank(item: pytest.Item) -> int:
     groups in this order): the long groups first, the session engines' group
     (a dozen engine tests in a row) before all, the many short unit tests
     (those not marked ``slow``) last, where they fill whichever worker is
-    done first. Otherwise a
-    two-minute module handed out last keeps one worker busy while the other
-    idles."""
+    done first. Otherwise a two-minute module handed out last keeps one
+    worker busy while the other idles."""
     if SESSION_ENGINES.intersection(getattr(item, "fixturenames", ())):
         return 0
     short = item.nodeid.startswith("tests/unit/") and item.get_closest_marker("slow") is None

@@ -73,20 +73,17 @@ def _join(store: StoreClient, generation: int, rank: int) -> None:
 def _store_attempts(host: str, port: int, transport: TransportConfig) -> dict:
     """Read the store, and join generations 1..4 as every rank a small group
     could give an actor, all at once: each must fail (no group, so no tensor)."""
-    calls: dict[str, list[Callable[[StoreClient], object]]] = {
-        "read": [lambda store: store.num_keys(), lambda store: store.get("weights/1/rank_0")],
-        "join": [functools.partial(_join, generation=generation, rank=rank)
-                 for generation in range(1, 5) for rank in (1, 2)]}
-    with ThreadPoolExecutor(max_workers=sum(map(len, calls.values()))) as pool:
-        running = {kind: [pool.submit(_store_call, host, port, transport, call)
-                          for call in kind_calls] for kind, kind_calls in calls.items()}
-        errors = {kind: [future.result() for future in futures]
-                  for kind, futures in running.items()}
-    outcome: dict[str, object] = {"replies": errors["read"].count(None),
-                                  "joined": errors["join"].count(None)}
-    for kind, kind_errors in errors.items():
-        outcome.update({f"{kind}_error": error for error in kind_errors if error})
-    return outcome
+    reads: list[Callable[[StoreClient], object]] = [
+        lambda store: store.num_keys(), lambda store: store.get("weights/1/rank_0")]
+    joins = [functools.partial(_join, generation=generation, rank=rank)
+             for generation in range(1, 5) for rank in (1, 2)]
+    with ThreadPoolExecutor(max_workers=len(reads) + len(joins)) as pool:
+        errors = list(pool.map(lambda call: _store_call(host, port, transport, call),
+                               [*reads, *joins]))
+    read_errors, join_errors = errors[:len(reads)], errors[len(reads):]
+    return {"replies": read_errors.count(None), "joined": join_errors.count(None),
+            "read_errors": sorted({e for e in read_errors if e}),
+            "join_errors": sorted({e for e in join_errors if e})}
 
 
 def _raw_bytes(host: str, port: int) -> int:
