@@ -188,8 +188,9 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
 
     On CPU the KV cache size (GiB), the cores of the engine's threads and how
     they wait are environment variables (``VLLM_CPU_KVCACHE_SPACE``,
-    ``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_WAIT_POLICY``) read when the engine
-    starts: they are set here, the one place that decides them. So is where
+    ``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_WAIT_POLICY``, and
+    ``TORCH_COMPILE_DISABLE`` when eager) read when the engine starts: they
+    are set here, the one place that decides them. So is where
     the engine's ipc socket files go (``VLLM_RPC_BASE_PATH``,
     :func:`vllm_socket_folder`); an explicit setting wins.
     """
@@ -208,6 +209,12 @@ def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dic
         # engine idle on credits leaves its cores to the learner, whether `up`
         # started it or a user did. An explicit setting wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if config.eager(on_gpu=False):
+            # Eager promises no compilation, yet vLLM still compiles a few
+            # sampler helpers with inductor: a C++ build and a loader process
+            # per kernel in every engine, about 3 s of each start here, for
+            # ops too small to gain from it. The results are the same tokens.
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
     kwargs = {
         "model": model,

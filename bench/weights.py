@@ -33,9 +33,10 @@ larger model.
         [--stall-requests 16] [--stall-prompt-tokens 1024]
 
 ``--quick``: ``--big-params 2e6`` (the fewest layers: ~10M parameters) and
-not the tiny model (one engine start), one engine, one timed push, 1 and 2
-receivers, 4 requests of 256 prompt tokens in flight: a smoke test of the
-same code, whose ``big_*`` and ``*_100m`` keys then describe that model.
+not the tiny model (one engine start), one engine, one timed push, 4
+requests of 256 prompt tokens in flight, and no fan-out curves (``--quick
+--fanout-only`` smoke-tests those, with 1 and 2 receivers): a smoke test of
+the same code, whose ``big_*`` and ``*_100m`` keys then describe that model.
 """
 
 from __future__ import annotations
@@ -429,7 +430,7 @@ async def main(args: argparse.Namespace) -> dict:
             finally:
                 for engine in engines:
                     await engine.shutdown()
-            if label == "big":
+            if label == "big" and not args.quick:
                 report.update(fanout(tensors, wire, args, store, port, generations))
     first = min(args.engines)
     report["push_vs_raw_100m"] = report[f"big_{first}_push_vs_raw"]
@@ -451,8 +452,8 @@ if __name__ == "__main__":
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--quick", action="store_true",
                         help="no tiny model; --big-params 2e6 --engines 1 --pushes 1 --receivers "
-                        "1 2 --stall-requests 4 --stall-prompt-tokens 256 unless given (smoke "
-                        "test)")
+                        "1 2 --stall-requests 4 --stall-prompt-tokens 256 unless given, and no "
+                        "fan-out unless --fanout-only (smoke test)")
     parser.add_argument("--big-params", type=float, default=None,
                         help="parameters of the larger model (its JSON keys say big_*): "
                         "1e8 (--quick: 2e6)")
@@ -511,9 +512,10 @@ if __name__ == "__main__":
               f"{figures['recompute'][0]}/{figures['recompute'][1]} s "
               f"({figures['recompute'][2]} s)")
     print(f"stall_keep_vs_recompute = {result['stall_keep_vs_recompute']}")
-    print(f"push to 1..N receivers: {result['push_seconds_by_receivers']} s "
-          f"(x{result['push_growth_per_doubling']} per doubling); relayed: "
-          f"{result['relay_push_seconds_by_receivers']} s "
-          f"(x{result['relay_push_growth_per_doubling']})")
+    if not arguments.quick:
+        print(f"push to 1..N receivers: {result['push_seconds_by_receivers']} s "
+              f"(x{result['push_growth_per_doubling']} per doubling); relayed: "
+              f"{result['relay_push_seconds_by_receivers']} s "
+              f"(x{result['relay_push_growth_per_doubling']})")
     if arguments.json:
         print(json.dumps(result))

@@ -501,11 +501,10 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         ("--quick",), ("gae_vs_loop", "ppo_vs_bare", "shared_vs_separate")),
     ".venv/bin/python bench/learner_memory.py --json": RunAsWritten(
         ("--quick",), ("peak_vs_today_8k", "tokens_per_s_vs_today_8k", "table")),
+    # --quick leaves the fan-out curves to the --fanout-only command below
     ".venv/bin/python bench/weights.py --json": RunAsWritten(
         ("--quick",), ("push_vs_raw_100m", "ipc_push_vs_raw_100m", "stall_vs_load",
-                       "stall_keep_vs_recompute", "push_seconds_by_receivers",
-                       "push_growth_per_doubling", "relay_push_growth_per_doubling"),
-        slow=True),
+                       "stall_keep_vs_recompute"), slow=True),
     # docs/weights.md: the fan-out curves alone
     ".venv/bin/python bench/weights.py --fanout-only --json": RunAsWritten(
         ("--quick",), ("push_seconds_by_receivers", "push_growth_per_doubling",

@@ -73,6 +73,20 @@ def test_engine_arguments_pass_through_and_collisions_are_refused(tiny_model_dir
         engine_kwargs(str(tiny_model_dir), EngineConfig(extra_args={"dtype": "float16"}))
 
 
+def test_an_eager_cpu_engine_is_started_without_compilation_unless_asked(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM compiles sampler helpers even when eager; an eager engine on CPU
+    is started with torch.compile off (an explicit setting wins)."""
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    engine_kwargs(str(tiny_model_dir), EngineConfig(enforce_eager=False))
+    assert "TORCH_COMPILE_DISABLE" not in os.environ
+    engine_kwargs(str(tiny_model_dir), EngineConfig())
+    assert os.environ["TORCH_COMPILE_DISABLE"] == "1"
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    engine_kwargs(str(tiny_model_dir), EngineConfig())
+    assert os.environ["TORCH_COMPILE_DISABLE"] == "0"
+
+
 REMOTE_CONFIG = '''
 from transformers import Qwen2Config
 
