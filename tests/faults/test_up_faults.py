@@ -223,12 +223,13 @@ def _every_slot_busy(run: FaultRun) -> BusyActor:
         run.wait(lambda: run.actor("actor-0", "crl_actor_active_rollouts") == SLOTS,
                  "every slot of actor-0 with an episode in flight")
         time.sleep(REPORTED_S)
-        marks = (run.children()["actor-0"],
-                 run.replay_count("crl_replay_dropped_total", reason="expired"),
-                 len(run.segments_log()), len(run.log("replay")))
+        pid = run.children()["actor-0"]
+        expired = run.replay_count("crl_replay_dropped_total", reason="expired")
+        segments_mark, replay_offset = len(run.segments_log()), len(run.log("replay"))
         in_flight = int(run.actor("actor-0", "crl_actor_active_rollouts"))
         if in_flight == SLOTS:  # else one ended meanwhile
-            return BusyActor(*marks, in_flight)
+            return BusyActor(pid=pid, expired=expired, segments_mark=segments_mark,
+                             replay_offset=replay_offset, in_flight=in_flight)
 
 
 def _finished_since(run: FaultRun, busy: BusyActor, incarnation: int) -> int:

@@ -19,9 +19,9 @@ import torch
 from tests.processes import run_command
 from tests.scripts import import_script
 
-#: Its dry run starts process groups and runs the script several times (~30 s):
-#: slow, so that it starts early on its xdist worker (tests/conftest.py).
-pytestmark = pytest.mark.slow
+#: The tests that run the script (its dry run starts process groups; ~30 s in
+#: all) are slow, so that this module starts early on its xdist worker
+#: (tests/conftest.py); the rest are plain unit tests.
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "gpu_check.py"
 
@@ -61,6 +61,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Pa
     yield json.loads(result.stdout.strip().splitlines()[-1]), out
 
 
+@pytest.mark.slow
 def test_dry_run_pushes_every_model_intact(gpu_check: ModuleType,
                                            dry_run: tuple[dict, Path]) -> None:
     report, _ = dry_run
@@ -81,6 +82,7 @@ def test_dry_run_pushes_every_model_intact(gpu_check: ModuleType,
     assert [r["outcome"] for r in shared["ranks"]] == ["ok", "ok"]
 
 
+@pytest.mark.slow
 def test_dry_run_moves_every_publication_through_the_project_s_ipc_channel_intact(
         gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
     """protocol/weights_ipc.py between two processes, loaded as the
@@ -104,6 +106,7 @@ def test_dry_run_moves_every_publication_through_the_project_s_ipc_channel_intac
         assert result["push_s"] > 0 and result["load_s"] > 0
 
 
+@pytest.mark.slow
 def test_dry_run_sender_survives_a_receiver_killed_mid_broadcast_and_reaches_the_survivor(
         gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
     """The weight group on gloo: the receiver dies in the second publication;
@@ -295,6 +298,7 @@ def test_the_chunked_log_softmax_is_the_learner_s(gpu_check: ModuleType, chunk: 
         torch.testing.assert_close(script_grad, learner_grad, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_dry_run_learner_part(gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
     report, out = dry_run
     assert json.loads((out / "gpu_check.json").read_text()) == report
@@ -367,6 +371,7 @@ def test_out_of_memory_is_recorded_as_does_not_fit(gpu_check: ModuleType,
                                                 "first_unfit_length": None}
 
 
+@pytest.mark.slow
 def test_budget_skips_the_learner_cases(gpu_check: ModuleType) -> None:
     result = run_command([sys.executable, str(SCRIPT), "--dry-run", "--json", "--parts",
                           "learner", "--budget-s", "0"], timeout=120)
@@ -384,6 +389,7 @@ def test_budget_skips_the_learner_cases(gpu_check: ModuleType) -> None:
         assert all(f["first_unfit_length"] is None for f in model["fit"].values())
 
 
+@pytest.mark.slow
 def test_parts_and_models_options_select_a_subset() -> None:
     result = run_command([sys.executable, str(SCRIPT), "--dry-run", "--json", "--pushes", "1",
                           "--parts", "ipc", "--models", "qwen2.5-0.5b"], timeout=180)
@@ -394,6 +400,7 @@ def test_parts_and_models_options_select_a_subset() -> None:
     assert report["project_ipc"] is None and report["nccl_receiver_killed"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_only_the_dry_run_runs() -> None:
     result = run_command([sys.executable, str(SCRIPT), "--json"], timeout=120)

@@ -31,9 +31,9 @@ from protocol.weights import (
 from protocol.weights_backends import join_channel
 from tests.ports import free_ports
 
-#: Its members are processes joining gloo groups (~25 s in all): slow, so that it
-#: starts early on its xdist worker (tests/conftest.py).
-pytestmark = pytest.mark.slow
+#: The tests whose members are processes joining groups (~25 s in all) are
+#: slow, so that this module starts early on its xdist worker
+#: (tests/conftest.py); the rest are plain unit tests.
 
 TENSORS = [("embed.weight", torch.randn(64, 8)), ("layer.weight", torch.randn(8, 8)),
            ("layer.bias", torch.randn(8)), ("steps", torch.arange(3))]
@@ -118,6 +118,7 @@ def _start_member(port: int, backend: str, manifest: WeightManifest | None, time
     return process, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 @pytest.mark.parametrize("bucket_bytes", [0, 256])
 def test_a_receiver_gets_exactly_the_sender_tensors_in_the_wire_dtype(bucket_bytes: int,
@@ -140,6 +141,7 @@ def test_a_receiver_gets_exactly_the_sender_tensors_in_the_wire_dtype(bucket_byt
         assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_bucket_never_sent_fails_the_receiver_within_its_timeout(backend: str) -> None:
     """A member waits for a bucket the sender never sends (the sender froze,
@@ -160,6 +162,7 @@ def test_a_bucket_never_sent_fails_the_receiver_within_its_timeout(backend: str)
     sender.abort()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_member_stops_waiting_on_a_bucket_once_the_sender_abandons_the_generation(
         backend: str) -> None:
@@ -185,6 +188,7 @@ def test_a_member_stops_waiting_on_a_bucket_once_the_sender_abandons_the_generat
     sender.abort()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_member_stops_joining_once_the_sender_abandons_the_generation(backend: str) -> None:
     """The generation did not form (another member never came): rank 0
@@ -202,6 +206,7 @@ def test_a_member_stops_joining_once_the_sender_abandons_the_generation(backend:
     store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_member_that_stalls_fails_the_sender_within_its_timeout(backend: str) -> None:
     """The member joins, then never takes a bucket: the sender's publication
