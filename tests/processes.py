@@ -26,18 +26,38 @@ SMALL_EPISODES = ["--actors.environment.max_steps", "12",
                   "--actors.concurrent_episodes", "2"]
 
 
+#: Seconds the Python processes of a timed-out command get to write their stacks.
+STACK_DUMP_S = 3.0
+
+
 def run_command(args: list[str], timeout: float, env: dict[str, str] | None = None
                 ) -> subprocess.CompletedProcess[str]:
     """Run ``args`` in its own process group and kill the whole group when it
-    ends or times out, so engine subprocesses never leak into later tests."""
+    ends or times out, so engine subprocesses never leak into later tests.
+
+    A command that times out is hung somewhere: before it is killed, every
+    process of its tree gets SIGABRT, on which Python's fault handler (on in
+    each of them through ``PYTHONFAULTHANDLER``) writes every thread's stack
+    to stderr, whose tail the failure then shows."""
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env={**os.environ, **(env or {})})
+                               start_new_session=True,
+                               env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        raise AssertionError(f"{args} timed out after {timeout} s:\n{stderr[-4000:]}") from None
+        tree = process_tree(process.pid)
+        for pid in reversed(tree):  # the deepest first
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=STACK_DUMP_S)
+        except subprocess.TimeoutExpired:  # one that handles SIGABRT, in a session of its own
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+        raise AssertionError(f"{args} timed out after {timeout} s (stacks at the end):\n"
+                             f"{stderr[-12000:]}") from None
     finally:
         try:
             os.killpg(process.pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from protocol import Stamp
 from protocol.transport import TransportConfig, connect_dealer
 from tests.hostile_frames import control_catalogue, replay_catalogue
-from tests.ports import loopback_addresses
+from tests.ports import free_ports, loopback_addresses
 from tests.processes import compactionrl
 from tests.replay_thread import ReplayThread
 
@@ -70,6 +70,7 @@ def _train(model: Path, folder: Path, flood: bool) -> tuple[list[str], dict[str,
     """Step log lines and exported weights of one learner run, the replay's
     rejected-message count, and the bad frames sent."""
     [control_address] = loopback_addresses(1)
+    [store] = free_ports(1)  # not the default port, which another test's learner may hold
     replay = ReplayThread.on_loopback(rollouts_per_batch=BATCH, max_staleness=8,
                                       durable_log=False)
     actor_address, learner_address = replay.config.actor_address, replay.config.learner_address
@@ -88,6 +89,7 @@ def _train(model: Path, folder: Path, flood: bool) -> tuple[list[str], dict[str,
             "--run.name", "learn", "--replay.learner_address", learner_address,
             "--replay.actor_address", actor_address, "--learner.nproc", "1",
             "--learner.control_address", control_address, "--learner.metrics_port", "0",
+            "--learner.weight_store_address", f"127.0.0.1:{store}",
             "--learner.max_steps", str(STEPS), "--learner.checkpoint_every", "1000",
             timeout=300)
         assert result.returncode == 0, result.stderr[-4000:]

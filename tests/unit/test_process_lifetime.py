@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ops.lifetime import die_with_multiprocessing_parent
-from tests.processes import running
+from tests.processes import run_command, running
 
 ROOT = Path(__file__).parents[2]
 
@@ -146,3 +146,18 @@ def test_stop_leftovers_kills_a_dead_childs_group_and_its_orphans(tmp_path: Path
         assert running(live)
     finally:
         _kill_all(parent, [live, group, session])
+
+
+def test_a_hung_command_is_killed_at_its_timeout_with_the_stacks_of_its_whole_tree() -> None:
+    """The failure says where each process of a hung command was: its child
+    in a session of its own (as torchrun starts its ranks) included."""
+    hang = textwrap.dedent("""
+        import subprocess, sys, time
+        def parent_waits(): time.sleep(60)
+        subprocess.Popen([sys.executable, "-c", "import time\\ndef child_waits(): "
+                          "time.sleep(60)\\nchild_waits()"], start_new_session=True)
+        parent_waits()
+    """)
+    with pytest.raises(AssertionError, match="timed out after 4 s") as failure:
+        run_command([sys.executable, "-c", hang], timeout=4)
+    assert "in parent_waits" in str(failure.value) and "in child_waits" in str(failure.value)
