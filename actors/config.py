@@ -64,7 +64,9 @@ class EngineConfig:
     keeps 2-core machines usable."""
     enforce_eager: bool | None = None
     """No CUDA graphs / compilation: fast start, slower decoding. Unset: off on
-    GPU (CUDA graphs decode faster), on on CPU (nothing to capture)."""
+    GPU (CUDA graphs decode faster), on on CPU (nothing to capture). On CPU,
+    eager also turns torch.compile off in the engine, which vLLM otherwise
+    uses for a few sampler helpers (~3 s of each start here)."""
     rope_scaling: dict[str, int | float | str | bool] = field(default_factory=dict)
     """RoPE scaling given to vLLM (as hf_overrides) so that max_model_len may
     exceed the model's max_position_embeddings, e.g. { rope_type = "yarn",
