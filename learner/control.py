@@ -63,10 +63,6 @@ log = logging.getLogger("compactionrl.learner.control")
 
 #: The thread wakes at least this often to expire silent actors.
 POLL_MS = 100
-#: Messages handled per pass over the socket: a client sending faster than
-#: they are handled cannot keep the thread from its announcements, its
-#: expiries and its stop.
-MESSAGES_PER_PASS = 64
 _instances = itertools.count()
 
 
@@ -231,7 +227,7 @@ class ControlPlane:
                     if identity:
                         self._endpoint.send_frame(identity, frame)
                 if self._socket in ready:
-                    for received in self._endpoint.receive(MESSAGES_PER_PASS):
+                    for received in self._endpoint.receive():
                         self._handle(received)
                 for identity in self._liveness.expire():
                     self._drop(identity, "missed its heartbeats")

@@ -67,6 +67,10 @@ Handler = Callable[[Received], None]
 Refused = Callable[[ErrorCode, Message | None], None]
 
 
+#: Messages one :meth:`ServerEndpoint.receive` pass takes by default.
+MESSAGES_PER_PASS = 64
+
+
 class ServerEndpoint:
     def __init__(self, socket: zmq.Socket, stamp: Stamp, max_message_bytes: int,
                  refused: Refused, undelivered: Callable[[], None] | None = None,
@@ -86,11 +90,14 @@ class ServerEndpoint:
         self._keys: dict[str, str] = {}
         """Per sender_id, the client key it first spoke with (``bind_keys``)."""
 
-    def receive(self, limit: int | None = None) -> Iterator[Received]:
+    def receive(self, limit: int = MESSAGES_PER_PASS) -> Iterator[Received]:
         """The messages waiting on the socket (at most ``limit``), without
-        blocking; whatever breaks a rule is refused here and not yielded."""
+        blocking; whatever breaks a rule is refused here and not yielded.
+        Never all of them: a peer sending faster than they are handled would
+        keep the caller's loop from everything else it serves (a stop, other
+        sockets, timers); what is left waits for the next pass."""
         taken = 0
-        while limit is None or taken < limit:
+        while taken < limit:
             try:
                 first, *parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -42,10 +42,6 @@ from replay.buffer import to_rollout
 
 log = logging.getLogger("compactionrl.replay")
 
-#: Learner-socket messages handled per pass: a peer flooding that socket
-#: cannot keep the replay's loop from its actors.
-MESSAGES_PER_PASS = 64
-
 
 class LearnerServing:
     def __init__(self, endpoint: ServerEndpoint, book: RolloutBook, stamp: Stamp,
@@ -67,7 +63,7 @@ class LearnerServing:
         waits; True when a batch was asked for (a learner step is done: its
         credits are free)."""
         self._asked = False
-        for received in self.endpoint.receive(MESSAGES_PER_PASS):
+        for received in self.endpoint.receive():
             if received.message.sender_id != LEARNER_ID:  # the socket is the learner's alone
                 self.endpoint.refuse(received, ErrorCode.IDENTITY,
                                      f"the learner socket serves {LEARNER_ID!r} only")

@@ -23,7 +23,7 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.endpoint import ClientEndpoint, Received, ServerEndpoint
+from protocol.endpoint import MESSAGES_PER_PASS, ClientEndpoint, Received, ServerEndpoint
 from tests.hostile_frames import nested_under_a_key
 
 
@@ -66,6 +66,21 @@ def test_a_message_goes_to_the_handler_of_its_type(pair) -> None:
         endpoint.dispatch({BatchRequest: handled.append}, message)
     [one] = handled
     assert (one.identity, one.message.size) == (b"client", 2) and not refused
+
+
+def test_a_pass_takes_a_bounded_share_of_a_flood_and_leaves_the_rest_queued(pair) -> None:
+    """A peer faster than its messages are handled cannot hold the caller's
+    loop in one pass: each takes at most MESSAGES_PER_PASS, the rest wait."""
+    endpoint, dealer, _ = pair
+    stamp = Stamp("client", 1)
+    flood = 2 * MESSAGES_PER_PASS + 3
+    for _ in range(flood):
+        dealer.send(encode(BatchRequest(**stamp.next(), size=2, policy_version=3)))
+    assert endpoint.socket.poll(5000)
+    passes = []
+    while endpoint.socket.poll(1000):
+        passes.append(len(list(endpoint.receive())))
+    assert passes == [MESSAGES_PER_PASS, MESSAGES_PER_PASS, 3]
 
 
 def test_a_type_the_table_lacks_is_refused_as_unexpected_naming_its_seq(pair) -> None:
