@@ -30,8 +30,10 @@ from tests.ports import free_ports, loopback_addresses
 from tests.processes import Background, wait_until
 from tests.replay_thread import ReplayThread
 
-#: Its bound is a wall-clock time after a death (the deadline plus 10 s): run alone.
-pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
+#: Its one wall-clock bound (the deadline plus 10 s after the death) holds
+#: with room on one core: an xdist worker's, with the learner and both
+#: receivers on it, measured the failure 0.0 s (gloo) and 5.1 s (ipc) after.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
 #: The publication the doomed receiver dies in.
