@@ -63,6 +63,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from _options import BenchmarkParser  # bench/_options.py
+
 from deploy.answer_lengths import measure as answer_lengths
 from deploy.config import load_config, to_toml
 from deploy.evaluate import wilson_interval
@@ -464,9 +466,8 @@ def dry_run(seeds: list[int], minutes: float, episodes: int, base: Path, out_dir
 
 
 def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one seed per variant")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser = BenchmarkParser(__doc__.split("\n\n")[0], quick="one seed per variant")
+    parser.add_size("--seeds", 3, 1, "seeds per variant", type=int)
     parser.add_argument("--minutes", type=float, default=TABLE_MINUTES,
                         help=f"wall-time budget of each training run (default {TABLE_MINUTES:g})")
     parser.add_argument("--episodes", type=int, default=300, help="evaluation episodes")
@@ -478,7 +479,6 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--out", default=None,
                         help="run folders (default: runs/ablations, runs/ablations-paper)")
     parser.add_argument("--docs", default="docs", help="where results.md goes")
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--render", action="store_true",
                         help="only write results.md again from the recipe's JSON in DOCS")
     parser.add_argument("--fresh", action="store_true",
@@ -579,7 +579,7 @@ def main() -> int:
         write_results(json.loads((Path(args.docs) / f"{stem}.json").read_text()),
                       Path(args.docs))
         return 0
-    seeds = list(range(1 if args.quick else args.seeds))
+    seeds = list(range(args.seeds))
     out_dir = Path(args.out or default_out)
     began = time.perf_counter()
     config = load_config(None, RECIPES[args.recipe])

@@ -23,6 +23,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from _options import BenchmarkParser  # bench/_options.py
+
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import Generation
@@ -141,22 +143,15 @@ async def main(args: argparse.Namespace) -> dict:
 def episode_arguments(description: str, repeatable: bool = False) -> argparse.Namespace:
     """The command line of a benchmark of episodes (this one, bench/endpoint.py);
     ``repeatable``: with ``--repeats``."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = BenchmarkParser(description, quick="2 episodes, both at once, unless given "
+                             "(smoke test)")
     if repeatable:
         parser.add_argument("--repeats", type=int, default=1,
                             help="measure this many times on the same engine (the paths in "
                                  "alternating order); report the median run and every ratio")
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true",
-                        help="2 episodes, both at once, unless given (smoke test)")
-    parser.add_argument("--episodes", type=int, default=None, help="16 (--quick: 2)")
-    parser.add_argument("--concurrency", type=int, default=None, help="8 (--quick: 2)")
-    arguments = parser.parse_args()
-    if arguments.episodes is None:
-        arguments.episodes = 2 if arguments.quick else 16
-    if arguments.concurrency is None:
-        arguments.concurrency = 2 if arguments.quick else 8
-    return arguments
+    parser.add_size("--episodes", 16, 2, "episodes", type=int)
+    parser.add_size("--concurrency", 8, 2, "episodes at once", type=int)
+    return parser.parse_args()
 
 
 if __name__ == "__main__":

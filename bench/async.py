@@ -41,6 +41,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _options import BenchmarkParser  # bench/_options.py
+
 from deploy.config import JobConfig, load_config
 from ops.report import read_history
 from ops.summary import finished_rollouts, training_window
@@ -128,7 +130,7 @@ def measure(mode: str, args: argparse.Namespace, out_dir: Path, log: Path) -> di
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = BenchmarkParser(__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="learner steps per mode")
     parser.add_argument("--step-latency", type=float, default=0.3,
                         help="seconds per environment step (a tool call)")
@@ -137,7 +139,6 @@ def main() -> int:
                         help="episodes per actor at once in both modes "
                         "(default: what the async mode's credits admit)")
     parser.add_argument("--out", default="runs/async-bench")
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--dry-run", action="store_true",
                         help="check and print both modes' commands; train nothing")
     args = parser.parse_args()

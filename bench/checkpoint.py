@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _options import BenchmarkParser  # bench/_options.py
 
 from learner.batch import to_train_batch
 from learner.checkpoint import CheckpointWriter
@@ -71,12 +72,9 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true", help="~10M parameters, one repeat")
-    parser.add_argument("--repeats", type=int, default=None, help="saves each way (default 3)")
+    parser = BenchmarkParser(__doc__.split("\n\n")[0], quick="~10M parameters, one repeat")
+    parser.add_size("--repeats", 3, 1, "saves each way", type=int)
     arguments = parser.parse_args()
-    arguments.repeats = arguments.repeats or (1 if arguments.quick else 3)
     report = main(arguments)
     print(f"{report['params'] / 1e6:.1f}M-parameter policy with critic and AdamW: synchronous "
           f"save {report['sync_save_s']} s; background save stalls {report['async_stall_s']} s "

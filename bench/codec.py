@@ -18,7 +18,6 @@ the figures to quote; absolute numbers on a shared machine are noise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
+from _options import BenchmarkParser  # bench/_options.py
 
 from protocol import Array, Segment, decode, encode
 
@@ -112,10 +112,8 @@ def best_seconds(run: Callable[[], object], repeats: int, budget_s: float) -> fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true", help="short timing loops (smoke test)")
-    args = parser.parse_args()
+    args = BenchmarkParser(__doc__.splitlines()[0],
+                           quick="short timing loops (smoke test)").parse_args()
     repeats, budget = (3, 0.05) if args.quick else (7, 1.0)
 
     rng = np.random.default_rng(0)

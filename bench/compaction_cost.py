@@ -39,6 +39,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from _options import BenchmarkParser  # bench/_options.py
+
 from actors.config import ActorConfig
 from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
@@ -194,21 +196,15 @@ def write_docs(report: dict[str, Any], docs: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true",
-                        help="8 episodes, 1 learner repeat, a tiny model as both policies")
-    parser.add_argument("--episodes", type=int, default=None, help="200 (--quick: 8)")
-    parser.add_argument("--learner-repeats", type=int, default=None, help="3 (--quick: 1)")
+    parser = BenchmarkParser(__doc__.splitlines()[0], quick="8 episodes, 1 learner repeat, a "
+                             "tiny model as both policies")
+    parser.add_size("--episodes", 200, 8, "episodes", type=int)
+    parser.add_size("--learner-repeats", 3, 1, "timed learner steps", type=int)
     parser.add_argument("--base", default="runs/base-model", help="the policy before training")
     parser.add_argument("--trained", default="runs/local-cpu/export", help="the trained policy")
     parser.add_argument("--docs", default=None,
                         help="also write DIR/compaction_cost.json and its part of results.md")
     args = parser.parse_args()
-    if args.episodes is None:
-        args.episodes = 8 if args.quick else 200
-    if args.learner_repeats is None:
-        args.learner_repeats = 1 if args.quick else 3
     quiet_vllm_logging()
     if args.quick:
         with temporary_tiny_model() as tiny:

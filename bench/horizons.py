@@ -19,7 +19,6 @@ episodes; which sizes a policy trained on is the reader's to say
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -27,6 +26,8 @@ import shlex
 import time
 from pathlib import Path
 from typing import Any
+
+from _options import BenchmarkParser  # bench/_options.py
 
 from actors.config import ActorConfig
 from actors.engine import Engine, quiet_vllm_logging
@@ -119,18 +120,16 @@ def write_docs(report: dict[str, Any], docs: Path, command: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true",
-                        help="a fresh tiny model, 4 episodes, two sizes (smoke test)")
-    parser.add_argument("--episodes", type=int, default=None, help="200 (--quick: 4)")
+    parser = BenchmarkParser(__doc__.splitlines()[0],
+                             quick="a fresh tiny model, 4 episodes, two sizes (smoke test)")
+    parser.add_size("--episodes", 200, 4, "episodes per size and policy", type=int)
     parser.add_argument("--policy", action="append", default=None, metavar="NAME=MODEL",
                         help="a policy to evaluate (repeatable; default: base=runs/base-model "
                              "trained=runs/local-cpu/export)")
     parser.add_argument("--docs", default=None,
                         help="also write DIR/horizons.json and its part of results.md")
     args = parser.parse_args()
-    episodes = args.episodes or (4 if args.quick else 200)
+    episodes = args.episodes
     quiet_vllm_logging()
     if args.quick:
         with temporary_tiny_model() as tiny:

@@ -54,7 +54,6 @@ compare the 1,024-token cases (``reference_tokens``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import resource
@@ -64,6 +63,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
+
+from _options import BenchmarkParser  # bench/_options.py
 
 from learner.config import LearnerConfig
 
@@ -287,10 +288,7 @@ def ratio(rows: list[dict], tokens: int, key: str, path: str = "switches",
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
-    args = parser.parse_args()
+    args = BenchmarkParser(__doc__.splitlines()[0], quick="smaller sizes (smoke test)").parse_args()
     sizes = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory() as folder:
         model, why = spawned(build_model, folder, sizes.model)

@@ -21,11 +21,11 @@ prefixes against separate sequences.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
+from _options import BenchmarkParser  # bench/_options.py
 
 from learner.advantages import cross_trajectory_gae
 from learner.batch import TrainBatch, to_train_batch
@@ -158,10 +158,7 @@ def bench_shared_prefixes(repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
-    args = parser.parse_args()
+    args = BenchmarkParser(__doc__.splitlines()[0], quick="smaller sizes (smoke test)").parse_args()
     gae = bench_gae(*((20_000, 200, 20) if args.quick else (1_000_000, 10_000, 1_000)))
     repeats = 1 if args.quick else 5
     ppo = bench_ppo(repeats, LearnerConfig(minibatches=2, ppo_epochs=2))

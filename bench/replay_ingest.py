@@ -17,7 +17,6 @@ batch is the serving latency. Ratios are the figures to quote.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import statistics
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import zmq
+from _options import BenchmarkParser  # bench/_options.py
 
 from protocol import Ack, Batch, BatchRequest, Stamp, decode, encode
 from protocol.synthetic import synthetic_hello, synthetic_segment
@@ -134,18 +134,11 @@ def serve_batches(address: str, batches: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true",
-                        help="2 senders of 40 segments unless given (smoke test)")
-    parser.add_argument("--senders", type=int, default=None, help="3 (--quick: 2)")
-    parser.add_argument("--segments", type=int, default=None,
-                        help="per sender: 1000 (--quick: 40)")
+    parser = BenchmarkParser(__doc__.splitlines()[0],
+                             quick="2 senders of 40 segments unless given (smoke test)")
+    parser.add_size("--senders", 3, 2, "sending processes", type=int)
+    parser.add_size("--segments", 1000, 40, "segments per sender", type=int)
     args = parser.parse_args()
-    if args.senders is None:
-        args.senders = 2 if args.quick else 3
-    if args.segments is None:
-        args.segments = 40 if args.quick else 1000
 
     holder: list[str] = []
     stop = threading.Event()

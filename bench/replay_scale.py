@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import zmq
+from _options import BenchmarkParser  # bench/_options.py
 
 from protocol import Ack, Batch, BatchRequest, Heartbeat, Stamp, Welcome, decode, encode
 from protocol.synthetic import synthetic_hello, synthetic_segment
@@ -317,23 +318,16 @@ def measure(actors: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true",
-                        help="--actors 64 --seconds 2 unless given (smoke test)")
-    parser.add_argument("--actors", type=int, nargs="+", default=None,
-                        help="simulated actor counts: 64 256 1024 (--quick: 64)")
-    parser.add_argument("--seconds", type=float, default=None,
-                        help="measured window per case: 10 (--quick: 2)")
+    parser = BenchmarkParser(__doc__.splitlines()[0],
+                             quick="--actors 64 --seconds 2 unless given (smoke test)")
+    parser.add_size("--actors", [64, 256, 1024], [64], "simulated actor counts", type=int,
+                    nargs="+")
+    parser.add_size("--seconds", 10.0, 2.0, "measured window per case", type=float)
     parser.add_argument("--processes", type=int, default=4, help="client processes: 4")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per segment: 2048")
     parser.add_argument("--load", type=float, default=0.5,
                         help="offered load for latency, times the replay's saturated rate: 0.5")
     args = parser.parse_args()
-    if args.actors is None:
-        args.actors = [64] if args.quick else [64, 256, 1024]
-    if args.seconds is None:
-        args.seconds = 2.0 if args.quick else 10.0
     result: dict = {"actors": args.actors, "seconds": args.seconds, "tokens": args.tokens,
                     "load": args.load, "durable_log": True}
     for actors in args.actors:

@@ -29,6 +29,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from _options import BenchmarkParser  # bench/_options.py
+
 from deploy.config import load_config
 from ops.files import write_section
 from ops.report import read_history
@@ -102,8 +104,7 @@ def write_docs(results: dict[str, Any], docs: Path, minutes: float) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser = BenchmarkParser(__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=5.0, help="training per variant")
     parser.add_argument("--out", default="runs/stale-bench")
     parser.add_argument("--reuse", action="store_true",

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _options import BenchmarkParser  # bench/_options.py
 
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine import Engine, LoadTimes, quiet_vllm_logging
@@ -448,43 +449,25 @@ async def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    parser.add_argument("--quick", action="store_true",
-                        help="no tiny model; --big-params 2e6 --engines 1 --pushes 1 --receivers "
-                        "1 2 --stall-requests 4 --stall-prompt-tokens 256 unless given, and no "
-                        "fan-out unless --fanout-only (smoke test)")
-    parser.add_argument("--big-params", type=float, default=None,
-                        help="parameters of the larger model (its JSON keys say big_*): "
-                        "1e8 (--quick: 2e6)")
-    parser.add_argument("--engines", type=int, nargs="+", default=None,
-                        help="engine counts to push into: 1 2 (--quick: 1)")
-    parser.add_argument("--pushes", type=int, default=None,
-                        help="timed pushes per case: 3 (--quick: 1)")
-    parser.add_argument("--receivers", type=int, nargs="+", default=None,
-                        help="plain receiver counts of the push curve: 1 2 4 8 (--quick: 1 2)")
+    parser = BenchmarkParser(
+        __doc__.splitlines()[0], quick="no tiny model; --big-params 2e6 --engines 1 --pushes 1 "
+        "--receivers 1 2 --stall-requests 4 --stall-prompt-tokens 256 unless given, and no "
+        "fan-out unless --fanout-only (smoke test)")
+    parser.add_size("--big-params", 1e8, 2e6,
+                    "parameters of the larger model (its JSON keys say big_*)", type=float)
+    parser.add_size("--engines", [1, 2], [1], "engine counts to push into", type=int, nargs="+")
+    parser.add_size("--pushes", 3, 1, "timed pushes per case", type=int)
+    parser.add_size("--receivers", [1, 2, 4, 8], [1, 2],
+                    "plain receiver counts of the push curve", type=int, nargs="+")
     parser.add_argument("--node-size", type=int, default=4,
                         help="receivers per node of the relayed curve: 4")
     parser.add_argument("--fanout-only", action="store_true",
                         help="only the fan-out curves (no engines)")
-    parser.add_argument("--stall-requests", type=int, default=None,
-                        help="requests in flight for the keep-vs-recompute stall: 16 "
-                        "(--quick: 4)")
-    parser.add_argument("--stall-prompt-tokens", type=int, default=None,
-                        help="prompt length of each of them: 1024 (--quick: 256)")
+    parser.add_size("--stall-requests", 16, 4,
+                    "requests in flight for the keep-vs-recompute stall", type=int)
+    parser.add_size("--stall-prompt-tokens", 1024, 256, "prompt length of each of them",
+                    type=int)
     arguments = parser.parse_args()
-    if arguments.big_params is None:
-        arguments.big_params = 2e6 if arguments.quick else 1e8
-    if arguments.engines is None:
-        arguments.engines = [1] if arguments.quick else [1, 2]
-    if arguments.pushes is None:
-        arguments.pushes = 1 if arguments.quick else 3
-    if arguments.receivers is None:
-        arguments.receivers = [1, 2] if arguments.quick else [1, 2, 4, 8]
-    if arguments.stall_requests is None:
-        arguments.stall_requests = 4 if arguments.quick else 16
-    if arguments.stall_prompt_tokens is None:
-        arguments.stall_prompt_tokens = 256 if arguments.quick else 1024
     quiet_vllm_logging()
     if arguments.fanout_only:
         result = asyncio.run(fanout_only(arguments))

@@ -14,6 +14,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from tests.scripts import import_script
+
 ROOT = Path(__file__).parents[2]
 BENCH = ROOT / "bench"
 
@@ -51,3 +53,16 @@ def test_no_benchmark_is_named_after_a_module() -> None:
 def test_no_benchmark_edits_the_import_path() -> None:
     edits = [path.name for path in benchmarks() if "sys.path" in path.read_text()]
     assert not edits, f"bench/ files editing sys.path: {edits}"
+
+
+def test_a_size_left_unset_is_the_full_run_s_or_the_smoke_test_s_and_a_given_one_stays() -> None:
+    options = import_script(BENCH / "_options.py", "_options")
+    parser = options.BenchmarkParser("a benchmark", quick="smoke test")
+    parser.add_size("--episodes", 200, 8, "episodes", type=int)
+    parser.add_size("--receivers", [1, 2, 4], [1], "receivers", type=int, nargs="+")
+    full, quick, given = (parser.parse_args(argv) for argv in (
+        [], ["--quick"], ["--quick", "--episodes", "3", "--receivers", "5", "6"]))
+    assert (full.episodes, full.receivers, full.quick, full.json) == (200, [1, 2, 4], False, False)
+    assert (quick.episodes, quick.receivers) == (8, [1])
+    assert (given.episodes, given.receivers) == (3, [5, 6])
+    assert "episodes: 200 (--quick: 8)" in parser.format_help()

@@ -3,23 +3,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import asdict
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from deploy.config import load_config, to_toml
+from tests.scripts import import_script
 
 BENCH = Path(__file__).parents[2] / "bench" / "ablations.py"
 
 
 @pytest.fixture(scope="module")
-def ablations():
-    spec = importlib.util.spec_from_file_location("ablations", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def ablations() -> ModuleType:
+    return import_script(BENCH, "ablations")
 
 
 def evaluation(successes: int, episodes: int = 100) -> dict:
