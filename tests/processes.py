@@ -192,6 +192,15 @@ def running(pid: int) -> bool:
         return False
 
 
+def running_after(pids: list[int], seconds: float) -> list[int]:
+    """Those of ``pids`` still running after ``seconds``, or at once when none
+    is: what a test asserts empty once it has stopped or killed them."""
+    deadline = time.monotonic() + seconds
+    while (left := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def process_tree(root: int) -> list[int]:
     """``root`` and every process descended from it (Linux): an actor with its
     engine's processes, torchrun with its ranks (which run in sessions of their

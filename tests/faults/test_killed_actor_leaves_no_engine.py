@@ -36,7 +36,7 @@ from tests.processes import (
     engine_core,
     process_tree,
     run_command,
-    running,
+    running_after,
     wait_until,
 )
 from tests.replay_thread import ReplayThread
@@ -72,9 +72,7 @@ def test_a_sigkilled_actor_leaves_no_engine_process_and_its_sockets_go_at_the_ne
         assert engine, [command_line(p) for p in tree]
         os.kill(actor.process.pid, signal.SIGKILL)  # the actor alone, not its group
         actor.process.wait()
-        deadline = time.monotonic() + 30
-        while (left := [p for p in tree if running(p)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        left = running_after(tree, 30)
         assert left == [], {p: command_line(p) for p in left}
         [folder] = tmp.glob(f"{SOCKET_FOLDER_PREFIX}*")
         assert any(p.is_socket() for p in folder.iterdir())  # vLLM's, left by the kill
@@ -129,9 +127,7 @@ def test_an_actor_whose_engine_dies_gives_its_rollouts_up_and_exits_for_a_restar
             finished = replay.metric("crl_replay_rollouts", state="ready") - ready
             assert abandoned + finished >= in_flight and abandoned >= 1, (in_flight, abandoned,
                                                                           finished)
-            deadline = time.monotonic() + 30
-            while (left := [p for p in tree if running(p)]) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            left = running_after(tree, 30)
             assert left == [], {p: command_line(p) for p in left}
         finally:
             actor.stop()

@@ -13,13 +13,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.ports import free_ports
-from tests.processes import UpOnLoopback, metric
+from tests.processes import UpOnLoopback, metric, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +39,13 @@ def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: P
     ports = up.ports
     process = up.start()
     try:
-        end = time.monotonic() + 300
-        while metric(ports["actor"], "crl_actor_credits_held") < 1:  # engine up, registered
-            assert process.poll() is None, process.stdout.read()[-4000:]
-            assert time.monotonic() < end, "the actor got no credit within 300 s"
-            time.sleep(1)
+        def up_output() -> str:
+            """`up`'s output once it has exited (before, reading it would block)."""
+            return process.stdout.read()[-4000:] if process.poll() is not None else ""
+
+        wait_until(lambda: metric(ports["actor"], "crl_actor_credits_held") >= 1, 300,
+                   "credit at the actor (its engine up, registered)", process, up_output,
+                   poll_s=1)
         harness = subprocess.run(
             [sys.executable, str(HARNESS), "--base-url", f"http://127.0.0.1:{endpoint_port}/v1",
              "--episodes", str(EPISODES), "--concurrency", "4", "--max-steps", "12"],
@@ -52,11 +53,8 @@ def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: P
         assert harness.returncode == 0, harness.stderr[-4000:]
         episodes = [json.loads(line) for line in harness.stdout.splitlines()]
         assert len(episodes) == EPISODES
-        end = time.monotonic() + 300
-        while metric(ports["learner"], "crl_learner_step") < 1:
-            assert process.poll() is None, process.stdout.read()[-4000:]
-            assert time.monotonic() < end, "no learner step within 300 s"
-            time.sleep(1)
+        wait_until(lambda: metric(ports["learner"], "crl_learner_step") >= 1, 300,
+                   "learner step", process, up_output, poll_s=1)
         trained = {kind: metric(ports["learner"], "crl_learner_trained_segments_total",
                                 segment_type=kind) for kind in ("execution", "summary")}
         calls = {kind: metric(ports["actor"], "crl_actor_endpoint_calls_total",

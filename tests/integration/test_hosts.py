@@ -34,7 +34,7 @@ import pytest
 
 from protocol.transport import generate_keys
 from tests.netns import INTERFACE, Hosts, namespaces_unavailable, our_namespaces
-from tests.processes import Background, process_tree, run_command, running
+from tests.processes import Background, process_tree, run_command, running, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -230,7 +230,5 @@ def test_a_run_across_hosts_with_curve_trains_and_keeps_an_intruder_out(
         for pid in trees:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while (left := [pid for pid in trees if running(pid)] + hosts.pids()):
-        assert time.monotonic() < deadline, f"processes left: {left}"
-        time.sleep(0.5)
+    left = lambda: [pid for pid in trees if running(pid)] + hosts.pids()  # noqa: E731
+    wait_until(lambda: not left(), 30, "every process's exit", context=lambda: f"left: {left()}")

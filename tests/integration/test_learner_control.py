@@ -4,7 +4,6 @@ and a counter while registered actors are still served."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import msgspec
@@ -68,16 +67,11 @@ def test_members_register_get_announcements_and_report_loads(control) -> None:
         announce = actor.receive()
         assert isinstance(announce, WeightsAnnounce) and announce.group.rank == 1
         actor.send(WeightsLoaded, version=5, seconds=0.25)
-        deadline = time.monotonic() + 5
-        while plane.members()[0].version != 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: plane.members()[0].version == 5, 5, "the member at version 5",
+                   poll_s=0.05)
         assert not plane.publication_wanted(5)
         # silent for longer than the liveness: no longer a member
-        deadline = time.monotonic() + 5
-        while plane.members():
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(lambda: not plane.members(), 5, "the silent member's expiry", poll_s=0.1)
         assert metrics.registry.get_sample_value("crl_learner_weight_members") == 0
     finally:
         context.destroy(linger=0)

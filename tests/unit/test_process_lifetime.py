@@ -10,25 +10,17 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from ops.lifetime import die_with_multiprocessing_parent
-from tests.processes import run_command, running
+from tests.processes import run_command, running, running_after
 
 ROOT = Path(__file__).parents[2]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="parent-death signals and subreapers are Linux's")
-
-
-def _gone_within(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while (left := [p for p in pids if running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
 
 
 def _run_parent(tmp_path: Path, script: str, expected: int) -> tuple[subprocess.Popen, list[int]]:
@@ -58,7 +50,7 @@ def _assert_dies_with(parent: subprocess.Popen, child: int) -> None:
     try:
         assert running(child)
         parent.kill()
-        assert _gone_within([child], 10) == []
+        assert running_after([child], 10) == []
     finally:
         _kill_all(parent, [child])
 
@@ -141,7 +133,7 @@ def test_stop_leftovers_kills_a_dead_childs_group_and_its_orphans(tmp_path: Path
     """, expected=4)
     live, group, session, session_was_an_orphan = pids
     try:
-        assert _gone_within([group, session], 15) == []
+        assert running_after([group, session], 15) == []
         assert session_was_an_orphan == 1
         assert running(live)
     finally:
