@@ -22,15 +22,19 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from learner.config import SHARED_GPU_RANKS_ENV
+from learner.families import ModelFamily, body_of, family_of
 
 
 class Critic(nn.Module):
-    """The policy's transformer body with a scalar head: V(prefix) at every position."""
+    """The policy's transformer body with a scalar head: V(prefix) at every
+    position. ``family``: the policy's (where the body's layers are, and
+    under what name the files hold the body)."""
 
-    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+    def __init__(self, body: nn.Module, hidden_size: int, family: ModelFamily) -> None:
         super().__init__()
         self.body = body
         self.head = nn.Linear(hidden_size, 1)
+        self.family = family
         self.reset_head()
 
     def reset_head(self) -> None:
@@ -90,6 +94,7 @@ def load_policy(path: str, dtype: torch.dtype = torch.float32,
 
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                       trust_remote_code=trust_remote_code)
+        family_of(policy)  # refused here, before any training, if unknown
         if value_head:
             _add_value_head(policy)
         return _with_policy_methods(policy)
@@ -116,10 +121,10 @@ def load_critic(path: str, dtype: torch.dtype = torch.float32,
     :func:`load_policy`."""
     if sharding is None:
         policy = load_policy(path, dtype, trust_remote_code=trust_remote_code)
-        return Critic(policy.model, policy.config.hidden_size).to(dtype)
+        return Critic(body_of(policy), policy.config.hidden_size, family_of(policy)).to(dtype)
     policy = _policy_on_meta(path, dtype, trust_remote_code)
     with torch.device("meta"):
-        critic = Critic(policy.model, policy.config.hidden_size).to(dtype)
+        critic = Critic(body_of(policy), policy.config.hidden_size, family_of(policy)).to(dtype)
     return _load_shards(critic, path, sharding)
 
 
@@ -144,6 +149,7 @@ def _policy_on_meta(path: str, dtype: torch.dtype, trust_remote_code: bool) -> n
         policy = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), dtype=dtype,
             trust_remote_code=trust_remote_code)
+    family_of(policy)  # refused here, before any memory is given to it, if unknown
     # the mode from_pretrained leaves a model in, as the unsharded load does
     # (the trainer never switches it: PPO trains the policy it sampled with)
     return _with_policy_methods(policy.eval())
@@ -169,9 +175,10 @@ def _load_shards(model: nn.Module, path: str, sharding: Sharding) -> nn.Module:
     # Non-persistent buffers (the rotary embedding's inverse frequencies) are
     # in no file and to_empty left them uninitialised: transformers computes
     # them in its own weight initialisation, which from_pretrained runs too.
+    body = model.body if isinstance(model, Critic) else body_of(model)
     for module in model.modules():
         if module._non_persistent_buffers_set:
-            _body(model)._init_weights(module)
+            body._init_weights(module)
     if isinstance(model, Critic):
         model.reset_head()
     elif hasattr(model, VALUE_HEAD):
@@ -194,16 +201,18 @@ def _file_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(model, Critic):
             if not name.startswith("body."):
                 continue
-            name = "model." + name.removeprefix("body.")
+            name = f"{model.family.body}." + name.removeprefix("body.")
         elif is_value_head(name):
             continue
         tensors[name] = tensor
     return tensors
 
 
-def _body(model: nn.Module) -> nn.Module:
-    """The transformer body (embeddings, decoder layers, final norm) of a policy or critic."""
-    return model.body if isinstance(model, Critic) else model.model
+def _layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a policy or critic (:class:`ModelFamily`)."""
+    if isinstance(model, Critic):
+        return getattr(model.body, model.family.layers)
+    return getattr(body_of(model), family_of(model).layers)
 
 
 def checkpoint_layers(model: nn.Module) -> None:
@@ -214,7 +223,7 @@ def checkpoint_layers(model: nn.Module) -> None:
     stay as they are; applied before ``fully_shard``, the checkpoint runs
     between FSDP2's unshard and reshard of the layer, as a wrapped module's
     would."""
-    for layer in _body(model).layers:
+    for layer in _layers(model):
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
@@ -248,7 +257,7 @@ def shard(model: nn.Module, device: torch.device | None = None, bf16: bool = Fal
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 else MixedPrecisionPolicy())
-    for layer in _body(model).layers:
+    for layer in _layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for method in POLICY_METHODS:
@@ -336,8 +345,9 @@ def _chunked_token_logprobs(policy: nn.Module, ids: torch.Tensor, chunk_tokens: 
     """[B, L - 1] log-probability of tokens 1.. of ``ids``, the output layer
     applied ``chunk_tokens`` positions at a time. Bound to each policy as
     ``chunked_token_logprobs`` (see load_policy). For causal LMs whose logits
-    are ``lm_head(last hidden state)`` with no bias or scaling (Qwen2, Llama)."""
-    hidden = policy.model(input_ids=ids, use_cache=False).last_hidden_state
+    are the output layer's plain product with the last hidden state, as
+    :func:`learner.families.family_of` checks at load."""
+    hidden = body_of(policy)(input_ids=ids, use_cache=False).last_hidden_state
     return _chosen_logprobs(policy, hidden, ids, chunk_tokens)
 
 
@@ -346,7 +356,7 @@ def _logprobs_and_values(policy: nn.Module, ids: torch.Tensor, chunk_tokens: int
     """([B, L - 1] log-probability of tokens 1.., [B, L] value head output at
     every position) from one pass through the body. Bound to each policy as
     ``logprobs_and_values``; for a policy with a value head."""
-    hidden = policy.model(input_ids=ids, use_cache=False).last_hidden_state
+    hidden = body_of(policy)(input_ids=ids, use_cache=False).last_hidden_state
     # fresh tensors, not views: FSDP2 hooks the method's outputs for backward
     values = getattr(policy, VALUE_HEAD)(hidden)[..., 0].clone()
     return _chosen_logprobs(policy, hidden, ids, chunk_tokens), values

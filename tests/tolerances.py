@@ -33,3 +33,20 @@ def rounding_tolerance(magnitude: float, terms: int, dtype: torch.dtype = torch.
     small std) amplifies the rounding without bound. Compare what goes into
     such a step (the gradients), not what comes out."""
     return torch.finfo(dtype).eps * max(terms, 1) * magnitude
+
+
+def logprob_tolerance(policy: torch.nn.Module, ids: torch.Tensor) -> float:
+    """How far two computations of the log-probabilities of ``ids`` that
+    differ in the order of their sums only can lie apart. A logit sums
+    hidden_size products, and the log-softmax moves an error in its logits by
+    at most twice that, plus its own rounding over the vocabulary (each
+    exp(x - max) at most 1)."""
+    from learner.families import body_of
+
+    with torch.no_grad():
+        hidden = body_of(policy)(input_ids=ids).last_hidden_state
+        weight = policy.get_output_embeddings().weight
+        products = (hidden.abs() @ weight.abs().T).max().item()
+    config = policy.config
+    return (2 * rounding_tolerance(products, config.hidden_size)
+            + 2 * rounding_tolerance(1.0, config.vocab_size))

@@ -25,7 +25,7 @@ from learner.models import (
 from learner.ppo import PPOTrainer, StepStatistics
 from protocol import Batch, Rollout
 from protocol.synthetic import synthetic_batch
-from tests.tolerances import rounding_tolerance
+from tests.tolerances import logprob_tolerance, rounding_tolerance
 from tests.trainers import plain_sgd, trained_modules
 
 
@@ -173,20 +173,6 @@ def test_without_summary_training_summary_tokens_leave_the_loss(tiny_model_dir: 
     metrics = ppo.step(batch)
     assert metrics["tokens"] == 0
     assert all(torch.equal(a, b) for a, b in zip(before, ppo.policy.parameters(), strict=True))
-
-
-def logprob_tolerance(policy: torch.nn.Module, ids: torch.Tensor) -> float:
-    """How far two computations of the log-probabilities of ``ids`` that
-    differ in the order of their sums only can lie apart. A logit sums
-    hidden_size products, and the log-softmax moves an error in its logits by
-    at most twice that, plus its own rounding over the vocabulary (each
-    exp(x - max) at most 1)."""
-    with torch.no_grad():
-        hidden = policy.model(input_ids=ids).last_hidden_state
-        products = (hidden.abs() @ policy.lm_head.weight.abs().T).max().item()
-    config = policy.config
-    return (2 * rounding_tolerance(products, config.hidden_size)
-            + 2 * rounding_tolerance(1.0, config.vocab_size))
 
 
 def test_chunked_log_probabilities_equal_those_of_all_logits_at_once(tiny_model_dir: Path
