@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import zmq
 
 from protocol.transport import CurveConfig, generate_keys
 from tests.ports import xdist_share
@@ -25,6 +26,14 @@ T = TypeVar("T")
 #: and cache settings); a user's shell never has them, so no process a test
 #: starts may inherit them.
 SESSION_ENVIRONMENT = dict(os.environ)
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    """A ZeroMQ context for the test's own sockets, destroyed (linger 0) after it."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @pytest.fixture(autouse=True)

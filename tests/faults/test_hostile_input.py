@@ -77,13 +77,6 @@ def replay(tmp_path: Path) -> Iterator[ReplayProcess]:
     process.stop()
 
 
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def _hostile(context: zmq.Context, address: str) -> zmq.Socket:
     return connect_dealer(context, address, TransportConfig())
 

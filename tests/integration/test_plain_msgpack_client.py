@@ -119,13 +119,6 @@ def services(tmp_path: Path) -> Iterator[tuple[ReplayService, str, str, ControlP
             control.close()
 
 
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def test_a_rollout_from_plain_maps_is_acknowledged_and_served(
         services: tuple, context: zmq.Context) -> None:
     replay, actor_address, learner_address, _, _ = services

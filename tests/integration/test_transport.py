@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,6 @@ ROOT = Path(__file__).parents[2]
 RECEIVE_TIMEOUT_MS = 3000
 #: How long to wait for a message that must not arrive.
 SILENCE_MS = 1500
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _hello(stamp: Stamp) -> Hello:
