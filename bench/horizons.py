@@ -129,20 +129,19 @@ def main() -> None:
     parser.add_argument("--docs", default=None,
                         help="also write DIR/horizons.json and its part of results.md")
     args = parser.parse_args()
-    episodes = args.episodes
     quiet_vllm_logging()
     if args.quick:
         with temporary_tiny_model() as tiny:
-            report = measure({"tiny": tiny}, dict(list(SIZES.items())[:2]), episodes)
+            report = measure({"tiny": tiny}, dict(list(SIZES.items())[:2]), args.episodes)
     else:
         policies = dict(p.split("=", 1) for p in (args.policy or [
             "base=runs/base-model", "trained=runs/local-cpu/export"]))
         require_model_folders(list(policies.values()), "give --policy NAME=MODEL")
-        report = measure(policies, SIZES, episodes)
+        report = measure(policies, SIZES, args.episodes)
     if args.docs:
         write_docs(report, Path(args.docs), shlex.join(
             ["python", "bench/horizons.py", "--json", "--docs", "docs", "--episodes",
-             str(episodes), *(f"--policy={n}={m}" for n, m in report["policies"].items())]))
+             str(args.episodes), *(f"--policy={n}={m}" for n, m in report["policies"].items())]))
     if args.json:
         print(json.dumps(report))
 

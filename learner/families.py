@@ -20,6 +20,7 @@ importance ratio wrong without an error anywhere."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -59,34 +60,51 @@ class UnsupportedModel(ValueError):
     """A model the learner would train on wrong assumptions."""
 
 
+@functools.cache
+def _listed(cls: type) -> ModelFamily | None:
+    """The family listing ``cls`` or, first, one of its bases (a class is
+    looked up once: :func:`body_of` runs at every forward pass)."""
+    return next((family for base in cls.__mro__ for family in FAMILIES
+                 if base.__name__ in family.classes), None)
+
+
 def family_of(model: nn.Module) -> ModelFamily:
     """The family of ``model`` (a causal LM, on any device, meta included):
     the first of its classes, its own then its bases', that a family lists.
     Raises :class:`UnsupportedModel` where none does, or where its logits
     are not the output layer's plain product (:data:`LOGIT_SETTINGS`, a
-    bias on the output layer)."""
-    lineage = [cls.__name__ for cls in type(model).__mro__]
-    family = next((family for name in lineage for family in FAMILIES if name in family.classes),
-                  None)
+    bias on the output layer). Called where a model is loaded."""
+    name = type(model).__name__
+    family = _listed(type(model))
     if family is None:
-        known = ", ".join(name for family in FAMILIES for name in family.classes)
+        known = ", ".join(listed for family in FAMILIES for listed in family.classes)
         raise UnsupportedModel(
-            f"{lineage[0]} is of no model family the learner knows ({known}); add one to "
+            f"{name} is of no model family the learner knows ({known}); add one to "
             "learner/families.py once its body, decoder layers and logits are as an entry "
             "there says")
     config = getattr(model, "config", None)
-    settings = [name for name in LOGIT_SETTINGS if getattr(config, name, None) not in (None, 1.0)]
-    output = model.get_output_embeddings()
-    if getattr(output, "bias", None) is not None:
+    settings = [setting for setting in LOGIT_SETTINGS
+                if getattr(config, setting, None) not in (None, 1.0)]
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
         settings.append("a bias on the output layer")
     if settings:
         raise UnsupportedModel(
-            f"{lineage[0]}'s logits are more than the output layer's product with the last "
+            f"{name}'s logits are more than the output layer's product with the last "
             f"hidden state ({', '.join(settings)}), which is all the learner's log-"
             "probabilities compute")
     return family
 
 
+def _known(model: nn.Module) -> ModelFamily:
+    """``model``'s family, checked by :func:`family_of` when it was loaded."""
+    return _listed(type(model)) or family_of(model)
+
+
 def body_of(model: nn.Module) -> nn.Module:
     """The body of causal LM ``model`` (see :attr:`ModelFamily.body`)."""
-    return getattr(model, family_of(model).body)
+    return getattr(model, _known(model).body)
+
+
+def layers_of(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of causal LM ``model`` (see :attr:`ModelFamily.layers`)."""
+    return getattr(body_of(model), _known(model).layers)

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from learner.config import SHARED_GPU_RANKS_ENV
-from learner.families import ModelFamily, body_of, family_of
+from learner.families import ModelFamily, body_of, family_of, layers_of
 
 
 class Critic(nn.Module):
@@ -212,7 +212,7 @@ def _layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a policy or critic (:class:`ModelFamily`)."""
     if isinstance(model, Critic):
         return getattr(model.body, model.family.layers)
-    return getattr(body_of(model), family_of(model).layers)
+    return layers_of(model)
 
 
 def checkpoint_layers(model: nn.Module) -> None:
