@@ -24,16 +24,21 @@ import dataclasses
 import json
 import shlex
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from _options import BenchmarkParser  # bench/_options.py
 
 from actors.config import ActorConfig
+from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
+from actors.envs.base import EVALUATION_SEEDS_FROM
 from deploy.config import load_config
 from deploy.evaluate import EvalReport, play_held_out, require_model_folders, summarise
+from deploy.fact_survival import CAUSES, account, layout_of, summarise_facts
 from ops.files import write_section
+from ops.report import line_chart
 from starting_points.tiny_model import temporary_tiny_model
 
 #: Size name -> keyvault options over the local default's (codes 1, digits 3,
@@ -60,17 +65,30 @@ def actors_at(size: dict[str, int]) -> ActorConfig:
 
 
 async def evaluate_sizes(model: str, sizes: dict[str, dict[str, int]], episodes: int
-                         ) -> dict[str, EvalReport]:
-    """Every size on one engine (the engine does not depend on the size)."""
+                         ) -> dict[str, tuple[EvalReport, dict[str, Any]]]:
+    """Every size on one engine (the engine does not depend on the size):
+    its report, and where its episodes lost their facts
+    (:func:`deploy.fact_survival.summarise_facts`)."""
     engine_config = load_config(None, []).actors
     engine = await Engine.start(model, engine_config.engine, engine_config.sampling)
+
+    def decode(ids: list[int]) -> str:
+        return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
     reports = {}
     try:
         for size, options in sizes.items():
             actors = actors_at(options)
+            segments: dict[int, list[SegmentData]] = defaultdict(list)
             began = time.perf_counter()
-            results = await play_held_out(engine, actors, episodes, show_progress=False)
-            reports[size] = summarise(model, actors, results, time.perf_counter() - began)
+            results = await play_held_out(
+                engine, actors, episodes, show_progress=False,
+                keep=lambda n, segment, kept=segments: kept[n].append(segment))
+            seconds = time.perf_counter() - began
+            accounts = [account(segments[n], result, await layout_of(
+                actors.environment.options, EVALUATION_SEEDS_FROM + n), decode)
+                for n, result in enumerate(results)]
+            reports[size] = summarise(model, actors, results, seconds), summarise_facts(accounts)
     finally:
         await engine.shutdown()
     return reports
@@ -79,9 +97,12 @@ async def evaluate_sizes(model: str, sizes: dict[str, dict[str, int]], episodes:
 def measure(policies: dict[str, str], sizes: dict[str, dict[str, int]], episodes: int
             ) -> dict[str, Any]:
     table: dict[str, dict[str, Any]] = {}
+    facts: dict[str, dict[str, Any]] = {}
     for name, model in policies.items():
-        table[name] = {}
-        for size, report in asyncio.run(evaluate_sizes(model, sizes, episodes)).items():
+        table[name], facts[name] = {}, {}
+        for size, (report, survival) in asyncio.run(
+                evaluate_sizes(model, sizes, episodes)).items():
+            facts[name][size] = survival
             table[name][size] = {"success": report.success,
                                  "success_ci95": report.success_ci95,
                                  "mean_reward": report.mean_reward,
@@ -89,9 +110,9 @@ def measure(policies: dict[str, str], sizes: dict[str, dict[str, int]], episodes
                                  "outcomes": report.outcomes}
             print(f"{name} at {size}: success {report.success:.3f}, "
                   f"{report.compactions_per_episode:.2f} compactions/episode, "
-                  f"outcomes {report.outcomes}", flush=True)
+                  f"outcomes {report.outcomes}, causes {survival['causes']}", flush=True)
     return {"episodes": episodes, "max_compactions": MAX_COMPACTIONS, "policies": policies,
-            "sizes": sizes, "success": table}
+            "sizes": sizes, "success": table, "facts": facts}
 
 
 def write_docs(report: dict[str, Any], docs: Path, command: str) -> None:
@@ -116,7 +137,84 @@ def write_docs(report: dict[str, Any], docs: Path, command: str) -> None:
             cells.append(f"{100 * row['success']:.1f} ({100 * low:.0f}-{100 * high:.0f}); "
                          f"{row['compactions_per_episode']:.2f}")
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
+    (docs / "images").mkdir(parents=True, exist_ok=True)
+    (docs / "images" / "fact_survival.svg").write_text(fact_chart(report))
+    lines += ["", *fact_rows(report), "", *recall_rows(report), "",
+              "![facts kept to the answer, by rooms](images/fact_survival.svg)"]
     write_section(docs / "results.md", "horizons", "\n".join(lines) + "\n")
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}"
+
+
+def fact_rows(report: dict[str, Any]) -> list[str]:
+    """The table of where the same episodes lost their facts
+    (:mod:`deploy.fact_survival`)."""
+    lines = [
+        "### Where the facts are lost",
+        "",
+        "The same episodes, each given the first cause that applies "
+        "(`deploy/fact_survival.py`): no answer, a note never read, a read fact "
+        "missing from the window the answer was written from (lost in compaction), "
+        "or every fact there and the answer wrong. *Kept at k*: of the read facts in "
+        "the window before compaction k, the % in the window rebuilt after it "
+        "(summary and kept step). *Kept to the answer*: of the facts read by the "
+        "episodes that answered, the % in the answer's window. *Wrong with every "
+        "fact*: of the answers written with every fact in the window, the % wrong.",
+        "",
+        "| size | policy | " + " | ".join(f"{c} %" for c in CAUSES)
+        + " | facts read % | kept at k = 1, 2, ... % | kept to the answer % "
+        "| wrong with every fact % |",
+        "|---|---|" + "---|" * (len(CAUSES) + 4)]
+    for size in report["sizes"]:
+        for name in report["policies"]:
+            row = report["facts"][name][size]
+            kept = " / ".join(percent(v) for v in row["kept_by_compaction"].values())
+            lines.append(f"| {size} | {name} | "
+                         + " | ".join(percent(row["causes"][c]) for c in CAUSES)
+                         + f" | {percent(row['read'])} | {kept or '-'} | "
+                         f"{percent(row['in_answer_window'])} | "
+                         f"{percent(row['wrong_with_every_fact'])} |")
+    return lines
+
+
+def recall_rows(report: dict[str, Any]) -> list[str]:
+    """Of the answers written with every fact in the window, the % wrong,
+    by how many facts the answer had only from the rebuilt window."""
+    most = max((int(r) for sizes in report["facts"].values() for row in sizes.values()
+                for r in row["wrong_with_every_fact_by_recalled"]), default=0)
+    lines = ["Answers written with every fact in the window: % wrong (of how many answers), "
+             "by the facts the answer had only from the window rebuilt at the last "
+             "compaction (none were read since).", "",
+             "| size | policy | " + " | ".join(f"{r} recalled" for r in range(most + 1)) + " |",
+             "|---|---|" + "---|" * (most + 1)]
+    for size in report["sizes"]:
+        for name in report["policies"]:
+            by = {int(r): v for r, v in
+                  report["facts"][name][size]["wrong_with_every_fact_by_recalled"].items()}
+            cells = [f"{percent(by[r]['wrong'])} ({by[r]['answers']})" if r in by else "-"
+                     for r in range(most + 1)]
+            lines.append(f"| {size} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def fact_chart(report: dict[str, Any]) -> str:
+    """Per policy, by rooms: the read facts kept to the answer, and the
+    answers right when every fact was kept."""
+    default_rooms = load_config(None, []).actors.environment.options["rooms"]
+    rooms = {size: options.get("rooms", default_rooms) for size, options in
+             report["sizes"].items() if set(options) <= {"rooms"}}
+    series: dict[str, list[float | None]] = {}
+    for name in report["policies"]:
+        rows = [report["facts"][name][size] for size in rooms]
+        series[f"{name}: facts kept to the answer"] = [r["in_answer_window"] for r in rows]
+        series[f"{name}: right with every fact"] = [
+            None if r["wrong_with_every_fact"] is None else 1 - r["wrong_with_every_fact"]
+            for r in rows]
+    chart = line_chart("where the facts are lost, by rooms", list(rooms.values()), series,
+                       "rooms", "fraction")
+    return chart[chart.index("<svg"):] if "<svg" in chart else chart
 
 
 def main() -> None:

@@ -531,7 +531,7 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         ("--quick",), ("base", "trained", "trained_frozen_summariser",
                        "frozen_vs_trained_stall"), slow=True),
     ".venv/bin/python bench/horizons.py --json": RunAsWritten(
-        ("--quick",), ("policies", "sizes", "success"), slow=True),
+        ("--quick",), ("policies", "sizes", "success", "facts"), slow=True),
     ".venv/bin/python bench/gpu_check.py --json": Elsewhere(
         "tests/unit/test_gpu_check.py", ("--dry-run", "--json"),
         "needs a CUDA device; that test runs it as written (refused without CUDA, saying "
