@@ -53,6 +53,8 @@ SIZES: dict[str, dict[str, int]] = {
     "digits 4": {"digits": 4},
 }
 MAX_COMPACTIONS = 8
+#: Columns of the answers' table by actions since the last compaction (the last: or more).
+LAYOUT_COLUMNS = ("0", "1", "2", "3+")
 
 
 def actors_at(size: dict[str, int]) -> ActorConfig:
@@ -139,7 +141,7 @@ def write_docs(report: dict[str, Any], docs: Path, command: str) -> None:
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
     (docs / "images").mkdir(parents=True, exist_ok=True)
     (docs / "images" / "fact_survival.svg").write_text(fact_chart(report))
-    lines += ["", *fact_rows(report), "", *recall_rows(report), "",
+    lines += ["", *fact_rows(report), "", *layout_rows(report), "",
               "![facts kept to the answer, by rooms](images/fact_survival.svg)"]
     write_section(docs / "results.md", "horizons", "\n".join(lines) + "\n")
 
@@ -179,22 +181,23 @@ def fact_rows(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def recall_rows(report: dict[str, Any]) -> list[str]:
+def layout_rows(report: dict[str, Any]) -> list[str]:
     """Of the answers written with every fact in the window, the % wrong,
-    by how many facts the answer had only from the rebuilt window."""
-    most = max((int(r) for sizes in report["facts"].values() for row in sizes.values()
-                for r in row["wrong_with_every_fact_by_recalled"]), default=0)
+    by the actions between the last compaction and the answer (0, 1, 2, 3 or more)."""
     lines = ["Answers written with every fact in the window: % wrong (of how many answers), "
-             "by the facts the answer had only from the window rebuilt at the last "
-             "compaction (none were read since).", "",
-             "| size | policy | " + " | ".join(f"{r} recalled" for r in range(most + 1)) + " |",
-             "|---|---|" + "---|" * (most + 1)]
+             "by the actions between the last compaction and the answer.", "",
+             "| size | policy | " + " | ".join(f"{k} actions" for k in LAYOUT_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(LAYOUT_COLUMNS)]
     for size in report["sizes"]:
         for name in report["policies"]:
-            by = {int(r): v for r, v in
-                  report["facts"][name][size]["wrong_with_every_fact_by_recalled"].items()}
-            cells = [f"{percent(by[r]['wrong'])} ({by[r]['answers']})" if r in by else "-"
-                     for r in range(most + 1)]
+            pooled: dict[str, list[float]] = {k: [0, 0] for k in LAYOUT_COLUMNS}
+            for steps, row in report["facts"][name][size][
+                    "wrong_with_every_fact_by_steps_since_compaction"].items():
+                column = pooled[LAYOUT_COLUMNS[min(int(steps), len(LAYOUT_COLUMNS) - 1)]]
+                column[0] += row["answers"]
+                column[1] += row["answers"] * row["wrong"]
+            cells = [f"{percent(wrong / answers)} ({answers})" if answers else "-"
+                     for answers, wrong in pooled.values()]
             lines.append(f"| {size} | {name} | " + " | ".join(cells) + " |")
     return lines
 

@@ -121,9 +121,10 @@ class FactAccount:
     at_answer: int | None
     """Read facts in the window the answer was written from; None without an answer."""
     success: bool
-    recalled: int | None = None
-    """Of the facts at the answer, those not read since the last compaction:
-    the answer had them only from the rebuilt window (the summary, a kept step)."""
+    steps_since_compaction: int | None = None
+    """Actions between the last compaction and the answer; None without
+    either. Where the last summary falls before the end is the window's
+    layout at the answer."""
 
     @property
     def cause(self) -> Cause:
@@ -148,7 +149,6 @@ def account(segments: list[SegmentData], result: EpisodeResult, layout: Layout,
     read: set[Fact] = set()
     compactions: list[tuple[int, int]] = []
     before: set[Fact] | None = None
-    fresh: set[Fact] = set()  # read in the current window
     for segment in segments:
         runs = _sampled_runs(segment)
         if segment.segment_type == "summary":
@@ -160,18 +160,17 @@ def account(segments: list[SegmentData], result: EpisodeResult, layout: Layout,
             kept = mentions_in(decode(segment.tokens[:first]), codes, ordered) & before
             compactions.append((len(before), len(kept)))
             before = None
-        fresh = set()
         for (_, end), (following, _) in zip(runs, [*runs[1:], (len(segment.tokens), 0)],
                                             strict=True):
-            fresh |= notes_in(decode(segment.tokens[end:following]))
-        read |= fresh
-    at_answer = recalled = None
+            read |= notes_in(decode(segment.tokens[end:following]))
+    at_answer = steps = None
     if result.stats.outcome == "done" and segments and _sampled_runs(segments[-1]):
-        answer_start = _sampled_runs(segments[-1])[-1][0]
-        window = mentions_in(decode(segments[-1].tokens[:answer_start]), codes, ordered)
-        at_answer, recalled = len(window & read), len(window & read - fresh)
+        runs = _sampled_runs(segments[-1])
+        window = mentions_in(decode(segments[-1].tokens[:runs[-1][0]]), codes, ordered)
+        at_answer = len(window & read)
+        steps = len(runs) - 1 if compactions else None
     return FactAccount(layout.facts, frozenset(read), tuple(compactions), at_answer,
-                       result.stats.success, recalled)
+                       result.stats.success, steps)
 
 
 def summarise_facts(accounts: list[FactAccount]) -> dict[str, Any]:
@@ -180,8 +179,8 @@ def summarise_facts(accounts: list[FactAccount]) -> dict[str, Any]:
     window the answer was written from; per compaction k (1, 2, ...), the
     fraction of the read facts in the window before it that are in the
     window after it; and, of the answers written with every fact in the
-    window, the fraction wrong, and that by how many of them the answer had
-    only from the rebuilt window (``recalled``)."""
+    window, the fraction wrong, and that by the actions between the last
+    compaction and the answer."""
     n = len(accounts)
     causes = {cause: sum(a.cause == cause for a in accounts) / n if n else 0.0
               for cause in CAUSES}
@@ -204,7 +203,7 @@ def summarise_facts(accounts: list[FactAccount]) -> dict[str, Any]:
         "answers_with_every_fact": len(complete),
         "wrong_with_every_fact": (sum(not a.success for a in complete) / len(complete)
                                   if complete else None),
-        "wrong_with_every_fact_by_recalled": {
-            r: {"answers": len(group), "wrong": sum(not a.success for a in group) / len(group)}
-            for r in sorted({a.recalled for a in complete})
-            for group in [[a for a in complete if a.recalled == r]]}}
+        "wrong_with_every_fact_by_steps_since_compaction": {
+            k: {"answers": len(group), "wrong": sum(not a.success for a in group) / len(group)}
+            for k in sorted({a.steps_since_compaction for a in complete} - {None})
+            for group in [[a for a in complete if a.steps_since_compaction == k]]}}

@@ -94,7 +94,7 @@ def test_a_kept_step_keeps_its_note_through_a_compaction() -> None:
                                 [*LAST_ROOM, sampled("answer alpha 7 2 9")])
     facts = account(episode, result(), ALPHA, decode)
     assert facts.compactions == ((2, 2),)
-    assert facts.at_answer == 3 and facts.recalled == 2
+    assert facts.at_answer == 3 and facts.steps_since_compaction == 1
     assert facts.cause == "wrong answer"
 
 
@@ -135,7 +135,8 @@ def test_the_summary_of_episodes_gives_causes_and_survival_per_compaction() -> N
     assert summary["facts_by_compaction"] == {1: 4}
     assert summary["read"] == 1.0 and summary["in_answer_window"] == 5 / 6
     assert summary["answers_with_every_fact"] == 1 and summary["wrong_with_every_fact"] == 0.0
-    assert summary["wrong_with_every_fact_by_recalled"] == {2: {"answers": 1, "wrong": 0.0}}
+    assert summary["wrong_with_every_fact_by_steps_since_compaction"] == {
+        1: {"answers": 1, "wrong": 0.0}}
 
 
 def test_a_task_s_layout_is_read_from_the_environment_at_its_seed() -> None:
@@ -164,7 +165,7 @@ def test_the_horizons_docs_give_the_fact_table_and_its_chart(tmp_path: Path) -> 
     horizons.write_docs(report, tmp_path, "python bench/horizons.py")
     text = (tmp_path / "results.md").read_text()
     assert "| rooms 6 | base | 0 | 0 | 0 | 100 | 0 | 100 | 50 | 67 | - |" in text, text
-    assert "| rooms 6 | base | - | - | - |" in text, text
-    assert "| distractor words 8 | base | - | - | 100 (1) |" in text, text
+    assert "| rooms 6 | base | - | - | - | - |" in text, text
+    assert "| distractor words 8 | base | - | 100 (1) | - | - |" in text, text
     chart = (tmp_path / "images" / "fact_survival.svg").read_text()
     assert chart.startswith("<svg") and "base: facts kept to the answer" in chart
