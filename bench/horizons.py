@@ -22,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import shlex
+import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +143,10 @@ def write_docs(report: dict[str, Any], docs: Path, command: str) -> None:
                          f"{row['compactions_per_episode']:.2f}")
         lines.append(f"| {size} | " + " | ".join(cells) + " |")
     (docs / "images").mkdir(parents=True, exist_ok=True)
-    (docs / "images" / "fact_survival.svg").write_text(fact_chart(report))
-    lines += ["", *fact_rows(report), "", *layout_rows(report), "",
-              "![facts kept to the answer, by rooms](images/fact_survival.svg)"]
+    lines += ["", *fact_rows(report), "", *layout_rows(report), ""]
+    for stem, (title, chart) in fact_charts(report).items():
+        (docs / "images" / f"{stem}.svg").write_text(chart)
+        lines.append(f"![{title}](images/{stem}.svg)")
     write_section(docs / "results.md", "horizons", "\n".join(lines) + "\n")
 
 
@@ -202,22 +206,39 @@ def layout_rows(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def fact_chart(report: dict[str, Any]) -> str:
-    """Per policy, by rooms: the read facts kept to the answer, and the
-    answers right when every fact was kept."""
+def fact_charts(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Two charts by rooms, a line per recipe (a policy's name without its
+    ``-seedN``, seeds averaged): the read facts kept to the answer, and the
+    answers right when every fact was kept. File stem -> (title, SVG)."""
     default_rooms = load_config(None, []).actors.environment.options["rooms"]
     rooms = {size: options.get("rooms", default_rooms) for size, options in
              report["sizes"].items() if set(options) <= {"rooms"}}
-    series: dict[str, list[float | None]] = {}
+    recipes: dict[str, list[str]] = defaultdict(list)
     for name in report["policies"]:
-        rows = [report["facts"][name][size] for size in rooms]
-        series[f"{name}: facts kept to the answer"] = [r["in_answer_window"] for r in rows]
-        series[f"{name}: right with every fact"] = [
-            None if r["wrong_with_every_fact"] is None else 1 - r["wrong_with_every_fact"]
-            for r in rows]
-    chart = line_chart("where the facts are lost, by rooms", list(rooms.values()), series,
-                       "rooms", "fraction")
-    return chart[chart.index("<svg"):] if "<svg" in chart else chart
+        recipes[re.sub(r"-seed\d+$", "", name)].append(name)
+
+    def mean_by_rooms(names: list[str], value: Callable[[dict[str, Any]], float | None]
+                      ) -> list[float | None]:
+        means: list[float | None] = []
+        for size in rooms:
+            values = [v for name in names
+                      if (v := value(report["facts"][name][size])) is not None]
+            means.append(statistics.mean(values) if values else None)
+        return means
+
+    charts = {}
+    for stem, title, value in (
+            ("fact_survival", "read facts kept to the answer, by rooms",
+             lambda row: row["in_answer_window"]),
+            ("answers_with_every_fact", "answers right with every fact in the window, by rooms",
+             lambda row: None if row["wrong_with_every_fact"] is None
+             else 1 - row["wrong_with_every_fact"])):
+        chart = line_chart(title, list(rooms.values()),
+                           {recipe: mean_by_rooms(names, value)
+                            for recipe, names in recipes.items()}, "rooms", "fraction")
+        if "<svg" in chart:  # a chart without data is left out
+            charts[stem] = title, chart[chart.index("<svg"):]
+    return charts
 
 
 def main() -> None:

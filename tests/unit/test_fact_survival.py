@@ -159,13 +159,15 @@ def test_the_horizons_docs_give_the_fact_table_and_its_chart(tmp_path: Path) -> 
     success = {"success": 0.0, "success_ci95": (0.0, 0.5), "compactions_per_episode": 1.0}
     report = {"episodes": 1, "max_compactions": 8, "policies": {"base": "runs/base-model"},
               "sizes": sizes, "success": {"base": dict.fromkeys(sizes, success)},
-              "facts": {"base": {**dict.fromkeys(sizes, survival),
-                                 "distractor words 8": summarise_facts([lost, kept])}}}
+              "facts": {"base": {**dict.fromkeys(sizes, summarise_facts([lost, kept])),
+                                 "rooms 6": survival}}}
     (tmp_path / "results.md").write_text("<!-- begin horizons -->\n<!-- end horizons -->\n")
     horizons.write_docs(report, tmp_path, "python bench/horizons.py")
     text = (tmp_path / "results.md").read_text()
     assert "| rooms 6 | base | 0 | 0 | 0 | 100 | 0 | 100 | 50 | 67 | - |" in text, text
     assert "| rooms 6 | base | - | - | - | - |" in text, text
-    assert "| distractor words 8 | base | - | 100 (1) | - | - |" in text, text
-    chart = (tmp_path / "images" / "fact_survival.svg").read_text()
-    assert chart.startswith("<svg") and "base: facts kept to the answer" in chart
+    assert "| rooms 10 (the local default) | base | - | 100 (1) | - | - |" in text, text
+    for stem in ("fact_survival", "answers_with_every_fact"):
+        chart = (tmp_path / "images" / f"{stem}.svg").read_text()
+        assert chart.startswith("<svg") and ">base</text>" in chart, chart
+        assert f"(images/{stem}.svg)" in text
