@@ -24,7 +24,7 @@ import msgspec
 from transformers import AutoTokenizer
 
 from actors.envs.keyvault import NUMBER_WORDS
-from protocol import Segment
+from protocol import Segment, sampled_runs
 from replay.log import SEGMENT, read_records
 
 #: The wire schema of a segment is the same in protocol versions 3 and 4;
@@ -42,14 +42,11 @@ def answer_digits(text: str) -> int | None:
 
 def last_sampled_text(segment: Segment, tokenizer) -> str:
     """The segment's last run of sampled tokens (the episode's last action), as text."""
-    tokens, mask = segment.tokens.numpy(), segment.loss_mask.numpy()
-    sampled = [i for i in range(len(tokens)) if mask[i]]
-    if not sampled:
+    runs = sampled_runs(segment.loss_mask.numpy())
+    if not runs:
         return ""
-    end = start = sampled[-1]
-    while start > 0 and mask[start - 1]:
-        start -= 1
-    return tokenizer.decode(tokens[start:end + 1]).lower()
+    start, end = runs[-1]
+    return tokenizer.decode(segment.tokens.numpy()[start:end]).lower()
 
 
 def measure(run: Path, window: int) -> dict:

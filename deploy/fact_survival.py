@@ -36,6 +36,7 @@ from typing import Any, Literal
 from actors.context import SegmentData
 from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, ORDINALS, KeyVault
 from actors.episode import EpisodeResult
+from protocol import sampled_runs
 
 Cause = Literal["success", "no answer", "never read", "lost in compaction", "wrong answer"]
 #: In the order an episode's cause is decided (the first that applies).
@@ -98,17 +99,6 @@ def mentions_in(text: str, codes: Iterable[str], ordered: bool) -> set[Fact]:
     return found
 
 
-def _sampled_runs(segment: SegmentData) -> list[tuple[int, int]]:
-    """``(start, end)`` of each run of sampled tokens, in order."""
-    runs: list[tuple[int, int]] = []
-    for index, sampled in enumerate(segment.loss_mask):
-        if sampled and runs and runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], index + 1)
-        elif sampled:
-            runs.append((index, index + 1))
-    return runs
-
-
 @dataclass(frozen=True)
 class FactAccount:
     """One episode's facts, from reading to the answer."""
@@ -150,7 +140,7 @@ def account(segments: list[SegmentData], result: EpisodeResult, layout: Layout,
     compactions: list[tuple[int, int]] = []
     before: set[Fact] | None = None
     for segment in segments:
-        runs = _sampled_runs(segment)
+        runs = sampled_runs(segment.loss_mask)
         if segment.segment_type == "summary":
             context = [t for t, m in zip(segment.tokens, segment.loss_mask, strict=True) if not m]
             before = mentions_in(decode(context), codes, ordered) & read
@@ -164,8 +154,8 @@ def account(segments: list[SegmentData], result: EpisodeResult, layout: Layout,
                                             strict=True):
             read |= notes_in(decode(segment.tokens[end:following]))
     at_answer = steps = None
-    if result.stats.outcome == "done" and segments and _sampled_runs(segments[-1]):
-        runs = _sampled_runs(segments[-1])
+    runs = sampled_runs(segments[-1].loss_mask) if segments else []
+    if result.stats.outcome == "done" and runs:
         window = mentions_in(decode(segments[-1].tokens[:runs[-1][0]]), codes, ordered)
         at_answer = len(window & read)
         steps = len(runs) - 1 if compactions else None

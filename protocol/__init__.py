@@ -35,6 +35,7 @@ from protocol.messages import (
     WeightsAnnounce,
     WeightsLoaded,
     Welcome,
+    sampled_runs,
 )
 
 __all__ = [
@@ -44,5 +45,5 @@ __all__ = [
     "BatchRequest", "EngineInfo", "Error", "GroupInfo", "Heartbeat", "Hello", "LearnerHello",
     "LearnerWelcome", "MemberWelcome", "Message",
     "Rollout", "RolloutStats", "Segment", "StalenessStats", "Stamp", "TensorSpec",
-    "WeightManifest", "WeightsAnnounce", "WeightsLoaded", "Welcome",
+    "WeightManifest", "WeightsAnnounce", "WeightsLoaded", "Welcome", "sampled_runs",
 ]

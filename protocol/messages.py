@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -256,6 +257,18 @@ class RolloutStats(msgspec.Struct, kw_only=True, gc=False):
             problems.append(f"stats.duration_s {self.duration_s} is not a finite duration")
         if problems:
             raise ProtocolError(ErrorCode.INVALID, "; ".join(problems))
+
+
+def sampled_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of sampled tokens (``loss_mask`` 1) of a
+    segment, in order: its actions, or its summary."""
+    runs: list[tuple[int, int]] = []
+    for index, sampled in enumerate(loss_mask):
+        if sampled and runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        elif sampled:
+            runs.append((index, index + 1))
+    return runs
 
 
 class Segment(Message, tag="segment"):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from learner.config import TrackingConfig
-from protocol import Batch
+from protocol import Batch, sampled_runs
 
 #: Columns of the rollout-sample table.
 SAMPLE_COLUMNS = ("task", "summaries", "final_answer", "reward", "compactions", "staleness")
@@ -133,12 +133,6 @@ def _sampled_text(segment: Any, tokenizer: Any) -> str:
 
 def _last_action_text(segment: Any, tokenizer: Any) -> str:
     """The last run of sampled tokens in ``segment``: its final action."""
-    mask = segment.loss_mask.numpy().astype(bool)
-    tokens = segment.tokens.numpy()
-    end = len(mask)
-    while end > 0 and not mask[end - 1]:
-        end -= 1
-    start = end
-    while start > 0 and mask[start - 1]:
-        start -= 1
-    return tokenizer.decode(tokens[start:end].tolist(), skip_special_tokens=True)
+    runs = sampled_runs(segment.loss_mask.numpy())
+    start, end = runs[-1] if runs else (0, 0)
+    return tokenizer.decode(segment.tokens.numpy()[start:end].tolist(), skip_special_tokens=True)

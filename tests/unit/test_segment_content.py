@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol import ErrorCode, ProtocolError, Segment
+from protocol import ErrorCode, ProtocolError, Segment, sampled_runs
 from protocol.validation import check_segment_content
 from tests.small_segment import small_segment
 
@@ -38,3 +38,9 @@ def test_invalid_contents_are_rejected(changes: dict) -> None:
 
 def test_versions_of_context_tokens_are_not_checked() -> None:
     check(small_segment(versions=(-1, 99, 3, 4)))
+
+
+def test_sampled_runs_are_the_maximal_runs_of_a_loss_mask() -> None:
+    assert sampled_runs([0, 1, 1, 0, 0, 1, 0, 1, 1]) == [(1, 3), (5, 6), (7, 9)]
+    assert sampled_runs([1, 1]) == [(0, 2)]
+    assert sampled_runs([0, 0]) == []
