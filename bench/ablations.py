@@ -95,14 +95,34 @@ VARIANTS: dict[str, list[str]] = {
 #: here makes about 170 learner steps, and 50 would hold the policy still
 #: for a third of them. The critic's learning rate stays the local default's
 #: (the reports give none to copy).
+PAPER_LAMBDA = ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
+                "--learner.gamma", "1"]
 RECIPES: dict[str, list[str]] = {
     "today": [],
-    "paper": ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
-              "--learner.gamma", "1", "--learner.critic_warmup_steps", "10"],
+    "paper": [*PAPER_LAMBDA, "--learner.critic_warmup_steps", "10"],
+    # "blind-critic": the paper's lambda and gamma, where cross and independent
+    # differ (today's lambda = 0.999 discounts a segment by about 0.98: the two
+    # compute nearly the same advantages whatever the critic), with the critic
+    # kept at its zero head and no warm-up: V = 0 at every token, so no
+    # advantage has a baseline that knows what a summary kept. AdamW moves a
+    # parameter by about the learning rate per step: 1e-9 leaves every value
+    # within about 1e-6 of 0 over a table's few hundred steps
+    # (tests/unit/test_results_doc.py), against rewards of order 1.
+    "blind-critic": [*PAPER_LAMBDA, "--learner.critic_lr", "1e-9"],
 }
 #: Where each recipe's table goes: run folder, results.md section, file stem.
 RECIPE_OUTPUTS = {"today": ("runs/ablations", "ablations", "results"),
-                  "paper": ("runs/ablations-paper", "ablations-paper", "results-paper")}
+                  "paper": ("runs/ablations-paper", "ablations-paper", "results-paper"),
+                  "blind-critic": ("runs/ablations-blind-critic", "ablations-blind-critic",
+                                   "results-blind-critic")}
+#: The base policy each recipe's records are made from, kept in docs/ (one
+#: copy for the recipes that share it: the same digest).
+KEPT_BASES = {"today": "results-base", "paper": "results-paper-base",
+              "blind-critic": "results-paper-base"}
+#: How each recipe's section is titled.
+RECIPE_TITLES = {"today": "the ablation table", "paper": "the ablation table, the paper's recipe",
+                 "blind-critic": "the ablation table, the paper's lambda with a blind critic "
+                                 "(V = 0)"}
 #: Learner steps are not the budget (time is): this only keeps max_steps out of the way.
 UNBOUNDED_STEPS = 1_000_000
 #: Each training run's wall-time budget, as the tables were measured (the
@@ -307,7 +327,7 @@ def write_results(results: dict[str, Any], docs: Path) -> None:
     params = results["parameters"]
     runs = [run for entry in results["variants"].values() for run in entry["runs"]]
     training_minutes = sum(run["wall_seconds"] for run in runs) / 60
-    title = "the ablation table" + (", the paper's recipe" if recipe == "paper" else "")
+    title = RECIPE_TITLES[recipe]
     missing = [name for name in VARIANTS if name not in results["variants"]]
     text = f"""# Results: {title}
 
@@ -595,7 +615,7 @@ def main() -> int:
     # The base the records were made from is kept beside them: a fresh
     # checkout's bootstrap need not give the same weights (another CPU model,
     # another summation order), and the records hold only for that base.
-    kept_base = Path(args.docs) / f"{stem}-base"
+    kept_base = Path(args.docs) / KEPT_BASES[args.recipe]
     digest = provide_base(base, kept_base, args.fresh,
                           lambda: run([COMPACTIONRL, "bootstrap"], log))
     # Finished runs are reused only if made from this base, budget and configuration.

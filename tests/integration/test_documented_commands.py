@@ -653,6 +653,8 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe paper": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
+    "python bench/ablations.py --json --recipe blind-critic --variants "
+    "full,advantage=independent,advantage=grpo": RunAsWritten(BENCH_DRY_RUN, ("commands",)),
     "python -m deploy.answer_lengths runs/ablations-paper-padreward/full-seed0 "
     "runs/ablations-paper-padreward/full-seed1": Offline(
         "reads the replay logs of the table's runs (hours of training, not in a fresh clone); "

@@ -159,3 +159,37 @@ def test_without_a_kept_base_the_base_is_bootstrapped(ablations, tmp_path: Path)
     ablations.provide_base(base, tmp_path / "none", fresh=False,
                            bootstrap=lambda: _model(base, b"new"))
     assert (base / "model.safetensors").read_bytes() == b"new"
+
+
+def test_every_recipe_has_its_folder_section_kept_base_and_title(ablations) -> None:
+    for recipe, overrides in ablations.RECIPES.items():
+        load_config(None, overrides)  # each recipe's overrides are a valid configuration
+        assert recipe in ablations.KEPT_BASES and recipe in ablations.RECIPE_TITLES
+    outputs = list(ablations.RECIPE_OUTPUTS.values())
+    assert set(ablations.RECIPE_OUTPUTS) == set(ablations.RECIPES)
+    for position in range(3):  # no two recipes share a run folder, section or file
+        assert len({output[position] for output in outputs}) == len(outputs)
+
+
+def test_the_blind_critic_stays_at_its_zero_values_over_more_steps_than_a_table_makes(
+        ablations) -> None:
+    """The critic's optimiser as the learner builds it (AdamW at critic_lr) on
+    a zero head over normalised activations of the tiny model's width, pulled
+    towards a return of 1 for 1,000 updates (a 5-minute run makes about 220):
+    its values stay far below the rewards' scale."""
+    import torch
+
+    critic_lr = load_config(None, ablations.RECIPES["blind-critic"]).learner.critic_lr
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.LayerNorm(128), torch.nn.Linear(128, 1))
+    torch.nn.init.zeros_(critic[1].weight)
+    torch.nn.init.zeros_(critic[1].bias)
+    optimiser = torch.optim.AdamW(critic.parameters(), lr=critic_lr)
+    for _ in range(1000):
+        values = critic(torch.randn(32, 128)).squeeze(-1)
+        loss = ((values - 1.0) ** 2).mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    with torch.no_grad():
+        assert critic(torch.randn(256, 128)).abs().max() < 1e-3
