@@ -97,9 +97,13 @@ VARIANTS: dict[str, list[str]] = {
 #: (the reports give none to copy).
 PAPER_LAMBDA = ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
                 "--learner.gamma", "1"]
+#: Every table's ``full`` is PPO with cross-trajectory GAE, each task played
+#: once, as the tables were measured (the local default has since become
+#: GRPO, the ``advantage=grpo`` variant, on their evidence).
+CROSS = ["--learner.advantage", "cross", "--actors.group_size", "1"]
 RECIPES: dict[str, list[str]] = {
-    "today": [],
-    "paper": [*PAPER_LAMBDA, "--learner.critic_warmup_steps", "10"],
+    "today": CROSS,
+    "paper": [*CROSS, *PAPER_LAMBDA, "--learner.critic_warmup_steps", "10"],
     # "blind-critic": the paper's lambda and gamma, where cross and independent
     # differ (today's lambda = 0.999 discounts a segment by about 0.98: the two
     # compute nearly the same advantages whatever the critic), with the critic
@@ -108,7 +112,7 @@ RECIPES: dict[str, list[str]] = {
     # parameter by about the learning rate per step: 1e-9 leaves every value
     # within about 1e-6 of 0 over a table's few hundred steps
     # (tests/unit/test_results_doc.py), against rewards of order 1.
-    "blind-critic": [*PAPER_LAMBDA, "--learner.critic_lr", "1e-9"],
+    "blind-critic": [*CROSS, *PAPER_LAMBDA, "--learner.critic_lr", "1e-9"],
 }
 #: Where each recipe's table goes: run folder, results.md section, file stem.
 RECIPE_OUTPUTS = {"today": ("runs/ablations", "ablations", "results"),

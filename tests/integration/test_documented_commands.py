@@ -399,6 +399,13 @@ def check_parses(check: Check) -> None:
     cli(check.argv())
 
 
+def check_up_trains_the_paper_recipe(check: Check) -> None:
+    args, config = cli(check.argv())
+    assert args.command == "up"
+    assert (config.learner.advantage, config.learner.lam_mode, config.actors.group_size) == (
+        "cross", "adaptive", 1)
+
+
 def check_up_with_my_toml(check: Check) -> None:
     args, config = cli(check.argv(**{"my.toml": str(LOCAL_CPU_TOML)}))
     assert args.command == "up"
@@ -486,6 +493,9 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     "make test": Offline(
         "the whole suite, this test included (hours on 2 cores); here: the target runs "
         "pytest on tests/", check_make_test),
+    "compactionrl up --config deploy/configs/paper-recipe.toml": Offline(
+        "trains a whole run (minutes); here: the arguments parse and configure the "
+        "paper's recipe over the local default", check_up_trains_the_paper_recipe),
     ".venv/bin/python bench/codec.py --json": RunAsWritten(
         ("--quick",), ("vs_pickle_32k", "vs_memcpy_32k", "vs_pickle_1k")),
     ".venv/bin/python bench/actor.py --json": RunAsWritten(

@@ -116,7 +116,7 @@ def test_an_incoherent_recipe_is_refused() -> None:
     with pytest.raises(ConfigError, match="drop_fact_probability"):
         load_config(None, ["--bootstrap.drop_fact_probability", "1.5"])
     with pytest.raises(ConfigError, match="group_size"):
-        load_config(None, ["--learner.advantage", "grpo"])
+        load_config(None, ["--learner.advantage", "grpo", "--actors.group_size", "1"])
 
 
 @pytest.mark.parametrize("ordered", [False, True])

@@ -193,3 +193,13 @@ def test_the_blind_critic_stays_at_its_zero_values_over_more_steps_than_a_table_
         optimiser.step()
     with torch.no_grad():
         assert critic(torch.randn(256, 128)).abs().max() < 1e-3
+
+
+def test_the_paper_recipe_file_is_the_recipe_its_table_measured(ablations) -> None:
+    """``--config deploy/configs/paper-recipe.toml`` (the README's one switch
+    from the local default's GRPO) trains what ``--recipe paper`` measured."""
+    from_file = load_config(Path(__file__).parents[2] / "deploy/configs/paper-recipe.toml")
+    measured = load_config(None, ablations.RECIPES["paper"])
+    assert from_file.learner == measured.learner
+    assert from_file.actors == measured.actors
+    assert from_file.learner.advantage == "cross" and from_file.actors.group_size == 1
