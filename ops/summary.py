@@ -334,7 +334,7 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
         "staleness": f"p50 {_number(p50, missing='-')}, p95 {_number(p95, missing='-')}; "
                      f"expired rollouts {now['expired_rollouts'] or 0.0:.0f}, "
                      f"stale {now['stale_rollouts'] or 0.0:.0f}" + stale_bias(now),
-        "credit": "cross-trajectory factor: " + (", ".join(
+        "credit": "cross-trajectory factor (applied with advantage = cross): " + (", ".join(
             f"{kind} {mean:.3f}" for kind, mean in cross_factors(now).items()) or "-"),
         "restarts": f"actors {now.get('actor_restarts') or 0:.0f}, replay "
                     f"{now.get('replay_restarts') or 0:.0f}, learner "

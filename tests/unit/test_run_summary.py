@@ -181,7 +181,8 @@ def test_the_summary_gives_the_mean_cross_trajectory_factor_by_segment_type() ->
     snapshot = RunScraper({}).fold({"learner": learner}, {})
     assert cross_factors(snapshot) == {"summary": 0.3, "execution": 0.9}
     lines = summarise(snapshot, None, snapshot, RunEnds(max_steps=10))
-    assert lines["credit"] == "cross-trajectory factor: summary 0.300, execution 0.900"
+    assert lines["credit"] == ("cross-trajectory factor (applied with advantage = cross): "
+                               "summary 0.300, execution 0.900")
     empty = RunScraper({}).fold({"learner": _learner(0, 0)}, {})
     assert cross_factors(empty) == {}
     assert summarise(empty, None, empty, RunEnds(max_steps=10))["credit"].endswith(": -")
