@@ -21,7 +21,8 @@ plot are written at the end.
 
 ``--recipe paper`` runs the same table under the paper's recipe (over the
 local default: :data:`RECIPES`) in its own run folder, results section and
-JSON. ``--variants`` trains only those (in that order): a long table can be
+JSON; ``--recipe blind-critic`` under the paper's lambda with the critic held
+at V = 0 (when, if ever, cross-segment credit matters without a baseline). ``--variants`` trains only those (in that order): a long table can be
 made in parts, each part reusing the finished runs of the others.
 
 Each finished run (trained and evaluated) is recorded at once in
@@ -36,7 +37,7 @@ few MB for the tiny model) and restored into a checkout that has none: a
 fresh bootstrap elsewhere need not give the same weights.
 
     python bench/ablations.py [--quick] [--seeds 3] [--minutes 5] [--episodes 300] [--json]
-                              [--recipe today|paper] [--variants full,...] [--fresh]
+                              [--recipe today|paper|blind-critic] [--variants full,...] [--fresh]
                               [--dry-run] [--render]
 
 ``--dry-run`` checks every command the table needs (the command line's parser
@@ -88,6 +89,13 @@ VARIANTS: dict[str, list[str]] = {
                        "--actors.group_size", str(GRPO_GROUP_SIZE)],
     "compaction=false": ["--actors.compaction.enabled", "false"],
 }
+#: The paper's length-adaptive lambda and gamma.
+PAPER_LAMBDA = ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
+                "--learner.gamma", "1"]
+#: Every table's ``full`` is PPO with cross-trajectory GAE, each task played
+#: once, as the tables were measured (the local default has since become
+#: GRPO, the ``advantage=grpo`` variant, on their evidence).
+CROSS = ["--learner.advantage", "cross", "--actors.group_size", "1"]
 #: Recipe name -> configuration overrides (over the local default) of every
 #: variant. "paper": the length-adaptive lambda of the paper (gamma = 1,
 #: lambda_s = 1 - 1/(1.5 n_s)) and a critic warm-up. The warm-up is GLM-5.2's
@@ -95,12 +103,6 @@ VARIANTS: dict[str, list[str]] = {
 #: here makes about 170 learner steps, and 50 would hold the policy still
 #: for a third of them. The critic's learning rate stays the local default's
 #: (the reports give none to copy).
-PAPER_LAMBDA = ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
-                "--learner.gamma", "1"]
-#: Every table's ``full`` is PPO with cross-trajectory GAE, each task played
-#: once, as the tables were measured (the local default has since become
-#: GRPO, the ``advantage=grpo`` variant, on their evidence).
-CROSS = ["--learner.advantage", "cross", "--actors.group_size", "1"]
 RECIPES: dict[str, list[str]] = {
     "today": CROSS,
     "paper": [*CROSS, *PAPER_LAMBDA, "--learner.critic_warmup_steps", "10"],
