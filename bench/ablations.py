@@ -22,8 +22,9 @@ plot are written at the end.
 ``--recipe paper`` runs the same table under the paper's recipe (over the
 local default: :data:`RECIPES`) in its own run folder, results section and
 JSON; ``--recipe blind-critic`` under the paper's lambda with the critic held
-at V = 0 (when, if ever, cross-segment credit matters without a baseline). ``--variants`` trains only those (in that order): a long table can be
-made in parts, each part reusing the finished runs of the others.
+at V = 0 (when, if ever, cross-segment credit matters without a baseline).
+``--variants`` trains only those (in that order): a long table can be made
+in parts, each part reusing the finished runs of the others.
 
 Each finished run (trained and evaluated) is recorded at once in
 ``docs/<results>-runs.json``, with the settings it was made under (budget,
