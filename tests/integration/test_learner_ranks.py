@@ -38,6 +38,10 @@ STEPS = 2
 #: 1's (50 and 24) one; a rank with an empty share makes none.
 MEMORY = {"activation_checkpointing": "on", "logprob_chunk_tokens": 16,
           "max_tokens_per_microbatch": 100}
+#: The 20M model's switches: its first step is one minibatch of all 7
+#: rollouts, whose shares (26 to 52 tokens a sequence) make 2 and 3
+#: micro-batches within 90 tokens (2 each within 100).
+MEMORY_20M = {**MEMORY, "max_tokens_per_microbatch": 90}
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,14 @@ def launch(jobs: list[Job], ranks: int, nodes: int = 1) -> None:
 #: Per (job, world size: 1, 2 or "nodes"), where the job wrote its parameters.
 Trained = dict[tuple[str, int | str], Path]
 #: What each world size trains (one launch each): the tiny model plain, with
-#: a value head, and the 20M model for one step of one epoch (four updates);
-#: on 2 ranks the last two with every memory switch on.
-JOBS = {"plain": {}, "value_head": {"critic": "value_head"}, "20m": {"ppo_epochs": 1}}
+#: a value head, and the 20M model in one minibatch of one epoch (two updates:
+#: each of its FSDP2 passes moves the model's gradients over gloo, which on
+#: one core took 5 s an update); on 2 ranks the last two with every memory
+#: switch on.
+JOBS = {"plain": {}, "value_head": {"critic": "value_head"},
+        "20m": {"ppo_epochs": 1, "minibatches": 1}}
+#: The memory switches of each job on 2 ranks.
+MEMORY_OF = {"plain": {}, "value_head": MEMORY, "20m": MEMORY_20M}
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +102,10 @@ def trained(tiny_model_dir: Path, qwen2_20m_dir: Path, tmp_path_factory: pytest.
         for name, changes in JOBS.items():
             if world == "nodes" and name != "plain":
                 continue
-            memory = MEMORY if world == 2 and name != "plain" else {}
+            memory = MEMORY_OF[name] if world == 2 else {}
             outs[name, world] = folder / f"{name}-{world}.safetensors"
             listed.append(Job(qwen2_20m_dir if name == "20m" else tiny_model_dir,
-                              outs[name, world], 1 if name == "20m" else STEPS,
-                              {**changes, **memory}))
+                              outs[name, world], STEPS, {**changes, **memory}))
         return listed
 
     launch(jobs(1), ranks=1)
@@ -107,8 +115,8 @@ def trained(tiny_model_dir: Path, qwen2_20m_dir: Path, tmp_path_factory: pytest.
 
 
 def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         model: Path, steps: int = STEPS, epochs: int = CONFIG.ppo_epochs
-                         ) -> None:
+                         model: Path, epochs: int = CONFIG.ppo_epochs,
+                         minibatches: int = CONFIG.minibatches) -> None:
     assert got.keys() == expected.keys()
     start = load_file(model / "model.safetensors")
     # The script trains in double with SGD: each update moves a parameter by lr
@@ -117,8 +125,8 @@ def assert_same_training(got: dict[str, torch.Tensor], expected: dict[str, torch
     # position of the minibatch, and one per rank) in another order; float32
     # is left only in transformers' RMSNorm and the learner's log-softmax.
     updates = positions = 0
-    for batch in batches(steps):
-        for minibatch in batch.minibatches(CONFIG.minibatches):
+    for batch in batches(STEPS):
+        for minibatch in batch.minibatches(minibatches):
             updates += epochs
             positions = max(positions, sum(len(s.tokens) for s in batch.sequences
                                            if s.rollout in minibatch))
@@ -178,12 +186,14 @@ def test_a_20m_qwen2_model_on_two_ranks_with_every_memory_switch_trains_as_on_on
     """The switches at more than the tiny model's scale: six layers, a
     vocabulary of 32,768 in chunks of 16 positions. Ranks that cut their
     shares into different numbers of micro-batches (one of them into none)
-    still run matching FSDP passes. One step of one epoch (four updates)."""
+    still run matching FSDP passes. Two steps of one minibatch and one epoch:
+    7 rollouts, then 1."""
+    minibatches = JOBS["20m"]["minibatches"]
     counts = [[len(microbatches([len(s.tokens) for s in batch.sequences if s.rollout in share],
-                                MEMORY["max_tokens_per_microbatch"]))
+                                MEMORY_20M["max_tokens_per_microbatch"]))
                for share in batch.assign(minibatch, 2)]
-              for batch in batches(1) for minibatch in batch.minibatches(CONFIG.minibatches)]
+              for batch in batches(STEPS) for minibatch in batch.minibatches(minibatches)]
     assert any(min(c) > 0 and c[0] != c[1] for c in counts), counts
     assert any(min(c) == 0 for c in counts), counts
     assert_same_training(load_file(trained["20m", 2]), load_file(trained["20m", 1]),
-                         qwen2_20m_dir, steps=1, epochs=1)
+                         qwen2_20m_dir, epochs=1, minibatches=minibatches)
