@@ -58,7 +58,6 @@ from deploy.children import Child, signal_group, stop_leftovers
 from deploy.config import ConfigError, JobConfig, RunConfig, to_toml
 from deploy.device_plan import DevicePlan, plan_devices
 from deploy.placement import gpus_present, place_children
-from learner.checkpoint import checkpoint_position, latest_checkpoint
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
 from ops.report import read_history, write_report
@@ -261,6 +260,10 @@ class Up:
             "replay_restarts": float(self.replay.restarts),
             "learner_restarts": float(self.learner.restarts),
             "up_invocations": 1.0, "run_seconds": time.monotonic() - self._began})
+        # Imported here, not at the top: learner.checkpoint imports torch
+        # (2 s), which neither `compactionrl status` nor the supervision needs.
+        from learner.checkpoint import checkpoint_position, latest_checkpoint
+
         checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if final else None
         if checkpoint is not None:
             version, step = checkpoint_position(checkpoint)
