@@ -260,15 +260,15 @@ class Up:
             "replay_restarts": float(self.replay.restarts),
             "learner_restarts": float(self.learner.restarts),
             "up_invocations": 1.0, "run_seconds": time.monotonic() - self._began})
-        # Imported here, not at the top: learner.checkpoint imports torch
-        # (2 s), which neither `compactionrl status` nor the supervision needs.
-        from learner.checkpoint import checkpoint_position, latest_checkpoint
+        if final:
+            # Imported here, not at the top: learner.checkpoint imports torch
+            # (2 s), which neither `compactionrl status` nor the supervision needs.
+            from learner.checkpoint import checkpoint_position, latest_checkpoint
 
-        checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if final else None
-        if checkpoint is not None:
-            version, step = checkpoint_position(checkpoint)
-            snapshot["learner_version"] = float(version)
-            snapshot["learner_step"] = float(step)
+            if (checkpoint := latest_checkpoint(self.run_dir / "checkpoints")) is not None:
+                version, step = checkpoint_position(checkpoint)
+                snapshot["learner_version"] = float(version)
+                snapshot["learner_step"] = float(step)
         self.history.append(snapshot)
         with self.history_path.open("a") as history:
             history.write(json.dumps(snapshot) + "\n")

@@ -105,7 +105,7 @@ def trained(tiny_model_dir: Path, qwen2_20m_dir: Path, tmp_path_factory: pytest.
             memory = MEMORY_OF[name] if world == 2 else {}
             outs[name, world] = folder / f"{name}-{world}.safetensors"
             listed.append(Job(qwen2_20m_dir if name == "20m" else tiny_model_dir,
-                              outs[name, world], STEPS, {**changes, **memory}))
+                              outs[name, world], changes={**changes, **memory}))
         return listed
 
     launch(jobs(1), ranks=1)
