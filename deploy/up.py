@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.children import Child, signal_group, stop_leftovers
-from deploy.config import ConfigError, JobConfig, RunConfig, to_toml
+from deploy.config import ConfigError, JobConfig, to_toml
 from deploy.device_plan import DevicePlan, plan_devices
 from deploy.placement import gpus_present, place_children
 from ops.files import atomic_write_text
@@ -323,11 +323,12 @@ class _View:
 
 
 def prepare_model(config: JobConfig) -> None:
-    """The embedded default's base policy, on first use, is the checkout's
-    kept base (its digest checked), else bootstrapped (a few minutes); any
-    other missing model folder is an error (actors and learner never
-    download). A bootstrapped model made with other settings than these is
-    used, with a note saying which differ."""
+    """A base policy a checkout keeps (``KEPT_BASES``: the embedded default's
+    and the size-range recipe's) is, on first use, restored from the checkout
+    (its digest checked), else bootstrapped (a few minutes); any other missing
+    model folder is an error (actors and learner never download). A
+    bootstrapped model made with other settings than these is used, with a
+    note saying which differ."""
     model = Path(config.run.model)
     if (model / "config.json").is_file():
         from starting_points.keyvault_bootstrap import differences
@@ -337,14 +338,15 @@ def prepare_model(config: JobConfig) -> None:
             print(f"note: {model} was bootstrapped with other settings ({'; '.join(changed)}); "
                   f"remove it to bootstrap a base for these", flush=True)
         return
-    if config.run.model != RunConfig().model:
+    from starting_points.keyvault_bootstrap import KEPT_BASES, bootstrap, restore_kept_base
+
+    kept = KEPT_BASES.get(config.run.model)
+    if kept is None:
         raise SystemExit(f"run.model = {config.run.model!r} has no config.json: point it at a "
                          "local HF-format model folder")
-    from starting_points.keyvault_bootstrap import KEPT_BASE, bootstrap, restore_kept_base
-
-    why_not = restore_kept_base(model, config.actors, config.bootstrap)
+    why_not = restore_kept_base(model, config.actors, config.bootstrap, kept)
     if why_not is None:
-        print(f"the base policy: the kept one ({KEPT_BASE}, digest checked) copied to {model} "
+        print(f"the base policy: the kept one ({kept.folder}, digest checked) copied to {model} "
               "(`compactionrl bootstrap` makes a new one)", flush=True)
         return
     print(f"bootstrapping the base policy in {model} (first run; {why_not})", flush=True)

@@ -31,7 +31,7 @@ import random
 import re
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +54,35 @@ UNORDERED_FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(NUMBER_WORD
 DEMONSTRATION_SEED_SALT = "bootstrap"
 #: Demonstrations played after fine-tuning to measure copying (~5 s on CPU).
 HELD_OUT_DEMONSTRATIONS = 100
-#: The kept base policy of a checkout: the one the README's demo figure and
-#: docs/results.md's paper-recipe table start from. A fresh bootstrap is not
-#: bit-reproducible across machines, so ``up`` restores this one when the
-#: embedded default's base is missing (``compactionrl bootstrap`` makes a new one).
-KEPT_BASE = Path(__file__).parents[1] / "docs" / "results-paper-base"
-#: Its :func:`base_digest`, as docs/results-paper-runs.json records it: a kept
-#: base with other weights or another recipe is not the one the figures describe.
-KEPT_BASE_DIGEST = "987b1ac67e676e9f9dda019ea958ed35ba1e4f2febe1d30e6308ec60321c1f6d"
+
+
+@dataclass(frozen=True)
+class KeptBase:
+    """A base policy kept in the checkout: its folder and its :func:`base_digest`
+    (a kept base with other weights or another recipe is not the one its
+    figures describe)."""
+
+    folder: Path
+    digest: str
+
+
+#: The kept base policies of a checkout, by the model folder a configuration
+#: names (``run.model``). A fresh bootstrap is not bit-reproducible across
+#: machines, so ``up`` restores the kept one where that folder is missing
+#: (``compactionrl bootstrap`` makes a new one). ``runs/base-model``: the
+#: embedded default's, the base the README's demo figure and docs/results.md's
+#: paper-recipe table start from (its digest as docs/results-paper-runs.json
+#: records it). ``runs/base-size-range``: deploy/configs/size-range.toml's,
+#: bootstrapped on that file's range of sizes (docs/results.md, "Outside the
+#: training range").
+KEPT_BASES = {
+    "runs/base-model": KeptBase(
+        Path(__file__).parents[1] / "docs" / "results-paper-base",
+        "987b1ac67e676e9f9dda019ea958ed35ba1e4f2febe1d30e6308ec60321c1f6d"),
+    "runs/base-size-range": KeptBase(
+        Path(__file__).parents[1] / "docs" / "results-size-range-base",
+        "231afb61597fc39d4fe1edb8ac345b398ea683fa0c4d7416836721b8b6d02668"),
+}
 
 
 def facts_in(text: str, ordered: bool) -> dict[tuple[str, str], str]:
@@ -378,17 +399,17 @@ def base_digest(base: Path) -> str:
 
 
 def restore_kept_base(out: Path, actors: ActorConfig, recipe: BootstrapConfig,
-                      kept: Path = KEPT_BASE, digest: str = KEPT_BASE_DIGEST) -> str | None:
+                      kept: KeptBase) -> str | None:
     """Copy the kept base policy to ``out`` if it is there, intact (its
     digest) and made with these settings; else None and why not, for the
     caller to say before it bootstraps."""
-    if not (kept / "bootstrap.json").is_file():
-        return f"no kept base at {kept}"
-    if (found := base_digest(kept)) != digest:
-        return f"the kept base at {kept} is not the recorded one (digest {found[:12]})"
-    if changed := differences(kept, actors, recipe):
+    if not (kept.folder / "bootstrap.json").is_file():
+        return f"no kept base at {kept.folder}"
+    if (found := base_digest(kept.folder)) != kept.digest:
+        return f"the kept base at {kept.folder} is not the recorded one (digest {found[:12]})"
+    if changed := differences(kept.folder, actors, recipe):
         return f"the kept base was made with other settings ({'; '.join(changed)})"
-    shutil.copytree(kept, out, dirs_exist_ok=True)
+    shutil.copytree(kept.folder, out, dirs_exist_ok=True)
     return None
 
 

@@ -406,6 +406,19 @@ def check_up_trains_the_paper_recipe(check: Check) -> None:
         "cross", "adaptive", 1)
 
 
+def check_up_trains_the_size_range_recipe(check: Check) -> None:
+    """The recipe's sizes, and a base it names that the checkout keeps, made
+    for exactly these settings (so ``up`` restores it instead of bootstrapping)."""
+    from starting_points.keyvault_bootstrap import KEPT_BASES, differences
+
+    args, config = cli(check.argv())
+    assert args.command == "up"
+    options = config.actors.environment.options
+    assert (options["rooms"], options["distractor_words"]) == ([6, 20], [2, 8])
+    kept = KEPT_BASES[config.run.model]
+    assert differences(kept.folder, config.actors, config.bootstrap) == []
+
+
 def check_up_with_my_toml(check: Check) -> None:
     args, config = cli(check.argv(**{"my.toml": str(LOCAL_CPU_TOML)}))
     assert args.command == "up"
@@ -496,6 +509,10 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     "compactionrl up --config deploy/configs/paper-recipe.toml": Offline(
         "trains a whole run (minutes); here: the arguments parse and configure the "
         "paper's recipe over the local default", check_up_trains_the_paper_recipe),
+    "compactionrl up --config deploy/configs/size-range.toml": Offline(
+        "trains a whole run (7.5 minutes); here: the arguments parse and configure the "
+        "size-range recipe over the local default, from the kept base made for it",
+        check_up_trains_the_size_range_recipe),
     ".venv/bin/python bench/codec.py --json": RunAsWritten(
         ("--quick",), ("vs_pickle_32k", "vs_memcpy_32k", "vs_pickle_1k")),
     ".venv/bin/python bench/actor.py --json": RunAsWritten(

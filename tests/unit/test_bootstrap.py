@@ -17,9 +17,9 @@ from actors.envs.base import EVALUATION_SEEDS_FROM
 from deploy.config import ConfigError, load_config
 from starting_points.config import BootstrapConfig
 from starting_points.keyvault_bootstrap import (
-    KEPT_BASE,
-    KEPT_BASE_DIGEST,
+    KEPT_BASES,
     Demonstrator,
+    KeptBase,
     base_digest,
     copy_accuracy,
     demonstrate,
@@ -153,26 +153,49 @@ def test_a_base_made_with_other_settings_is_told_apart_by_the_settings_that_diff
         f"recipe.drop_fact_probability: {config.bootstrap.drop_fact_probability!r} -> 0.5"]
 
 
-def test_the_kept_base_is_restored_only_whole_and_made_with_these_settings(
-        tmp_path: Path) -> None:
-    """``up`` starts the embedded default from the checkout's kept base: the
-    recorded one (digest) and made for the run's settings, else it bootstraps."""
-    config = load_config(None, [])
+#: The configurations that name a kept base: the embedded default, and the
+#: size-range recipe one switch away.
+KEPT_BASE_CONFIGURATIONS = [[], [str(Path(__file__).parents[2] / "deploy" / "configs"
+                                     / "size-range.toml")]]
+
+
+@pytest.mark.parametrize("files", KEPT_BASE_CONFIGURATIONS, ids=["default", "size-range"])
+def test_a_kept_base_is_restored_only_whole_and_made_with_these_settings(
+        files: list[str], tmp_path: Path) -> None:
+    """``up`` starts a configuration that names a kept base from the
+    checkout's copy: the recorded one (digest) and made for the run's
+    settings, else it bootstraps."""
+    config = load_config(files or None, [])
+    kept = KEPT_BASES[config.run.model]
     restored = tmp_path / "base-model"
-    assert restore_kept_base(restored, config.actors, config.bootstrap) is None
-    assert base_digest(restored) == KEPT_BASE_DIGEST
+    assert restore_kept_base(restored, config.actors, config.bootstrap, kept) is None
+    assert base_digest(restored) == kept.digest
     assert (restored / "config.json").is_file()
 
     tampered = tmp_path / "tampered"
-    shutil.copytree(KEPT_BASE, tampered)
+    shutil.copytree(kept.folder, tampered)
     with (tampered / "model.safetensors").open("r+b") as weights:
         weights.seek(-1, 2)
         weights.write(b"\x00" if weights.read(1) != b"\x00" else b"\x01")
-    why = restore_kept_base(tmp_path / "a", config.actors, config.bootstrap, kept=tampered)
+    why = restore_kept_base(tmp_path / "a", config.actors, config.bootstrap,
+                            KeptBase(tampered, kept.digest))
     assert why is not None and "not the recorded one" in why
     assert not (tmp_path / "a").exists()
 
-    other = load_config(None, ["--bootstrap.drop_fact_probability", "0.5"])
-    why = restore_kept_base(tmp_path / "b", other.actors, other.bootstrap)
+    other = load_config(files or None, ["--bootstrap.drop_fact_probability", "0.5"])
+    why = restore_kept_base(tmp_path / "b", other.actors, other.bootstrap, kept)
     assert why is not None and "drop_fact_probability" in why
     assert not (tmp_path / "b").exists()
+
+
+def test_up_restores_a_kept_base_where_its_folder_is_missing_and_refuses_any_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy.up import prepare_model
+
+    monkeypatch.chdir(tmp_path)  # run.model is relative to the working directory
+    config = load_config(KEPT_BASE_CONFIGURATIONS[1], [])
+    prepare_model(config)
+    assert base_digest(tmp_path / config.run.model) == KEPT_BASES[config.run.model].digest
+    elsewhere = load_config(KEPT_BASE_CONFIGURATIONS[1], ["--run.model", "runs/my-model"])
+    with pytest.raises(SystemExit, match="runs/my-model' has no config.json"):
+        prepare_model(elsewhere)
