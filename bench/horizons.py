@@ -15,6 +15,16 @@ episodes; which sizes a policy trained on is the reader's to say
 ``--docs DIR``: also write ``DIR/horizons.json`` and the table's section of
 ``DIR/results.md``. ``--quick``: a fresh tiny model, 4 episodes, two sizes
 (a smoke test of the same code).
+
+``--train NAME=CONFIG [--seeds 3]``: also train that many seeds of a recipe
+file (``compactionrl up --config CONFIG --run.seed N``, its base restored
+or bootstrapped by ``up``) and evaluate them and the recipe's base as
+policies ``NAME-seedN`` and ``NAME-base``. As ``bench/ablations.py`` does,
+each finished run is recorded at once in ``DIR/horizons-runs.json`` (with
+the recipe's whole configuration, its base's digest, the environment's
+source digest, the episodes and sizes, the machine and the commit), and a
+later invocation under the same settings reuses it instead of training
+again; records of other settings are refused (``--fresh`` drops them).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import dataclasses
 import json
 import re
 import shlex
+import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -32,16 +43,26 @@ from pathlib import Path
 from typing import Any
 
 from _options import BenchmarkParser  # bench/_options.py
+from ablations import (  # bench/ablations.py: its records, kept the same way here
+    COMPACTIONRL,
+    commit,
+    environment_digest,
+    load_records,
+    machine,
+    run,
+    save_records,
+)
 
 from actors.config import ActorConfig
 from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import EVALUATION_SEEDS_FROM
-from deploy.config import load_config
+from deploy.config import load_config, to_toml
 from deploy.evaluate import EvalReport, play_held_out, require_model_folders, summarise
 from deploy.fact_survival import CAUSES, account, layout_of, summarise_facts
 from ops.files import write_section
 from ops.report import line_chart
+from starting_points.keyvault_bootstrap import base_digest
 from starting_points.tiny_model import temporary_tiny_model
 
 #: Size name -> keyvault options over the local default's (codes 1, digits 3,
@@ -99,25 +120,96 @@ async def evaluate_sizes(model: str, sizes: dict[str, dict[str, int]], episodes:
     return reports
 
 
+def measure_policy(name: str, model: str, sizes: dict[str, dict[str, int]], episodes: int
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One policy's success and where its episodes lost their facts, by size."""
+    success: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
+    for size, (report, survival) in asyncio.run(evaluate_sizes(model, sizes, episodes)).items():
+        facts[size] = survival
+        success[size] = {"success": report.success, "success_ci95": report.success_ci95,
+                         "mean_reward": report.mean_reward,
+                         "compactions_per_episode": report.compactions_per_episode,
+                         "outcomes": report.outcomes}
+        print(f"{name} at {size}: success {report.success:.3f}, "
+              f"{report.compactions_per_episode:.2f} compactions/episode, "
+              f"outcomes {report.outcomes}, causes {survival['causes']}", flush=True)
+    return success, facts
+
+
 def measure(policies: dict[str, str], sizes: dict[str, dict[str, int]], episodes: int
             ) -> dict[str, Any]:
     table: dict[str, dict[str, Any]] = {}
     facts: dict[str, dict[str, Any]] = {}
     for name, model in policies.items():
-        table[name], facts[name] = {}, {}
-        for size, (report, survival) in asyncio.run(
-                evaluate_sizes(model, sizes, episodes)).items():
-            facts[name][size] = survival
-            table[name][size] = {"success": report.success,
-                                 "success_ci95": report.success_ci95,
-                                 "mean_reward": report.mean_reward,
-                                 "compactions_per_episode": report.compactions_per_episode,
-                                 "outcomes": report.outcomes}
-            print(f"{name} at {size}: success {report.success:.3f}, "
-                  f"{report.compactions_per_episode:.2f} compactions/episode, "
-                  f"outcomes {report.outcomes}, causes {survival['causes']}", flush=True)
+        table[name], facts[name] = measure_policy(name, model, sizes, episodes)
     return {"episodes": episodes, "max_compactions": MAX_COMPACTIONS, "policies": policies,
             "sizes": sizes, "success": table, "facts": facts}
+
+
+#: Where ``--train`` trains its runs (the folders are not kept: the records are).
+TRAIN_OUT_DIR = Path("runs/horizons")
+
+
+def recipe_settings(config_file: Path, episodes: int) -> dict[str, Any]:
+    """What a recorded run of a recipe was made under; its base is made
+    ready first (``up`` restores a kept base, else bootstraps one), so that
+    its digest is the base's the runs start from."""
+    from deploy.up import prepare_model
+
+    config = load_config([str(config_file)], [])
+    prepare_model(config)
+    return {"config": to_toml(config), "base": base_digest(Path(config.run.model)),
+            "environment": environment_digest(config.actors.environment.factory),
+            "episodes": episodes, "sizes": SIZES, "max_compactions": MAX_COMPACTIONS}
+
+
+def train_seed(config_file: Path, name: str, seed: int) -> tuple[str, dict[str, Any]]:
+    """One seed of the recipe trained by ``up`` (a folder left by a run cut
+    short is trained over): its export, its learner steps and wall time."""
+    run_dir = TRAIN_OUT_DIR / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    TRAIN_OUT_DIR.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    run([COMPACTIONRL, "up", "--config", str(config_file), "--run.seed", str(seed),
+         "--run.name", name, "--run.out_dir", str(TRAIN_OUT_DIR)], TRAIN_OUT_DIR / f"{name}.log")
+    history = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return str(run_dir / "export"), {
+        "learner_steps": int((history[-1] if history else {}).get("learner_step") or 0),
+        "wall_seconds": round(time.perf_counter() - began, 1)}
+
+
+def train_recipe(name: str, config_file: Path, seeds: int, episodes: int, records_path: Path,
+                 fresh: bool) -> dict[str, dict[str, Any]]:
+    """The recipe's base (``NAME-base``) and seeds (``NAME-seedN``), each
+    evaluated at every size: from the records where they were made under the
+    same settings, else trained and evaluated now and recorded at once."""
+    records = load_records(records_path, recipe_settings(config_file, episodes), fresh)
+    wanted: dict[str, int | None] = {f"{name}-base": None,
+                                     **{f"{name}-seed{seed}": seed for seed in range(seeds)}}
+    for policy, seed in wanted.items():
+        if policy in records["runs"]:
+            print(f"{policy}: recorded at {records['runs'][policy]['commit']}, reused",
+                  flush=True)
+            continue
+        model, made = ((load_config([str(config_file)], []).run.model, {}) if seed is None
+                       else train_seed(config_file, policy, seed))
+        success, facts = measure_policy(policy, model, SIZES, episodes)
+        records["runs"][policy] = {"model": model, "seed": seed, **made, "machine": machine(),
+                                   "commit": commit(), "success": success, "facts": facts}
+        save_records(records_path, records)
+    return {policy: records["runs"][policy] for policy in wanted}
+
+
+def with_recorded(report: dict[str, Any], recorded: dict[str, dict[str, Any]]
+                  ) -> dict[str, Any]:
+    """The report with the recorded policies as columns of their own."""
+    for policy, record in recorded.items():
+        report["policies"][policy] = record["model"]
+        report["success"][policy] = record["success"]
+        report["facts"][policy] = record["facts"]
+    return report
 
 
 def write_docs(report: dict[str, Any], docs: Path, command: str) -> None:
@@ -250,20 +342,35 @@ def main() -> None:
                              "trained=runs/local-cpu/export)")
     parser.add_argument("--docs", default=None,
                         help="also write DIR/horizons.json and its part of results.md")
+    parser.add_argument("--train", default=None, metavar="NAME=CONFIG",
+                        help="also train --seeds seeds of the recipe file CONFIG and evaluate "
+                             "them and its base (NAME-seedN, NAME-base), each run recorded in "
+                             "DOCS/horizons-runs.json (DOCS: --docs, else docs) and reused by "
+                             "a later invocation under the same settings")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of --train's recipe")
+    parser.add_argument("--fresh", action="store_true",
+                        help="drop --train's records made under other settings")
     args = parser.parse_args()
     quiet_vllm_logging()
     if args.quick:
         with temporary_tiny_model() as tiny:
             report = measure({"tiny": tiny}, dict(list(SIZES.items())[:2]), args.episodes)
     else:
-        policies = dict(p.split("=", 1) for p in (args.policy or [
-            "base=runs/base-model", "trained=runs/local-cpu/export"]))
+        given = args.policy or ([] if args.train else [
+            "base=runs/base-model", "trained=runs/local-cpu/export"])
+        policies = dict(p.split("=", 1) for p in given)
         require_model_folders(list(policies.values()), "give --policy NAME=MODEL")
-        report = measure(policies, SIZES, args.episodes)
+        recorded = {}
+        if args.train:
+            name, config_file = args.train.split("=", 1)
+            recorded = train_recipe(name, Path(config_file), args.seeds, args.episodes,
+                                    Path(args.docs or "docs") / "horizons-runs.json", args.fresh)
+        report = with_recorded(measure(policies, SIZES, args.episodes), recorded)
     if args.docs:
+        trained = ["--train", args.train, "--seeds", str(args.seeds)] if args.train else []
         write_docs(report, Path(args.docs), shlex.join(
             ["python", "bench/horizons.py", "--json", "--docs", "docs", "--episodes",
-             str(args.episodes), *(f"--policy={n}={m}" for n, m in report["policies"].items())]))
+             str(args.episodes), *(f"--policy={p}" for p in args.policy or []), *trained]))
     if args.json:
         print(json.dumps(report))
 
