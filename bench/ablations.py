@@ -71,7 +71,7 @@ from deploy.answer_lengths import measure as answer_lengths
 from deploy.config import load_config, to_toml
 from deploy.evaluate import wilson_interval
 from ops.files import write_section
-from ops.report import bar_chart
+from ops.report import bar_chart, read_history
 from ops.summary import cross_factors
 from starting_points.keyvault_bootstrap import base_digest
 
@@ -196,9 +196,7 @@ def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path, rec
 def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path
                ) -> dict[str, Any]:
     """A trained run's record: what the table needs of it, evaluated."""
-    history = [json.loads(line) for line in
-               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last = history[-1] if history else {}
+    last = (read_history(run_dir / "metrics.jsonl") or [{}])[-1]
     export = run_dir / "export"
     record: dict[str, Any] = {
         "variant": variant, "seed": seed, "machine": machine(), "commit": commit(),

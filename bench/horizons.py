@@ -57,11 +57,11 @@ from actors.config import ActorConfig
 from actors.context import SegmentData
 from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import EVALUATION_SEEDS_FROM
-from deploy.config import load_config, to_toml
+from deploy.config import JobConfig, load_config, to_toml
 from deploy.evaluate import EvalReport, play_held_out, require_model_folders, summarise
 from deploy.fact_survival import CAUSES, account, layout_of, summarise_facts
 from ops.files import write_section
-from ops.report import line_chart
+from ops.report import line_chart, read_history
 from starting_points.keyvault_bootstrap import base_digest
 from starting_points.tiny_model import temporary_tiny_model
 
@@ -151,13 +151,12 @@ def measure(policies: dict[str, str], sizes: dict[str, dict[str, int]], episodes
 TRAIN_OUT_DIR = Path("runs/horizons")
 
 
-def recipe_settings(config_file: Path, episodes: int) -> dict[str, Any]:
+def recipe_settings(config: JobConfig, episodes: int) -> dict[str, Any]:
     """What a recorded run of a recipe was made under; its base is made
     ready first (``up`` restores a kept base, else bootstraps one), so that
     its digest is the base's the runs start from."""
     from deploy.up import prepare_model
 
-    config = load_config([str(config_file)], [])
     prepare_model(config)
     return {"config": to_toml(config), "base": base_digest(Path(config.run.model)),
             "environment": environment_digest(config.actors.environment.factory),
@@ -173,11 +172,9 @@ def train_seed(config_file: Path, name: str, seed: int) -> tuple[str, dict[str, 
     began = time.perf_counter()
     run([COMPACTIONRL, "up", "--config", str(config_file), "--run.seed", str(seed),
          "--run.name", name, "--run.out_dir", str(TRAIN_OUT_DIR)], TRAIN_OUT_DIR / f"{name}.log")
-    history = [json.loads(line) for line in
-               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return str(run_dir / "export"), {
-        "learner_steps": int((history[-1] if history else {}).get("learner_step") or 0),
-        "wall_seconds": round(time.perf_counter() - began, 1)}
+    last = (read_history(run_dir / "metrics.jsonl") or [{}])[-1]
+    return str(run_dir / "export"), {"learner_steps": int(last.get("learner_step") or 0),
+                                      "wall_seconds": round(time.perf_counter() - began, 1)}
 
 
 def train_recipe(name: str, config_file: Path, seeds: int, episodes: int, records_path: Path,
@@ -185,7 +182,8 @@ def train_recipe(name: str, config_file: Path, seeds: int, episodes: int, record
     """The recipe's base (``NAME-base``) and seeds (``NAME-seedN``), each
     evaluated at every size: from the records where they were made under the
     same settings, else trained and evaluated now and recorded at once."""
-    records = load_records(records_path, recipe_settings(config_file, episodes), fresh)
+    config = load_config([str(config_file)], [])
+    records = load_records(records_path, recipe_settings(config, episodes), fresh)
     wanted: dict[str, int | None] = {f"{name}-base": None,
                                      **{f"{name}-seed{seed}": seed for seed in range(seeds)}}
     for policy, seed in wanted.items():
@@ -193,7 +191,7 @@ def train_recipe(name: str, config_file: Path, seeds: int, episodes: int, record
             print(f"{policy}: recorded at {records['runs'][policy]['commit']}, reused",
                   flush=True)
             continue
-        model, made = ((load_config([str(config_file)], []).run.model, {}) if seed is None
+        model, made = ((config.run.model, {}) if seed is None
                        else train_seed(config_file, policy, seed))
         success, facts = measure_policy(policy, model, SIZES, episodes)
         records["runs"][policy] = {"model": model, "seed": seed, **made, "machine": machine(),

@@ -23,10 +23,10 @@ def horizons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     recipe's kept base there, as a run would), training and evaluating nothing."""
     module = import_script(ROOT / "bench" / "horizons.py", "horizons_trained")
     monkeypatch.chdir(tmp_path)
-    module.trained, module.measured = [], []
+    module.trained, module.measured, module.failing_seeds = [], [], ()
 
     def train_seed(config_file: Path, name: str, seed: int) -> tuple[str, dict[str, Any]]:
-        if seed in getattr(module, "failing_seeds", ()):
+        if seed in module.failing_seeds:
             raise SystemExit(f"command failed (1); see {name}.log")
         module.trained.append(name)
         return f"runs/horizons/{name}/export", {"learner_steps": 180, "wall_seconds": 450.0}
@@ -47,7 +47,8 @@ def test_a_recipes_base_and_seeds_are_recorded_each_when_it_finishes(horizons,
     horizons.failing_seeds = (1,)  # the table is cut short at seed 1
     with pytest.raises(SystemExit, match="command failed"):
         horizons.train_recipe("size-range", RECIPE, 3, 100, records, fresh=False)
-    kept = horizons.load_records(records, horizons.recipe_settings(RECIPE, 100), fresh=False)
+    settings = horizons.recipe_settings(horizons.load_config([str(RECIPE)], []), 100)
+    kept = horizons.load_records(records, settings, fresh=False)
     assert list(kept["runs"]) == ["size-range-base", "size-range-seed0"]
     assert kept["runs"]["size-range-base"]["model"] == "runs/base-size-range"
     assert kept["runs"]["size-range-seed0"]["learner_steps"] == 180
