@@ -14,7 +14,7 @@ Usage::
 
     ingest = ActorIngest(endpoint, book, registry, welcome, stamp)
     ingest.receive()              # a pass over what the actor socket holds
-    ingest.offer_credits()        # a learner step freed credits: send them now
+    ingest.offer_credits()        # a learner step freed credits: share them out now
     ingest.expire_silent(now)     # incarnations silent past the liveness timeout
 """
 
@@ -40,6 +40,7 @@ from protocol import (
 from protocol.endpoint import Handler, Received, ServerEndpoint
 from protocol.validation import check_segment_content
 from replay.book import RolloutBook, owner_of
+from replay.pacing import fair_shares
 from replay.registry import ActorRegistry, Peer
 
 log = logging.getLogger("compactionrl.replay")
@@ -102,11 +103,12 @@ class ActorIngest:
             self._handle(received)
         if self.book.log is not None and self._acks:
             self.book.log.sync()
-        for identity in touched:
+        shares = self._grant_shares()
+        for identity in touched | shares.keys():
             if identity not in self.registry.peers:  # refused: nothing of it was stored
                 continue
             seqs = self._acks.get(identity, [])
-            credits = self._top_up(identity)
+            credits = shares.get(identity, 0)
             if seqs or credits or identity in self._behind:
                 self._ack(identity, seqs, credits)
         self._behind.clear()
@@ -144,7 +146,8 @@ class ActorIngest:
             rollouts_per_batch=facts.rollouts_per_batch,
             max_message_bytes=facts.max_message_bytes, vocab_size=facts.vocab_size,
             stale_grace=facts.stale_grace,
-            credits=self._top_up(identity),  # before the ledger: it counts them
+            # granted before the ledger fields are read: they count these credits
+            credits=self._grant_shares(identity).get(identity, 0),
             **self._ledger_fields(hello.sender_id)))
 
     def _on_heartbeat(self, received: Received) -> None:
@@ -226,30 +229,38 @@ class ActorIngest:
                              f"rollout {rollout_id[:64]!r} belongs to another actor incarnation")
         return True
 
-    def _top_up(self, identity: bytes) -> int:
-        """Grant the credits that bring the actor up to its capacity, as far
-        as the pacer allows; returns how many."""
-        peer, book = self.registry.peers[identity], self.book
-        wanted = peer.capacity - book.pacer.outstanding.get(peer.actor_id, 0)
-        if wanted <= 0:
-            return 0
-        granted = book.pacer.grant(peer.actor_id, wanted, book.buffer.nbytes,
-                                   len(book.buffer.ready))
-        if granted:
-            book.metrics.credits_granted.inc(granted)
+    def _grant_shares(self, only: bytes | None = None) -> dict[bytes, int]:
+        """Grant the credits the pacer allows now, split among all registered
+        actors by their capacity (:func:`replay.pacing.fair_shares`, the
+        invariant in replay/pacing.py), whichever actor's message this pass
+        answers. ``only``: grant just that actor's share (its ``Welcome``);
+        the others' stay available for the pass's end. Returns the grants
+        by connection."""
+        book = self.book
+        available = book.pacer.available(book.buffer.nbytes, len(book.buffer.ready))
+        if not available:
+            return {}
+        peers = self.registry.peers
+        connection = {peer.actor_id: identity for identity, peer in peers.items()}
+        shares = fair_shares(available, {
+            peer.actor_id: (peer.capacity, book.pacer.outstanding.get(peer.actor_id, 0))
+            for peer in peers.values()})
+        granted: dict[bytes, int] = {}
+        for actor_id, share in shares.items():
+            identity = connection[actor_id]
+            if only not in (None, identity):
+                continue
+            granted[identity] = book.pacer.grant(actor_id, share, book.buffer.nbytes,
+                                                 len(book.buffer.ready))
+            book.metrics.credits_granted.inc(granted[identity])
         return granted
 
     def offer_credits(self) -> None:
         """Send the credits a learner step freed now, not in reply to each
         actor's next message: in synchronous mode (S = 0) idle actors would
         otherwise wait up to a heartbeat interval every step."""
-        book = self.book
-        for identity in list(self.registry.peers):
-            if not book.pacer.available(book.buffer.nbytes, len(book.buffer.ready)):
-                return  # none left to offer: asking the other actors is O(actors) for nothing
-            credits = self._top_up(identity)
-            if credits:
-                self._ack(identity, [], credits)
+        for identity, credits in self._grant_shares().items():
+            self._ack(identity, [], credits)
 
     def _ack(self, identity: bytes, stored_seqs: list[int], credits: int) -> None:
         self.endpoint.send(identity, Ack(

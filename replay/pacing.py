@@ -18,6 +18,15 @@ Semantics (Reverb-style rate limiting, in rollouts):
 - Memory: no credit while ``buffer bytes + running * estimated rollout bytes``
   would exceed ``max_buffer_bytes``, except the one that keeps the learner
   fed (below). Ingest enforces the byte bound itself.
+- Shares: credits are scarce whenever the learner is the bottleneck (the
+  usual case), and who gets them is decided by water-filling, not by who asks
+  first (:func:`fair_shares`): each credit goes to the actor with the
+  smallest ``outstanding_i / capacity_i`` that still has room
+  (``outstanding_i < capacity_i``), so each actor's share of the running
+  credits tends to ``capacity_i / sum(capacity)``, whatever the order in
+  which actors registered. An actor that returns its rollouts sooner holds
+  fewer credits when the next ones free up, and so gets more of them: shares
+  follow what actors return as well as what they declare.
 - No deadlock: whenever the learner waits (it asked, fewer than B are ready)
   and nothing is running, at least one credit is available: ``(S + v + 1) * B - accepted >=
   (S + 1) * B - ready >= S * B + 1 >= 1``, and the memory rule yields to it.
@@ -41,7 +50,9 @@ credits held under the old one (as does a replay restart: its ledgers are new).
 
 from __future__ import annotations
 
+import heapq
 import secrets
+from collections.abc import Mapping
 
 #: Until rollouts have been seen, assume this size for the memory rule.
 INITIAL_ROLLOUT_BYTES = 256 * 1024
@@ -140,3 +151,23 @@ class CreditPacer:
         """The actor is gone: its unreturned credits are void, and so is its ledger."""
         self.running -= self.outstanding.pop(actor, 0)
         self._ledgers.pop(actor, None)
+
+
+def fair_shares(available: int, actors: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+    """Split ``available`` credits among ``actors`` (actor -> ``(capacity,
+    outstanding)``) by water-filling: one at a time, each to the actor with
+    the lowest ``(outstanding + given) / capacity`` that still has room; ties
+    go to the actor holding fewer credits, then by id, so the split does not
+    depend on the order of ``actors``. Returns only the actors given some."""
+    heap = [(outstanding / capacity, outstanding, actor, capacity)
+            for actor, (capacity, outstanding) in actors.items()
+            if 0 <= outstanding < capacity]
+    heapq.heapify(heap)
+    given: dict[str, int] = {}
+    while available > 0 and heap:
+        _, held, actor, capacity = heapq.heappop(heap)
+        given[actor] = given.get(actor, 0) + 1
+        available -= 1
+        if held + 1 < capacity:
+            heapq.heappush(heap, ((held + 1) / capacity, held + 1, actor, capacity))
+    return given

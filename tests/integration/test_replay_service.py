@@ -575,6 +575,47 @@ def test_backpressure_when_the_learner_stops(replay: ReplayThread) -> None:
     assert actor.pump_until(lambda: actor.credits == 2)
 
 
+@pytest.mark.parametrize("first", ["early", "late"])
+def test_an_actor_that_joins_a_learner_bound_run_gets_its_share_of_the_work(
+        replay: ReplayThread, first: str) -> None:
+    """The learner is the bottleneck: both actors start a rollout the moment
+    a credit arrives, so every credit a learner step frees is contended. The
+    actor that registered second still gets half of them (equal capacities),
+    whichever of the two it is."""
+    actors = {name: replay.actor(actor_id=name, capacity=4) for name in ("early", "late")}
+    order = [first, "late" if first == "early" else "early"]
+
+    def work(names: list[str]) -> None:
+        for name in names:
+            actor = actors[name]
+            actor.pump(0.02)
+            while actor.credits > 0:
+                actor.credits -= 1
+                actor.push_rollout(segments=1, version=actor.policy_version)
+
+    actors[order[0]].hello()
+    learner = replay.learner()
+    trained = {"early": 0, "late": 0}
+    for step in range(12):
+        if step == 2:  # the second actor joins a run already going
+            actors[order[1]].hello()
+        joined = order[:1] if step < 2 else order
+        deadline = time.monotonic() + 10.0
+        learner.request(2, version=step)
+        batch = None
+        while batch is None and time.monotonic() < deadline:
+            work(joined)
+            batch = learner.receive(0.02)
+        assert batch is not None, f"step {step}: no batch"
+        if step >= 4:  # from two steps after the join
+            for rollout in batch.rollouts:
+                trained[rollout.segments[0].sender_id] += 1
+    assert trained[order[1]] >= 0.3 * sum(trained.values()), trained
+    for actor in actors.values():
+        actor.close()
+    learner.close()
+
+
 def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: ReplayThread
                                                                         ) -> None:
     rng = random.Random(7)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from replay.pacing import CreditPacer
+from replay.pacing import CreditPacer, fair_shares
 
 ACTORS = ("a", "b", "c")
 
@@ -139,3 +139,35 @@ def test_fresh_pacer_grants_exactly_the_window(batch: int, staleness: int) -> No
     pacer = CreditPacer(batch, staleness, 1 << 40)
     assert pacer.grant("a", 10_000, 0, 0) == (staleness + 1) * batch
     assert pacer.grant("b", 1, 0, 0) == 0
+
+
+@given(st.integers(0, 60), st.dictionaries(
+    st.text("abcdef", min_size=1, max_size=3),
+    st.tuples(st.integers(1, 16), st.integers(0, 16)), max_size=6))
+def test_shares_fill_the_emptiest_actor_first_within_each_capacity(
+        available: int, actors: dict[str, tuple[int, int]]) -> None:
+    """Water-filling: no credit is left over while an actor has room, none
+    exceeds an actor's room, and no actor given a credit held more of its
+    capacity than one left with room (max-min fair, weighted by capacity)."""
+    shares = fair_shares(available, actors)
+    room = {actor: max(0, capacity - outstanding)
+            for actor, (capacity, outstanding) in actors.items()}
+    assert sum(shares.values()) == min(available, sum(room.values()))
+    assert all(0 < shares[actor] <= room[actor] for actor in shares)
+    filled = {actor: (outstanding + shares.get(actor, 0)) / capacity
+              for actor, (capacity, outstanding) in actors.items()}
+    for actor, given in shares.items():
+        capacity, outstanding = actors[actor]
+        before_last = (outstanding + given - 1) / capacity
+        for other in actors:
+            if other != actor and shares.get(other, 0) < room[other]:
+                assert before_last <= filled[other] + 1e-12, (actor, other)
+
+
+def test_shares_follow_capacity_and_not_the_order_actors_are_listed() -> None:
+    first = fair_shares(8, {"early": (4, 0), "late": (4, 0)})
+    second = fair_shares(8, {"late": (4, 0), "early": (4, 0)})
+    assert first == second == {"early": 4, "late": 4}
+    assert fair_shares(6, {"big": (8, 0), "small": (4, 0)}) == {"big": 4, "small": 2}
+    # an actor still holding credits (slower to return them) gets fewer new ones
+    assert fair_shares(4, {"fast": (4, 0), "slow": (4, 2)}) == {"fast": 3, "slow": 1}
