@@ -30,6 +30,7 @@ from protocol import (
     EngineInfo,
     Error,
     ErrorCode,
+    Goodbye,
     Hello,
     MemberWelcome,
     Message,
@@ -69,6 +70,10 @@ class LearnerLink:
         self.handlers: dict[type[Message], Callable[[Any], None]] = {
             MemberWelcome: self._on_member_welcome, WeightsAnnounce: self._on_announce,
             Error: self._on_error}
+        self._loading = asyncio.Lock()
+        """Held while a publication is joined and loaded."""
+        self.left = False
+        """Said goodbye: takes no more weights and does not register again."""
 
     def coroutines(self, dropped: Callable[[ProtocolError], None]
                    ) -> list[Coroutine[Any, Any, None]]:
@@ -81,7 +86,22 @@ class LearnerLink:
 
     def forgotten(self) -> None:
         """The learner no longer knows this actor: register again."""
-        self.link.forgotten()
+        if not self.left:
+            self.link.forgotten()
+
+    async def leave(self, timeout_s: float) -> None:
+        """Say goodbye once no load is under way (waiting at most
+        ``timeout_s``): the learner drops this actor from its next
+        publication at once, instead of failing a broadcast on it when the
+        process exits and waiting out its heartbeats."""
+        try:
+            await asyncio.wait_for(self._loading.acquire(), timeout_s)
+        except TimeoutError:
+            log.warning("a weight load still under way at shutdown: leaving anyway")
+        else:
+            self._loading.release()
+        self.left = True
+        await self.link.send(Goodbye(**self.stamp()))
         self.metrics.learner_registered.set(0)
 
     def _hello(self) -> Hello:
@@ -120,12 +140,15 @@ class LearnerLink:
             if group == self.weights.group and announce.version <= self.engine.version:
                 continue  # announced again after a reconnect, and loaded already
             try:
-                if group != self.weights.group:
-                    self.weights.group = None
-                    await self.engine.join_weight_group(announce.group, self.curve)
-                    self.weights.group = group
-                times = await self.engine.load_weights(announce.version, announce.manifest,
-                                                       self.config.kv_on_update)
+                async with self._loading:
+                    if self.left:  # announced before the learner read the goodbye
+                        continue
+                    if group != self.weights.group:
+                        self.weights.group = None
+                        await self.engine.join_weight_group(announce.group, self.curve)
+                        self.weights.group = group
+                    times = await self.engine.load_weights(
+                        announce.version, announce.manifest, self.config.kv_on_update)
             except Exception as exc:  # a member died, a timeout: wait for the next one
                 self.weights.group = None
                 self.metrics.weight_failures.inc()

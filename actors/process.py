@@ -24,12 +24,16 @@ link)", "actor (learner link)"); the two links are
   rollout, started with a credit like an episode.
 - On SIGTERM: no new episode; in-flight ones are abandoned or finished
   (``on_shutdown``); unacknowledged segments are flushed until
-  ``shutdown_deadline_s``. Exit code 0 only if every segment was acknowledged.
+  ``shutdown_deadline_s``. Then ``Goodbye``, to the learner once no weight
+  load is under way and to the replay last: the learner drops the actor
+  from its next publication and the replay hands its credits to the other
+  actors at once, instead of both waiting out its heartbeats. Exit code 0
+  only if every segment was acknowledged.
 - When the engine dies (vLLM's engine core exited; the actor's process goes
   on without it): the rollouts in flight are given up (``Abandon``, so the
-  replay drops them at once), unacknowledged segments are flushed as on
-  SIGTERM, and the process exits with ``ENGINE_DIED_EXIT`` for its
-  supervisor to restart it.
+  replay drops them at once), unacknowledged segments are flushed and
+  goodbyes said as on SIGTERM, and the process exits with
+  ``ENGINE_DIED_EXIT`` for its supervisor to restart it.
 - When one of its loops raises (a link's replies, its registration, resends,
   heartbeats, weight loading), the actor stops as on SIGTERM and exits with
   ``LOOP_FAILED_EXIT``, the cause in its log: running on without the loop
@@ -69,7 +73,7 @@ from ops.metrics import Health, MetricsServer
 from protocol import EngineInfo, Error, Heartbeat, ProtocolError, Stamp
 from protocol.endpoint import ClientEndpoint
 from protocol.messages import new_token
-from protocol.transport import TransportConfig, connect_dealer
+from protocol.transport import TransportConfig, advertised_address, connect_dealer
 
 log = logging.getLogger("compactionrl.actor")
 
@@ -78,6 +82,9 @@ log = logging.getLogger("compactionrl.actor")
 ENGINE_CHECK_S = 1.0
 #: The exit code of an actor whose engine died.
 ENGINE_DIED_EXIT = 3
+#: How long closing a link may take to send what is queued on it (the
+#: goodbyes): a peer that is gone must not hold the exit up.
+GOODBYE_LINGER_MS = 1000
 #: The exit code of an actor one of whose loops (a link's replies, its
 #: registration, resends, heartbeats, weight loading) raised.
 LOOP_FAILED_EXIT = 4
@@ -97,6 +104,11 @@ class ActorSettings:
     run_seed: int = 0
     index: int = 0
     """Position among the actors of a launcher (offsets the metrics port and engine seed)."""
+
+    @property
+    def metrics_port(self) -> int:
+        """Its Prometheus port: ``actors.metrics_port + index`` (0: not served)."""
+        return self.actor.metrics_port + self.index if self.actor.metrics_port else 0
 
 
 async def run_actor(settings: ActorSettings) -> int:
@@ -120,8 +132,8 @@ async def run_actor(settings: ActorSettings) -> int:
     finally:
         await engine.shutdown()
         for link in (replay, learner):
-            if link is not None:
-                link.socket.close(linger=0)
+            if link is not None:  # time for the goodbyes to leave, not for more
+                link.socket.close(linger=GOODBYE_LINGER_MS)
         context.term()
 
 
@@ -184,10 +196,12 @@ class Actor:
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
             loop.add_signal_handler(sig, self._stopping.set)
-        metrics = MetricsServer(self.metrics.registry,
-                                self.config.metrics_port + self.settings.index
-                                if self.config.metrics_port else 0,
-                                self.settings.transport.metrics_address, self.health)
+        transport = self.settings.transport
+        metrics = MetricsServer(self.metrics.registry, self.settings.metrics_port,
+                                transport.metrics_address, self.health)
+        if metrics.port:  # the replay lists it for Prometheus (file-based discovery)
+            self.replay_link.metrics_address = advertised_address(
+                transport.metrics_address, metrics.port, self.settings.replay_address)
         try:
             return await self._serve()
         finally:
@@ -225,9 +239,12 @@ class Actor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.replay_link.outbox.empty.wait(),
                                    max(0.0, deadline - time.monotonic()))
+        if self.learner_link is not None:
+            await self.learner_link.leave(max(0.0, deadline - time.monotonic()))
         for task in background:
             task.cancel()
         await asyncio.gather(*background, *slots, return_exceptions=True)
+        await self.replay_link.leave()
         if self.replay_link.outbox:
             log.error("%d segments never acknowledged", len(self.replay_link.outbox))
             return 1

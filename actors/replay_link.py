@@ -32,6 +32,7 @@ from protocol import (
     EngineInfo,
     Error,
     ErrorCode,
+    Goodbye,
     Hello,
     Message,
     ProtocolError,
@@ -71,6 +72,8 @@ class ReplayLink:
         self.outbox = Outbox()
         self.handlers: dict[type[Message], Callable[[Any], None]] = {
             Welcome: self._on_welcome, Ack: self._on_ack, Error: self._on_error}
+        self.metrics_address = ""
+        """``Hello.metrics_address``: set once the actor's metrics server listens."""
 
     def coroutines(self, dropped: Callable[[ProtocolError], None]
                    ) -> list[Coroutine[Any, Any, None]]:
@@ -82,7 +85,13 @@ class ReplayLink:
 
     def hello(self) -> Hello:
         return Hello(**self.stamp(), engine=self.engine_info,
-                     capacity=self.config.concurrent_episodes, token=self.token())
+                     capacity=self.config.concurrent_episodes, token=self.token(),
+                     metrics_address=self.metrics_address)
+
+    async def leave(self) -> None:
+        """Say goodbye, the incarnation's last message: the replay gives its
+        unfinished rollouts up and its credits to the other actors at once."""
+        await self.link.send(Goodbye(**self.stamp()))
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: SegmentData, result: EpisodeResult | None) -> None:

@@ -1,14 +1,15 @@
 """Learner rank 0's control socket: actor membership and weight announcements.
 
 Actors register here (``Hello`` -> ``MemberWelcome`` with the learner's
-version), heartbeat, and report ``WeightsLoaded``. An actor that
-misses ``heartbeat_liveness`` heartbeats, or comes back as a new incarnation,
-leaves the member set; the publisher forms a new group generation whenever
-the set it announces to differs from the last one.
+version), heartbeat, and report ``WeightsLoaded``. An actor that says
+``Goodbye``, misses ``heartbeat_liveness`` heartbeats, or comes back as a new
+incarnation leaves the member set; the publisher forms a new group
+generation whenever the set it announces to differs from the last one.
 
 A background thread owns the ROUTER (ZeroMQ sockets are not thread-safe);
-the training thread reads the member table under a lock and hands
-announcements to the thread over an inproc PAIR, which also wakes it.
+the training thread reads the member table (learner/members.py) under its
+lock and hands announcements to the thread over an inproc PAIR, which also
+wakes it.
 
 Usage::
 
@@ -19,7 +20,7 @@ Usage::
     control.announce(version, [(member, manifest, group_info), ...])
     ...  # the broadcast
     control.publication_ended()
-    if control.publication_wanted(version): ...
+    if control.table.publication_wanted(version): ...
     control.close()
 """
 
@@ -31,20 +32,20 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 import zmq
 
+from learner.members import Member, MemberTable
 from learner.metrics import LearnerMetrics
 from ops.files import atomic_write_text
 from protocol import (
     LEARNER_ID,
     NO_COMPLETE_VERSION,
-    EngineInfo,
     ErrorCode,
+    Goodbye,
     GroupInfo,
     Heartbeat,
     Hello,
@@ -66,29 +67,6 @@ POLL_MS = 100
 _instances = itertools.count()
 
 
-@dataclass
-class Member:
-    """One registered actor incarnation."""
-
-    actor_id: str
-    incarnation: int
-    identity: bytes
-    """The connection it registered on (its routing id, drawn by the ROUTER)."""
-    token: bytes
-    """From its first ``Hello``: a ``Hello`` on another connection must carry it to move it."""
-    engine: EngineInfo
-    version: int
-    """Version of the weights it reported holding (Hello, then WeightsLoaded),
-    or that a successful broadcast delivered to it (its report may lag)."""
-    fresh: bool = True
-    """Joined after the last publication that included it."""
-    pending: WeightsAnnounce | None = None
-    """The announcement of the publication under way, until it ends: sent
-    again if the member says hello on a new connection meanwhile, since the
-    first may have been lost with the old one (else the broadcast would wait
-    its whole timeout for a member that never heard of it)."""
-
-
 class ControlPlane:
     def __init__(self, address: str, transport: TransportConfig, run_id: str,
                  max_staleness: int, late_joiner: Literal["immediate", "next_publication"],
@@ -98,19 +76,18 @@ class ControlPlane:
         restarted from an older checkpoint reads it and labels its weights
         above every version an actor may hold."""
         self.run_id = run_id
-        self.max_staleness = max_staleness
-        self.late_joiner = late_joiner
         self.metrics = metrics
         self.transport = transport
         self.version = 0
         """The learner's policy version, set by the training thread."""
-        self._members: dict[str, Member] = {}
+        self.table = MemberTable(max_staleness, late_joiner)
+        self._members = self.table.by_id
         self._record = announced_record
         self._announced = (json.loads(announced_record.read_text())["version"]
                            if announced_record is not None and announced_record.is_file() else 0)
         """The newest version announced (by this process or an earlier one of
         the run): no actor can have loaded a newer one."""
-        self._lock = threading.Lock()
+        self._lock = self.table.lock
         self._stamp = Stamp(LEARNER_ID, time.time_ns())
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
@@ -121,7 +98,7 @@ class ControlPlane:
             bind_keys=transport.curve.enabled)
         self._handlers: dict[type[Message], Handler] = {
             Hello: self._on_hello, Heartbeat: self._on_heartbeat,
-            WeightsLoaded: self._on_loaded}
+            WeightsLoaded: self._on_loaded, Goodbye: self._on_goodbye}
         inproc = f"inproc://learner-control-{next(_instances)}"
         self._inbox = self._context.socket(zmq.PAIR)
         self._inbox.bind(inproc)
@@ -135,44 +112,8 @@ class ControlPlane:
     # ------------------------------------------------------------------ training thread
 
     def members(self) -> list[Member]:
-        """The live members, in a stable order (their broadcast ranks follow it)."""
-        with self._lock:
-            return sorted(self._members.values(), key=lambda m: m.actor_id)
-
-    def publication_wanted(self, version: int) -> bool:
-        """Whether a member needs weights now: its weights are a mix (a load
-        failed midway: its engine waits, paused), or older than the staleness
-        bound (it cannot contribute), or a late joiner asks for them at once."""
-        with self._lock:
-            for member in self._members.values():
-                if member.version == NO_COMPLETE_VERSION:
-                    return True
-                behind = version - member.version
-                if behind > self.max_staleness:
-                    return True
-                if behind > 0 and member.fresh and self.late_joiner == "immediate":
-                    return True
-        return False
-
-    def delivered(self, members: list[Member], version: int) -> None:
-        """A broadcast of ``version`` reached ``members``."""
-        with self._lock:
-            for member in self._current(members):
-                member.version = max(member.version, version)
-
-    def broken(self, members: list[Member]) -> None:
-        """A broadcast to ``members`` failed midway: their engines hold a mix
-        of versions, paused, until a publication reaches them."""
-        with self._lock:
-            for member in self._current(members):
-                member.version = NO_COMPLETE_VERSION
-
-    def _current(self, members: list[Member]) -> list[Member]:
-        """The registered members of these incarnations (a lane keeps the
-        ``Member`` it was formed with; one that left and came back is another)."""
-        current = [self._members.get(m.actor_id) for m in members]
-        return [c for c, m in zip(current, members, strict=True)
-                if c is not None and c.incarnation == m.incarnation]
+        """The members a publication goes to (:meth:`MemberTable.publishable`)."""
+        return self.table.publishable()
 
     @property
     def announced(self) -> int:
@@ -188,7 +129,7 @@ class ControlPlane:
             atomic_write_text(self._record, json.dumps({"version": version}))
         with self._lock:
             self._announced = max(self._announced, version)
-            for member in self._current([member for member, _, _ in announcements]):
+            for member in self.table.current([member for member, _, _ in announcements]):
                 member.fresh = False
         for member, manifest, group in announcements:
             announce = WeightsAnnounce(**self._stamp.next(), version=version,
@@ -258,6 +199,10 @@ class ControlPlane:
                                   "this connection is not a member's: send Hello on it first")
             return
         self._endpoint.dispatch(self._handlers, received)
+        with self._lock:
+            member = self._members.get(message.sender_id)
+            if member is not None and member.identity == received.identity:
+                member.heard_at = time.monotonic()
 
     def _on_hello(self, received: Received) -> None:
         hello, identity = received.message, received.identity
@@ -302,6 +247,14 @@ class ControlPlane:
 
     def _on_heartbeat(self, received: Received) -> None:
         self._liveness.seen(received.identity)
+
+    def _on_goodbye(self, received: Received) -> None:
+        """A member leaving cleanly is dropped now, not after its heartbeats
+        stop: a generation still forming gives up on it at once
+        (:func:`learner.publisher.reason_to_give_up`), and the next publication
+        goes to the others without waiting for it."""
+        self._liveness.forget(received.identity)
+        self._drop(received.identity, "said goodbye")
 
     def _on_loaded(self, received: Received) -> None:
         loaded = received.message

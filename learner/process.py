@@ -414,14 +414,14 @@ class _RankZeroPeers(_Peers):
 
     def weights_wanted(self, version: int) -> bool:
         self.control.version = version
-        return self.control.publication_wanted(version)
+        return self.control.table.publication_wanted(version)
 
     def request(self, size: int, version: int) -> None:
         self.link.request(size, version)
 
     def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
         return self.link.next_batch(
-            size, version, lambda: stopping() or self.control.publication_wanted(version),
+            size, version, lambda: stopping() or self.control.table.publication_wanted(version),
             self.metrics.idle_seconds)
 
     def close(self) -> None:

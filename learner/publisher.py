@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 from learner.config import LearnerConfig
-from learner.control import ControlPlane, Member
+from learner.control import ControlPlane
+from learner.members import Member
 from learner.metrics import LearnerMetrics
 from learner.models import engine_parameters
 from protocol import GroupInfo, WeightManifest
@@ -198,12 +199,12 @@ class WeightPublisher:
                             "failed: %s", version, lane.dtype, lane.generation, exc)
                 lane.group = None
                 abandon_generation(self.store, lane.generation)
-                self.control.broken(lane.members)  # the next step boundary publishes again
+                self.control.table.broken(lane.members)  # the next step boundary publishes again
         # a broadcast has completed at every receiver when its wait returns
         seconds = self.metrics.weight_sync_seconds
         seconds.labels("gather").observe(self._gather_seconds)
         seconds.labels("broadcast").observe(time.perf_counter() - began - self._gather_seconds)
-        self.control.delivered(reached, version)
+        self.control.table.delivered(reached, version)
         if len(reached) < len(members):
             self.lane_key = ()  # the next publication forms new generations
             self.metrics.publications.labels("failed").inc()

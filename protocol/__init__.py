@@ -18,6 +18,7 @@ from protocol.messages import (
     BatchRequest,
     EngineInfo,
     Error,
+    Goodbye,
     GroupInfo,
     Heartbeat,
     Hello,
@@ -42,8 +43,8 @@ __all__ = [
     "ALLOWED_DTYPES", "Array", "DEFAULT_MAX_MESSAGE_BYTES", "decode", "encode",
     "ErrorCode", "ProtocolError", "LEARNER_ID", "MESSAGE_TYPES", "NO_COMPLETE_VERSION",
     "PROTOCOL_VERSION", "Abandon", "Ack", "Batch",
-    "BatchRequest", "EngineInfo", "Error", "GroupInfo", "Heartbeat", "Hello", "LearnerHello",
-    "LearnerWelcome", "MemberWelcome", "Message",
+    "BatchRequest", "EngineInfo", "Error", "Goodbye", "GroupInfo", "Heartbeat", "Hello",
+    "LearnerHello", "LearnerWelcome", "MemberWelcome", "Message",
     "Rollout", "RolloutStats", "Segment", "StalenessStats", "Stamp", "TensorSpec",
     "WeightManifest", "WeightsAnnounce", "WeightsLoaded", "Welcome", "sampled_runs",
 ]

@@ -35,7 +35,9 @@ from protocol.errors import ErrorCode, ProtocolError
 #: grace; header and segment fields have ranges (``invalid`` outside them).
 #: 6: ``Hello`` carries the incarnation's token; a connection speaks only
 #: after its ``Hello`` (clients set no routing id).
-PROTOCOL_VERSION = 6
+#: 7: ``Goodbye`` (an incarnation ending cleanly leaves at once, not after its
+#: heartbeats stop); ``Hello`` carries the actor's metrics address.
+PROTOCOL_VERSION = 7
 
 #: The ``sender_id`` of the learner (its rank 0), the one client the
 #: replay's learner socket serves.
@@ -163,11 +165,26 @@ class Hello(Message, tag="hello"):
     """Version of the weights the actor's engine holds (0 = the starting model;
     ``NO_COMPLETE_VERSION``: a weight load failed midway, the engine holds a mix
     and waits, paused, for the next publication)."""
+    metrics_address: str = ""
+    """``host:port`` of the actor's Prometheus ``/metrics``, as the replay's side of the
+    network reaches it (at most 256 characters, port 1 to 65535): the replay lists it for
+    Prometheus's file-based discovery while the incarnation is registered. Empty: none."""
 
     def validate(self) -> None:
         if not MIN_TOKEN_BYTES <= len(self.token) <= MAX_TOKEN_BYTES:
             raise ProtocolError(ErrorCode.INVALID, f"token of {len(self.token)} bytes "
                                 f"({MIN_TOKEN_BYTES} to {MAX_TOKEN_BYTES})")
+        if self.metrics_address and not valid_host_port(self.metrics_address):
+            raise ProtocolError(ErrorCode.INVALID, f"metrics_address "
+                                f"{self.metrics_address[:64]!r} is not host:port")
+
+
+def valid_host_port(address: str) -> bool:
+    """``host:port`` with a port in [1, 65535], at most ``MAX_ID_CHARS`` long
+    (an IPv6 host in brackets, as Prometheus writes targets)."""
+    host, _, port = address.rpartition(":")
+    return (len(address) <= MAX_ID_CHARS and bool(host) and port.isascii() and port.isdigit()
+            and 0 < int(port) < 65536 and not any(c.isspace() for c in host))
 
 
 NO_COMPLETE_VERSION = -1
@@ -367,6 +384,18 @@ class Abandon(Message, tag="abandon"):
 
     rollout_id: str
     """The rollout given up (``Segment.rollout_id``)."""
+
+
+class Goodbye(Message, tag="goodbye"):
+    """actor -> replay and learner: the incarnation ends cleanly; its last
+    message on each socket (no reply). The learner drops it from the member
+    set at once, so that its next publication neither waits for it nor fails
+    on it; the replay drops the rollouts it left unfinished (counted
+    ``crl_replay_dropped_total{reason="abandoned"}``), returns its credits to
+    the other actors, and refuses the incarnation from then on
+    (``dead_incarnation``). An actor sends it to the replay only once every
+    segment it sent is acknowledged. A lost ``goodbye`` costs what silence
+    does: the liveness timeout."""
 
 
 class Ack(Message, tag="ack"):
@@ -573,7 +602,7 @@ class Error(Message, tag="error"):
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
-    Hello, Welcome, MemberWelcome, Segment, Abandon, Ack, Heartbeat, LearnerHello,
+    Hello, Welcome, MemberWelcome, Segment, Abandon, Goodbye, Ack, Heartbeat, LearnerHello,
     LearnerWelcome,
     BatchRequest, Batch, WeightsAnnounce, WeightsLoaded, Error,
 )

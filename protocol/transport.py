@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ipaddress
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,25 @@ def listen_address(bind: str, address: str) -> str:
     """Where a service listens: its bind setting, or (empty) the address it
     advertises to its clients."""
     return bind or address
+
+
+def advertised_address(bind_host: str, port: int, peer_address: str) -> str:
+    """``host:port`` under which a server bound on ``bind_host`` is reached by
+    whoever reaches ``peer_address`` (``tcp://HOST:PORT``): its bind host if
+    it names one, else (a wildcard bind) the local address this machine uses
+    to reach that peer, which the peer's side of the network can route back
+    to. Sends nothing: a UDP socket's connect only picks a route."""
+    host = bind_host
+    if host in ("", "0.0.0.0", "::", "*"):
+        peer_host = peer_address.partition("://")[2].rpartition(":")[0].strip("[]")
+        family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((peer_host, 9))
+                host = probe.getsockname()[0]
+        except OSError:  # no route (or no such host): the name others may resolve
+            host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bound_endpoint(address: str) -> str:

@@ -29,6 +29,7 @@ from protocol import (
     Abandon,
     Ack,
     ErrorCode,
+    Goodbye,
     Heartbeat,
     Hello,
     Message,
@@ -84,7 +85,7 @@ class ActorIngest:
         self._stamp = stamp
         self._handlers: dict[type[Message], Handler] = {
             Hello: self._on_hello, Segment: self._on_segment, Heartbeat: self._on_heartbeat,
-            Abandon: self._on_abandon}
+            Abandon: self._on_abandon, Goodbye: self._on_goodbye}
         self._behind: set[bytes] = set()
         """Actors whose heartbeat showed an older credit total than granted."""
         self._acks: dict[bytes, list[int]] = defaultdict(list)
@@ -217,6 +218,14 @@ class ActorIngest:
         if not self.book.buffer.settled(abandon.rollout_id):
             self.book.drop(abandon.rollout_id, "abandoned", owner_of(abandon))
 
+    def _on_goodbye(self, received: Received) -> None:
+        """The incarnation ends cleanly: what it left unfinished is given up
+        and its credits go to the other actors at the pass's end."""
+        peer = self.registry.leave(received.identity)
+        if peer is not None:
+            log.info("actor %s (incarnation %d) said goodbye", peer.actor_id, peer.incarnation)
+            self._actor_gone(peer, "abandoned")
+
     def _refused_stranger(self, received: Received, rollout_id: str) -> bool:
         """Refuse (``owner``) a segment or abandon of a rollout that another
         actor incarnation owns (the one that sent its first segment): no peer
@@ -279,20 +288,21 @@ class ActorIngest:
                      peer.incarnation)
             self._actor_gone(peer)
 
-    def _actor_gone(self, peer: Peer) -> None:
-        """Count what an incarnation that is over (replaced, or declared
-        dead) leaves behind as lost, and forget its credits."""
+    def _actor_gone(self, peer: Peer, reason: str = "expired") -> None:
+        """Count what an incarnation that is over (replaced, declared dead,
+        or gone with a goodbye: ``reason``) leaves behind as lost, and forget
+        its credits."""
         book = self.book
         actor_id, incarnation, active_rollouts = (peer.actor_id, peer.incarnation,
                                                   peer.active_rollouts)
         expired = book.buffer.expired(time.monotonic(), {(actor_id, incarnation)})
         for entry in expired:
-            book.drop(entry.rollout_id, "expired")
+            book.drop(entry.rollout_id, reason)
         # the rollouts it had started but sent nothing of are lost too; a
         # heartbeat's claim counts only up to the credits it still held
         outstanding = book.pacer.outstanding.get(actor_id, 0)
         unseen = max(0, min(active_rollouts - len(expired), outstanding))
-        book.metrics.dropped.labels("expired").inc(unseen)
+        book.metrics.dropped.labels(reason).inc(unseen)
         log.info("actor %s (incarnation %d) gone: %d rollouts lost (%d pending, %d unseen; "
                  "%d in flight at its last report, %d credits outstanding)", actor_id,
                  incarnation, len(expired) + unseen, len(expired), unseen, active_rollouts,

@@ -13,7 +13,8 @@ Rules, for an actor id:
 - an incarnation silent for the liveness timeout is declared *dead*
   (:meth:`ActorRegistry.expire`) and refused for good (``dead_incarnation``):
   its rollouts expire, so nothing it sends later may count twice; the
-  process, if it lives, comes back as a new incarnation;
+  process, if it lives, comes back as a new incarnation; one that says
+  ``Goodbye`` is over the same way, at once (:meth:`ActorRegistry.leave`);
 - a newer incarnation's ``Hello`` replaces the current one at once, on its
   connection or another (:meth:`ActorRegistry.register` returns the old
   one, gone): a restarted process reconnects before its old connection is
@@ -91,7 +92,7 @@ class ActorRegistry:
                     f"incarnation {incarnation} was replaced by {current}")
         if incarnation <= self.dead.get(actor_id, -1):
             return (ErrorCode.DEAD_INCARNATION,
-                    f"incarnation {incarnation} was declared dead (silent for "
+                    f"incarnation {incarnation} is over (it said goodbye, or was silent for "
                     f"{self.liveness.timeout_s:g} s): register as a new one")
         here = self.peers.get(identity)
         if here is not None and here.actor_id != actor_id:
@@ -141,6 +142,17 @@ class ActorRegistry:
                 self.dead[peer.actor_id] = peer.incarnation
                 expired.append((identity, peer))
         return expired
+
+    def leave(self, identity: bytes) -> Peer | None:
+        """The incarnation on ``identity`` said goodbye: removed, and over
+        as if declared dead; returns it (None if the connection spoke for none)."""
+        peer = self.peers.pop(identity, None)
+        if peer is not None:
+            self.liveness.forget(identity)
+            self.dead[peer.actor_id] = peer.incarnation
+            if self.connection.get(peer.actor_id) == identity:
+                del self.connection[peer.actor_id]
+        return peer
 
     def alive(self) -> int:
         return len(self.liveness)

@@ -13,6 +13,7 @@ from protocol import (
     BatchRequest,
     EngineInfo,
     Error,
+    Goodbye,
     GroupInfo,
     Heartbeat,
     Hello,
@@ -92,7 +93,8 @@ def rollouts(draw) -> Rollout:
         segments=[draw(segments(rollout_id, i, final=i == k - 1)) for i in range(k)])
 
 
-KINDS = ("hello", "welcome", "member_welcome", "segment", "abandon", "ack", "heartbeat",
+KINDS = ("hello", "welcome", "member_welcome", "segment", "abandon", "goodbye", "ack",
+         "heartbeat",
          "learner_hello", "learner_welcome", "batch_request", "batch", "weights_announce",
          "weights_loaded", "error")
 
@@ -108,7 +110,9 @@ def messages(draw, kind: str | None = None):
         engine = draw(st.builds(EngineInfo, device=ids, dtype=ids, tensor_parallel=counts,
                                 model=ids))
         return Hello(**h, engine=engine, capacity=draw(counts),
-                     token=draw(st.binary(min_size=MIN_TOKEN_BYTES, max_size=MAX_TOKEN_BYTES)))
+                     token=draw(st.binary(min_size=MIN_TOKEN_BYTES, max_size=MAX_TOKEN_BYTES)),
+                     metrics_address=draw(st.sampled_from(
+                         ["", "10.0.0.5:9111", "[::1]:9110", "actor-3.pods.local:65535"])))
     if kind == "welcome":
         return Welcome(**h, run_id=draw(ids), policy_version=draw(counts),
                        heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts),
@@ -126,6 +130,8 @@ def messages(draw, kind: str | None = None):
                               rollouts_per_batch=draw(counts), max_staleness=draw(counts))
     if kind == "abandon":
         return Abandon(**h, rollout_id=draw(ids))
+    if kind == "goodbye":
+        return Goodbye(**h)
     if kind == "ack":
         return Ack(**h, stored_seqs=draw(st.lists(counts, max_size=20)), credits=draw(counts),
                    policy_version=draw(counts), credit_ledger=draw(counts),

@@ -16,6 +16,7 @@ from protocol import (
     NO_COMPLETE_VERSION,
     EngineInfo,
     Error,
+    Goodbye,
     GroupInfo,
     Heartbeat,
     Hello,
@@ -60,7 +61,7 @@ def test_members_register_get_announcements_and_report_loads(control) -> None:
         welcome = actor.receive()
         assert isinstance(welcome, MemberWelcome) and welcome.policy_version == 5
         [member] = plane.members()
-        assert plane.publication_wanted(5)  # 5 versions behind: it cannot contribute
+        assert plane.table.publication_wanted(5)  # 5 versions behind: it cannot contribute
         plane.announce(5, [(member, MANIFEST, GroupInfo(
             generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
             backend="gloo"))])
@@ -69,7 +70,7 @@ def test_members_register_get_announcements_and_report_loads(control) -> None:
         actor.send(WeightsLoaded, version=5, seconds=0.25)
         wait_until(lambda: plane.members()[0].version == 5, 5, "the member at version 5",
                    poll_s=0.05)
-        assert not plane.publication_wanted(5)
+        assert not plane.table.publication_wanted(5)
         # silent for longer than the liveness: no longer a member
         wait_until(lambda: not plane.members(), 5, "the silent member's expiry", poll_s=0.1)
         assert metrics.registry.get_sample_value("crl_learner_weight_members") == 0
@@ -163,20 +164,25 @@ def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(cont
         [in_lane] = plane.members()  # what a lane holds
         actor.send(Hello, engine=ENGINE, capacity=1, policy_version=3)  # a late retry
         assert isinstance(actor.receive(), MemberWelcome)
-        plane.delivered([in_lane], 5)
+        plane.table.delivered([in_lane], 5)
         assert [m.version for m in plane.members()] == [5]
 
-        plane.broken([in_lane])
+        plane.table.broken([in_lane])
+        # a suspect until it speaks: a publication neither waits for it nor is wanted for it
+        assert not plane.members() and not plane.table.publication_wanted(5)
+        actor.send(Heartbeat, active_rollouts=0, stall_seconds={}, credit_ledger=0,
+                   credits_seen=0)
+        wait_until(lambda: plane.members(), 5.0, "the member heard again", poll_s=0.02)
         assert plane.members()[0].version == NO_COMPLETE_VERSION
-        assert plane.publication_wanted(5)
-        plane.delivered([in_lane], 5)
-        assert not plane.publication_wanted(5)
+        assert plane.table.publication_wanted(5)
+        plane.table.delivered([in_lane], 5)
+        assert not plane.table.publication_wanted(5)
 
         actor.send(Hello, engine=ENGINE, capacity=1, policy_version=NO_COMPLETE_VERSION)
         assert isinstance(actor.receive(), MemberWelcome)
-        assert plane.publication_wanted(5)
-        plane.delivered([in_lane], 5)
-        assert not plane.publication_wanted(5)
+        assert plane.table.publication_wanted(5)
+        plane.table.delivered([in_lane], 5)
+        assert not plane.table.publication_wanted(5)
 
         # dropped (silent), then back as the same incarnation: the lane's
         # Member still names it
@@ -185,10 +191,13 @@ def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(cont
         assert isinstance(actor.receive(), MemberWelcome)
         [member] = plane.members()
         assert member is not in_lane
-        plane.broken([in_lane])
-        assert plane.publication_wanted(5)
-        plane.delivered([in_lane], 5)
-        assert member.version == 5 and not plane.publication_wanted(5)
+        plane.table.broken([in_lane])
+        actor.send(Heartbeat, active_rollouts=0, stall_seconds={}, credit_ledger=0,
+                   credits_seen=0)
+        wait_until(lambda: plane.table.publication_wanted(5), 5.0, "the member heard again",
+                   poll_s=0.02)
+        plane.table.delivered([in_lane], 5)
+        assert member.version == 5 and not plane.table.publication_wanted(5)
     finally:
         context.destroy(linger=0)
 
@@ -211,14 +220,14 @@ def test_a_late_joiner_within_the_staleness_bound_waits_only_if_told_to(
         assert isinstance(actor.receive(), MemberWelcome)
         [member] = plane.members()
         member.version = 3  # loaded version 3 (as its Hello said), one behind
-        assert plane.publication_wanted(4) is wanted_at_once
+        assert plane.table.publication_wanted(4) is wanted_at_once
         # once it has had an announcement it is no longer a late joiner
         plane.announce(4, [(member, MANIFEST, GroupInfo(
             generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
             backend="gloo"))])
-        assert not plane.publication_wanted(4)
+        assert not plane.table.publication_wanted(4)
         # past the staleness bound it cannot contribute: wanted, whatever the setting
-        assert plane.publication_wanted(3 + 2 + 1)
+        assert plane.table.publication_wanted(3 + 2 + 1)
     finally:
         context.destroy(linger=0)
         plane.close()
@@ -254,5 +263,25 @@ def test_a_member_that_reconnects_mid_publication_is_announced_to_again(control)
         plane.publication_ended()
         with pytest.raises(AssertionError, match="no reply"):
             reconnected().receive(timeout_ms=500)
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_member_that_says_goodbye_leaves_before_the_next_publication(control) -> None:
+    """Goodbye drops the member at once (the liveness here is 0.6 s; the
+    drop must come well before), so a generation still forming gives up on
+    it and the next publication is formed without it."""
+    plane, metrics, address = control
+    context = zmq.Context()
+    try:
+        staying, leaving = (ControlClient(context, address, name) for name in ("a", "b"))
+        for actor in (staying, leaving):
+            actor.send(Hello, engine=ENGINE, capacity=1, policy_version=0)
+            assert isinstance(actor.receive(), MemberWelcome)
+        assert [m.actor_id for m in plane.members()] == ["a", "b"]
+        leaving.send(Goodbye)
+        wait_until(lambda: [m.actor_id for m in plane.members()] == ["a"], 0.3,
+                   "the goodbye's drop", poll_s=0.01)
+        assert metrics.registry.get_sample_value("crl_learner_weight_members") == 1
     finally:
         context.destroy(linger=0)

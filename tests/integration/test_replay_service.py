@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import PROTOCOL_VERSION, Abandon, ErrorCode, Stamp, encode
+from protocol import PROTOCOL_VERSION, Abandon, ErrorCode, Goodbye, Stamp, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -297,6 +297,29 @@ def test_an_abandoned_rollout_is_dropped_once_and_its_credit_returned(replay: Re
         lambda: replay.metric("crl_replay_segments_total", result="duplicate") == 1)
     assert actor.errors == []
     assert actor.pump_until(lambda: replay.metric("crl_replay_rollouts", state="pending") == 0)
+
+
+def test_an_actor_that_says_goodbye_leaves_its_credits_to_the_others_at_once(
+        replay: ReplayThread) -> None:
+    """Goodbye ends the incarnation now, not after its heartbeats stop: the
+    rollout it left unfinished is dropped (abandoned), the credits it held
+    go to the actor that stays, and it is refused from then on."""
+    leaving, staying = (replay.actor(actor_id=name, capacity=4) for name in ("leaving", "staying"))
+    leaving.hello()
+    assert leaving.pump_until(lambda: leaving.credits == 4)  # the whole window: (S + 1) * B
+    staying.hello()
+    assert staying.pump_until(lambda: staying.registered)
+    assert staying.credits == 0
+    leaving.send_kept(synthetic_segment(leaving.stamp, "unfinished", 0, final=False))
+    assert leaving.pump_until(lambda: not leaving.unacked and leaving.acked)
+    leaving.send(Goodbye(**leaving.stamp.next()))
+    staying.heartbeat()  # its next message is answered with the freed credits
+    assert staying.pump_until(lambda: staying.credits == 4)
+    assert replay.metric("crl_replay_dropped_total", reason="abandoned") == 1
+    assert staying.pump_until(lambda: replay.metric("crl_replay_rollouts", state="pending") == 0)
+    leaving.heartbeat()
+    assert leaving.pump_until(lambda: leaving.errors)
+    assert leaving.errors[0].code == ErrorCode.DEAD_INCARNATION
 
 
 @pytest.mark.parametrize("replay", [{"heartbeat_liveness": 3}], indirect=True)

@@ -19,10 +19,12 @@ from protocol import (
     Message,
     ProtocolError,
     Segment,
+    Stamp,
     decode,
     encode,
 )
 from protocol.codec import HEADER_SCAN_OBJECTS, header_seq
+from protocol.synthetic import synthetic_hello
 from tests.strategies import KINDS, messages
 
 
@@ -241,3 +243,17 @@ def test_a_frame_cut_short_after_its_header_names_its_seq() -> None:
     assert header_seq(late) == 41
     far = msgspec.msgpack.encode({"pad": list(range(HEADER_SCAN_OBJECTS))} | header)
     assert header_seq(far) is None
+
+
+@pytest.mark.parametrize("address", ["localhost", ":9110", "host:0", "host:65536", "host:9x",
+                                     "a b:9110", "h" * 300 + ":1"],
+                         ids=["no-port", "no-host", "port-0", "port-high", "port-text",
+                              "space", "long"])
+def test_a_hello_s_metrics_address_must_be_host_and_port(address: str) -> None:
+    """The replay writes it into Prometheus's discovery file: what Prometheus
+    cannot read as a target is refused where it arrives."""
+    hello = synthetic_hello(Stamp("actor-1", 1))
+    with pytest.raises(ProtocolError) as info:
+        decode(_reencode(encode(hello), metrics_address=address))
+    assert info.value.code is ErrorCode.INVALID
+    assert decode(_reencode(encode(hello), metrics_address="10.0.0.5:9111")).metrics_address

@@ -156,9 +156,9 @@ def test_shares_fill_the_emptiest_actor_first_within_each_capacity(
     assert all(0 < shares[actor] <= room[actor] for actor in shares)
     filled = {actor: (outstanding + shares.get(actor, 0)) / capacity
               for actor, (capacity, outstanding) in actors.items()}
-    for actor, given in shares.items():
+    for actor, share in shares.items():
         capacity, outstanding = actors[actor]
-        before_last = (outstanding + given - 1) / capacity
+        before_last = (outstanding + share - 1) / capacity
         for other in actors:
             if other != actor and shares.get(other, 0) < room[other]:
                 assert before_last <= filled[other] + 1e-12, (actor, other)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from learner.control import Member
+from learner.members import Member
 from learner.publisher import plan_lanes, reason_to_give_up, weight_backend, wire_dtype
 from protocol import EngineInfo, WeightManifest
 from protocol.weights import (

@@ -1,0 +1,121 @@
+"""The learner's weight-group members and what a publication owes them.
+
+The control plane's thread (learner/control.py) adds and drops members as
+actors say hello, goodbye or fall silent; the training thread asks whom to
+publish to (:meth:`MemberTable.publishable`) and whether a publication is
+wanted now, and reports what each broadcast did. One lock guards the table
+for both threads.
+
+Usage::
+
+    table = MemberTable(max_staleness=2, late_joiner="immediate")
+    with table.lock:
+        table.by_id[member.actor_id] = member
+    table.publishable()
+    table.publication_wanted(version)
+    table.delivered(members, version)   # or table.broken(members)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from protocol import NO_COMPLETE_VERSION, EngineInfo, WeightsAnnounce
+
+
+@dataclass
+class Member:
+    """One registered actor incarnation."""
+
+    actor_id: str
+    incarnation: int
+    identity: bytes
+    """The connection it registered on (its routing id, drawn by the ROUTER)."""
+    token: bytes
+    """From its first ``Hello``: a ``Hello`` on another connection must carry it to move it."""
+    engine: EngineInfo
+    version: int
+    """Version of the weights it reported holding (Hello, then WeightsLoaded),
+    or that a successful broadcast delivered to it (its report may lag)."""
+    fresh: bool = True
+    """Joined after the last publication that included it."""
+    pending: WeightsAnnounce | None = None
+    """The announcement of the publication under way, until it ends: sent
+    again if the member says hello on a new connection meanwhile, since the
+    first may have been lost with the old one (else the broadcast would wait
+    its whole timeout for a member that never heard of it)."""
+    heard_at: float = 0.0
+    """When its last message arrived (``time.monotonic``)."""
+    broken_at: float | None = None
+    """When a broadcast to it failed midway, until it is heard from again."""
+
+    @property
+    def suspect(self) -> bool:
+        """A broadcast to it failed and it has not spoken since: it may have
+        died (a killed process says no goodbye). A publication does not wait
+        for it; a living member clears this within a heartbeat interval."""
+        return self.broken_at is not None and self.heard_at <= self.broken_at
+
+
+class MemberTable:
+    def __init__(self, max_staleness: int,
+                 late_joiner: Literal["immediate", "next_publication"]) -> None:
+        self.max_staleness = max_staleness
+        self.late_joiner = late_joiner
+        self.by_id: dict[str, Member] = {}
+        """The registered members, by actor id."""
+        self.lock = threading.Lock()
+
+    def publishable(self) -> list[Member]:
+        """The members a publication goes to, in a stable order (their
+        broadcast ranks follow it): every live member but the suspects."""
+        with self.lock:
+            return sorted((m for m in self.by_id.values() if not m.suspect),
+                          key=lambda m: m.actor_id)
+
+    def publication_wanted(self, version: int) -> bool:
+        """Whether a member needs weights now: its weights are a mix (a load
+        failed midway: its engine waits, paused), or older than the staleness
+        bound (it cannot contribute), or a late joiner asks for them at once."""
+        with self.lock:
+            for member in self.by_id.values():
+                if member.suspect:
+                    continue
+                if member.version == NO_COMPLETE_VERSION:
+                    return True
+                behind = version - member.version
+                if behind > self.max_staleness:
+                    return True
+                if behind > 0 and member.fresh and self.late_joiner == "immediate":
+                    return True
+        return False
+
+    def delivered(self, members: list[Member], version: int) -> None:
+        """A broadcast of ``version`` reached ``members``."""
+        with self.lock:
+            for member in self.current(members):
+                member.version = max(member.version, version)
+                member.broken_at = None
+
+    def broken(self, members: list[Member]) -> None:
+        """A broadcast to ``members`` failed midway: their engines hold a mix
+        of versions, paused, until a publication reaches them. The failure
+        does not say which member caused it, so each is a suspect until it
+        speaks again: a dead one is left out of the next publication at once,
+        not after its heartbeats are missed."""
+        now = time.monotonic()
+        with self.lock:
+            for member in self.current(members):
+                member.version = NO_COMPLETE_VERSION
+                member.broken_at = now
+
+    def current(self, members: list[Member]) -> list[Member]:
+        """The registered members of these incarnations (a lane keeps the
+        ``Member`` it was formed with; one that left and came back is another).
+        The caller holds the lock."""
+        current = [self.by_id.get(m.actor_id) for m in members]
+        return [c for c, m in zip(current, members, strict=True)
+                if c is not None and c.incarnation == m.incarnation]
