@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from protocol import EngineInfo, RolloutStats
-
-STALL_REASONS = ("weights", "credits", "summary")
+from protocol import STALL_REASONS, EngineInfo, RolloutStats
 
 
 class EngineMetrics(Collector):
@@ -38,6 +40,57 @@ class EngineMetrics(Collector):
             yield renamed
 
 
+class StallSeconds(Collector):
+    """``crl_actor_stall_seconds_total`` by reason, each wait counted from its
+    start: a scrape or a heartbeat in the middle of a wait sees the part
+    already waited. Counted only when a wait ended, the stall of a slot that
+    never got a credit would read 0, and a share of slot time made of it
+    would read low. Thread-safe: waits begin and end on the event loop,
+    scrapes read from the HTTP thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended = dict.fromkeys(STALL_REASONS, 0.0)
+        self._waiting: dict[int, tuple[str, float]] = {}
+        """Waits under way: (reason, monotonic start) by a number of their own."""
+        self._numbers = itertools.count()
+
+    def add(self, reason: str, seconds: float) -> None:
+        with self._lock:
+            self._ended[reason] += seconds
+
+    @contextmanager
+    def waiting(self, reason: str) -> Iterator[None]:
+        """Count the time spent inside as stall of ``reason``, from now on."""
+        number = next(self._numbers)
+        with self._lock:
+            self._waiting[number] = (reason, time.monotonic())
+        try:
+            yield
+        finally:
+            # one step under the lock: a reader never sees the wait in
+            # neither place, which would read as a counter going down
+            with self._lock:
+                _, began = self._waiting.pop(number)
+                self._ended[reason] += time.monotonic() - began
+
+    def totals(self) -> dict[str, float]:
+        """Cumulative stall by reason, the waits under way included."""
+        now = time.monotonic()
+        with self._lock:
+            totals = dict(self._ended)
+            for reason, began in self._waiting.values():
+                totals[reason] += now - began
+        return totals
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("crl_actor_stall_seconds", "Time episodes waited, by reason",
+                                     labels=["reason"])
+        for reason, seconds in self.totals().items():
+            family.add_metric([reason], seconds)
+        yield family
+
+
 class ActorMetrics:
     """One registry per actor, served on its metrics port (with vLLM's
     engine metrics: :class:`EngineMetrics`)."""
@@ -56,8 +109,8 @@ class ActorMetrics:
             "'summary', a Prometheus type)", registry=r)
         self.generated_tokens = Counter("crl_actor_generated_tokens",
                                         "Tokens generated (actions and summaries)", registry=r)
-        self.stall_seconds = Counter("crl_actor_stall_seconds",
-                                     "Time episodes waited, by reason", ["reason"], registry=r)
+        self.stall_seconds = StallSeconds()
+        r.register(self.stall_seconds)
         self.policy_version = Gauge("crl_actor_policy_version",
                                     "Policy version the engine generates with", registry=r)
         self.engine_info = Gauge("crl_actor_engine_info", "Engine of this actor (value 1)",
@@ -127,9 +180,6 @@ class ActorMetrics:
             "crl_actor_endpoint_sessions", "Harness sessions ended, by how (rewarded, "
             "abandoned: no call or reward within session_timeout_s, or the actor stopping)",
             ["end"], registry=r)
-        self._stall = dict.fromkeys(STALL_REASONS, 0.0)
-        for reason in STALL_REASONS:
-            self.stall_seconds.labels(reason)
 
     def set_engine(self, engine: EngineInfo) -> None:
         self.engine_info.labels(engine.device, engine.dtype, str(engine.tensor_parallel),
@@ -150,9 +200,9 @@ class ActorMetrics:
             self.tool_call_errors.labels(reason).inc(count)
 
     def stall(self, reason: str, seconds: float) -> None:
-        self._stall[reason] += seconds
-        self.stall_seconds.labels(reason).inc(seconds)
+        """A wait of ``seconds`` that is over (a weight load's pause, a summary)."""
+        self.stall_seconds.add(reason, seconds)
 
     def stall_totals(self) -> dict[str, float]:
-        """Cumulative stall by reason, as sent in heartbeats."""
-        return dict(self._stall)
+        """Cumulative stall by reason, waits under way included, as sent in heartbeats."""
+        return self.stall_seconds.totals()

@@ -69,7 +69,7 @@ from actors.recording_endpoint import EndpointError, RecordingEndpoint, serve_un
 from actors.replay_link import ReplayLink
 from actors.slots import EpisodeSlots, InFlight
 from actors.state import LearnerView
-from ops.metrics import Health, MetricsServer
+from ops.metrics import Health, MetricsServer, PortInUse, port_in_use
 from protocol import EngineInfo, Error, Heartbeat, ProtocolError, Stamp
 from protocol.endpoint import ClientEndpoint
 from protocol.messages import new_token
@@ -115,8 +115,12 @@ async def run_actor(settings: ActorSettings) -> int:
     """The actor process: start the engine, connect the links, run until
     SIGTERM; the exit code of :meth:`Actor.run`."""
     config = settings.actor
-    # fail fast, before the engine's slow start, if an episode cannot run
+    # fail fast, before the engine's slow start, if an episode cannot run or
+    # its metrics port is another process's
     await check_episode_setup(settings.model, config)
+    if settings.metrics_port and port_in_use(settings.transport.metrics_address,
+                                             settings.metrics_port):
+        raise PortInUse(settings.metrics_port, settings.transport.metrics_address)
     engine = await Engine.start(settings.model, config.engine, config.sampling,
                                 seed_offset=settings.index,
                                 weight_transfer=settings.learner_address is not None)

@@ -18,7 +18,6 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from actors.chat import ChatFormat
@@ -164,17 +163,15 @@ class EpisodeSlots:
 
     async def _take_credit(self) -> bool:
         """Wait for weights fresh enough and a credit, and spend it; False once
-        the actor is stopping."""
-        began = time.monotonic()
-        while not self.weights_fresh() and not self.stopping.is_set():
-            await self._until(self.weights.changed)
-        self.metrics.stall("weights", time.monotonic() - began)
-        began = time.monotonic()
+        the actor is stopping. Each wait counts as stall while it lasts."""
+        with self.metrics.stall_seconds.waiting("weights"):
+            while not self.weights_fresh() and not self.stopping.is_set():
+                await self._until(self.weights.changed)
         credits = self.replay_link.credits
-        while not self.stopping.is_set() and not credits.spend():
-            await self._until(credits.available)
+        with self.metrics.stall_seconds.waiting("credits"):
+            while not self.stopping.is_set() and not credits.spend():
+                await self._until(credits.available)
         self.metrics.credits_held.set(credits.credits)
-        self.metrics.stall("credits", time.monotonic() - began)
         return not self.stopping.is_set()
 
     async def _until(self, event: asyncio.Event) -> None:

@@ -1,16 +1,22 @@
 """The processes ``compactionrl up`` supervises: each child's start, stop and
-restart back-off (:class:`Child`), and the clean-up of what a dead child
-leaves behind (:func:`stop_leftovers`)."""
+restart back-off (:class:`Child`), the clean-up of what a dead child leaves
+behind (:func:`stop_leftovers`), and the Prometheus server that watches the
+run (:func:`start_prometheus`)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from deploy.config import ConfigError, JobConfig
+from ops.metrics import port_in_use
+from ops.observability import write_actor_targets, write_prometheus_files
 
 #: Seconds before restarting a process after its n-th consecutive crash.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -44,13 +50,15 @@ class Child:
     """Stopping signals only its direct children; it exits when they have
     (torchrun: signalled itself, it logs a ``SignalException`` traceback even
     when its ranks stop cleanly)."""
+    program: list[str] = field(default_factory=lambda: [sys.executable, "-m", "deploy.cli"])
+    """What ``args`` are given to: the ``compactionrl`` command line, or another program."""
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("a") as log:
             # own process group: stopping it stops the engine's and torchrun's children
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "deploy.cli", *self.args], stdout=log, stderr=log,
+                [*self.program, *self.args], stdout=log, stderr=log,
                 stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**os.environ, **self.env})
         if self.cores:  # set before it starts its own children, which inherit it
@@ -100,6 +108,45 @@ class Child:
                 pass
         signal_group(self.process.pid, signal.SIGKILL)  # stragglers of the group
         return self.process.wait()
+
+
+def start_prometheus(config: JobConfig, run_dir: Path) -> Child | None:
+    """Write the run's Prometheus configuration in ``RUN/prometheus`` and,
+    where ``observability.prometheus`` asks for it, start a server with it
+    (data in ``RUN/prometheus/data``) and say where it listens. The actor
+    list starts empty: the replay lists each actor as it registers, and an
+    earlier invocation's list would have Prometheus judge actors that are
+    gone. With ``"on"``, raises :class:`ConfigError` where none can start."""
+    folder = run_dir / "prometheus"
+    write_prometheus_files(folder, **config.observability_files(folder))
+    write_actor_targets(Path(config.replay.actor_targets_path), {}, config.run.name)
+    wanted, address = config.observability.prometheus, config.observability.prometheus_address
+    program = None if wanted == "off" else shutil.which("prometheus")
+    if program is None or _in_use(address):
+        why_not = ('observability.prometheus = "off"' if wanted == "off"
+                   else "no prometheus program is on PATH (deploy/observability/"
+                        "install-prometheus.sh installs Debian's)" if program is None
+                   else f"observability.prometheus_address {address} is in use")
+        if wanted == "on":
+            raise ConfigError([f'observability.prometheus = "on", but {why_not}: fix that, or '
+                               'set it to "auto" or "off"'])
+        print(f"prometheus: not started ({why_not}); this run's configuration for one: "
+              f"{folder / 'prometheus.yml'}", flush=True)
+        return None
+    child = Child("prometheus", [f"--config.file={folder / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={folder / 'data'}",
+                                 f"--web.listen-address={address}"],
+                  run_dir / "logs" / "prometheus.log", program=[program])
+    child.start()
+    print(f"prometheus: http://{address} (configuration {folder / 'prometheus.yml'}, log "
+          f"{child.log})", flush=True)
+    return child
+
+
+def _in_use(address: str) -> bool:
+    """Something listens on ``HOST:PORT``."""
+    host, _, port = address.rpartition(":")
+    return port_in_use(host.strip("[]"), int(port))
 
 
 def stop_leftovers(dead: int | None, keep: set[int]) -> list[int]:

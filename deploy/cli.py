@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 
 from deploy.config import ConfigError, describe_fields, load_config, to_toml
+from deploy.fleet import Fleet, parse_fleet
+from deploy.memory_plan import GIB
+from deploy.model_shapes import FAMILIES, ModelShape, shape_of
 from learner.config import LearnerConfig
 
 
@@ -227,17 +230,19 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from actors.preflight import check_episode_setup
     from deploy.device_plan import plan_devices
-    from deploy.placement import gpu_bytes, gpus_present
+    from deploy.placement import gpus_present
     from deploy.up import Up, prepare_model
 
     config = load_config(args.config, overrides)
-    gpus = args.gpus if args.gpus is not None else gpus_present()
-    gpu_bytes = (int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib is not None
-                 else None if args.gpus is not None else gpu_bytes())
-    plan = plan_devices(config, gpus, gpu_bytes)
+    if args.fleet and (args.gpus is not None or args.gpu_memory_gib is not None):
+        print("compactionrl: --fleet gives the GPUs and their sizes: leave out --gpus and "
+              "--gpu-memory-gib", file=sys.stderr)
+        return 2
+    plan = plan_devices(config, _planned_fleet(args), args.model_shape)
     if args.plan:  # starts nothing
         # this machine's plan counts within up's own CUDA_VISIBLE_DEVICES; a preview's, not
-        inherited = os.environ.get("CUDA_VISIBLE_DEVICES") if args.gpus is None else None
+        inherited = (os.environ.get("CUDA_VISIBLE_DEVICES")
+                     if args.gpus is None and not args.fleet else None)
         if args.json:
             print(json.dumps(plan.to_json(inherited)))
         else:
@@ -245,9 +250,9 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
         for problem in plan.problems:
             print(f"compactionrl: refused: {problem}", file=sys.stderr)
         return 2 if plan.problems else 0
-    if args.gpus is not None and args.gpus != gpus_present():
-        print("compactionrl: --gpus only previews a plan (with --plan); up uses the GPUs "
-              "present", file=sys.stderr)
+    if args.fleet or (args.gpus is not None and args.gpus != gpus_present()):
+        print("compactionrl: --gpus or --fleet only previews a plan (with --plan); up uses the "
+              "GPUs present", file=sys.stderr)
         return 2
     if plan.problems:  # before the model is bootstrapped
         raise ConfigError(list(plan.problems))
@@ -266,6 +271,50 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
               plan=plan).run()
 
 
+def _planned_fleet(args: argparse.Namespace) -> Fleet:
+    """The GPUs ``up`` plans for: ``--fleet``, or ``--gpus N`` of
+    ``--gpu-memory-gib G`` (size unknown without it), or this machine's."""
+    from deploy.placement import gpu_bytes, gpus_present
+
+    if args.fleet:
+        return args.fleet
+    count = args.gpus if args.gpus is not None else gpus_present()
+    size = (int(args.gpu_memory_gib * GIB) if args.gpu_memory_gib is not None
+            else None if args.gpus is not None else gpu_bytes())
+    return Fleet.uniform(count, size)
+
+
+def _fleet_argument(text: str) -> Fleet:
+    """``--fleet``'s value; argparse prints the message of a wrong one."""
+    try:
+        return parse_fleet(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _gib_argument(text: str) -> float:
+    """``--gpu-memory-gib``'s one size; several point to ``--fleet``."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not one size in GiB (e.g. 79.6); GPUs of several types: --fleet "
+            "NAME=COUNTxGIB,... (e.g. h100=8x79.6,a100-40=8x39.4)") from None
+
+
+def _shape_argument(text: str) -> ModelShape:
+    """``--model-shape``'s value: a config.json, its folder, or a known family."""
+    try:
+        shape = shape_of(text)
+    except (OSError, ValueError, KeyError) as exc:
+        raise argparse.ArgumentTypeError(f"{text}: not a model's config.json ({exc!r})") from exc
+    if shape is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a config.json, a folder holding one, nor a known family "
+            f"({', '.join(FAMILIES)})")
+    return shape
+
+
 def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     from deploy.up import status
 
@@ -279,10 +328,25 @@ def _cmd_dashboards_export(args: argparse.Namespace, overrides: list[str]) -> in
     from ops.observability import write_dashboards, write_files
 
     config = load_config(args.config, overrides)
-    written = (write_files(Path(args.dir), **config.observability()) if args.all
-               else write_dashboards(Path(args.dir)))
+    out = Path(args.dir)
+    written = (write_files(out, **config.observability_files(out)) if args.all
+               else write_dashboards(out))
     for path in written:
         print(path)
+    return 0
+
+
+def _cmd_dashboards_promql(args: argparse.Namespace, overrides: list[str]) -> int:
+    from ops.observability import alert_rules, panel_queries
+
+    thresholds = load_config(args.config, overrides).alert_thresholds()
+    for where, series in panel_queries(args.run, args.range).items():
+        print(where)
+        for legend, expr in series:
+            print(f"  {legend}: {expr}")
+    print("Alerts (the thresholds of --config's run)")
+    for rule in alert_rules(thresholds)["groups"][0]["rules"]:
+        print(f"  {rule['alert']} (for {rule['for']}): {rule['expr']}")
     return 0
 
 
@@ -405,9 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "and start nothing (exit 2 if the plan is refused)")
     up.add_argument("--gpus", type=int, default=None, metavar="N",
                     help="with --plan: plan for a machine with N GPUs (default: this one's)")
-    up.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+    up.add_argument("--gpu-memory-gib", type=_gib_argument, default=None, metavar="G",
                     help="with --plan: each GPU's memory, for the memory arithmetic "
                          "(default: this machine's; an H100 80GB reports 79.6)")
+    up.add_argument("--fleet", type=_fleet_argument, default=None,
+                    metavar="NAME=COUNTxGIB[,...]",
+                    help="with --plan: plan for GPUs of several types, each a count of one "
+                         "size in GiB, indices counting across them in this order, e.g. "
+                         "h100=8x79.6,a100-40=8x39.4 (instead of --gpus and --gpu-memory-gib)")
+    up.add_argument("--model-shape", type=_shape_argument, default=None,
+                    metavar="CONFIG_JSON|FAMILY",
+                    help="with --plan: the model's shape for the memory arithmetic, without "
+                         "its weights: a config.json, a folder holding one, or a family ("
+                         + ", ".join(FAMILIES) + "; default: run.model's config.json)")
     up.add_argument("--json", action="store_true", help="with --plan: one JSON object")
     up.set_defaults(handler=_cmd_up)
 
@@ -424,9 +498,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--all", action="store_true",
                         help="also the Prometheus config, alert rules and Grafana provisioning "
                              "(what deploy/observability holds), for the run's --config: its "
-                             "metrics ports and its alert thresholds (staleness bound)")
+                             "metrics ports, its alert thresholds (staleness bound) and its "
+                             "actors, those listed in RUN/prometheus/actor-targets.json as "
+                             "they register (named relative to DIR)")
     _config_args(export)
     export.set_defaults(handler=_cmd_dashboards_export)
+    promql = boards_sub.add_parser(
+        "promql", help="print each panel's queries as plain PromQL (for Prometheus's own UI "
+                       "or API: Grafana's variables filled in), then the alert rules")
+    promql.add_argument("--run", default=None, metavar="NAME",
+                        help="the run's name (run.name, the run label; default: every run)")
+    promql.add_argument("--range", default="1m", metavar="DURATION",
+                        help="the rates' window, in place of Grafana's $__rate_interval")
+    _config_args(promql)
+    promql.set_defaults(handler=_cmd_dashboards_promql)
     push = boards_sub.add_parser("push", help="upload the dashboards through Grafana's HTTP API")
     push.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
     push.add_argument("--token", required=True, help="a service-account token")
@@ -479,10 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     from actors.envs.base import EnvironmentLoadError
     from actors.preflight import SetupError
+    from ops.metrics import PortInUse
 
     try:
         return args.handler(args, overrides)
-    except (ConfigError, EnvironmentLoadError, SetupError, FileNotFoundError) as exc:
+    except (ConfigError, EnvironmentLoadError, SetupError, FileNotFoundError, PortInUse) as exc:
         print(f"compactionrl: {exc}", file=sys.stderr)
         return 2
 

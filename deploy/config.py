@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 import types
 import typing
@@ -29,6 +30,7 @@ from typing import Any, Literal
 from actors.config import ActorConfig, read_model_config
 from deploy.device_rules import static_device_problems
 from learner.config import LearnerConfig, TrackingConfig
+from ops.observability import ACTOR_TARGETS_FILE, AlertThresholds
 from protocol.schema import attribute_docs
 from protocol.transport import TransportConfig, bound_endpoint, is_loopback, listen_address
 from replay.config import ReplayConfig
@@ -68,6 +70,31 @@ class RunConfig:
 
 
 @dataclass
+class ObservabilityConfig:
+    """Prometheus beside ``compactionrl up``. Every run folder gets the
+    configuration (``RUN/prometheus/prometheus.yml`` and ``alerts.yml``); its
+    actors are the ones the replay lists as they register and leave
+    (``RUN/prometheus/actor-targets.json``)."""
+
+    prometheus: Literal["auto", "on", "off"] = "auto"
+    """Whether `compactionrl up` starts a Prometheus server with the run's
+    configuration (its data in RUN/prometheus/data), stopped with the run:
+    "auto" where a `prometheus` program is on PATH
+    (deploy/observability/install-prometheus.sh installs Debian's) and
+    prometheus_address is free, "on" always (up refuses to start where it
+    cannot), "off" never."""
+    prometheus_address: str = "127.0.0.1:9090"
+    """HOST:PORT that server listens on: its web UI, and the API Grafana reads."""
+
+    def validate(self, section: str = "observability") -> list[str]:
+        host, _, port = self.prometheus_address.rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return []
+        return [f"{section}.prometheus_address = {self.prometheus_address!r}: expected "
+                "HOST:PORT, e.g. 127.0.0.1:9090"]
+
+
+@dataclass
 class JobConfig:
     """The whole tree, one section per component."""
 
@@ -78,23 +105,29 @@ class JobConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
-    def observability(self) -> dict[str, Any]:
-        """``ops.observability.write_files``' arguments for this run: its
-        metrics ports and the alert thresholds its config implies."""
-        from ops.observability import AlertThresholds
-
+    def observability_files(self, out: Path) -> dict[str, Any]:
+        """``ops.observability.write_files``' arguments for files written in
+        ``out``: this run's metrics ports, the actors' targets file its replay
+        keeps (named relative to ``out``, so that a checked-in configuration
+        holds no machine's absolute path), and the alert thresholds its
+        config implies."""
         return {"replay_port": self.replay.metrics_port,
                 "learner_port": self.learner.metrics_port,
-                "actor_ports": tuple(self.actors.metrics_port + i
-                                     for i in range(max(self.actors.count, 1))),
-                "thresholds": AlertThresholds(max_staleness=self.replay.max_staleness),
-                "run": self.run.name}
+                "actor_targets": os.path.relpath(self.replay.actor_targets_path, out),
+                "thresholds": self.alert_thresholds(), "run": self.run.name}
+
+    def alert_thresholds(self) -> AlertThresholds:
+        """What the alerts judge this run against (its staleness bound)."""
+        return AlertThresholds(max_staleness=self.replay.max_staleness,
+                               stale_grace=self.replay.stale_grace)
 
     def validate(self) -> list[str]:
         problems = (self.actors.validate("actors") + self.replay.validate("replay")
                     + self.learner.validate("learner") + self.transport.validate("transport")
-                    + self.bootstrap.validate("bootstrap") + self.tracking.validate("tracking"))
+                    + self.bootstrap.validate("bootstrap") + self.tracking.validate("tracking")
+                    + self.observability.validate("observability"))
         # Pacing deadlocks if the buffer cannot hold the rollouts the learner
         # waits for: (S + 1) * B of the largest possible size.
         largest = max_rollout_bytes(self.actors)
@@ -228,6 +261,9 @@ def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -
     if not config.replay.log_path:  # the run's own: one shared by runs mixes their rollouts
         config.replay.log_path = str(Path(config.run.out_dir) / config.run.name / "replay"
                                      / "segments.log")
+    if not config.replay.actor_targets_path:  # what the run's prometheus.yml reads
+        config.replay.actor_targets_path = str(Path(config.run.out_dir) / config.run.name
+                                               / ACTOR_TARGETS_FILE)
     # Fields that failed to convert kept their defaults, so the coherence
     # checks still run and every problem is reported at once.
     problems += config.validate()

@@ -1,11 +1,14 @@
 """Which GPUs each process of ``compactionrl up`` gets, and how weights travel.
 
-:func:`plan_devices` is plain arithmetic on the configuration and the number
-of GPUs present (``up`` asks ``torch.cuda.device_count()``; ``up --plan
---gpus N`` previews a machine with N): the learner's GPUs (``learner.gpus``,
-or the first ``learner.nproc``), each actor's (``actors.gpus``, or the GPUs
-after the learner's, ``actors.engine.tensor_parallel`` each), the weight
-transport ``learner.weight_transport = "auto"`` stands for, each engine's
+:func:`plan_devices` is plain arithmetic on the configuration and the GPUs:
+a count (``up`` asks ``torch.cuda.device_count()``; ``up --plan --gpus N``
+previews a machine with N) or a fleet of several types
+(:mod:`deploy.fleet`; ``up --plan --fleet h100=8x79.6,a100-40=8x39.4``).
+It decides the learner's GPUs (``learner.gpus``, or ``learner.nproc`` of
+one type: the largest where a rank fits), each actor's (``actors.gpus``,
+or the GPUs left after the learner's, in the fleet's order,
+``actors.engine.tensor_parallel`` of one type each), the weight transport
+``learner.weight_transport = "auto"`` stands for, each engine's
 ``gpu_memory_utilization`` and the order of the starts. Every child gets its
 GPUs as ``CUDA_VISIBLE_DEVICES``: without it, every process lands on GPU 0.
 
@@ -16,14 +19,16 @@ ranks of one group on one device), the engine takes what the learner leaves
 free memory while it starts and fails if another process allocates or frees
 meanwhile.
 
-A plan that cannot work is refused with every reason, each naming the fix
-(``DevicePlan.problems``); those that need no count of GPUs are
+Where the GPUs' sizes and the model's shape are known, each process's
+memory is sized (:mod:`deploy.memory_plan`). A plan that cannot work is
+refused with every reason, each naming the fixes the configuration does not
+have yet (``DevicePlan.problems``); those that need no count of GPUs are
 :func:`deploy.device_rules.static_device_problems`, checked when the
 configuration loads.
 
 Usage::
 
-    plan = plan_devices(config, gpus_present=8)
+    plan = plan_devices(config, 8)  # or parse_fleet("h100=8x79.6,a100-40=8x39.4")
     if plan.problems: ...
     plan.process("actor-0").env(os.environ.get("CUDA_VISIBLE_DEVICES"))
     print(plan.table())
@@ -32,19 +37,24 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 from deploy.device_rules import join_ids, static_device_problems, two_nccl_ranks
+from deploy.fleet import Fleet, GpuType
 from deploy.memory_plan import (
     GIB,
-    ModelShape,
+    EngineMemory,
+    Fix,
+    LearnerRankMemory,
+    Ranks,
     engine_memory,
-    learner_rank_memory,
-    memory_problems,
-    pass_tokens,
+    engine_memory_problems,
+    learner_memory_problems,
+    learner_need,
 )
-from learner.config import SHARED_GPU_RANKS_ENV, memory_switches
+from deploy.model_shapes import ModelShape
+from learner.config import SHARED_GPU_RANKS_ENV
 from protocol.transport import bound_endpoint
 
 if TYPE_CHECKING:
@@ -76,9 +86,14 @@ class ProcessPlan:
     shared_ranks: tuple[int, ...] = ()
     """Learner: its local ranks whose GPU an engine shares (co-location);
     each caps its allocator at ``learner.gpu_memory_fraction``."""
-    memory: str = ""
-    """What it needs of its GPU (:mod:`deploy.memory_plan`); empty on the CPU
+    gpu_type: str = ""
+    """The fleet's type of its GPUs (:mod:`deploy.fleet`); empty on the CPU."""
+    memory: LearnerRankMemory | EngineMemory | None = None
+    """What it needs of each GPU (:mod:`deploy.memory_plan`); None on the CPU
     or where the model's shape or the GPUs' size is unknown."""
+    memory_budget: int = 0
+    """Bytes of each GPU it may use: a learner rank's GPU (its
+    ``learner.gpu_memory_fraction`` of a shared one), an engine's share."""
 
     def env(self, inherited: str | None = None) -> dict[str, str]:
         """Its ``CUDA_VISIBLE_DEVICES`` (nothing on the CPU), and for a
@@ -93,12 +108,29 @@ class ProcessPlan:
             env[SHARED_GPU_RANKS_ENV] = ",".join(str(rank) for rank in self.shared_ranks)
         return env
 
+    def describe_memory(self) -> str:
+        """Its memory as ``up --plan`` prints it; empty where not sized."""
+        if isinstance(self.memory, LearnerRankMemory):
+            return f"{self.memory.describe()} (of {self.memory_budget / GIB:.1f} GiB)"
+        return self.memory.describe() if self.memory else ""
+
+    def to_json(self, inherited: str | None = None) -> dict[str, Any]:
+        """Its part of ``up --plan --json``: memory in bytes, as numbers."""
+        memory = (None if self.memory is None
+                  else {**self.memory.to_json(), "budget_bytes": self.memory_budget})
+        return {"name": self.name, "devices": list(self.devices), "gpu_type": self.gpu_type,
+                "parallel": self.parallel, "ports": list(self.ports),
+                "weight_transport": self.weight_transport,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "waits_for": list(self.waits_for), "shared_ranks": list(self.shared_ranks),
+                "memory": memory, "env": self.env(inherited)}
+
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """Every process of the run on this machine; ``problems`` non-empty: refused."""
+    """Every process of the run on its GPUs; ``problems`` non-empty: refused."""
 
-    gpus_present: int
+    fleet: Fleet
     weight_transport: Transport
     processes: tuple[ProcessPlan, ...]
     problems: tuple[str, ...] = ()
@@ -106,42 +138,101 @@ class DevicePlan:
     """Actors whose engine shares a GPU with a learner rank."""
     memory_note: str = ""
     """Why the memory arithmetic was not done, where it was not."""
+    shape: ModelShape | None = None
+    """The model's shape the memory was sized for."""
+    unplaced: tuple[str, ...] = ()
+    """Processes that need GPUs and got none: the plan refuses them."""
+
+    @property
+    def gpus_present(self) -> int:
+        return self.fleet.size
 
     def process(self, name: str) -> ProcessPlan:
         return next(p for p in self.processes if p.name == name)
 
-    def to_json(self, inherited: str | None = None) -> dict:
+    def lanes(self) -> list[tuple[GpuType, list[str], int]]:
+        """Per GPU type: the processes on it, and its GPUs left free."""
+        lanes = []
+        for gpu_type in self.fleet.types:
+            own = set(self.fleet.indices(gpu_type))
+            on = [p for p in self.processes if own & set(p.devices)]
+            used = own & {d for p in on for d in p.devices}
+            lanes.append((gpu_type, [p.name for p in on], len(own - used)))
+        return lanes
+
+    def to_json(self, inherited: str | None = None) -> dict[str, Any]:
         """What ``up --plan --json`` prints; ``inherited`` as in :meth:`ProcessPlan.env`."""
-        return {"gpus_present": self.gpus_present, "weight_transport": self.weight_transport,
+        return {"gpus_present": self.gpus_present, "fleet": self.fleet.to_json(),
+                "weight_transport": self.weight_transport,
                 "colocated": list(self.colocated), "problems": list(self.problems),
                 "memory_note": self.memory_note,
-                "processes": [{**asdict(p), "devices": list(p.devices), "ports": list(p.ports),
-                               "waits_for": list(p.waits_for), "env": p.env(inherited)}
-                              for p in self.processes]}
+                "model_shape": self.shape.source if self.shape else None,
+                "lanes": [{"gpu_type": t.name, "processes": names, "free": free}
+                          for t, names, free in self.lanes()],
+                "unplaced": list(self.unplaced),
+                "processes": [p.to_json(inherited) for p in self.processes]}
 
     def table(self, inherited: str | None = None) -> str:
         """The plan as ``up --plan`` prints it."""
-        where = f"{self.gpus_present} GPU{'s' if self.gpus_present != 1 else ''}"
+        where = (self.fleet.describe() if self.fleet.named
+                 else f"{self.gpus_present} GPU{'s' if self.gpus_present != 1 else ''}")
         head = (f"device plan for {where}: weights over {self.weight_transport}"
                 + (f"; co-located: {', '.join(self.colocated)}" if self.colocated else ""))
-        rows = [("process", "CUDA_VISIBLE_DEVICES", "parallel", "ports", "weights",
-                 "gpu memory", "starts")]
-        for p in self.processes:
-            parallel = (f"{p.parallel} rank{'s' if p.parallel != 1 else ''}" if p.name == "learner"
-                        else f"TP {p.parallel}" if p.name.startswith("actor") else "-")
-            rows.append((p.name, p.env(inherited).get("CUDA_VISIBLE_DEVICES", "- (CPU)"),
-                         parallel,
-                         " ".join(map(str, p.ports)) or "-", p.weight_transport or "-",
-                         "-" if p.gpu_memory_utilization is None
-                         else f"{p.gpu_memory_utilization:.2f}",
-                         f"after {', '.join(p.waits_for)} ready" if p.waits_for else "first"))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-                 .rstrip() for row in rows]
-        memory = [f"memory, {p.name}: {p.memory}" for p in self.processes if p.memory]
+        lanes = [f"lane {t.describe()}: {_span(names) or 'nothing'}; {free} free"
+                 for t, names, free in self.lanes()] if self.fleet.named else []
+        rows = [_row(p, inherited) for p in self.processes if p.name not in self.unplaced]
+        unplaced = ([f"not placed: {_span(list(self.unplaced))}, for want of GPUs: the plan is "
+                     "refused (below)"] if self.unplaced else [])
+        memory = [f"memory, {_span(names)}{f' on {gpu_type}' if self.fleet.named else ''}: {text}"
+                  for names, gpu_type, text in _groups(self.processes)]
         if self.memory_note:
             memory.append(f"memory: {self.memory_note}")
-        return "\n".join([head, *lines, *memory])
+        if self.shape is not None:
+            memory.append(f"memory sized for {self.shape.source}")
+        return "\n".join([head, *lanes, *_aligned(rows), *unplaced, *memory])
+
+
+def _row(p: ProcessPlan, inherited: str | None) -> tuple[str, ...]:
+    """A process's row of the plan's table."""
+    parallel = (f"{p.parallel} rank{'s' if p.parallel != 1 else ''}" if p.name == "learner"
+                else f"TP {p.parallel}" if p.name.startswith("actor") else "-")
+    return (p.name, p.env(inherited).get("CUDA_VISIBLE_DEVICES", "- (CPU)"), parallel,
+            " ".join(map(str, p.ports)) or "-", p.weight_transport or "-",
+            "-" if p.gpu_memory_utilization is None else f"{p.gpu_memory_utilization:.2f}",
+            f"after {', '.join(p.waits_for)} ready" if p.waits_for else "first")
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """The table's lines under its header, in columns."""
+    rows = [("process", "CUDA_VISIBLE_DEVICES", "parallel", "ports", "weights", "gpu memory",
+             "starts"), *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+            .rstrip() for row in rows]
+
+
+def _groups(processes: Sequence[ProcessPlan]) -> list[tuple[list[str], str, str]]:
+    """(names, GPU type, memory) of each run of processes whose memory reads
+    the same: eight actors of one type are one line."""
+    groups: list[tuple[list[str], str, str]] = []
+    for p in processes:
+        text = p.describe_memory()
+        if not text:
+            continue
+        if groups and groups[-1][1:] == (p.gpu_type, text):
+            groups[-1][0].append(p.name)
+        else:
+            groups.append(([p.name], p.gpu_type, text))
+    return groups
+
+
+def _span(names: list[str]) -> str:
+    """The names, a run of three or more consecutive actors as ``actor-0 to actor-7``."""
+    actors = [n for n in names if n.startswith("actor-")]
+    rest = [n for n in names if not n.startswith("actor-")]
+    numbers = [int(n.removeprefix("actor-")) for n in actors]
+    run = len(actors) > 2 and numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    return ", ".join([*rest, f"{actors[0]} to {actors[-1]}"] if run else [*rest, *actors])
 
 
 def cuda_visible_devices(devices: Sequence[int], inherited: str | None = None) -> str:
@@ -152,28 +243,36 @@ def cuda_visible_devices(devices: Sequence[int], inherited: str | None = None) -
     return ",".join(visible[d] if visible else str(d) for d in devices)
 
 
-def plan_devices(config: JobConfig, gpus_present: int, gpu_bytes: int | None = None
+def plan_devices(config: JobConfig, gpus: int | Fleet, shape: ModelShape | None = None
                  ) -> DevicePlan:
-    """The plan of ``compactionrl up`` for ``config`` on a machine with
-    ``gpus_present`` GPUs (0: the CPU plan, as today: gloo, no
-    CUDA_VISIBLE_DEVICES, core pinning left to ``up``) of ``gpu_bytes``
-    each (None: unknown, memory not checked)."""
+    """The plan of ``compactionrl up`` for ``config`` on ``gpus``: a count of
+    GPUs of unknown size (0: the CPU plan, as today: gloo, no
+    CUDA_VISIBLE_DEVICES, core pinning left to ``up``), or a fleet whose
+    types give each GPU's size. ``shape``: the model's (None: from
+    run.model's config.json, where it is on this machine)."""
+    fleet = gpus if isinstance(gpus, Fleet) else Fleet.uniform(gpus)
     learner, actors = config.learner, config.actors
-    problems = static_device_problems(learner, actors) + _machine_problems(config, gpus_present)
-    learner_on_gpu = gpus_present > 0 and learner.device != "cpu"
-    learner_gpus = _learner_gpus(learner, learner_on_gpu, gpus_present, problems)
-    actor_gpus = _actor_gpus(actors, gpus_present, learner_gpus, problems)
+    shape = shape or ModelShape.of(config.run.model)
+    problems = static_device_problems(learner, actors) + _machine_problems(config, fleet.size)
+    learner_on_gpu = fleet.size > 0 and learner.device != "cpu"
+    need = (learner_need(shape, learner, actors, config.replay).total
+            if shape and learner_on_gpu else None)
+    learner_gpus = _learner_gpus(learner, learner_on_gpu, fleet, need, problems)
+    actor_gpus = _actor_gpus(actors, fleet, learner_gpus, problems)
+    problems += _spanning_problems(fleet, learner_gpus, actor_gpus)
     learner_set = set(learner_gpus)
     colocated = [i for i, gpus in enumerate(actor_gpus) if learner_set & set(gpus)]
     transport = _transport(learner, actors, learner_on_gpu, learner_gpus, actor_gpus, colocated,
                            problems)
-    memory = _memory(config, learner_on_gpu, gpu_bytes, bool(colocated), problems)
-    processes = _processes(config, learner_gpus, actor_gpus, colocated, transport, memory)
+    processes = _processes(config, fleet, learner_gpus, actor_gpus, colocated, transport)
+    processes, note = _sized(config, fleet, shape, processes, problems)
     if colocated and not actors.metrics_port:
         problems.append("co-location starts the learner once the engine answers on its metrics "
                         "port, and actors.metrics_port = 0 turns it off: set actors.metrics_port")
-    return DevicePlan(gpus_present, transport, processes, tuple(problems),
-                      tuple(f"actor-{i}" for i in colocated), memory.note)
+    unplaced = tuple(f"actor-{i}" for i, gpus in enumerate(actor_gpus) if fleet.size and not gpus)
+    return DevicePlan(fleet, transport, processes, tuple(problems),
+                      tuple(f"actor-{i}" for i in colocated), note,
+                      shape if any(p.memory for p in processes) else None, unplaced)
 
 
 def _machine_problems(config: JobConfig, gpus_present: int) -> list[str]:
@@ -199,51 +298,85 @@ def _machine_problems(config: JobConfig, gpus_present: int) -> list[str]:
     return problems
 
 
-def _learner_gpus(learner: LearnerConfig, on_gpu: bool, gpus_present: int,
+def _learner_gpus(learner: LearnerConfig, on_gpu: bool, fleet: Fleet, need: int | None,
                   problems: list[str]) -> tuple[int, ...]:
-    """The learner's GPUs: listed, or the first ``nproc``; none on the CPU."""
+    """The learner's GPUs: listed, or ``nproc`` of one type (the largest
+    whose GPUs hold a rank's ``need``, or the largest where none does: the
+    memory check refuses it there); none on the CPU."""
     if not on_gpu:
         return ()
-    if not learner.gpus and learner.nproc > gpus_present:
-        problems.append(f"learner.nproc = {learner.nproc} ranks need a GPU each; this "
-                        f"machine has {gpus_present}: lower learner.nproc")
-    return tuple(learner.gpus) or tuple(range(min(learner.nproc, gpus_present)))
+    if learner.gpus:
+        return tuple(learner.gpus)
+    enough = [t for t in fleet.types if t.count >= learner.nproc]
+    fitting = [t for t in enough if need is None or not t.memory_bytes or need <= t.memory_bytes]
+    home = max(fitting or enough, key=lambda t: t.memory_bytes or 0, default=None)
+    if home is None:
+        home = max(fleet.types, key=lambda t: t.count)
+        where = (f"this machine has {fleet.size}" if len(fleet.types) == 1 else
+                 f"the fleet's largest type has {home.count} ({home.name}), and a learner's "
+                 "ranks share one type")
+        problems.append(f"learner.nproc = {learner.nproc} ranks need a GPU each; {where}: "
+                        "lower learner.nproc")
+    return tuple(fleet.indices(home)[:learner.nproc])
 
 
-def _actor_gpus(actors: ActorConfig, gpus_present: int, learner_gpus: tuple[int, ...],
+def _actor_gpus(actors: ActorConfig, fleet: Fleet, learner_gpus: tuple[int, ...],
                 problems: list[str]) -> list[tuple[int, ...]]:
-    """Each actor's GPUs (``tensor_parallel`` each): listed, or the GPUs
-    after the learner's, or the learner's first for one actor where no GPU
-    is left (co-location); none on the CPU."""
+    """Each actor's GPUs (``tensor_parallel`` of one type each): listed, or
+    the GPUs left after the learner's in the fleet's order, or the learner's
+    first for one actor where no GPU is left (co-location); none on the CPU."""
     tp = max(1, actors.engine.tensor_parallel)
     none: list[tuple[int, ...]] = [() for _ in range(actors.count)]
-    if not gpus_present or not actors.count:
+    if not fleet.size or not actors.count:
         return none
     if actors.gpus:  # a list of the wrong length was refused before
         return ([tuple(actors.gpus[i * tp:(i + 1) * tp]) for i in range(actors.count)]
                 if len(actors.gpus) == actors.count * tp else none)
-    free = [g for g in range(gpus_present) if g not in learner_gpus]
-    needed = actors.count * tp
-    if len(free) >= needed:
-        return [tuple(free[i * tp:(i + 1) * tp]) for i in range(actors.count)]
-    if not free and actors.count == 1 and tp == 1 and learner_gpus:
+    free = [[g for g in fleet.indices(t) if g not in learner_gpus] for t in fleet.types]
+    engines = [tuple(gpus[i * tp:(i + 1) * tp]) for gpus in free for i in range(len(gpus) // tp)]
+    if len(engines) >= actors.count:
+        return engines[:actors.count]
+    left = sum(map(len, free))
+    if not left and actors.count == 1 and tp == 1 and learner_gpus:
         return [(learner_gpus[0],)]  # one GPU for both: co-location
     problems.append(
         f"actors.count = {actors.count} engines of actors.engine.tensor_parallel = "
-        f"{tp} need {needed} GPUs besides the learner's {len(learner_gpus)}; this "
-        f"machine has {len(free)} left of {gpus_present}: lower actors.count or "
+        f"{tp} need {actors.count * tp} GPUs besides the learner's {len(learner_gpus)}"
+        + (" (an engine's of one type)" if len(fleet.types) > 1 else "")
+        + f"; this machine has {left} left of {fleet.size}: lower actors.count or "
         "learner.nproc, or list actors.gpus (an actor on learner rank 0's GPU "
         "shares it: co-location)")
     return none
 
 
-def _processes(config: JobConfig, learner_gpus: tuple[int, ...],
-               actor_gpus: list[tuple[int, ...]], colocated: list[int], transport: Transport,
-               memory: _Memory) -> tuple[ProcessPlan, ...]:
-    """The replay's, the learner's and each actor's plan."""
+def _spanning_problems(fleet: Fleet, learner_gpus: tuple[int, ...],
+                       actor_gpus: list[tuple[int, ...]]) -> list[str]:
+    """Listed GPUs of two types under one process: FSDP2 gives each rank an
+    equal shard and tensor parallel each GPU an equal slice, so the smaller
+    type would bound them all, and the slower pace them."""
+    problems = []
+    for name, gpus in (("the learner", learner_gpus),
+                       *((f"actor {i}", gpus) for i, gpus in enumerate(actor_gpus))):
+        types = fleet.types_of(gpus)
+        if len(types) > 1:
+            problems.append(f"{name}'s GPUs {join_ids(gpus)} are of types "
+                            f"{' and '.join(t.name for t in types)}: each rank or engine slice "
+                            "gets an equal share, bounded by the smaller: list GPUs of one type "
+                            "(learner.gpus, actors.gpus)")
+    return problems
+
+
+def _processes(config: JobConfig, fleet: Fleet, learner_gpus: tuple[int, ...],
+               actor_gpus: list[tuple[int, ...]], colocated: list[int], transport: Transport
+               ) -> tuple[ProcessPlan, ...]:
+    """The replay's, the learner's and each actor's plan, not yet sized."""
     learner, actors, engine = config.learner, config.actors, config.actors.engine
     # the engine on a shared GPU takes what the learner leaves
     shared_share = round(1.0 - learner.gpu_memory_fraction, 4)
+
+    def type_name(gpus: tuple[int, ...]) -> str:
+        return "+".join(t.name for t in fleet.types_of(gpus))
+
     processes = [ProcessPlan("replay", ports=_ports(
         config.replay.actor_address, config.replay.learner_address, config.replay.metrics_port))]
     processes.append(ProcessPlan(
@@ -254,7 +387,7 @@ def _processes(config: JobConfig, learner_gpus: tuple[int, ...],
         waits_for=tuple(f"actor-{i}" for i in colocated),
         shared_ranks=tuple(rank for rank, gpu in enumerate(learner_gpus)
                            if any(gpu in actor_gpus[i] for i in colocated)),
-        memory=memory.learner))
+        gpu_type=type_name(learner_gpus)))
     for i, gpus in enumerate(actor_gpus):
         share = None
         if gpus:
@@ -264,46 +397,67 @@ def _processes(config: JobConfig, learner_gpus: tuple[int, ...],
             f"actor-{i}", devices=gpus, parallel=engine.tensor_parallel,
             ports=(actors.metrics_port + i,) if actors.metrics_port else (),
             weight_transport=transport, gpu_memory_utilization=share,
-            memory=memory.engine(share) if gpus else ""))
+            gpu_type=type_name(gpus)))
     return tuple(processes)
 
 
-@dataclass(frozen=True)
-class _Memory:
-    """The memory arithmetic's lines for the plan (empty where not done)."""
-
-    learner: str = ""
-    note: str = ""
-    shape: ModelShape | None = None
-    config: JobConfig | None = None
-    gpu_bytes: int = 0
-
-    def engine(self, share: float | None) -> str:
-        if self.shape is None or self.config is None or share is None:
-            return ""
-        return engine_memory(self.shape, self.config.actors, self.gpu_bytes, share).describe()
-
-
-def _memory(config: JobConfig, learner_on_gpu: bool, gpu_bytes: int | None, shared: bool,
-            problems: list[str]) -> _Memory:
-    """The learner rank's and the engines' memory on GPUs of ``gpu_bytes``
-    (:mod:`deploy.memory_plan`); a learner rank that does not fit is refused
-    into ``problems``."""
-    if gpu_bytes is None:
-        return _Memory(note="not checked: the GPUs' size is unknown (--gpu-memory-gib)")
-    shape = ModelShape.of(config.run.model)
+def _sized(config: JobConfig, fleet: Fleet, shape: ModelShape | None,
+           processes: tuple[ProcessPlan, ...], problems: list[str]
+           ) -> tuple[tuple[ProcessPlan, ...], str]:
+    """The processes with what each needs of its GPUs (:mod:`deploy.memory_plan`),
+    a learner rank or an engine that does not fit refused into ``problems``;
+    or, where the sizes or the model's shape are unknown, why not."""
+    if not any(p.devices for p in processes):
+        return processes, ""
+    if any(not t.memory_bytes for t in fleet.types):
+        return processes, "not checked: the GPUs' size is unknown (--gpu-memory-gib, --fleet)"
     if shape is None:
-        return _Memory(note=f"not checked: no config.json in run.model ({config.run.model})")
-    lines = _Memory(shape=shape, config=config, gpu_bytes=gpu_bytes)
-    if not learner_on_gpu:
-        return lines
-    chunk, microbatch = memory_switches(config.learner, on_gpu=True)
-    rank = learner_rank_memory(shape, config.learner, pass_tokens(
-        config.learner, config.actors, config.replay, microbatch), chunk)
-    budget = int(gpu_bytes * (config.learner.gpu_memory_fraction if shared else 1.0))
-    problems += memory_problems(rank, budget)
-    return _Memory(f"{rank.describe()} (of {budget / GIB:.1f} GiB)", "", shape, config,
-                   gpu_bytes)
+        return processes, (f"not checked: no config.json in run.model ({config.run.model}): "
+                           "name one, its folder or a known family with --model-shape")
+    sized: list[ProcessPlan] = []
+    engines_refused: dict[tuple[str, str], list[str]] = {}
+    for p in processes:
+        types = fleet.types_of(p.devices)
+        if len(types) != 1:  # the CPU, or GPUs of two types (refused above)
+            sized.append(p)
+            continue
+        gpu_bytes = types[0].memory_bytes or 0
+        if p.name == "learner":
+            sized.append(_sized_learner(config, fleet, shape, p, processes, problems))
+            continue
+        share = p.gpu_memory_utilization or 0.0
+        for problem in engine_memory_problems(shape, config.actors, gpu_bytes, share):
+            engines_refused.setdefault((p.gpu_type, problem), []).append(p.name)
+        sized.append(replace(p, memory=engine_memory(shape, config.actors, gpu_bytes, share),
+                             memory_budget=int(gpu_bytes * share)))
+    problems += [f"{_span(names)}{f' on {gpu_type}' if fleet.named else ''}: {problem}"
+                 for (gpu_type, problem), names in engines_refused.items()]
+    return tuple(sized), ""
+
+
+def _sized_learner(config: JobConfig, fleet: Fleet, shape: ModelShape, learner: ProcessPlan,
+                   processes: tuple[ProcessPlan, ...], problems: list[str]) -> ProcessPlan:
+    """The learner's plan with a rank's memory on its GPU type; refused into
+    ``problems`` where it does not fit, naming the GPUs it could spread over
+    (its type's that no engine holds) and the larger types where it fits."""
+    settings, actors, replay = config.learner, config.actors, config.replay
+    [home] = fleet.types_of(learner.devices)
+    gpu_bytes = home.memory_bytes or 0
+    budget = int(gpu_bytes * (settings.gpu_memory_fraction if learner.shared_ranks else 1.0))
+    need = learner_need(shape, settings, actors, replay)
+    engines = {d for p in processes if p.name.startswith("actor-") for d in p.devices}
+    ranks = Ranks(home.count, len(set(fleet.indices(home)) - engines))
+    placements = [Fix(f"the learner on {t.name}: learner.gpus = "
+                      f"[{join_ids(fleet.indices(t)[:settings.nproc])}]",
+                      f"{t.memory_bytes / GIB:.1f} GiB a GPU", True)
+                  for t in fleet.types if t is not home and t.count >= settings.nproc
+                  and (t.memory_bytes or 0) >= need.total]
+    if learner.shared_ranks and need.total <= gpu_bytes:
+        placements.append(Fix("the learner on GPUs of its own (learner.gpus, actors.gpus)",
+                              f"{gpu_bytes / GIB:.1f} GiB a GPU", True))
+    problems += learner_memory_problems(shape, settings, actors, replay, budget, ranks,
+                                        placements)
+    return replace(learner, memory=need, memory_budget=budget)
 
 
 def _transport(learner: LearnerConfig, actors: ActorConfig, learner_on_gpu: bool,

@@ -1,7 +1,10 @@
 """The memory arithmetic of a GPU plan: what one learner rank and one engine
-need, from the model's shape (its ``config.json``) and the configuration.
-``compactionrl up --plan`` prints it per process and refuses a plan whose
-learner rank does not fit its GPU, naming the fix.
+need, from the model's shape (:mod:`deploy.model_shapes`: its
+``config.json`` or a known family) and the configuration.
+``compactionrl up --plan`` prints it per process and refuses a learner rank
+that does not fit its GPU, or an engine whose KV cache cannot hold one
+``max_model_len`` sequence, naming only the fixes the configuration does
+not have yet, each with what it alone would leave.
 
 The figures are estimates from first principles, not measurements:
 
@@ -30,14 +33,16 @@ cache; the episodes need their windows' KV at once
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from learner.config import memory_switches
 
 if TYPE_CHECKING:
     from actors.config import ActorConfig
+    from deploy.model_shapes import ModelShape
     from learner.config import LearnerConfig
     from replay.config import ReplayConfig
 
@@ -55,55 +60,13 @@ RESERVE_BYTES = 4 * GIB
 #: vLLM's profiled activation peak, as a share of the GPU (an estimate: the
 #: engine measures its own when it starts).
 ENGINE_ACTIVATION_FRACTION = 0.05
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the arithmetic needs of a decoder-only model (Qwen2, Llama)."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def of(cls, folder: str | Path) -> ModelShape | None:
-        """The shape in ``folder/config.json``; None where there is none."""
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            return None
-        config = json.loads(path.read_text())
-        return cls(config["num_hidden_layers"], config["hidden_size"],
-                   config["intermediate_size"], config["num_attention_heads"],
-                   config.get("num_key_value_heads", config["num_attention_heads"]),
-                   config["vocab_size"], bool(config.get("tie_word_embeddings", False)))
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * (self.hidden // self.heads)
-
-    @property
-    def layer_parameters(self) -> int:
-        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_width
-        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
-
-    @property
-    def embedding_parameters(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def parameters(self) -> int:
-        output = 0 if self.tied else self.embedding_parameters
-        return (self.layers * self.layer_parameters + self.embedding_parameters + output
-                + self.hidden)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """bf16 keys and values of every layer, for one token."""
-        return 2 * self.layers * self.kv_width * 2
+#: The smallest log-probability chunk a refusal suggests: with a 152k
+#: vocabulary its float32 logits are 1.7 GiB, small beside a 7B rank's
+#: states, so smaller chunks save little and add passes over the output layer.
+MIN_LOGPROB_CHUNK_TOKENS = 1024
+#: The largest engine share a refusal suggests: what is left of the GPU
+#: holds the CUDA context and NCCL's buffers outside vLLM's accounting.
+MAX_ENGINE_UTILIZATION = 0.95
 
 
 @dataclass(frozen=True)
@@ -126,6 +89,13 @@ class LearnerRankMemory:
                 f"{self.gathered / GIB:.1f} + activations {self.activations / GIB:.1f} "
                 f"({self.tokens} tokens a pass) + logits {self.logits / GIB:.1f} + reserve "
                 f"{RESERVE_BYTES / GIB:.0f}")
+
+    def to_json(self) -> dict[str, int]:
+        """The figures in bytes, as ``up --plan --json`` prints them."""
+        return {"total_bytes": self.total, "states_bytes": self.states,
+                "gathered_bytes": self.gathered, "activations_bytes": self.activations,
+                "logits_bytes": self.logits, "reserve_bytes": RESERVE_BYTES,
+                "pass_tokens": self.tokens}
 
 
 def pass_tokens(learner: LearnerConfig, actors: ActorConfig, replay: ReplayConfig,
@@ -183,6 +153,11 @@ class EngineMemory:
         return (f"weights {self.weights / GIB:.1f} GiB a GPU; KV for {self.kv_tokens:,} tokens, "
                 f"the episodes' windows {self.needed_tokens:,}{short}")
 
+    def to_json(self) -> dict[str, int]:
+        """The figures in bytes and tokens, as ``up --plan --json`` prints them."""
+        return {"weights_bytes": self.weights, "kv_tokens": self.kv_tokens,
+                "needed_tokens": self.needed_tokens, "window_tokens": self.window_tokens}
+
 
 def engine_memory(shape: ModelShape, actors: ActorConfig, gpu_bytes: int,
                   utilization: float) -> EngineMemory:
@@ -199,13 +174,131 @@ def engine_memory(shape: ModelShape, actors: ActorConfig, gpu_bytes: int,
                         per_episode)
 
 
-def memory_problems(learner_memory: LearnerRankMemory | None, budget_bytes: int) -> list[str]:
-    """The refusal of a learner rank that does not fit ``budget_bytes``
-    (its GPU, or its share of a shared one), naming the fixes."""
-    if learner_memory is None or learner_memory.total <= budget_bytes:
+def learner_need(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
+                 replay: ReplayConfig) -> LearnerRankMemory:
+    """The peak of one rank of ``learner`` on a GPU, its memory switches
+    resolved as the learner resolves them there."""
+    chunk, microbatch = memory_switches(learner, on_gpu=True)
+    return learner_rank_memory(shape, learner, pass_tokens(learner, actors, replay, microbatch),
+                               chunk)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The GPUs a learner's ranks could spread over: those of its type."""
+
+    most: int
+    """Its GPUs."""
+    free: int
+    """Those no engine holds (the learner's own among them)."""
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One change a refusal suggests, and what it does alone."""
+
+    change: str
+    """As the user writes it: ``learner.nproc = 8``."""
+    effect: str
+    """What the process has with it: ``38.2 GiB a rank``."""
+    fits: bool
+    """Whether this change alone makes the process fit."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The learner fields it sets (empty for a change of placement)."""
+
+
+def learner_fixes(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
+                  replay: ReplayConfig, budget_bytes: int, ranks: Ranks) -> list[Fix]:
+    """The memory switches ``learner`` does not have yet, each with what a
+    rank needs once it is set (those that fit first, then the least need)."""
+    chunk, microbatch = memory_switches(learner, on_gpu=True)
+    # a sequence longer than the budget goes alone, so a budget below the
+    # longest segment bounds nothing more
+    segment = (actors.compaction.context_tokens if actors.compaction.enabled
+               else actors.engine.max_model_len)
+    settings: list[tuple[str, dict[str, Any]]] = []
+    if learner.critic == "model":
+        settings.append(('learner.critic = "value_head"', {"critic": "value_head"}))
+    if learner.activation_checkpointing == "off":
+        settings.append(('learner.activation_checkpointing = "on"',
+                         {"activation_checkpointing": "on"}))
+    if microbatch == 0 or microbatch > segment:
+        settings.append((f"learner.max_tokens_per_microbatch = {segment}",
+                         {"max_tokens_per_microbatch": segment}))
+    if chunk == 0 or chunk > MIN_LOGPROB_CHUNK_TOKENS:
+        settings.append((f"learner.logprob_chunk_tokens = {MIN_LOGPROB_CHUNK_TOKENS}",
+                         {"logprob_chunk_tokens": MIN_LOGPROB_CHUNK_TOKENS}))
+    if ranks.most > learner.nproc:
+        def need(nproc: int) -> int:
+            return learner_need(shape, replace(learner, nproc=nproc), actors, replay).total
+
+        # the fewest ranks that fit, or all there are where none do
+        nproc = next((n for n in range(learner.nproc + 1, ranks.most)
+                      if need(n) <= budget_bytes), ranks.most)
+        settings.append((f"learner.nproc = {nproc}"
+                         + (" and learner.gpus to match" if learner.gpus else "")
+                         + (f" (taking {nproc - ranks.free} of the engines' GPUs)"
+                            if nproc > ranks.free else ""),
+                         {"nproc": nproc}))
+    needs = sorted((learner_need(shape, replace(learner, **fields), actors, replay).total,
+                    change, fields) for change, fields in settings)
+    return [Fix(change, f"{total / GIB:.1f} GiB a rank", total <= budget_bytes, fields)
+            for total, change, fields in needs]
+
+
+def learner_memory_problems(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
+                            replay: ReplayConfig, budget_bytes: int, ranks: Ranks,
+                            placements: Sequence[Fix] = ()) -> list[str]:
+    """The refusal of a learner rank that does not fit ``budget_bytes`` (its
+    GPU, or its share of a shared one), naming only the fixes the
+    configuration does not have: its memory switches
+    (:func:`learner_fixes`), and ``placements`` (GPUs where it fits)."""
+    need = learner_need(shape, learner, actors, replay)
+    if need.total <= budget_bytes:
         return []
-    return [f"a learner rank needs about {learner_memory.describe()}, more than the "
-            f"{budget_bytes / GIB:.1f} GiB it has (deploy/memory_plan.py): set "
-            "learner.critic = \"value_head\" (no critic model: its states and activations), "
-            "raise learner.nproc (states are sharded over the ranks), or lower "
-            "learner.max_tokens_per_microbatch or learner.logprob_chunk_tokens"]
+    switches = learner_fixes(shape, learner, actors, replay, budget_bytes, ranks)
+    fixes = [*placements, *switches]
+    if len(switches) > 1 and not any(fix.fits for fix in fixes):
+        merged = {key: value for fix in switches for key, value in fix.settings.items()}
+        total = learner_need(shape, replace(learner, **merged), actors, replay).total
+        fixes.append(Fix("all of these together", f"{total / GIB:.1f} GiB a rank",
+                         total <= budget_bytes))
+    return [f"a learner rank needs about {need.describe()}, more than the "
+            f"{budget_bytes / GIB:.1f} GiB it has (deploy/memory_plan.py): "
+            + describe_fixes(fixes)]
+
+
+def engine_memory_problems(shape: ModelShape, actors: ActorConfig, gpu_bytes: int,
+                           utilization: float) -> list[str]:
+    """The refusal of an engine whose KV cache cannot hold one sequence of
+    ``actors.engine.max_model_len`` (vLLM refuses to start it), naming the
+    fixes the configuration does not have."""
+    memory = engine_memory(shape, actors, gpu_bytes, utilization)
+    longest = actors.engine.max_model_len
+    if memory.kv_tokens >= longest:
+        return []
+    engine = actors.engine
+    options = [(f"actors.engine.tensor_parallel = {2 * engine.tensor_parallel}",
+                replace(engine, tensor_parallel=2 * engine.tensor_parallel), utilization)]
+    # a share below the engine's own is co-location's, which this setting does not raise
+    if utilization == engine.gpu_memory_utilization < MAX_ENGINE_UTILIZATION:
+        options.append((f"actors.engine.gpu_memory_utilization = {MAX_ENGINE_UTILIZATION}",
+                        replace(engine, gpu_memory_utilization=MAX_ENGINE_UTILIZATION),
+                        MAX_ENGINE_UTILIZATION))
+    fixes = []
+    for change, changed, share in options:
+        kv = engine_memory(shape, replace(actors, engine=changed), gpu_bytes, share).kv_tokens
+        fixes.append(Fix(change, f"KV for {kv:,} tokens", kv >= longest))
+    return [f"an engine holds {memory.weights / GIB:.1f} GiB of weights a GPU and KV for "
+            f"{memory.kv_tokens:,} tokens, fewer than actors.engine.max_model_len = {longest:,}"
+            " (vLLM refuses to start it; deploy/memory_plan.py): " + describe_fixes(fixes)]
+
+
+def describe_fixes(fixes: Sequence[Fix]) -> str:
+    """The fixes as a refusal names them, those that fit first."""
+    if not fixes:
+        return ("no switch is left to turn in this configuration: GPUs with more memory, or a "
+                "smaller model")
+    ordered = sorted(fixes, key=lambda fix: not fix.fits)
+    return "fixes the configuration does not have yet: " + "; ".join(
+        f"{fix.change} ({fix.effect}{': fits' if fix.fits else ''})" for fix in ordered)

@@ -54,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.children import Child, signal_group, stop_leftovers
+from deploy.children import Child, signal_group, start_prometheus, stop_leftovers
 from deploy.config import ConfigError, JobConfig, to_toml
 from deploy.device_plan import DevicePlan, plan_devices
 from deploy.placement import gpus_present, place_children
@@ -70,6 +70,8 @@ PLAIN_EVERY_S = 15.0
 LEARNER_STOP_S = 120.0
 #: The replay's final log sync.
 REPLAY_STOP_S = 20.0
+#: Prometheus writes its head block at shutdown.
+PROMETHEUS_STOP_S = 10.0
 #: How often a learner waiting for a co-located engine asks whether it is up.
 READY_POLL_S = 2.0
 EXIT_FINISHED, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -97,6 +99,8 @@ class Up:
         self.replay, self.learner, self.actors = placed.replay, placed.learner, placed.actors
         self._waiting = placed.waiting
         self._last_ready_poll = 0.0
+        self.prometheus: tuple[Child, ...] = ()
+        """The Prometheus server watching the run, where up started one."""
 
     # ------------------------------------------------------------------ the run
 
@@ -119,10 +123,15 @@ class Up:
         # a resumed run's history goes on: its totals, restarts and wall time add up
         self.history = read_history(self.history_path) if self.resume else []
         self._first = len(self.history)  # this invocation's first snapshot
-        self._scraper = RunScraper(self._urls(), self.history)
+        # the replay counts every actor (ops/summary.py): the actors' own
+        # endpoints are read only to see that an engine started
+        self._scraper = RunScraper({name: url for name, url in self._urls().items()
+                                    if name in ("replay", "learner")}, self.history)
         began = self._began = time.monotonic()
         self._ends = RunEnds(self.config.learner.max_steps, self.config.run.max_minutes,
                              started=time.time())
+        started = start_prometheus(self.config, self.run_dir)
+        self.prometheus = (started,) if started is not None else ()
         self._start_first()
         self._write_state()
         outcome, message = EXIT_FAILED, "up itself failed (see its output)"
@@ -233,10 +242,13 @@ class Up:
         for actor in self.actors:
             actor.stop(deadline)
         self.replay.stop(REPLAY_STOP_S)
+        for prometheus in self.prometheus:  # last: it has watched it all
+            prometheus.stop(PROMETHEUS_STOP_S)
         stop_leftovers(None, set())
 
     def _children_pids(self) -> set[int]:
-        return {child.process.pid for child in (self.replay, self.learner, *self.actors)
+        return {child.process.pid for child in (self.replay, self.learner, *self.actors,
+                                                *self.prometheus)
                 if child.process is not None}
 
     # ------------------------------------------------------------------ metrics
@@ -287,7 +299,8 @@ class Up:
         atomic_write_text(self.run_dir / "up.json", json.dumps({
             "pid": os.getpid(), "finished": ended is not None, "ended": ended,
             "max_steps": self._ends.max_steps, "max_minutes": self._ends.max_minutes,
-            "children": {c.name: c.process.pid for c in (self.replay, self.learner, *self.actors)
+            "children": {c.name: c.process.pid
+                         for c in (self.replay, self.learner, *self.actors, *self.prometheus)
                          if c.process is not None},
             "started": self._ends.started}))
 

@@ -71,6 +71,8 @@ class LearnerMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120), registry=r)
         self.publications = Counter("crl_learner_weight_publications",
                                     "Weight publications by result", ["result"], registry=r)
+        for result in ("ok", "failed"):  # from 0: a rate over the first failure sees it
+            self.publications.labels(result)
         self.published_version = Gauge("crl_learner_published_version",
                                        "Version of the last successful publication", registry=r)
         self.members = Gauge("crl_learner_weight_members",

@@ -14,6 +14,7 @@ On the metrics port, beside ``/metrics``:
 
 from __future__ import annotations
 
+import errno
 import shutil
 import socket
 import threading
@@ -65,10 +66,37 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
+class PortInUse(OSError):
+    """The metrics port is another process's: the message names the port and
+    the settings that move it."""
+
+    def __init__(self, port: int, address: str) -> None:
+        super().__init__(
+            errno.EADDRINUSE,
+            f"metrics port {port} on {address} is in use by another process: give this one "
+            "another port (an actor: --index N serves on actors.metrics_port + N, and `up`'s "
+            "own actors hold indices 0 to actors.count - 1; or --actors.metrics_port; the "
+            "replay: --replay.metrics_port; the learner: --learner.metrics_port)")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Something listens on ``host``'s ``port`` (a port left in TIME_WAIT is
+    free, as it is to a server that binds with SO_REUSEADDR). Any other
+    failure to bind is left for the server that binds it to report."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
 class MetricsServer:
     """``/metrics`` of one registry, ``/readyz`` and ``/healthz`` of one
     :class:`Health` on ``port`` (0 = not served), stopped with :meth:`close`
-    so tests and restarts never leave a port bound."""
+    so tests and restarts never leave a port bound. A port already in use
+    raises :class:`PortInUse` (the process refuses to run unobserved)."""
 
     def __init__(self, registry: CollectorRegistry, port: int, address: str = "127.0.0.1",
                  health: Health | None = None) -> None:
@@ -79,8 +107,13 @@ class MetricsServer:
         if port:
             server_class = type("Server", (ThreadingWSGIServer,), {
                 "address_family": socket.AF_INET6 if ":" in address else socket.AF_INET})
-            self._server = make_server(address, port, self._app, server_class,
-                                       handler_class=_Quiet)
+            try:
+                self._server = make_server(address, port, self._app, server_class,
+                                           handler_class=_Quiet)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise PortInUse(port, address) from None
+                raise
             self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
             self._thread.start()
 

@@ -6,24 +6,38 @@ keeps its *signal* (the PromQL whose value it judges) apart from its
 threshold, so tests can check that every signal returns data from a real run
 while the alert itself stays quiet.
 
+The actors are found through Prometheus's file-based service discovery: the
+replay rewrites ``RUN/prometheus/actor-targets.json`` (:data:`ACTOR_TARGETS_FILE`,
+:func:`write_actor_targets`) as actors register and leave, and Prometheus
+rereads it, so an actor added by hand is scraped without a restart or a new
+configuration, and one that left is no longer judged.
+
 Usage::
 
     dashboards()                 # Grafana dashboard JSON models (dicts)
     alert_rules(thresholds)      # the Prometheus rule file (dict, YAML-ready)
-    scrape_config(config)        # prometheus.yml for a local run (dict)
+    scrape_config(replay_port, learner_port, actor_targets)  # prometheus.yml (dict)
+    write_actor_targets(path, {"actor-0": "127.0.0.1:9110"}, run)  # the actors' file
+    panel_queries(run)           # each panel's PromQL without Grafana's variables
     promql_expressions()         # every expression used anywhere: what the tests query
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ops.files import atomic_write_text
+
 #: Grafana datasource uid the provisioning file creates and panels refer to.
 DATASOURCE_UID = "compactionrl-prometheus"
-JOBS = ("replay", "learner", "actors")
+#: The actors' file-based discovery file, relative to a run folder: the
+#: replay rewrites it as actors register and leave.
+ACTOR_TARGETS_FILE = "prometheus/actor-targets.json"
 
 
 @dataclass(frozen=True)
@@ -58,9 +72,11 @@ RANGE = "[$__rate_interval]"
 #: Label matchers of the dashboard variables (Grafana fills them in).
 RUN = 'run=~"$run"'
 ACTORS = 'run=~"$run", instance=~"$actor"'
-#: What each variable stands for when an expression is queried outside Grafana.
-ALL_VALUES = {"$__rate_interval": "1m", '"$run"': '".*"', '"$actor"': '".*"',
-              '"$gpu"': '".*"', '"$job"': '".*"'}
+#: The rate window of a panel's query outside Grafana (Grafana's
+#: ``$__rate_interval`` is at least four scrape intervals: 20 s at 5 s).
+PLAIN_RANGE = "1m"
+#: A label matcher on a dashboard variable, as a plain query drops it (every value).
+VARIABLE_MATCHER = re.compile(r'^\w+=~"\$\w+"$')
 #: An actor series joined with its engine's labels (device = GPU type).
 BY_ENGINE = f'* on(instance) group_left(device) crl_actor_engine_info{{{ACTORS}, device=~"$gpu"}}'
 
@@ -155,9 +171,14 @@ class AlertThresholds:
     (``deploy`` builds it: ``compactionrl dashboards export --config FILE``)."""
 
     max_staleness: int = 2
-    """replay.max_staleness: p95 staleness at this bound means actors lag."""
+    """replay.max_staleness."""
+    stale_grace: int = 0
+    """replay.stale_grace: the replay serves rollouts up to max_staleness +
+    stale_grace versions stale; a median trained rollout that old means
+    actors lag."""
     stall_share: float = 0.5
-    """Share of episode-slot time stalled, sustained, that warns."""
+    """Share of episode-slot time spent waiting for weights or summaries,
+    sustained, that warns (waiting for credits is the learner's pace)."""
     no_step_minutes: int = 10
     """Minutes without a learner step that page."""
     disk_free_fraction: float = 0.1
@@ -172,32 +193,47 @@ def _or_zero(expr: str) -> str:
 
 def alerts(thresholds: AlertThresholds) -> tuple[Alert, ...]:
     losses = "abs(crl_learner_policy_loss) + abs(crl_learner_value_loss)"
+    # Served staleness never exceeds the bound (older rollouts are dropped),
+    # so a quantile interpolated in the bound's bucket stays below it: the
+    # median past bound - 1 means over half the trained rollouts are at it
+    # (with a bound of 0 every rollout is, and the median is 0: never past 0).
+    bound = thresholds.max_staleness + thresholds.stale_grace
+    failed = 'sum(increase(crl_learner_weight_publications_total{result="failed"}[15m]))'
     return (
+        # With file-based discovery a target is listed while its actor is
+        # registered: an actor that left has no up series, so it is not judged.
         Alert("CompactionRLActorDown", 'up{job="actors"}', "== 0", "1m",
-              "An actor's /metrics has not answered for a minute"),
+              "A registered actor's /metrics has not answered for a minute"),
         Alert("CompactionRLLearnerDown", 'up{job="learner"}', "== 0", "2m",
               "The learner's /metrics has not answered for two minutes", "critical"),
         Alert("CompactionRLReplayDown", 'up{job="replay"}', "== 0", "1m",
               "The replay's /metrics has not answered for a minute", "critical"),
+        # Waiting for credits is the learner's pace (it is the bottleneck in
+        # a healthy run): only the waits of the actors' own making warn.
         Alert("CompactionRLStallShareHigh",
-              f"sum(rate(crl_actor_stall_seconds_total{RATE})) / sum(crl_actor_episode_slots)",
+              f'sum(rate(crl_actor_stall_seconds_total{{reason!="credits"}}{RATE})) '
+              "/ sum(crl_actor_episode_slots)",
               f"> {thresholds.stall_share:g}", "10m",
-              f"Actors spend over {thresholds.stall_share:.0%} of their time stalled"),
+              f"Actors spend over {thresholds.stall_share:.0%} of their episode-slot time "
+              "waiting for weights or summaries"),
         Alert("CompactionRLStalenessAtBound",
-              "histogram_quantile(0.95, sum by (le) "
+              "histogram_quantile(0.5, sum by (le) "
               f"(rate(crl_replay_staleness_bucket{RATE})))",
-              f">= {thresholds.max_staleness}", "10m",
-              f"p95 staleness of trained rollouts is at the bound ({thresholds.max_staleness}, "
-              "replay.max_staleness): actors fall behind the learner"),
+              f"> {max(bound - 1, 0)}", "10m",
+              f"Over half the trained rollouts are {bound} versions stale, the most the replay "
+              "serves (replay.max_staleness + stale_grace): actors fall behind the learner"),
         Alert("CompactionRLLearnerStuck",
               f"changes(crl_learner_policy_version[{thresholds.no_step_minutes}m])", "== 0",
               "5m", f"No learner step for {thresholds.no_step_minutes} minutes", "critical"),
         Alert("CompactionRLLossNotFinite", losses, f"unless (({losses}) < +Inf)", "0m",
               "A loss of the last step is NaN or infinite", "critical"),
+        # A share, not a count: an actor leaving fails the publication in
+        # flight, and the next one reaches the others.
         Alert("CompactionRLWeightPublicationsFailing",
-              _or_zero('sum(increase(crl_learner_weight_publications_total{result="failed"}'
-                       '[15m]))'), "> 0", "15m",
-              "Weight publications keep failing: actors generate with old weights"),
+              f"({_or_zero(failed)}) / "
+              "sum(increase(crl_learner_weight_publications_total[15m]))", "> 0.5", "10m",
+              "Most weight publications of the last 15 minutes failed: actors generate with "
+              "old weights"),
         Alert("CompactionRLRolloutsExpiring",
               _or_zero('sum(rate(crl_replay_dropped_total{reason="expired"}[10m]))'), "> 0",
               "15m", "Rollouts expire in the replay: actors die or stall mid-episode"),
@@ -270,53 +306,101 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> dict[str, Any]:
         for a in alerts(thresholds or AlertThresholds())]}]}
 
 
-def scrape_config(replay_port: int, learner_port: int, actor_ports: list[int],
+def scrape_config(replay_port: int, learner_port: int, actor_targets: str,
                   host: str = "127.0.0.1", interval_s: float = 5.0,
                   rule_files: tuple[str, ...] = ("alerts.yml",),
                   run: str | None = None) -> dict[str, Any]:
-    """prometheus.yml scraping one local run (the job names the panels use);
-    ``run`` labels its series for the dashboards' run variable."""
-    targets = {"replay": [replay_port], "learner": [learner_port], "actors": actor_ports}
+    """prometheus.yml scraping one run (the job names the panels use): the
+    replay and the learner at their ports on ``host``, labelled ``run``; the
+    actors listed in the file-based discovery file ``actor_targets`` (a path
+    relative to the configuration's folder, or absolute), which Prometheus
+    rereads when it changes, and every ``interval_s`` where it cannot watch."""
     return {
         "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval":
                    f"{interval_s:g}s"},
         "rule_files": list(rule_files),
-        "scrape_configs": [{"job_name": job, "static_configs": [
-            {"targets": [f"{host}:{port}" for port in targets[job]],
-             **({"labels": {"run": run}} if run else {})}]} for job in JOBS],
+        "scrape_configs": [
+            *({"job_name": job, "static_configs": [{"targets": [f"{host}:{port}"],
+                                                    **({"labels": {"run": run}} if run else {})}]}
+              for job, port in (("replay", replay_port), ("learner", learner_port))),
+            {"job_name": "actors", "file_sd_configs": [
+                {"files": [actor_targets], "refresh_interval": f"{interval_s:g}s"}]}],
     }
+
+
+def write_actor_targets(path: Path, targets: Mapping[str, str], run: str | None) -> None:
+    """Write Prometheus's file_sd JSON listing ``targets`` (actor id ->
+    ``host:port`` of its /metrics), each labelled with its actor id and
+    ``run``; atomically, so that Prometheus never reads half a file."""
+    entries = [{"targets": [address], "labels": {"actor": actor, **({"run": run} if run else {})}}
+               for actor, address in sorted(targets.items())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(entries, indent=2) + "\n")
+
+
+def panel_queries(run: str | None = None, rate_range: str = PLAIN_RANGE
+                  ) -> dict[str, list[tuple[str, str]]]:
+    """Each panel's series as plain PromQL, by "dashboard / panel": the
+    dashboards' variables filled in as a query outside Grafana needs them,
+    ``$run`` with ``run`` (every run when None), every actor, GPU type and
+    job, and Grafana's rate interval with ``rate_range``."""
+    return {f"{title} / {panel.title}": [(legend, _plain(expr, run, rate_range))
+                                          for legend, expr in panel.exprs]
+            for title, panels in DASHBOARDS.items() for panel in panels}
+
+
+def _plain(expr: str, run: str | None, rate_range: str) -> str:
+    """``expr`` without Grafana's variables: a matcher on one that stands for
+    every value is dropped rather than written ``=~".*"``, and a selector
+    left without matchers loses its braces."""
+    expr = expr.replace("$__rate_interval", rate_range)
+    if run is not None:
+        expr = expr.replace(RUN, f"run={json.dumps(run)}")
+
+    def matchers(selector: re.Match[str]) -> str:
+        kept = [m for m in selector.group(1).split(", ") if not VARIABLE_MATCHER.match(m)]
+        return "{" + ", ".join(kept) + "}" if kept else ""
+
+    return re.sub(r"\{([^{}]*)\}", matchers, expr)
 
 
 def promql_expressions() -> dict[str, str]:
     """Every expression a dashboard panel or an alert uses, by where it is
     used; the dashboards' variables stand for every value (Grafana's "All"),
     so each can be queried outside Grafana."""
-    found = {f"{title} / {panel.title} / {legend}": _all_values(expr)
-             for title, panels in DASHBOARDS.items() for panel in panels
-             for legend, expr in panel.exprs}
+    found = {f"{where} / {legend}": expr for where, series in panel_queries().items()
+             for legend, expr in series}
     found.update({f"alert {a.name}": a.signal for a in alerts(AlertThresholds())})
     return found
 
 
-def _all_values(expr: str) -> str:
-    for variable, value in ALL_VALUES.items():
-        expr = expr.replace(variable, value)
-    return expr
-
-
-def write_files(out: Path, replay_port: int = 9100, learner_port: int = 9102,
-                actor_ports: tuple[int, ...] = (9110, 9111),
-                thresholds: AlertThresholds | None = None,
-                run: str | None = None) -> list[Path]:
-    """Everything under ``deploy/observability``: Prometheus config and rules,
-    Grafana provisioning and dashboards (the compose file is hand-written)."""
+def write_prometheus_files(out: Path, replay_port: int, learner_port: int, actor_targets: str,
+                           thresholds: AlertThresholds | None = None,
+                           run: str | None = None) -> list[Path]:
+    """``prometheus.yml`` and ``alerts.yml`` in ``out``: what a Prometheus
+    server needs to watch one run (``actor_targets`` as :func:`scrape_config`
+    takes it)."""
     import yaml
 
-    files = {
+    return _write_generated(out, {
         "prometheus.yml": yaml.safe_dump(scrape_config(replay_port, learner_port,
-                                                       list(actor_ports), run=run),
+                                                       actor_targets, run=run),
                                          sort_keys=False),
-        "alerts.yml": yaml.safe_dump(alert_rules(thresholds), sort_keys=False),
+        "alerts.yml": yaml.safe_dump(alert_rules(thresholds), sort_keys=False)})
+
+
+def write_files(out: Path, replay_port: int, learner_port: int, actor_targets: str,
+                thresholds: AlertThresholds | None = None,
+                run: str | None = None) -> list[Path]:
+    """Everything under ``deploy/observability``: Prometheus config and rules
+    (:func:`write_prometheus_files`), Grafana provisioning and dashboards
+    (the compose file is hand-written)."""
+    import yaml
+
+    written = write_dashboards(out / "grafana" / "dashboards")
+    written += write_prometheus_files(out, replay_port, learner_port, actor_targets,
+                                      thresholds, run)
+    written += _write_generated(out, {
         "grafana/provisioning/datasources/prometheus.yml": yaml.safe_dump({
             "apiVersion": 1, "datasources": [{
                 "name": "Prometheus", "type": "prometheus", "uid": DATASOURCE_UID,
@@ -326,9 +410,13 @@ def write_files(out: Path, replay_port: int = 9100, learner_port: int = 9102,
             "apiVersion": 1, "providers": [{
                 "name": "compactionrl", "folder": "CompactionRL", "type": "file",
                 "options": {"path": "/var/lib/grafana/dashboards/compactionrl"}}]},
-            sort_keys=False),
-    }
-    written = write_dashboards(out / "grafana" / "dashboards")
+            sort_keys=False)})
+    return written
+
+
+def _write_generated(out: Path, files: dict[str, str]) -> list[Path]:
+    """Each file under ``out`` with the generated-file header."""
+    written = []
     for name, text in files.items():
         path = out / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -350,4 +438,5 @@ def write_dashboards(out: Path) -> list[Path]:
 
 #: Header of generated YAML files (JSON has no comments).
 GENERATED_NOTE = {".yml": "# Generated by ops/observability.py (compactionrl dashboards export "
-                          "--all); edit the code, not this file.\n"}
+                          "--all; compactionrl up in a run folder); edit the code, not this "
+                          "file.\n"}

@@ -16,12 +16,13 @@ import html
 import json
 from pathlib import Path
 
+from ops.fleet import STALL_REASONS, actor_rows, stall_shares
+
 #: Plot area; the legend is to its right, the axis labels around it.
 PLOT_W, PLOT_H = 460, 200
 LEFT, TOP, BOTTOM, LEGEND_W = 70, 16, 46, 250
 WIDTH, HEIGHT = LEFT + PLOT_W + LEGEND_W, TOP + PLOT_H + BOTTOM
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
-STALL_REASONS = ("weights", "credits", "summary")
 
 
 def read_history(path: Path) -> list[dict]:
@@ -170,6 +171,32 @@ def _evaluation(path: Path) -> str:
             f"</tr>{rows}</table>")
 
 
+def _actors(last: dict) -> str:
+    """Each actor the replay registered in the run, whoever started it, and
+    what it contributed (ops/fleet.py)."""
+    rows = actor_rows(last)
+    if not rows:
+        return ""
+    head = ("actor", "trained rollouts", "share", "credits granted", "version lag",
+            *(f"stall: {reason}" for reason in STALL_REASONS))
+    body = "".join(
+        f"<tr><th align='left'>{html.escape(actor)}{'' if row.registered else ' (gone)'}</th>"
+        + "".join(f"<td>{cell}</td>" for cell in (
+            f"{row.trained:.0f}", _percent(row.share), f"{row.credits:.0f}",
+            _shown(row.version_lag), *(_percent(row.stall.get(r)) for r in STALL_REASONS)))
+        + "</tr>" for actor, row in rows.items())
+    total = sum(row.trained for row in rows.values())
+    return ("<h2>Actors</h2><table border='1' cellpadding='4'><tr>"
+            + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{body}"
+            + f"<tr><th align='left'>all</th><td>{total:.0f}</td></tr></table>"
+            "<p>Stall: the share of each actor's episode-slot time (capacity x time "
+            "registered) its episodes waited.</p>")
+
+
+def _percent(share: float | None) -> str:
+    return "" if share is None else f"{100 * share:.0f} %"
+
+
 def _shown(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
@@ -192,7 +219,11 @@ def write_report(run_dir: Path, title: str) -> Path:
                  for i, (b, c) in enumerate(zip(bounds, cumulative, strict=True))}
     times, actor_rate = _rates(history, "actor_generated_tokens")
     _, learner_rate = _rates(history, "learner_tokens")
-    stall = {reason: _rates(history, f"stall_{reason}_s")[1] for reason in STALL_REASONS}
+    windows = [stall_shares(now, before) for before, now in zip(history, history[1:],
+                                                                  strict=False)
+               if now["time"] > before["time"]]
+    stall = {reason: [window.get(reason) for window in windows] for reason in STALL_REASONS}
+    whole_run = stall_shares(last)
     sections = [
         line_chart("Reward and success by learner step", x, {
             "reward": [s.get("reward") for s in steps],
@@ -206,10 +237,10 @@ def write_report(run_dir: Path, title: str) -> Path:
                    {"summary tokens per compaction": _summary_tokens_per_compaction(steps)},
                    "learner step", "tokens"),
         line_chart("Actor stall by reason over time", times, stall, "time since start (s)",
-                   "stalled seconds per second"),
+                   "share of episode-slot time"),
         bar_chart("Actor stall by reason (whole run)", {
-            reason: last.get(f"stall_{reason}_s", 0.0) for reason in STALL_REASONS},
-            "reason", "seconds"),
+            reason: whole_run.get(reason, 0.0) for reason in STALL_REASONS},
+            "reason", "share of episode-slot time"),
         bar_chart("Staleness of trained rollouts", staleness, "staleness (versions)",
                   "rollouts"),
         line_chart("Throughput", times, {"actors": actor_rate, "learner": learner_rate},
@@ -221,6 +252,7 @@ def write_report(run_dir: Path, title: str) -> Path:
     out.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>"
                    f"{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
                    f"<h1>CompactionRL run: {html.escape(title)}</h1><table>{rows}</table>"
-                   + _evaluation(run_dir / "evaluation.json") + "".join(sections)
+                   + _evaluation(run_dir / "evaluation.json") + _actors(last)
+                   + "".join(sections)
                    + "</body></html>")
     return out

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ops.fleet import ACTOR_KEY, STALL_REASONS, actor_rows, bottleneck, stall_shares
+
 #: A scrape slower than this counts as a process not answering (a busy
 #: learner answers late: its HTTP thread waits for the GIL).
 SCRAPE_TIMEOUT_S = 2.5
@@ -42,18 +44,20 @@ SCRAPE_TIMEOUT_S = 2.5
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 Snapshot = dict[str, float | None]
 
-#: Run totals: snapshot key -> (the processes that count it, counter, labels).
-#: "actor" sums over every actor process.
+#: Run totals: snapshot key -> (the process that counts it, counter, labels).
+#: What actors did is the replay's count (it sums its per-actor series): it
+#: registers every actor, whoever started it, where ``up`` scrapes only its own.
 TOTALS: dict[str, tuple[str, str, dict[str, str]]] = {
     "learner_tokens": ("learner", "crl_learner_tokens_total", {}),
     "learner_idle_s": ("learner", "crl_learner_idle_seconds_total", {}),
-    "actor_rollouts": ("actor", "crl_actor_rollouts_total", {}),
-    "actor_compactions": ("actor", "crl_actor_compactions_total", {}),
-    "actor_generated_tokens": ("actor", "crl_actor_generated_tokens_total", {}),
-    "actor_summary_tokens": ("actor", "crl_actor_compaction_tokens_total", {}),
-    "stall_weights_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "weights"}),
-    "stall_credits_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "credits"}),
-    "stall_summary_s": ("actor", "crl_actor_stall_seconds_total", {"reason": "summary"}),
+    "actor_rollouts": ("replay", "crl_replay_actor_rollouts_total", {}),
+    "actor_compactions": ("replay", "crl_replay_actor_compactions_total", {}),
+    "actor_generated_tokens": ("replay", "crl_replay_actor_tokens_total", {"kind": "all"}),
+    "actor_summary_tokens": ("replay", "crl_replay_actor_tokens_total", {"kind": "summary"}),
+    "actor_slot_s": ("replay", "crl_replay_actor_slot_seconds_total", {}),
+    "stall_weights_s": ("replay", "crl_replay_actor_stall_seconds_total", {"reason": "weights"}),
+    "stall_credits_s": ("replay", "crl_replay_actor_stall_seconds_total", {"reason": "credits"}),
+    "stall_summary_s": ("replay", "crl_replay_actor_stall_seconds_total", {"reason": "summary"}),
     "expired_rollouts": ("replay", "crl_replay_dropped_total", {"reason": "expired"}),
     "stale_rollouts": ("replay", "crl_replay_dropped_total", {"reason": "stale"}),
     "trained_rollouts": ("replay", "crl_replay_finished_rollouts_total", {"fate": "trained"}),
@@ -90,6 +94,22 @@ LAST_BATCH: dict[str, tuple[str, dict[str, str]]] = {
     "explained_variance": ("crl_learner_explained_variance", {}),
     "approx_kl": ("crl_learner_approx_kl", {}),
 }
+#: Per actor, from the replay's series: figure -> (counter, labels). Snapshot
+#: keys are ``actor/<id>/<figure>``, totals over restarts like :data:`TOTALS`.
+ACTOR_TOTALS: dict[str, tuple[str, dict[str, str]]] = {
+    "trained": ("crl_replay_actor_rollouts_total", {"fate": "trained"}),
+    "stale": ("crl_replay_actor_rollouts_total", {"fate": "stale"}),
+    "tokens": ("crl_replay_actor_tokens_total", {"kind": "all"}),
+    "credits": ("crl_replay_actor_credits_granted_total", {}),
+    "staleness_sum": ("crl_replay_actor_staleness_total", {}),
+    "slot_s": ("crl_replay_actor_slot_seconds_total", {}),
+    **{f"stall_{reason}_s": ("crl_replay_actor_stall_seconds_total", {"reason": reason})
+       for reason in STALL_REASONS},
+}
+#: Per actor, the replay's gauges now: figure -> gauge.
+ACTOR_GAUGES = {"registered": "crl_replay_actor_registered",
+                "capacity": "crl_replay_actor_capacity",
+                "credits_held": "crl_replay_actor_credits_held"}
 #: Run-level counts that ``up`` adds (restarts), summed over ``up`` invocations.
 UP_COUNTS = ("actor_restarts", "replay_restarts", "learner_restarts", "up_invocations",
              "run_seconds")
@@ -126,6 +146,11 @@ def _counters(samples: Samples, source: str) -> dict[str, float]:
         for labels, count in samples.get("crl_replay_staleness_bucket", []):
             if labels["le"] != "+Inf":
                 raw[f"{STALENESS_BUCKET}{float(labels['le']):g}"] = count
+        for figure, (name, wanted) in ACTOR_TOTALS.items():
+            for labels, count in samples.get(name, []):
+                if all(labels.get(k) == v for k, v in wanted.items()):
+                    key = f"{ACTOR_KEY}{labels['actor']}/{figure}"
+                    raw[key] = raw.get(key, 0.0) + count
     return raw
 
 
@@ -226,21 +251,26 @@ class RunScraper:
         """The snapshot after the scrapes ``scraped`` (process name -> samples,
         None for a process that did not answer)."""
         last = self._last or {}
-        learner = scraped.get("learner")
-        actors = [s for n, s in scraped.items() if n.startswith("actor") and s]
+        learner, replay = scraped.get("learner"), scraped.get("replay")
         snapshot: Snapshot = {
             "time": time.time(),
             "learner_up": float(learner is not None),
-            "replay_up": float(scraped.get("replay") is not None),
-            "actors_up": float(len(actors)),
+            "replay_up": float(replay is not None),
+            # the actors the replay has registered, whoever started them
+            "actors_up": (_value(replay, "crl_replay_actor_registered") or 0.0
+                          if replay is not None else last.get("actors_up")),
         }
         totals: dict[str, float] = {key: last.get(key) or 0.0 for key in TOTALS}
-        totals.update({k: v or 0.0 for k, v in last.items() if k.startswith(STALENESS_BUCKET)})
+        totals.update({k: v or 0.0 for k, v in last.items()
+                       if k.startswith(STALENESS_BUCKET) or k.startswith(ACTOR_KEY)})
+        if replay is not None:  # else the last known stand
+            for figure, gauge in ACTOR_GAUGES.items():
+                for labels, value in replay.get(gauge, []):
+                    totals[f"{ACTOR_KEY}{labels['actor']}/{figure}"] = value
         for name, samples in scraped.items():
             if samples is None:
                 continue  # its counts stand; a restart shows as a decrease later
-            source = "actor" if name.startswith("actor") else name
-            raw = _counters(samples, source)
+            raw = _counters(samples, name)
             before = self._raw.get(name, {})
             for key, value in raw.items():
                 previous = before.get(key, 0.0)
@@ -269,6 +299,13 @@ class RunEnds:
     """0: no wall-time limit."""
     started: float = 0.0
     """Wall-clock time (``time.time()``) this invocation of ``up`` started."""
+
+
+def _stall_line(shares: dict[str, float]) -> str:
+    if not shares:
+        return "no episode-slot time yet"
+    return (", ".join(f"{reason} {100 * share:.1f} %" for reason, share in shares.items())
+            + " of episode-slot time")
 
 
 def _number(value: float | None, form: str = ".0f", missing: str = "no data") -> str:
@@ -328,9 +365,7 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
                        if rollouts else "no rollouts yet")
                       + f" ({rollouts:.0f} rollouts); summary-token share "
                         f"{_number(share, '.3f')}",
-        "stall": f"weights {now['stall_weights_s'] or 0.0:.1f} s, credits "
-                 f"{now['stall_credits_s'] or 0.0:.1f} s, summary "
-                 f"{now['stall_summary_s'] or 0.0:.1f} s",
+        "stall": _stall_line(stall_shares(now, None if ended else before)),
         "staleness": f"p50 {_number(p50, missing='-')}, p95 {_number(p95, missing='-')}; "
                      f"expired rollouts {now['expired_rollouts'] or 0.0:.0f}, "
                      f"stale {now['stale_rollouts'] or 0.0:.0f}" + stale_bias(now),
@@ -340,6 +375,11 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
                     f"{now.get('replay_restarts') or 0:.0f}, learner "
                     f"{now.get('learner_restarts') or 0:.0f}",
     }
+    # every actor the replay registered; live: since the last snapshot, ended: the run
+    for actor, row in actor_rows(now, None if ended else before).items():
+        lines[f"actor {actor}"] = row.text()
+    if not ended and (holding_back := bottleneck(now, before)) is not None:
+        lines["bottleneck"] = holding_back
     if ended:
         invocations = now.get("up_invocations") or 1
         lines["ended"] = (f"{ended}; wall time {now.get('run_seconds') or 0:.0f} s"
@@ -352,5 +392,5 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
                                f"learner {rate('learner_tokens'):.0f} tokens/s")
         lines["processes"] = (f"replay {'up' if now['replay_up'] else 'DOWN'}, learner "
                               f"{'up' if now['learner_up'] else 'DOWN'}, "
-                              f"actors {now['actors_up']:.0f}")
+                              f"actors {now.get('actors_up') or 0:.0f} registered")
     return lines

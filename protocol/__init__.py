@@ -12,6 +12,7 @@ from protocol.messages import (
     MESSAGE_TYPES,
     NO_COMPLETE_VERSION,
     PROTOCOL_VERSION,
+    STALL_REASONS,
     Abandon,
     Ack,
     Batch,
@@ -42,7 +43,7 @@ from protocol.messages import (
 __all__ = [
     "ALLOWED_DTYPES", "Array", "DEFAULT_MAX_MESSAGE_BYTES", "decode", "encode",
     "ErrorCode", "ProtocolError", "LEARNER_ID", "MESSAGE_TYPES", "NO_COMPLETE_VERSION",
-    "PROTOCOL_VERSION", "Abandon", "Ack", "Batch",
+    "PROTOCOL_VERSION", "STALL_REASONS", "Abandon", "Ack", "Batch",
     "BatchRequest", "EngineInfo", "Error", "Goodbye", "GroupInfo", "Heartbeat", "Hello",
     "LearnerHello", "LearnerWelcome", "MemberWelcome", "Message",
     "Rollout", "RolloutStats", "Segment", "StalenessStats", "Stamp", "TensorSpec",

@@ -417,13 +417,20 @@ class Ack(Message, tag="ack"):
     the part it has not seen, so a reply lost with a connection loses none."""
 
 
+#: The reasons an actor's episodes wait (``Heartbeat.stall_seconds``' keys):
+#: for fresh enough weights, for a rollout credit, for a summary to be written.
+STALL_REASONS = ("weights", "credits", "summary")
+
+
 class Heartbeat(Message, tag="heartbeat"):
     """actor -> replay and learner: liveness, with the actor's own counters."""
 
     active_rollouts: int
     """Episodes the actor is running now."""
     stall_seconds: dict[str, float]
-    """Cumulative stall by reason (``weights``, ``credits``, ``summary``)."""
+    """Cumulative stall seconds of this incarnation by reason (``weights``, ``credits``,
+    ``summary``; the replay counts the increase of each per actor, ignoring other keys and
+    values that are not finite)."""
     credit_ledger: int
     """The replay's ledger id as last received (0: none yet)."""
     credits_seen: int

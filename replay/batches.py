@@ -45,6 +45,8 @@ class ServedBatch:
     """(incarnation, seq) of the ``BatchRequest`` it answers."""
     frame: bytes
     entries: list[RolloutEntry]
+    version: int
+    """The learner version it was served at: its rollouts' staleness counts from it."""
 
 
 class BatchServer:
@@ -77,13 +79,13 @@ class BatchServer:
         return self.parked[0] if self.parked else None
 
     def served(self, learner: str, request: BatchRequest, frame: bytes,
-               entries: list[RolloutEntry]) -> None:
-        """The oldest waiting request, ``learner``'s, is answered."""
+               entries: list[RolloutEntry], version: int) -> None:
+        """The oldest waiting request, ``learner``'s, is answered (at ``version``)."""
         if not self.parked or self.parked[0][0] != learner:
             raise ValueError("only the oldest waiting request is served")
         self.parked.pop(0)
         self.unconfirmed[learner] = ServedBatch((request.incarnation, request.seq), frame,
-                                                 entries)
+                                                 entries, version)
 
     def unconfirmed_frames(self) -> Iterator[bytes | memoryview]:
         """The segment frames of the unconfirmed batches: the log keeps them."""

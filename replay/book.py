@@ -164,15 +164,27 @@ class RolloutBook:
         if self.log is not None:
             self.log.append_released(entry.rollout_id, entry.nbytes)
 
-    def count_finished(self, entry: RolloutEntry, fate: str) -> None:
+    def count_finished(self, entry: RolloutEntry, fate: str, staleness: int = 0) -> None:
         """Count a complete rollout's end (``trained`` or why it was dropped),
-        by whether its episode succeeded, and its trainable tokens."""
+        by whether its episode succeeded, and its trainable tokens; and per
+        actor, with its compactions and (trained) its ``staleness``."""
         final = entry.segments[entry.final_index].segment
         success = (final.stats.success if final.stats is not None
                    else (final.reward or 0.0) > 0)
+        sampled = sum(int(s.segment.loss_mask.numpy().sum()) for s in entry.segments.values())
         self.metrics.finished.labels(fate, str(success).lower()).inc()
-        self.metrics.finished_tokens.labels(fate).inc(
-            sum(int(s.segment.loss_mask.numpy().sum()) for s in entry.segments.values()))
+        self.metrics.finished_tokens.labels(fate).inc(sampled)
+        series = self.metrics.by_actor
+        actor = series.label(entry.actor_id)
+        series.rollouts.labels(actor, fate).inc()
+        series.staleness.labels(actor).inc(staleness)
+        # a harness's rollout may carry no stats: its sampled tokens are what it generated
+        stats = final.stats
+        series.tokens.labels(actor, "all").inc(sampled if stats is None
+                                               else stats.generated_tokens)
+        if stats is not None:
+            series.tokens.labels(actor, "summary").inc(stats.summary_tokens)
+            series.compactions.labels(actor).inc(stats.compactions)
 
     def expire(self, now: float) -> None:
         """Drop the pending rollouts that waited past ``rollout_timeout_s``."""

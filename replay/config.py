@@ -58,6 +58,10 @@ class ReplayConfig:
     """Token ids must be below this; 0 = read it from run.model's config.json."""
     metrics_port: int = bounded(9100, ge=0, le=65535)
     """Prometheus port (0 = off)."""
+    actor_targets_path: str = ""
+    """Prometheus's file-based discovery list of the actors' metrics addresses,
+    rewritten as actors register and leave (``ops.observability``). Empty:
+    none; ``compactionrl up`` sets the run's ``prometheus/actor-targets.json``."""
 
     def validate(self, section: str = "replay") -> list[str]:
         problems = bound_problems(self, section)

@@ -12,7 +12,7 @@ counter, never a crash.
 
 Usage::
 
-    ingest = ActorIngest(endpoint, book, registry, welcome, stamp)
+    ingest = ActorIngest(endpoint, book, registry, fleet, welcome, stamp)
     ingest.receive()              # a pass over what the actor socket holds
     ingest.offer_credits()        # a learner step freed credits: share them out now
     ingest.expire_silent(now)     # incarnations silent past the liveness timeout
@@ -41,6 +41,7 @@ from protocol import (
 from protocol.endpoint import Handler, Received, ServerEndpoint
 from protocol.validation import check_segment_content
 from replay.book import RolloutBook, owner_of
+from replay.fleet import Fleet
 from replay.pacing import fair_shares
 from replay.registry import ActorRegistry, Peer
 
@@ -77,10 +78,11 @@ class RunFacts:
 
 class ActorIngest:
     def __init__(self, endpoint: ServerEndpoint, book: RolloutBook, registry: ActorRegistry,
-                 facts: RunFacts, stamp: Stamp) -> None:
+                 fleet: Fleet, facts: RunFacts, stamp: Stamp) -> None:
         self.endpoint = endpoint
         self.book = book
         self.registry = registry
+        self.fleet = fleet
         self.facts = facts
         self._stamp = stamp
         self._handlers: dict[type[Message], Handler] = {
@@ -140,6 +142,7 @@ class ActorIngest:
     def _on_hello(self, received: Received) -> None:
         hello, identity = received.message, received.identity
         facts = self.facts
+        self.fleet.joined(self.registry.peers[identity], hello.metrics_address)
         self.endpoint.send(identity, Welcome(
             **self._stamp.next(), run_id=facts.run_id, policy_version=self.book.learner_version,
             heartbeat_interval_s=facts.heartbeat_interval_s,
@@ -153,7 +156,9 @@ class ActorIngest:
 
     def _on_heartbeat(self, received: Received) -> None:
         heartbeat, identity = received.message, received.identity
-        self.registry.peers[identity].active_rollouts = heartbeat.active_rollouts
+        peer = self.registry.peers[identity]
+        peer.active_rollouts = heartbeat.active_rollouts
+        self.fleet.heartbeat(peer, heartbeat.stall_seconds)
         if ((heartbeat.credit_ledger, heartbeat.credits_seen)
                 != self.book.pacer.ledger(heartbeat.sender_id)):
             self._behind.add(identity)  # a reply with credits was lost: repeat the total
@@ -262,6 +267,7 @@ class ActorIngest:
             granted[identity] = book.pacer.grant(actor_id, share, book.buffer.nbytes,
                                                  len(book.buffer.ready))
             book.metrics.credits_granted.inc(granted[identity])
+            self.fleet.granted(actor_id, granted[identity])
         return granted
 
     def offer_credits(self) -> None:
@@ -308,3 +314,4 @@ class ActorIngest:
                  incarnation, len(expired) + unseen, len(expired), unseen, active_rollouts,
                  outstanding)
         book.pacer.forget(actor_id)
+        self.fleet.left(peer)

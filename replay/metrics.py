@@ -8,6 +8,11 @@ DROP_REASONS = ("stale", "expired", "full", "invalid", "abandoned")
 SEGMENT_RESULTS = ("accepted", "duplicate", "rejected")
 #: What becomes of a complete rollout: trained (its batch arrived), or dropped.
 FINISHED_FATES = ("trained", "stale")
+#: Actor ids labelled one by one in the per-actor series; later ones share
+#: :data:`OTHER_ACTORS`, so that a fleet that churns through ids (or a peer
+#: that makes them up) cannot grow the replay's metrics without bound.
+ACTOR_SERIES_LIMIT = 1024
+OTHER_ACTORS = "(others)"
 
 
 class ReplayMetrics:
@@ -58,6 +63,7 @@ class ReplayMetrics:
                                      "Learner version last reported", registry=r)
         self.actors_alive = Gauge("crl_replay_actors_alive", "Actors heard from recently",
                                   registry=r)
+        self.by_actor = ActorSeries(r)
         self.recovered_segments = Counter("crl_replay_recovered_segments",
                                           "Segments recovered from the log at start",
                                           registry=r)
@@ -75,3 +81,47 @@ class ReplayMetrics:
                 self.finished.labels(fate, success)
         for state in ("pending", "ready"):
             self.rollouts.labels(state)
+
+
+class ActorSeries:
+    """Per actor (label ``actor``): what the views show of each one, kept
+    by the replay, which registers every actor, whoever started it."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.registered = Gauge("crl_replay_actor_registered",
+                                "1 while the actor's incarnation is registered", ["actor"],
+                                registry=r)
+        self.capacity = Gauge("crl_replay_actor_capacity", "Episodes it runs at once (Hello)",
+                              ["actor"], registry=r)
+        self.slot_seconds = Counter(
+            "crl_replay_actor_slot_seconds",
+            "Episode-slot time registered (capacity x seconds): what stall shares divide by",
+            ["actor"], registry=r)
+        self.stall_seconds = Counter(
+            "crl_replay_actor_stall_seconds", "Stall its heartbeats reported, by reason",
+            ["actor", "reason"], registry=r)
+        self.credits_granted = Counter("crl_replay_actor_credits_granted", "Credits granted",
+                                       ["actor"], registry=r)
+        self.credits_held = Gauge("crl_replay_actor_credits_held",
+                                  "Credits granted and not yet returned", ["actor"], registry=r)
+        self.rollouts = Counter("crl_replay_actor_rollouts",
+                                "Complete rollouts by fate (trained, stale)", ["actor", "fate"],
+                                registry=r)
+        self.tokens = Counter(
+            "crl_replay_actor_tokens",
+            "Tokens its complete rollouts generated, by kind (all: actions and summaries; "
+            "summary)", ["actor", "kind"], registry=r)
+        self.compactions = Counter("crl_replay_actor_compactions",
+                                   "Compactions in its complete rollouts", ["actor"], registry=r)
+        self.staleness = Counter(
+            "crl_replay_actor_staleness",
+            "Sum of its trained rollouts' staleness (versions): over its trained rollouts, "
+            "the mean version lag", ["actor"], registry=r)
+        self._labelled: set[str] = set()
+
+    def label(self, actor_id: str) -> str:
+        """The ``actor`` label of ``actor_id`` (:data:`ACTOR_SERIES_LIMIT`)."""
+        if actor_id in self._labelled or len(self._labelled) < ACTOR_SERIES_LIMIT:
+            self._labelled.add(actor_id)
+            return actor_id
+        return OTHER_ACTORS

@@ -40,7 +40,7 @@ Usage::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from protocol.errors import ErrorCode
@@ -58,6 +58,8 @@ class Peer:
     capacity: int
     active_rollouts: int = 0
     """In flight at its last heartbeat, including rollouts not yet seen here."""
+    stall_reported: dict[str, float] = field(default_factory=dict)
+    """Its stall totals by reason as its heartbeats last reported them."""
 
 
 class Registration(NamedTuple):

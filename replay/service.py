@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import zmq
 
@@ -36,6 +37,7 @@ from protocol.transport import (
 )
 from replay.book import RolloutBook
 from replay.config import ReplayConfig
+from replay.fleet import Fleet
 from replay.ingest import ActorIngest, RunFacts
 from replay.metrics import ReplayMetrics
 from replay.registry import ActorRegistry
@@ -66,13 +68,15 @@ class ReplayService:
         self.book = RolloutBook(config, transport, vocab_size, self.metrics)
         self.registry = ActorRegistry(Liveness(transport.heartbeat_interval_s,
                                                transport.heartbeat_liveness))
+        self.fleet = Fleet(self.metrics.by_actor, Path(config.actor_targets_path)
+                           if config.actor_targets_path else None, run_id)
         stamp = Stamp("replay", time.time_ns())
         undelivered = self.metrics.replies_undelivered.inc
         keys = transport.curve.enabled
         self.ingest = ActorIngest(
             ServerEndpoint(self.actor_socket, stamp, transport.max_message_bytes,
                            self._refused, undelivered, bind_keys=keys),
-            self.book, self.registry, RunFacts(
+            self.book, self.registry, self.fleet, RunFacts(
                 run_id, transport.heartbeat_interval_s, transport.heartbeat_liveness,
                 config.max_staleness, config.rollouts_per_batch,
                 transport.max_message_bytes, vocab_size, config.stale_grace), stamp)
@@ -117,6 +121,7 @@ class ReplayService:
     def _tick(self) -> None:
         now = time.monotonic()
         self.ingest.expire_silent(now)
+        self.fleet.tick(now, self.registry.peers.values(), self.book.pacer.outstanding)
         self.book.expire(now)
         self.book.sync_and_compact(self.serving.batches.unconfirmed_frames())
         self._update_gauges()

@@ -101,7 +101,7 @@ class LearnerServing:
         book = self.book
         if request.incarnation == served.request[0]:
             for entry in served.entries:
-                book.count_finished(entry, "trained")
+                book.count_finished(entry, "trained", entry.staleness(served.version))
                 book.release(entry)
         else:
             book.buffer.restore(served.entries)
@@ -132,5 +132,5 @@ class LearnerServing:
                     min=int(staleness.min()), max=int(staleness.max()),
                     mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
                     p95=float(np.percentile(staleness, 95)))))
-            self.batches.served(learner, request, frame, entries)
+            self.batches.served(learner, request, frame, entries, version)
             self.endpoint.send_frame(self._connection, frame)

@@ -340,7 +340,8 @@ class UpOnLoopback:
             "--replay.metrics_port", str(replay_port),
             "--replay.log_path", str(root / "replay" / "segments.log"),
             "--actors.metrics_port", str(self.actor_ports.start), "--actors.count", str(actors),
-            *overrides]
+            # a test's run starts no Prometheus of its own: two on one port would race
+            "--observability.prometheus", "off", *overrides]
         self.process: subprocess.Popen[str] | None = None
 
     def start(self) -> subprocess.Popen[str]:

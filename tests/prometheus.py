@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -36,30 +37,14 @@ def ensure_prometheus() -> None:
         pytest.skip(f"could not install Prometheus with {INSTALLER}: {result.stderr[-500:]}")
 
 
-class PrometheusServer:
-    def __init__(self, folder: Path, config: dict[str, Any], rules: Path | None = None) -> None:
-        ensure_prometheus()
-        folder.mkdir(parents=True, exist_ok=True)
-        if rules is not None:
-            shutil.copy(rules, folder / rules.name)
-            config = {**config, "rule_files": [rules.name]}
-        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-        [port] = free_ports(1)
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = (folder / "prometheus.log").open("w")
-        self.process = subprocess.Popen(
-            ["prometheus", f"--config.file={folder / 'prometheus.yml'}",
-             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=self.log, stderr=self.log, start_new_session=True)
-        end = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready():
-            if self.process.poll() is not None or time.monotonic() > end:
-                self.stop()
-                raise AssertionError(f"Prometheus did not start: "
-                                     f"{(folder / 'prometheus.log').read_text()[-2000:]}")
-            time.sleep(0.3)
+class PrometheusApi:
+    """Prometheus's HTTP API at ``url`` (a server this test started, or one
+    that ``compactionrl up`` started)."""
 
-    def _ready(self) -> bool:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
                 return response.status == 200
@@ -68,13 +53,54 @@ class PrometheusServer:
 
     def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0
                     ) -> list[dict]:
-        query = urllib.parse.urlencode({"query": expr, "start": start, "end": end,
-                                        "step": step_s})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query_range?{query}",
-                                    timeout=30) as response:
-            body = json.loads(response.read())
-        assert body["status"] == "success", body
-        return body["data"]["result"]
+        return self._get("query_range", query=expr, start=start, end=end, step=step_s)[
+            "result"]
+
+    def query(self, expr: str) -> list[dict]:
+        """The instant vector of ``expr`` now."""
+        return self._get("query", query=expr)["result"]
+
+    def active_targets(self, job: str) -> list[dict]:
+        """The targets Prometheus scrapes now for ``job`` (discovered ones included)."""
+        return [target for target in self._get("targets", state="active")["activeTargets"]
+                if target["labels"].get("job") == job]
+
+    def _get(self, endpoint: str, **parameters: object) -> dict:
+        """The ``data`` of an HTTP API answer, which must be a success (an
+        expression that does not parse is not)."""
+        query = urllib.parse.urlencode(parameters)
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/{endpoint}?{query}",
+                                        timeout=30) as response:
+                body = json.loads(response.read())
+        except urllib.error.HTTPError as error:  # a bad query answers 400 with the reason
+            body = json.loads(error.read())
+        assert body["status"] == "success", (parameters, body)
+        return body["data"]
+
+
+class PrometheusServer(PrometheusApi):
+    def __init__(self, folder: Path, config: dict[str, Any], rules: Path | None = None) -> None:
+        ensure_prometheus()
+        folder.mkdir(parents=True, exist_ok=True)
+        if rules is not None:
+            shutil.copy(rules, folder / rules.name)
+            config = {**config, "rule_files": [rules.name]}
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        [port] = free_ports(1)
+        super().__init__(f"http://127.0.0.1:{port}")
+        self.log = (folder / "prometheus.log").open("w")
+        self.process = subprocess.Popen(
+            ["prometheus", f"--config.file={folder / 'prometheus.yml'}",
+             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=self.log, stderr=self.log, start_new_session=True)
+        end = time.monotonic() + READY_TIMEOUT_S
+        while not self.ready():
+            if self.process.poll() is not None or time.monotonic() > end:
+                self.stop()
+                raise AssertionError(f"Prometheus did not start: "
+                                     f"{(folder / 'prometheus.log').read_text()[-2000:]}")
+            time.sleep(0.3)
 
     def stop(self) -> None:
         try:

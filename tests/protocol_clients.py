@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import msgspec
 import zmq
 
 from protocol import (
@@ -48,13 +49,15 @@ class ActorClient:
     def __init__(self, context: zmq.Context, address: str, actor_id: str = "actor-x",
                  incarnation: int = 1, capacity: int = 4,
                  transport: TransportConfig | None = None,
-                 routing_id: bytes | None = None) -> None:
-        """``routing_id``: one the socket presents (default: none, as the project's)."""
+                 routing_id: bytes | None = None, metrics_address: str = "") -> None:
+        """``routing_id``: one the socket presents (default: none, as the project's);
+        ``metrics_address``: its hello's."""
         self.socket = dealer(context, address, transport, routing_id)
         self.stamp = Stamp(actor_id, incarnation)
         self.token = new_token()
         """Its incarnation's: a hello with it moves the incarnation to a new connection."""
         self.capacity = capacity
+        self.metrics_address = metrics_address
         self.credits = 0
         """To spend: a test starts a rollout by taking one."""
         self.credit_ledger = 0
@@ -69,11 +72,13 @@ class ActorClient:
         self._rollouts = itertools.count()
 
     def hello(self) -> None:
-        self.send(synthetic_hello(self.stamp, self.capacity, self.token))
+        self.send(msgspec.structs.replace(synthetic_hello(self.stamp, self.capacity, self.token),
+                                          metrics_address=self.metrics_address))
 
-    def heartbeat(self, active_rollouts: int = 0) -> None:
+    def heartbeat(self, active_rollouts: int = 0,
+                  stall_seconds: dict[str, float] | None = None) -> None:
         self.send(Heartbeat(**self.stamp.next(), active_rollouts=active_rollouts,
-                            stall_seconds={}, credit_ledger=self.credit_ledger,
+                            stall_seconds=stall_seconds or {}, credit_ledger=self.credit_ledger,
                             credits_seen=self.credits_seen))
 
     def send(self, message: Message) -> None:

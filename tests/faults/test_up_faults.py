@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.observability import promql_expressions, scrape_config
+from ops.observability import ACTOR_TARGETS_FILE, promql_expressions, scrape_config
 from protocol import ErrorCode, Segment, decode
 from replay.log import SEGMENT, read_records
 from tests.fault_proxy import FaultProxy
@@ -281,10 +281,14 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "--actors.metrics_port", str(actor_metrics), "--actors.count", "1",
             "--actors.ack_timeout_s", str(ACK_TIMEOUT_S), *SMALL_EPISODES,
             "--transport.heartbeat_interval_s", str(HEARTBEAT_S),
-            "--transport.heartbeat_liveness", str(LIVENESS)]
-    folder.mkdir(parents=True)
+            "--transport.heartbeat_liveness", str(LIVENESS),
+            # the test's own server has scraped the run since before up started
+            "--observability.prometheus", "off"]
+    # the folder of the actors' targets, watched from the start: the replay
+    # lists each actor there as it registers, the hand-started one too
+    (folder / ACTOR_TARGETS_FILE).parent.mkdir(parents=True)
     prometheus = PrometheusServer(root / "prometheus", scrape_config(
-        replay_metrics, learner_metrics, [actor_metrics, actor_metrics + 1], interval_s=1),
+        replay_metrics, learner_metrics, str(folder / ACTOR_TARGETS_FILE), interval_s=1),
         rules=ALERTS)
     began = time.time()
     up_output = root / "up-output.log"
@@ -355,6 +359,7 @@ def test_network_trouble_loses_nothing_silently(run: FaultRun) -> None:
     """Delay, dropped connections and a partition between the proxied actor and
     both services: it keeps contributing, every drop shows as a disconnect,
     lost segments are resent, and it is never declared dead."""
+    run.notes["faults_began"] = time.time()  # the healthy part of the run ends here
     sent = lambda: run.actor("proxied", "crl_actor_segments_sent_total")  # noqa: E731
     began, steps_at = time.monotonic(), dict[str, float]()
 
@@ -872,11 +877,16 @@ def _get(port: int, path: str) -> str:
 def test_every_panel_has_data_every_exposition_lints_and_each_process_is_ready(
         run: FaultRun) -> None:
     """Over the run so far, every PromQL expression of every dashboard panel
-    and alert returns data from the real Prometheus; each process's
-    exposition passes promtool's lint and its ``/readyz`` says ready."""
+    and alert returns data from the real Prometheus, and no alert fired
+    before the first fault; each process's exposition passes promtool's lint
+    and its ``/readyz`` says ready."""
     empty = [where for where, expr in promql_expressions().items()
              if not run.prometheus.query_range(expr, run.began, time.time())]
     assert empty == [], f"PromQL without data over the run: {empty}"
+    # without phase 1 (a selection of phases), no fault has been injected yet
+    healthy_until = run.notes.get("faults_began", time.time())
+    fired = run.prometheus.query_range('ALERTS{alertstate="firing"}', run.began, healthy_until)
+    assert fired == [], f"alerts fired over the healthy start: {[s['metric'] for s in fired]}"
     ports = [run.ports["replay"], run.ports["learner"], run.ports["actor"],
              run.ports["actor"] + 1]
     for port in ports:

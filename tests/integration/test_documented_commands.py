@@ -433,7 +433,7 @@ def check_actor_beside_up(check: Check) -> None:
     run_config = check.tmp_path / "config.toml"
     run_config.write_text(to_toml(load_config(None, [])))
     args, _ = cli(check.argv(**{"RUN/config.toml": str(run_config), "HOST": "127.0.0.1"}))
-    assert args.command == "actor" and args.actor_id == "my-gpu-box-0" and args.index == 0
+    assert args.command == "actor" and args.actor_id == "my-gpu-box-0" and args.index == 1
 
 
 def check_eval_parses(check: Check) -> None:
@@ -628,6 +628,14 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     "compactionrl up --plan --gpus 8 --gpu-memory-gib 79.6 --config "
     "deploy/configs/gpu-8xh100.toml": RunAsWritten(prints=("weights over nccl",
                                                    "memory: not checked: no config.json")),
+    # a mixed fleet, sized from a named family's shape (no weights on this machine)
+    "compactionrl up --plan --fleet h100=8x79.6,a100-40=8x39.4 --model-shape Qwen2.5-7B "
+    "--config deploy/configs/gpu-7b.toml": RunAsWritten(
+        prints=("lane 8 x h100 (79.6 GiB): learner; 0 free",
+                "lane 8 x a100-40 (39.4 GiB): actor-0 to actor-7; 0 free")),
+    "compactionrl up --plan --fleet a100-40=8x39.4 --model-shape Qwen2.5-7B "
+    "--config deploy/configs/gpu-8xh100.toml": RunAsWritten(
+        exit_codes=(2,), prints=("memory, learner on a100-40: 53.6 GiB",)),
     # docs/environments.md: the bring-your-own guide, run in a temporary folder
     "compactionrl model init --out runs/qwen3-tiny": Elsewhere(
         "tests/integration/test_bring_your_own.py", ("compactionrl", "model", "init", "--out"),
@@ -658,7 +666,7 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     # 0: a run is up; 1: the run folder holds a finished run; 2: there is none yet
     "compactionrl status": RunAsWritten(exit_codes=(0, 1, 2)),
     "compactionrl actor --config RUN/config.toml --replay tcp://HOST:5555 --learner "
-    "tcp://HOST:5557 --actor-id my-gpu-box-0 --index 0": Elsewhere(
+    "tcp://HOST:5557 --actor-id my-gpu-box-0 --index 1": Elsewhere(
         "tests/faults/test_up_faults.py",
         ("actor", "--config", "config.toml", "--replay", "--learner", "--actor-id", "--index"),
         "joins a running `up` (RUN and HOST are placeholders): that test starts this command "

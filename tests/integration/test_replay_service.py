@@ -3,6 +3,8 @@ credits and backpressure, and a flood of malformed input."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -12,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from protocol import PROTOCOL_VERSION, Abandon, ErrorCode, Goodbye, Stamp, encode
+from protocol import PROTOCOL_VERSION, Abandon, Batch, ErrorCode, Goodbye, Stamp, encode
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
 from replay.config import ReplayConfig
@@ -598,6 +600,24 @@ def test_backpressure_when_the_learner_stops(replay: ReplayThread) -> None:
     assert actor.pump_until(lambda: actor.credits == 2)
 
 
+def _learner_step(replay: ReplayThread, learner: LearnerClient, step: int,
+                  actors: list[ActorClient]) -> Batch:
+    """One learner step of a learner-bound run: ask for a batch of version
+    ``step``; meanwhile every actor starts a rollout (one segment) the moment
+    it holds a credit."""
+    learner.request(replay.config.rollouts_per_batch, version=step)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        for actor in actors:
+            actor.pump(0.02)
+            while actor.credits > 0:
+                actor.credits -= 1
+                actor.push_rollout(segments=1, version=actor.policy_version)
+        if (batch := learner.receive(0.02)) is not None:
+            return batch
+    raise AssertionError(f"step {step}: no batch within 10 s")
+
+
 @pytest.mark.parametrize("first", ["early", "late"])
 def test_an_actor_that_joins_a_learner_bound_run_gets_its_share_of_the_work(
         replay: ReplayThread, first: str) -> None:
@@ -607,29 +627,14 @@ def test_an_actor_that_joins_a_learner_bound_run_gets_its_share_of_the_work(
     whichever of the two it is."""
     actors = {name: replay.actor(actor_id=name, capacity=4) for name in ("early", "late")}
     order = [first, "late" if first == "early" else "early"]
-
-    def work(names: list[str]) -> None:
-        for name in names:
-            actor = actors[name]
-            actor.pump(0.02)
-            while actor.credits > 0:
-                actor.credits -= 1
-                actor.push_rollout(segments=1, version=actor.policy_version)
-
     actors[order[0]].hello()
     learner = replay.learner()
     trained = {"early": 0, "late": 0}
     for step in range(12):
         if step == 2:  # the second actor joins a run already going
             actors[order[1]].hello()
-        joined = order[:1] if step < 2 else order
-        deadline = time.monotonic() + 10.0
-        learner.request(2, version=step)
-        batch = None
-        while batch is None and time.monotonic() < deadline:
-            work(joined)
-            batch = learner.receive(0.02)
-        assert batch is not None, f"step {step}: no batch"
+        batch = _learner_step(replay, learner, step,
+                              [actors[name] for name in order[:1 if step < 2 else 2]])
         if step >= 4:  # from two steps after the join
             for rollout in batch.rollouts:
                 trained[rollout.segments[0].sender_id] += 1
@@ -637,6 +642,47 @@ def test_an_actor_that_joins_a_learner_bound_run_gets_its_share_of_the_work(
     for actor in actors.values():
         actor.close()
     learner.close()
+
+
+def test_the_replay_counts_every_actor_and_lists_it_for_prometheus(tmp_path: Path) -> None:
+    """Whoever started them, every registered actor has its series (its
+    trained rollouts summing to the run's, stall from its heartbeats) and
+    its metrics address in Prometheus's discovery file until it leaves."""
+    targets = tmp_path / "prometheus" / "actor-targets.json"
+    with contextlib.closing(ReplayThread.on_loopback(
+            rollouts_per_batch=2, max_staleness=1, durable_log=False,
+            actor_targets_path=str(targets))) as replay:
+        actors = [replay.actor(actor_id=f"actor-{i}", capacity=2,
+                               metrics_address=f"127.0.0.1:{9301 + i}") for i in range(2)]
+        for actor in actors:
+            actor.hello()
+        assert actors[0].pump_until(lambda: len(json.loads(targets.read_text())) == 2)
+        learner = replay.learner()
+        served = [_learner_step(replay, learner, step, actors) for step in range(6)]
+        learner.request(0, version=6)  # confirms the last batch: it was trained
+        actors[0].heartbeat(stall_seconds={"credits": 2.5, "made-up": 1e9,
+                                           "weights": float("nan")})
+        actors[0].heartbeat(stall_seconds={"credits": 2.0})  # lower: no increase
+        by_actor = "crl_replay_actor_rollouts_total"
+        assert actors[0].pump_until(lambda: sum(
+            replay.metric(by_actor, actor=a.stamp.sender_id, fate="trained")
+            for a in actors) == 12)
+        trained = sum(len(batch.rollouts) for batch in served)
+        assert trained == 12 == sum(replay.metric("crl_replay_finished_rollouts_total",
+                                                  fate="trained", success=success)
+                                    for success in ("true", "false"))
+        assert replay.metric("crl_replay_actor_stall_seconds_total", actor="actor-0",
+                             reason="credits") == 2.5
+        assert replay.metric("crl_replay_actor_stall_seconds_total", actor="actor-0",
+                             reason="made-up") == 0
+        actors[1].send(Goodbye(**actors[1].stamp.next()))
+        assert actors[0].pump_until(
+            lambda: [entry["labels"]["actor"] for entry in json.loads(targets.read_text())]
+            == ["actor-0"])
+        assert replay.metric("crl_replay_actor_registered", actor="actor-1") == 0
+        assert replay.metric("crl_replay_actor_registered", actor="actor-0") == 1
+        for client in (*actors, learner):
+            client.close()
 
 
 def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay: ReplayThread

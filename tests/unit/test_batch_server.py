@@ -18,7 +18,7 @@ def test_a_request_waits_until_served_and_its_batch_until_the_next_request() -> 
     first = BatchRequest(**stamp.next(), size=2, policy_version=0)
     assert batches.ask("learner", first) is None
     assert batches.waiting() == ("learner", first)
-    batches.served("learner", first, b"batch-1", [])
+    batches.served("learner", first, b"batch-1", [], 0)
     assert batches.waiting() is None
     assert batches.resent("learner", first) == b"batch-1"  # the same request again
     second = BatchRequest(**stamp.next(), size=2, policy_version=1)
@@ -46,6 +46,6 @@ def test_requests_are_served_oldest_first() -> None:
     batches.ask("a", a)
     batches.ask("b", b)
     with pytest.raises(ValueError, match="oldest"):
-        batches.served("b", b, b"frame", [])
-    batches.served("a", a, b"frame", [])
+        batches.served("b", b, b"frame", [], 0)
+    batches.served("a", a, b"frame", [], 0)
     assert batches.waiting() == ("b", b)

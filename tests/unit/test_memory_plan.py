@@ -15,12 +15,16 @@ import pytest
 from deploy.cli import main
 from deploy.config import load_config
 from deploy.device_plan import plan_devices
-from deploy.memory_plan import GIB, ModelShape, engine_memory, learner_rank_memory
+from deploy.fleet import Fleet
+from deploy.memory_plan import GIB, engine_memory, learner_rank_memory
+from deploy.model_shapes import ModelShape
 
 CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
 H100 = CONFIGS / "gpu-8xh100.toml"
 #: An H100 80GB as torch reports it.
 H100_BYTES = int(79.6 * GIB)
+#: One machine of eight of them.
+EIGHT_H100 = Fleet.uniform(8, H100_BYTES)
 #: Qwen2.5-7B's and Qwen2.5-0.5B's config.json (the fields the arithmetic reads).
 QWEN_7B = {"num_hidden_layers": 28, "hidden_size": 3584, "intermediate_size": 18944,
            "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
@@ -72,16 +76,21 @@ def test_ranks_a_value_head_and_smaller_passes_each_lower_a_rank_s_need(qwen_7b:
 
 def test_the_shipped_8_gpu_configuration_fits_an_h100_and_its_critic_model_would_not(
         qwen_7b: Path) -> None:
-    fits = plan_devices(load_config(H100, ["--run.model", str(qwen_7b)]), 8, H100_BYTES)
+    fits = plan_devices(load_config(H100, ["--run.model", str(qwen_7b)]), EIGHT_H100)
     assert fits.problems == ()
-    assert "(of 79.6 GiB)" in fits.process("learner").memory
-    assert "short" not in fits.process("actor-0").memory  # the episodes' windows fit the KV
+    assert "(of 79.6 GiB)" in fits.process("learner").describe_memory()
+    # the episodes' windows fit the KV
+    assert "short" not in fits.process("actor-0").describe_memory()
     over = plan_devices(load_config(H100, ["--run.model", str(qwen_7b),
-                                           "--learner.critic", "model"]), 8, H100_BYTES)
+                                           "--learner.critic", "model"]), EIGHT_H100)
     [problem] = over.problems
     assert "more than the 79.6 GiB" in problem
-    assert all(fix in problem for fix in ('learner.critic = "value_head"', "learner.nproc",
-                                          "learner.max_tokens_per_microbatch"))
+    # the fewest ranks that fit (the engines hold the other GPUs), and the
+    # critic; not the micro-batch budget, already at one segment's window
+    assert 'learner.critic = "value_head" (53.6 GiB a rank: fits)' in problem
+    assert "learner.nproc = 6 and learner.gpus to match (taking 2 of the engines' GPUs)" \
+        in problem
+    assert "max_tokens_per_microbatch" not in problem
 
 
 def test_an_engine_short_of_kv_for_its_episodes_windows_says_how_many_fit(qwen_7b: Path
@@ -97,7 +106,7 @@ def test_a_learner_sharing_its_gpu_is_held_to_its_fraction(qwen_7b: Path) -> Non
     config = load_config(None, ["--run.model", str(qwen_7b), "--actors.count", "1",
                                 "--learner.critic", "value_head",
                                 "--learner.gpu_memory_fraction", "0.5"])
-    [problem] = plan_devices(config, 1, H100_BYTES).problems
+    [problem] = plan_devices(config, Fleet.uniform(1, H100_BYTES)).problems
     assert "more than the 39.8 GiB it has" in problem
 
 
@@ -105,11 +114,12 @@ def test_without_the_model_s_shape_or_the_gpus_size_the_plan_says_memory_was_not
         qwen_7b: Path, tmp_path: Path) -> None:
     unknown_size = plan_devices(load_config(H100, ["--run.model", str(qwen_7b)]), 8)
     assert "GPUs' size is unknown" in unknown_size.memory_note
-    no_shape = plan_devices(load_config(H100, ["--run.model", str(tmp_path / "none")]), 8,
-                            H100_BYTES)
+    no_shape = plan_devices(load_config(H100, ["--run.model", str(tmp_path / "none")]),
+                            EIGHT_H100)
     assert "no config.json" in no_shape.memory_note and no_shape.problems == ()
+    assert "--model-shape" in no_shape.memory_note
     cpu = plan_devices(load_config(None, []), 0)
-    assert all(p.memory == "" for p in cpu.processes)
+    assert all(p.memory is None for p in cpu.processes) and cpu.memory_note == ""
 
 
 def test_up_plan_prints_each_process_s_memory_and_refuses_what_does_not_fit(
@@ -118,6 +128,7 @@ def test_up_plan_prints_each_process_s_memory_and_refuses_what_does_not_fit(
             "--run.model", str(qwen_7b)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "memory, learner: " in out and "memory, actor-3: weights 14.2 GiB" in out
+    # four engines alike are one line
+    assert "memory, learner: " in out and "memory, actor-0 to actor-3: weights 14.2 GiB" in out
     assert main([*args, "--learner.critic", "model"]) == 2
     assert "compactionrl: refused: a learner rank needs about" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Prometheus and Grafana as code: the checked-in files are what the code
 generates, the rules pass promtool, dashboards refer to metrics that exist,
-and `dashboards push` speaks Grafana's HTTP API (against a local stand-in:
-no Grafana server can run here)."""
+each panel's query is given in plain PromQL, the actors' targets file is
+Prometheus's file_sd format, and `dashboards push` speaks Grafana's HTTP API
+(against a local stand-in: no Grafana server can run here)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,28 @@ import yaml
 
 from deploy.cli import main
 from deploy.config import load_config
-from ops.observability import dashboards, promql_expressions, write_files
+from ops.observability import (
+    ACTOR_TARGETS_FILE,
+    DASHBOARDS,
+    dashboards,
+    panel_queries,
+    promql_expressions,
+    write_actor_targets,
+    write_files,
+)
 
-OBSERVABILITY = Path(__file__).parents[2] / "deploy" / "observability"
+ROOT = Path(__file__).parents[2]
+OBSERVABILITY = ROOT / "deploy" / "observability"
 METRIC = re.compile(r"\b(crl_[a-z_]+)")
 
 
-def test_checked_in_files_are_what_the_code_generates(tmp_path: Path) -> None:
-    for path in write_files(tmp_path, **load_config().observability()):
+def test_checked_in_files_are_what_the_code_generates(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``dashboards export --all deploy/observability`` writes, run from
+    the checkout (the run folder, and so the actors' targets file, is named
+    relative to the current directory)."""
+    monkeypatch.chdir(ROOT)
+    for path in write_files(tmp_path, **load_config().observability_files(OBSERVABILITY)):
         checked_in = OBSERVABILITY / path.relative_to(tmp_path)
         assert checked_in.read_text() == path.read_text(), (
             f"{checked_in} is stale: run compactionrl dashboards export --all "
@@ -108,8 +123,52 @@ def test_dashboards_import_anywhere_and_filter_by_run_job_actor_and_gpu_type() -
     assert set(dashboards()) == {"compactionrl-training", "compactionrl-system",
                                  "compactionrl-actors"}
     prometheus = yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert all(config["labels"] == {"run": "local-cpu"}
-               for job in prometheus["scrape_configs"] for config in job["static_configs"])
+               for name in ("replay", "learner") for config in jobs[name]["static_configs"])
+    # the actors: the file the replay of the default run keeps, beside the checkout
+    assert jobs["actors"]["file_sd_configs"][0]["files"] == [
+        f"../../runs/local-cpu/{ACTOR_TARGETS_FILE}"]
+
+
+def test_the_actors_file_lists_each_actor_labelled_for_the_dashboards(tmp_path: Path) -> None:
+    """Prometheus's file_sd JSON: a target group per actor, labelled with
+    its id and the run's name; rewritten whole (the actor that left is gone)."""
+    path = tmp_path / ACTOR_TARGETS_FILE
+    write_actor_targets(path, {"b-1": "10.0.0.2:9110", "a-0": "127.0.0.1:9110"}, "my-run")
+    assert json.loads(path.read_text()) == [
+        {"targets": ["127.0.0.1:9110"], "labels": {"actor": "a-0", "run": "my-run"}},
+        {"targets": ["10.0.0.2:9110"], "labels": {"actor": "b-1", "run": "my-run"}}]
+    write_actor_targets(path, {"b-1": "10.0.0.2:9110"}, None)
+    assert json.loads(path.read_text()) == [
+        {"targets": ["10.0.0.2:9110"], "labels": {"actor": "b-1"}}]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+
+
+def test_each_panel_s_query_is_given_in_plain_promql(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """Outside Grafana: no variable or macro left, the run's name matched
+    exactly, the other variables' matchers dropped (every value), one query
+    per series; ``dashboards promql`` prints them with the alert rules."""
+    queries = panel_queries("my-run", "2m")
+    assert sum(map(len, queries.values())) == sum(len(panel.exprs) for panels in
+                                                  DASHBOARDS.values() for panel in panels)
+    for where, series in queries.items():
+        for legend, expr in series:
+            assert "$" not in expr and "=~" not in expr, (where, legend, expr)
+            if "crl_" in expr or "up{" in expr:
+                assert 'run="my-run"' in expr, (where, legend, expr)
+    [(_, tokens)] = queries["CompactionRL: actors / Tokens/s by actor"]
+    assert tokens == ('sum by (instance) (rate(crl_actor_generated_tokens_total{run="my-run"}'
+                      "[2m]))")
+    [(_, engines)] = queries["CompactionRL: actors / Engines"]
+    assert engines == 'crl_actor_engine_info{run="my-run"}'
+    [(_, every_run)] = panel_queries()["CompactionRL: actors / Engines"]
+    assert every_run == "crl_actor_engine_info"
+    assert main(["dashboards", "promql", "--run", "my-run"]) == 0
+    printed = capsys.readouterr().out
+    assert f"  {{{{instance}}}}: {tokens.replace('[2m]', '[1m]')}\n" in printed
+    assert "CompactionRLStalenessAtBound (for 10m): " in printed
 
 
 def test_vllm_engine_metrics_are_served_renamed_and_lint_clean() -> None:

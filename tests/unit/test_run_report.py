@@ -18,7 +18,14 @@ def snapshot(t: float, step: int) -> dict:
             "actor_summary_tokens": 240 * step, "actor_generated_tokens": 1000 * step,
             "learner_tokens": 900 * step, "stall_weights_s": 1.0 * step,
             "stall_credits_s": 2.0 * step, "stall_summary_s": 0.5 * step,
-            "staleness_le_0": 3 * step, "staleness_le_1": 5 * step, "staleness_le_2": 6 * step}
+            "actor_slot_s": 40.0 * step,
+            "staleness_le_0": 3 * step, "staleness_le_1": 5 * step, "staleness_le_2": 6 * step,
+            # the replay's per-actor figures: one actor started by up, one added by hand
+            **{f"actor/{actor}/{figure}": value * step for actor, share in (
+                ("actor-0", 3), ("extra-1", 1)) for figure, value in (
+                ("trained", 2 * share), ("credits", 2 * share), ("slot_s", 20.0),
+                ("stall_credits_s", share), ("staleness_sum", share))},
+            "actor/actor-0/registered": 1, "actor/extra-1/registered": 0}
 
 
 def run_folder(tmp_path: Path, evaluation: bool) -> Path:
@@ -44,7 +51,7 @@ def test_every_chart_has_labelled_axes_and_its_legend_beside_the_plot(tmp_path: 
     for chart in charts:
         labels = re.findall(r'transform="rotate\(-90[^"]*"[^>]*>([^<]+)<', chart)
         assert labels, "a y-axis label"
-    assert "stalled seconds per second" in page and "learner step" in page
+    assert "share of episode-slot time" in page and "learner step" in page
     assert "summary tokens per compaction" in page and "tokens per second" in page
     for x in re.findall(r'<line x1="(\d+)" y1="\d+" x2="\d+" y2="\d+" stroke="#[0-9a-f]{6}" '
                         r'stroke-width="3"/>', page):
@@ -57,3 +64,14 @@ def test_a_held_out_evaluation_goes_into_the_report(tmp_path: Path) -> None:
     page = write_report(run_folder(tmp_path, evaluation=True), "demo").read_text()
     assert "Held-out evaluation" in page
     assert "<th>trained</th><th>baseline</th>" in page and "0.63 - 0.76" in page
+
+
+def test_the_report_lists_every_actor_and_what_it_contributed(tmp_path: Path) -> None:
+    """The actors the replay registered, whoever started them: their
+    trained rollouts add up to the run's, stall as a share of slot time."""
+    page = write_report(run_folder(tmp_path, evaluation=False), "demo").read_text()
+    table = page[page.index("<h2>Actors</h2>"):page.index("</table>", page.index("<h2>Actors"))]
+    assert "actor-0</th><td>30</td><td>75 %</td>" in table
+    assert "extra-1 (gone)</th><td>10</td><td>25 %</td>" in table
+    assert "<th align='left'>all</th><td>40</td>" in table
+    assert "<td>15 %</td>" in table  # actor-0's credit stall: 15 of 100 slot seconds

@@ -51,12 +51,55 @@ def test_replay_totals_add_up_over_its_restarts() -> None:
     assert (last["expired_rollouts"], last["stale_rollouts"]) == (1, 380)
 
 
-def test_each_actor_counts_on_its_own_when_one_restarts() -> None:
+def _fleet(trained: dict[str, float], registered: dict[str, float],
+           stall_credits: dict[str, float], slot_s: dict[str, float]) -> Samples:
+    """The replay's per-actor series for these actors."""
+    return _samples(
+        crl_replay_actor_rollouts_total={(("actor", a), ("fate", "trained")): n
+                                         for a, n in trained.items()},
+        crl_replay_finished_rollouts_total={(("fate", "trained"), ("success", "true")):
+                                            sum(trained.values())},
+        crl_replay_actor_registered={(("actor", a),): n for a, n in registered.items()},
+        crl_replay_actor_stall_seconds_total={(("actor", a), ("reason", "credits")): n
+                                              for a, n in stall_credits.items()},
+        crl_replay_actor_slot_seconds_total={(("actor", a),): n for a, n in slot_s.items()})
+
+
+def test_each_actor_s_figures_add_up_over_replay_restarts() -> None:
+    """The replay counts every actor (up's, or one added by hand); a replay
+    restart starts its counters afresh and the run's totals go on."""
     scraper = RunScraper({})
-    rollouts = lambda n: _samples(crl_actor_rollouts_total=n)  # noqa: E731
-    scraper.fold({"actor-0": rollouts(10), "actor-1": rollouts(10)}, {})
-    last = scraper.fold({"actor-0": rollouts(2), "actor-1": rollouts(15)}, {})
-    assert last["actor_rollouts"] == 10 + 2 + 15
+    scraper.fold({"replay": _fleet({"actor-0": 10, "extra-1": 4}, {"actor-0": 1, "extra-1": 1},
+                                   {}, {})}, {})
+    last = scraper.fold({"replay": _fleet({"actor-0": 3, "extra-1": 2},
+                                          {"actor-0": 1, "extra-1": 1}, {}, {})}, {})
+    assert (last["actor/actor-0/trained"], last["actor/extra-1/trained"]) == (13, 6)
+    assert last["trained_rollouts"] == 19 and last["actors_up"] == 2
+
+
+def test_the_summary_lists_every_actor_with_stall_as_a_share_of_slot_time() -> None:
+    """'actors 1' while a hand-added actor trained a third of the rollouts,
+    and stall in summed seconds (1,981 -> 3,836 s in one line): now each
+    actor has its line, the shares of trained rollouts add to the run's,
+    and stall is a share of episode-slot time."""
+    scraper = RunScraper({})
+    before = scraper.fold({"replay": _fleet({"actor-0": 0, "extra-1": 0},
+                                            {"actor-0": 1, "extra-1": 1}, {}, {}),
+                           "learner": _learner(1, 1)}, {})
+    now = scraper.fold({"replay": _fleet({"actor-0": 20, "extra-1": 10},
+                                         {"actor-0": 1, "extra-1": 0},
+                                         {"actor-0": 20, "extra-1": 2}, {"actor-0": 40,
+                                                                        "extra-1": 40}),
+                        "learner": _learner(5, 5)}, {})
+    now["time"] = before["time"] + 10
+    lines = summarise(now, before, before, RunEnds(max_steps=10))
+    assert lines["actor actor-0"].startswith("20 rollouts trained (67 %)")
+    assert lines["actor extra-1"].startswith("(gone) 10 rollouts trained (33 %)")
+    assert "credits 50 %" in lines["actor actor-0"]
+    assert lines["stall"] == ("weights 0.0 %, credits 27.5 %, summary 0.0 % of episode-slot "
+                              "time")
+    assert lines["processes"].endswith("actors 1 registered")
+    assert "bottleneck" in lines and lines["bottleneck"].startswith("the learner")
 
 
 def test_a_learner_that_has_not_resumed_leaves_step_and_version_where_they_were() -> None:
@@ -202,3 +245,11 @@ def test_the_training_window_spans_the_snapshots_with_the_learner_training() -> 
     assert [s["time"] for s in training_window(history, steps=9)] == [1, 4]
     with pytest.raises(ValueError, match="fewer than two"):
         training_window(history[:3])
+
+
+def test_the_views_know_the_stall_reasons_the_heartbeats_carry() -> None:
+    """ops imports nothing of ours: its copy of the reasons must stay the protocol's."""
+    from ops.fleet import STALL_REASONS as shown
+    from protocol import STALL_REASONS as sent
+
+    assert shown == sent
