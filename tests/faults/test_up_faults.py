@@ -4,7 +4,8 @@ one phase and asserts its outcome from the processes' metrics, their logs and
 the replay's durable log:
 
 0. each actor's engine runs on the core it was given (on CPU the engine-core
-   process runs the model);
+   process runs the model); the actor started by hand beside ``up``'s gets
+   its share of the rollouts from the minute it registers;
 1. network trouble (delay, dropped connections, a partition) through a TCP
    proxy between a second actor and the replay and learner;
 2. actor-0 SIGKILLed with episodes in flight (again and again with
@@ -15,12 +16,16 @@ the replay's durable log:
 6. the learner paused (SIGSTOP): actors stall (on credits, or on weights while
    holding one) and the memory of every process stays flat, then it resumes;
 7. the run as users watch it: a real Prometheus (Debian's package) has
-   scraped it with the project's generated configuration since it began, and
-   every PromQL expression of every dashboard panel and alert returns data;
+   scraped it with the project's generated configuration since it began (the
+   hand-started actor found in the replay's discovery file), and every PromQL
+   expression of every dashboard panel and alert returns data;
    every process's exposition passes promtool's lint and each says it is ready;
-8. clean shutdown (Ctrl-C): every segment acknowledged, the checkpoint, export,
+8. actors leave: actor-0's engine SIGKILLed, then the hand-started actor
+   stopped cleanly; the learner's steps go on, late by at most the weight
+   deadline and 2 s respectively;
+9. clean shutdown (Ctrl-C): every segment acknowledged, the checkpoint, export,
    metrics history, report, summary and the resume command written, `status`
-   says how it ended, nothing left running.
+   says how it ended and what each actor did, nothing left running.
 
 The phases share the run (starting engines costs most of a minute each), so
 they run in this order. Each waits on events, never on fixed speeds, within
@@ -40,6 +45,7 @@ import re
 import shlex
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -127,6 +133,14 @@ SLOTS = 2
 #: After an episode starts, how long until its heartbeat has surely reached
 #: the replay (it is sent at once; this covers a busy event loop).
 REPORTED_S = 0.3
+#: An actor that registers gets at least this share of the rollouts trained
+#: within JOINED_S of its registration (two actors of equal capacity: half,
+#: when the credits are shared as docs/replay.md says).
+JOINED_SHARE, JOINED_S = 0.3, 60.0
+#: How much later than its usual step gap (the longest of the USUAL_STEPS
+#: gaps before) the learner may step when an actor leaves cleanly; one whose
+#: engine is killed may cost up to the weight deadline (learner.weight_timeout_s).
+CLEAN_LEAVE_S, WEIGHT_DEADLINE_S, USUAL_STEPS = 2.0, 30.0, 5
 ALERTS = Path(__file__).parents[2] / "deploy" / "observability" / "alerts.yml"
 
 
@@ -259,6 +273,67 @@ def _kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def _registered_at(run: FaultRun, actor: str, after: float) -> float:
+    """When Prometheus first saw ``actor`` registered at the replay after
+    ``after`` (epoch seconds; it scrapes every second)."""
+    def first() -> float | None:
+        [series] = run.prometheus.query_range(
+            f'crl_replay_actor_registered{{actor="{actor}"}} == 1', after, time.time()) or [{}]
+        return float(series["values"][0][0]) if series else None
+
+    run.wait(lambda: first() is not None, f"{actor} registered, as Prometheus saw it")
+    return first()  # type: ignore[return-value]
+
+
+def _trained_shares(run: FaultRun, began: float, seconds: float) -> dict[str, float]:
+    """Each actor's part of the rollouts trained in ``seconds`` from ``began``,
+    from the replay's per-actor counts as Prometheus recorded them."""
+    end = began + seconds
+    run.wait(lambda: time.time() > end + 3, f"{seconds:.0f} s of training to look back on")
+    trained = {series["metric"]["actor"]: float(series["values"][-1][1])
+               for series in run.prometheus.query_range(
+                   f'increase(crl_replay_actor_rollouts_total{{fate="trained"}}'
+                   f'[{seconds:.0f}s])', end, end)}
+    total = sum(trained.values())
+    assert total > 0, "no rollout trained in the window"
+    return {actor: count / total for actor, count in trained.items()}
+
+
+class StepClock:
+    """When each learner step appeared in its log, looked at every 0.1 s in
+    a thread of its own while a phase injects its faults."""
+
+    def __init__(self, run: FaultRun) -> None:
+        self.run = run
+        self.at: list[float] = []
+        """When each step since the clock started appeared."""
+        self._before = run.learner_step()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            new = self.run.learner_step() - self._before - len(self.at)
+            self.at += [time.monotonic()] * max(0, new)
+
+    def steps_after(self, moment: float) -> int:
+        return sum(at > moment for at in self.at)
+
+    def gaps(self, moment: float, after: int) -> tuple[float, float]:
+        """The usual step gap before ``moment`` (the longest of the last
+        :data:`USUAL_STEPS`) and the longest over the steps from the last
+        one before it to the ``after``-th one after it."""
+        before = [at for at in self.at if at <= moment][-USUAL_STEPS - 1:]
+        spanning = [before[-1], *[at for at in self.at if at > moment][:after]]
+        usual = max(b - a for a, b in zip(before, before[1:], strict=False))
+        return usual, max(b - a for a, b in zip(spanning, spanning[1:], strict=False))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @pytest.fixture(scope="module")
 def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRun]:
     root = tmp_path_factory.mktemp("up-faults")
@@ -350,6 +425,21 @@ def test_each_actor_s_engine_runs_on_the_core_it_was_given(run: FaultRun) -> Non
         bound = {tid: os.sched_getaffinity(tid) for tid in threads}
         _measured(f"engine threads of the actor bound to core {core}", len(threads))
         assert set(map(frozenset, bound.values())) == {frozenset({core})}, bound
+
+
+def test_the_actor_that_registers_second_gets_its_share_of_the_rollouts(run: FaultRun) -> None:
+    """The proxied actor is started by hand beside up's actor-0 (as
+    docs/running.md shows), and the learner is the bottleneck: in the minute
+    after the second of them registered, it trained at least 30 % of the
+    rollouts. (Credits went out in registration order: an actor added to a
+    learner-bound run got none.) Phase 2 checks the other order: actor-0
+    restarted, and so registered second."""
+    joined = {actor: _registered_at(run, actor, run.began) for actor in (ACTOR_0, PROXIED)}
+    second = max(joined, key=joined.__getitem__)
+    shares = _trained_shares(run, joined[second], JOINED_S)
+    _measured(f"share of rollouts trained in the {JOINED_S:.0f} s after {second} registered "
+              "second", {actor: round(share, 2) for actor, share in shares.items()})
+    assert shares.get(second, 0.0) >= JOINED_SHARE, shares
 
 
 # ---------------------------------------------------------------------- 1. network
@@ -503,6 +593,10 @@ def test_actor_sigkilled_rejoins_with_current_weights(
         run.wait(lambda n=kills: run.output().count("actor-0 exited with code -9; restarting")
                  == n, "up to notice the kill and restart actor-0")
         run.wait(lambda pid=pid: run.children()["actor-0"] != pid, "up to restart actor-0")
+        joins = run.log("learner").count(f"actor {ACTOR_0} joined")
+        run.wait(lambda joins=joins: run.log("learner").count(f"actor {ACTOR_0} joined")
+                 > joins, "the restarted actor-0 to register")
+        rejoined_at = time.time()
         offset = len(run.log("actor-0"))  # the killed process has written its last
         run.wait(lambda at=offset: "loaded version" in run.log("actor-0")[at:],
                  "weights at the restarted actor-0")
@@ -524,6 +618,11 @@ def test_actor_sigkilled_rejoins_with_current_weights(
         run.notes[f"version-at-kill-{kills}"] = version_at_kill
     steps = run.learner_step()
     run.wait(lambda: run.learner_step() >= steps + 2, "learner steps after the kills")
+    # registered second now, the restarted actor-0 gets its share all the same
+    shares = _trained_shares(run, rejoined_at, JOINED_S)
+    _measured(f"share of rollouts trained in the {JOINED_S:.0f} s after actor-0 rejoined",
+              {actor: round(share, 2) for actor, share in shares.items()})
+    assert shares.get(ACTOR_0, 0.0) >= JOINED_SHARE, shares
     # the restarted incarnations generated only with fresh enough weights
     data = run.segments_log()
     for n in range(1, kills + 1):
@@ -887,6 +986,10 @@ def test_every_panel_has_data_every_exposition_lints_and_each_process_is_ready(
     healthy_until = run.notes.get("faults_began", time.time())
     fired = run.prometheus.query_range('ALERTS{alertstate="firing"}', run.began, healthy_until)
     assert fired == [], f"alerts fired over the healthy start: {[s['metric'] for s in fired]}"
+    # the hand-started actor was scraped from the replay's discovery file, no re-export
+    scraped = {series["metric"].get("actor") for series in run.prometheus.query_range(
+        'up{job="actors"} == 1', run.began, time.time())}
+    assert {ACTOR_0, PROXIED} <= scraped, scraped
     ports = [run.ports["replay"], run.ports["learner"], run.ports["actor"],
              run.ports["actor"] + 1]
     for port in ports:
@@ -896,15 +999,59 @@ def test_every_panel_has_data_every_exposition_lints_and_each_process_is_ready(
         assert _get(port, "/readyz").strip() == "ready", port
 
 
-# ---------------------------------------------------------------------- 8. shutdown
+# ---------------------------------------------------------------------- 8. leaving
+
+
+def test_an_actor_that_leaves_costs_the_learner_at_most_its_deadline(run: FaultRun) -> None:
+    """Actor-0's engine SIGKILLed: the actor says goodbye and exits (code 3),
+    up restarts it, and the learner's next step comes at most the weight
+    deadline later than its usual gap. Then the hand-started actor stopped
+    cleanly (SIGTERM, exit 0): at most 2 s later. (Each departure stalled the
+    learner about 31 s, waiting for the actor to miss its heartbeats.)"""
+    clock = StepClock(run)
+    try:
+        run.wait(lambda: len(clock.at) >= USUAL_STEPS + 1, "steps to know the usual gap by")
+        actor = run.children()["actor-0"]
+        exits = run.output().count("actor-0 exited with code 3")
+        os.kill(engine_core(actor), signal.SIGKILL)
+        killed_at = time.monotonic()
+        run.wait(lambda: run.output().count("actor-0 exited with code 3") > exits,
+                 "actor-0 to exit for its engine")
+        run.wait(lambda: clock.steps_after(killed_at) >= 2, "learner steps after the engine kill")
+        usual, across = clock.gaps(killed_at, after=2)
+        _measured("engine kill: usual step gap / longest gap across the kill (s)",
+                  (round(usual, 1), round(across, 1)))
+        assert across <= usual + WEIGHT_DEADLINE_S, (usual, across)
+        offset = len(run.log("actor-0"))
+        run.wait(lambda: run.children()["actor-0"] != actor
+                 and "loaded version" in run.log("actor-0")[offset:],
+                 "weights at the restarted actor-0")
+        mark = len(clock.at)
+        run.wait(lambda: len(clock.at) >= mark + USUAL_STEPS + 1, "steps with both actors")
+        stopped_at = time.monotonic()
+        assert run.proxied.stop(signal.SIGTERM, timeout=120) == 0, run.proxied.log()[-3000:]
+        exited_at = time.monotonic()
+        run.wait(lambda: clock.steps_after(exited_at) >= 2, "learner steps after it left")
+        usual, across = clock.gaps(stopped_at, after=clock.steps_after(stopped_at))
+        _measured("clean stop: the actor's exit (s) / usual step gap / longest gap from "
+                  "the stop to two steps after its exit (s)",
+                  (round(exited_at - stopped_at, 1), round(usual, 1), round(across, 1)))
+        assert across <= usual + CLEAN_LEAVE_S, (usual, across)
+        left = re.findall(rf"actor {PROXIED} left: (.+)", run.log("learner"))
+        assert left and left[-1] == "said goodbye", left
+    finally:
+        clock.close()
+
+
+# ---------------------------------------------------------------------- 9. shutdown
 
 
 def test_clean_shutdown_after_the_faults(run: FaultRun) -> None:
-    """The proxied actor flushes every segment (exit 0: all acknowledged);
-    Ctrl-C stops the run cleanly, with its checkpoint, export, metrics history,
-    report, summary and a resume command that can be pasted; the snapshot
-    counts the restarts; no segment is stored twice in the whole log; nothing
-    is left running."""
+    """The proxied actor flushes every segment (exit 0: all acknowledged; phase
+    8 stopped it already); Ctrl-C stops the run cleanly, with its checkpoint,
+    export, metrics history, report, summary and a resume command that can be
+    pasted; the snapshot counts the restarts; every view lists both actors;
+    no segment is stored twice in the whole log; nothing is left running."""
     assert run.proxied.stop(signal.SIGTERM, timeout=120) == 0, run.proxied.log()[-3000:]
     run.up.send_signal(signal.SIGINT)
     run.up.wait(timeout=300)
@@ -947,6 +1094,19 @@ def test_clean_shutdown_after_the_faults(run: FaultRun) -> None:
     status = compactionrl("status", "--run", str(run.folder), timeout=60)
     assert status.returncode == 1
     assert "not running: interrupted (SIGINT): stopped cleanly" in status.stdout
+    # every view counts both actors, the hand-started one too, and their
+    # trained rollouts add up to the learner's (one batch a learner process may
+    # have taken and not confirmed: B rollouts for each of its two incarnations)
+    trained = {actor: last[f"actor/{actor}/trained"] for actor in (ACTOR_0, PROXIED)}
+    _measured("rollouts trained by actor / learner steps logged",
+              (trained, run.learner_step()))
+    assert all(trained.values()) and sum(trained.values()) == last["trained_rollouts"]
+    assert abs(sum(trained.values()) - 4 * run.learner_step()) <= 4 * 2
+    report = (run.folder / "report.html").read_text()
+    for actor in (ACTOR_0, PROXIED):
+        for view in (summary, status.stdout, output):  # output: the live view's lines
+            assert f"actor {actor}: " in view, (actor, view[-2000:])
+        assert re.search(rf"{actor}( \(gone\))?</th><td>{trained[actor]:.0f}</td>", report)
 
     keys = Counter((s.sender_id, s.incarnation, s.seq) for s in _segments(run.segments_log()))
     assert max(keys.values()) == 1

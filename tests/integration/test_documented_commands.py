@@ -455,6 +455,23 @@ def run_eval_against_baseline(check: Check) -> None:
     assert "Attempted to load weight" not in result.stderr, result.stderr[-2000:]
 
 
+def stop_the_named_actor(check: Check) -> None:
+    """Run it as written against a stand-in that carries the actor's id on its
+    command line, as the added actor does: that process, and no other, gets
+    SIGTERM (what the actor does then is tests/faults/test_up_faults.py's
+    phase 8)."""
+    stand_in = subprocess.Popen([str(VENV_BIN / "python"), "-c", "import time; time.sleep(120)",
+                                 "--actor-id", "my-gpu-box-0"])
+    try:
+        result = subprocess.run(shlex.split(check.documented.shell), capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert stand_in.wait(timeout=30) == -15  # SIGTERM
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
 # -- the registry --------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -665,6 +682,10 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         check_up_with_my_toml),
     # 0: a run is up; 1: the run folder holds a finished run; 2: there is none yet
     "compactionrl status": RunAsWritten(exit_codes=(0, 1, 2)),
+    'pkill -TERM -f -- "--actor-id my-gpu-box-0"': Offline(
+        "stops an actor added to a running `up` (that run is tests/faults/test_up_faults.py's, "
+        "where phase 8 stops one with SIGTERM); here: run as written, it signals the process "
+        "that carries the id", stop_the_named_actor),
     "compactionrl actor --config RUN/config.toml --replay tcp://HOST:5555 --learner "
     "tcp://HOST:5557 --actor-id my-gpu-box-0 --index 1": Elsewhere(
         "tests/faults/test_up_faults.py",
