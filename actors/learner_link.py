@@ -94,12 +94,12 @@ class LearnerLink:
         ``timeout_s``): the learner drops this actor from its next
         publication at once, instead of failing a broadcast on it when the
         process exits and waiting out its heartbeats."""
-        try:
-            await asyncio.wait_for(self._loading.acquire(), timeout_s)
-        except TimeoutError:
-            log.warning("a weight load still under way at shutdown: leaving anyway")
-        else:
-            self._loading.release()
+        if self._loading.locked():
+            try:
+                async with asyncio.timeout(max(0.0, timeout_s)), self._loading:
+                    pass
+            except TimeoutError:
+                log.warning("a weight load is under way: leaving without waiting for it")
         self.left = True
         await self.link.send(Goodbye(**self.stamp()))
         self.metrics.learner_registered.set(0)

@@ -243,8 +243,8 @@ class Actor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.replay_link.outbox.empty.wait(),
                                    max(0.0, deadline - time.monotonic()))
-        if self.learner_link is not None:
-            await self.learner_link.leave(max(0.0, deadline - time.monotonic()))
+        if self.learner_link is not None:  # a dead engine's load never ends: no wait for it
+            await self.learner_link.leave(0.0 if self.engine_died else deadline - time.monotonic())
         for task in background:
             task.cancel()
         await asyncio.gather(*background, *slots, return_exceptions=True)

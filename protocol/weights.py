@@ -87,8 +87,9 @@ ABANDONED_POLL_S = 0.25
 #: most a stop or a member's departure waits for the join to notice it.
 JOIN_POLL_S = 0.5
 
-#: Asked while a join waits for the other members: a reason to give the
-#: generation up now (the learner stops; a member left), or None to wait on.
+#: Asked while a join or rank 0's broadcast waits for the other members: a
+#: reason to give the generation up now (the learner stops; a member left),
+#: or None to wait on.
 JoinCancelled = Callable[[], str | None]
 
 
@@ -250,6 +251,16 @@ class WeightChannel(ABC):
             return self._store.abandoned(within_s)
         except RuntimeError:  # DistStoreError
             return False
+
+    def given_up(self, within_s: float | None = None) -> bool:
+        """Whether to stop waiting on a broadcast under way: for a member,
+        rank 0 abandoned the generation (:meth:`abandoned`); for rank 0, the
+        join's ``cancelled()`` gives a reason (a member left, its goodbye
+        read, or the learner stops), so that a member gone mid-publication
+        fails it now, not at the bucket's deadline."""
+        if self.rank:
+            return self.abandoned(within_s)
+        return self._cancelled is not None and self._cancelled() is not None
 
     # ------------------------------------------------------------ transport
     def _bucket_buffer(self, nbytes: int) -> torch.Tensor:

@@ -112,8 +112,9 @@ def wait_within(work: dist.Work, deadline: float,
     """Until ``work`` completes; raises :class:`TimeoutError` once
     ``time.monotonic()`` passes ``deadline``, or as soon as
     ``abandoned(seconds left)`` (asked every ``ABANDONED_POLL_S``, and bound
-    to answer within what is left) says the sender gave the generation up;
-    the op's own error if it failed."""
+    to answer within what is left) says the generation was given up (a
+    member: the sender abandoned it; the sender: a member left); the op's
+    own error if it failed."""
     ask_at = time.monotonic() + ABANDONED_POLL_S
     pause = 0.0
     while not work.is_completed():
@@ -122,7 +123,8 @@ def wait_within(work: dist.Work, deadline: float,
             raise TimeoutError("a broadcast did not complete by its deadline")
         if now > ask_at:
             if abandoned(deadline - now):
-                raise TimeoutError("the sender abandoned the generation")
+                raise TimeoutError("the generation was given up (a member left, or the "
+                                   "sender abandoned it)")
             ask_at = time.monotonic() + ABANDONED_POLL_S
         time.sleep(pause)
         pause = min(0.001, pause + 0.0001)
@@ -177,8 +179,7 @@ class WeightGroup(WeightChannel):
         work, _, deadline = self._pending
         self._pending = None  # the tensor may be freed once the work has completed
         try:
-            # rank 0 knows when it gave up; members are told through the store
-            wait_within(work, deadline, self.abandoned if self.rank else lambda within_s: False)
+            wait_within(work, deadline, self.given_up)
         except (RuntimeError, TimeoutError) as exc:  # torch's DistError is a RuntimeError
             self.abort()
             raise TransferFailed(f"generation {self.generation}: {exc}") from exc

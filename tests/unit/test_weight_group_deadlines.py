@@ -14,12 +14,13 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from protocol.transport import TransportConfig
-from protocol.weights import JOIN_POLL_S, connect_store, host_store
+from protocol.weights import JOIN_POLL_S, WeightChannel, connect_store, host_store
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
     GLOO_RELEASE_GRACE_S,
@@ -84,6 +85,20 @@ def test_a_member_asks_the_store_with_what_is_left_of_its_deadline() -> None:
     with pytest.raises(TimeoutError, match="abandoned"):
         wait_within(NeverCompletes(), deadline, abandoned)
     assert len(asked) == 2 and all(0 < s <= 30.0 for s in asked) and asked[1] < asked[0]
+
+
+def test_the_sender_gives_a_broadcast_up_once_a_member_has_left() -> None:
+    """Rank 0 asks its join's ``cancelled()`` while a bucket travels: a member
+    that said goodbye (or a learner that stops) fails the publication at
+    once, and the survivors get the next, instead of at the bucket's deadline."""
+    reasons: list[str | None] = [None, None, "actor-1 left"]
+    sender = SimpleNamespace(rank=0, _cancelled=lambda: reasons.pop(0))
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="given up"):
+        wait_within(NeverCompletes(), began + 30.0,
+                    lambda within_s: WeightChannel.given_up(sender, within_s))
+    assert reasons == [] and time.monotonic() - began < 5.0
+    assert not WeightChannel.given_up(SimpleNamespace(rank=0, _cancelled=None))
 
 
 def test_a_poll_of_a_store_that_does_not_answer_returns_within_its_bound() -> None:
