@@ -100,6 +100,8 @@ class Fleet:
             self.series.credits_held.labels(actor).set(outstanding.get(peer.actor_id, 0))
 
     def _write_targets(self) -> None:
+        if self.targets_path is None:
+            return
         try:
             write_actor_targets(self.targets_path, self._targets, self.run)
         except OSError as exc:  # the run goes on unobserved rather than stopping

@@ -35,6 +35,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -457,19 +458,20 @@ def run_eval_against_baseline(check: Check) -> None:
 
 def stop_the_named_actor(check: Check) -> None:
     """Run it as written against a stand-in that carries the actor's id on its
-    command line, as the added actor does: that process, and no other, gets
-    SIGTERM (what the actor does then is tests/faults/test_up_faults.py's
-    phase 8)."""
-    stand_in = subprocess.Popen([str(VENV_BIN / "python"), "-c", "import time; time.sleep(120)",
-                                 "--actor-id", "my-gpu-box-0"])
-    try:
-        result = subprocess.run(shlex.split(check.documented.shell), capture_output=True,
-                                text=True, timeout=60)
-        assert result.returncode == 0, result.stderr
-        assert stand_in.wait(timeout=30) == -15  # SIGTERM
-    finally:
-        stand_in.kill()
-        stand_in.wait()
+    command line, as the added actor does: it gets SIGTERM (what an actor does
+    then is tests/faults/test_up_faults.py's phase 8). In a PID namespace of
+    its own: ``pkill -f`` reads every command line it can see, and this test's
+    own process title (xdist's) holds the command's text."""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace needs root")
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "stop.sh"  # a file: `sh -c TEXT` would match the pattern itself
+        script.write_text(f"{VENV_BIN / 'python'} -c 'import time; time.sleep(120)' "
+                          f"--actor-id my-gpu-box-0 &\nsleep 1\n{check.documented.shell}\n"
+                          "wait $!\necho \"stand-in exit $?\"\n")
+        result = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh",
+                                 str(script)], capture_output=True, text=True, timeout=60)
+    assert "stand-in exit 143" in result.stdout, result.stdout + result.stderr  # 128 + SIGTERM
 
 
 # -- the registry --------------------------------------------------------------------

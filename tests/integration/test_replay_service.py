@@ -64,7 +64,8 @@ def test_metrics_are_served_with_the_design_names(replay: ReplayThread) -> None:
 
 
 def test_hello_gets_credits_and_segments_are_acknowledged(replay: ReplayThread) -> None:
-    actor = replay.actor(capacity=3)
+    # a metrics address with no discovery file to list it in (the replay's alone)
+    actor = replay.actor(capacity=3, metrics_address="127.0.0.1:9110")
     actor.hello()
     assert actor.pump_until(lambda: actor.credits == 3)
     actor.push_rollout(segments=3)
