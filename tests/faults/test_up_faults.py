@@ -5,7 +5,7 @@ the replay's durable log:
 
 0. each actor's engine runs on the core it was given (on CPU the engine-core
    process runs the model); the actor started by hand beside ``up``'s gets
-   its share of the rollouts from the minute it registers;
+   its share of the rollouts within half a minute of registering;
 1. network trouble (delay, dropped connections, a partition) through a TCP
    proxy between a second actor and the replay and learner;
 2. actor-0 SIGKILLed with episodes in flight (again and again with
@@ -135,8 +135,9 @@ SLOTS = 2
 REPORTED_S = 0.3
 #: An actor that registers gets at least this share of the rollouts trained
 #: within JOINED_S of its registration (two actors of equal capacity: half,
-#: when the credits are shared as docs/replay.md says).
-JOINED_SHARE, JOINED_S = 0.3, 60.0
+#: when the credits are shared as docs/replay.md says). Half the minute the
+#: issue asked for: a stricter window, and one the phases mostly spend anyway.
+JOINED_SHARE, JOINED_S = 0.3, 30.0
 #: How much later than its usual step gap (the longest of the USUAL_STEPS
 #: gaps before) the learner may step when an actor leaves cleanly; one whose
 #: engine is killed may cost up to the weight deadline (learner.weight_timeout_s).
@@ -429,9 +430,9 @@ def test_each_actor_s_engine_runs_on_the_core_it_was_given(run: FaultRun) -> Non
 
 def test_the_actor_that_registers_second_gets_its_share_of_the_rollouts(run: FaultRun) -> None:
     """The proxied actor is started by hand beside up's actor-0 (as
-    docs/running.md shows), and the learner is the bottleneck: in the minute
-    after the second of them registered, it trained at least 30 % of the
-    rollouts. (Credits went out in registration order: an actor added to a
+    docs/running.md shows), and the learner is the bottleneck: in the
+    JOINED_S after the second of them registered, it trained at least 30 %
+    of the rollouts. (Credits went out in registration order: an actor added to a
     learner-bound run got none.) Phase 2 checks the other order: actor-0
     restarted, and so registered second."""
     joined = {actor: _registered_at(run, actor, run.began) for actor in (ACTOR_0, PROXIED)}
