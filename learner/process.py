@@ -77,8 +77,11 @@ from protocol import (
     LEARNER_ID,
     Batch,
     BatchRequest,
+    Error,
+    ErrorCode,
     LearnerHello,
     LearnerWelcome,
+    Message,
     ProtocolError,
     Stamp,
     decode,
@@ -430,6 +433,18 @@ class _RankZeroPeers(_Peers):
             self.control.close()
 
 
+class LearnerReplaced(RuntimeError):
+    """The replay refuses this learner incarnation: a newer one of the run
+    has asked it for batches since (this one froze, or was partitioned, and
+    came back). It stops, writing nothing: the run's checkpoints and weights
+    are its successor's now; torchrun stops the other ranks with it."""
+
+
+def _raise_if_replaced(message: Message) -> None:
+    if isinstance(message, Error) and message.code == ErrorCode.STALE_INCARNATION:
+        raise LearnerReplaced(f"the replay serves a newer learner: {message.text}")
+
+
 class _ReplayLink:
     """Rank 0's DEALER to the replay's learner socket."""
 
@@ -456,6 +471,7 @@ class _ReplayLink:
         self.socket.send(encode(LearnerHello(**self.stamp.next())))
         while True:
             message = decode(self.socket.recv(), self.max_bytes)
+            _raise_if_replaced(message)
             if isinstance(message, LearnerWelcome):
                 self._reconnected()  # the first connection is not a reconnection
                 return message
@@ -494,6 +510,7 @@ class _ReplayLink:
                     except ProtocolError as exc:
                         log.warning("dropped a frame from the replay: %s", exc)
                         continue
+                    _raise_if_replaced(message)
                     if not isinstance(message, Batch):
                         continue
                     if (message.incarnation, message.seq) == self.last_batch:

@@ -149,6 +149,16 @@ class EngineInfo(msgspec.Struct, kw_only=True, gc=False):
     """The model folder or name the engine started from."""
 
 
+def check_rollout_id(rollout_id: str) -> None:
+    """A rollout id has 1 to ``MAX_ID_CHARS`` characters (``invalid``
+    otherwise): the replay remembers a bounded number of the ids it served
+    or dropped, and an id of any length would leave that memory unbounded in
+    bytes (docs/replay.md, "Memory")."""
+    if not 0 < len(rollout_id) <= MAX_ID_CHARS:
+        raise ProtocolError(ErrorCode.INVALID, f"rollout_id of {len(rollout_id)} characters "
+                            f"(1 to {MAX_ID_CHARS})")
+
+
 class Hello(Message, tag="hello"):
     """actor -> replay and learner: registration (first message of an incarnation)."""
 
@@ -358,9 +368,7 @@ class Segment(Message, tag="segment"):
         if self.index == 0 and self.segment_type == "summary":
             raise ProtocolError(ErrorCode.INVALID, "a rollout starts with an execution "
                                 "segment: a summary summarises one before it")
-        if not 0 < len(self.rollout_id) <= MAX_ID_CHARS:
-            raise ProtocolError(ErrorCode.INVALID, f"rollout_id of {len(self.rollout_id)} "
-                                f"characters (1 to {MAX_ID_CHARS})")
+        check_rollout_id(self.rollout_id)
         if self.final != (self.reward is not None):
             raise ProtocolError(ErrorCode.INVALID,
                                 "reward must be present exactly on the final segment")
@@ -383,7 +391,10 @@ class Abandon(Message, tag="abandon"):
     ``rollout_timeout_s``."""
 
     rollout_id: str
-    """The rollout given up (``Segment.rollout_id``)."""
+    """The rollout given up (``Segment.rollout_id``: 1 to 256 characters, else ``invalid``)."""
+
+    def validate(self) -> None:
+        check_rollout_id(self.rollout_id)
 
 
 class Goodbye(Message, tag="goodbye"):

@@ -29,6 +29,10 @@ from protocol import Rollout, Segment
 #: Remember this many served or dropped rollout ids, so late resends of
 #: their segments are recognised instead of starting a ghost rollout.
 RELEASED_MEMORY = 100_000
+#: What remembering one id of the longest length (``MAX_ID_CHARS``) costs at
+#: most, the id, its owner and its place in the table: the memory above is
+#: bounded by ``RELEASED_MEMORY * RELEASED_ID_BYTES`` (docs/replay.md, "Memory").
+RELEASED_ID_BYTES = 1024
 
 #: An actor incarnation: (actor id, incarnation).
 Owner = tuple[str, int]

@@ -5,9 +5,11 @@ ready rollouts exist and then answered with a ``Batch``
 The last ``Batch`` is kept until the learner's next request: the same
 request again (after a reconnect: the batch may have been lost with the
 connection) gets the same bytes again, never a second batch. The socket is
-the learner's alone: a message with another ``sender_id`` is refused. A
-reconnect is a new connection (clients set no routing id): replies go to
-the connection the learner spoke on last.
+the learner's alone: a message with another ``sender_id`` is refused, and
+so is one of a learner incarnation older than the newest heard from
+(``stale_incarnation``: nothing is served to a learner its successor
+replaced). A reconnect is a new connection (clients set no routing id):
+replies go to the connection the learner spoke on last.
 
 Usage::
 
@@ -57,6 +59,8 @@ class LearnerServing:
         """A batch request arrived in the pass under way."""
         self._connection = b""
         """The connection the learner spoke on last, where its batches go."""
+        self._incarnation = -1
+        """The newest learner incarnation heard from: an older one is fenced."""
 
     def receive(self) -> bool:
         """One pass over what the learner socket holds, then serve what
@@ -68,6 +72,15 @@ class LearnerServing:
                 self.endpoint.refuse(received, ErrorCode.IDENTITY,
                                      f"the learner socket serves {LEARNER_ID!r} only")
                 continue
+            if received.message.incarnation < self._incarnation:
+                # a learner that froze and came back after its successor
+                # started: served, it would train again what its successor
+                # trained (and publish weights beside it)
+                self.endpoint.refuse(received, ErrorCode.STALE_INCARNATION,
+                                     f"learner incarnation {received.message.incarnation} was "
+                                     f"replaced by {self._incarnation}")
+                continue
+            self._incarnation = received.message.incarnation
             self._connection = received.identity
             self.endpoint.dispatch(self._handlers, received)
         self.serve_parked()
