@@ -61,7 +61,7 @@ from deploy.placement import gpus_present, place_children
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
 from ops.report import read_history, write_report
-from ops.summary import RunEnds, RunScraper, pace_start, scrape, summarise
+from ops.summary import RunEnds, RunScraper, pace_start, scrape, summarise, window_start
 
 SCRAPE_INTERVAL_S = 2.0
 #: Without a terminal (CI, pipes), one summary line this often.
@@ -288,7 +288,7 @@ class Up:
     def _summary(self, ended: str | None = None) -> dict[str, str]:
         if len(self.history) <= self._first:
             return {"run": "no metrics yet"}
-        before = self.history[-2] if len(self.history) > self._first + 1 else None
+        before = window_start(self.history[self._first:])
         return summarise(self.history[-1], before, pace_start(self.history[self._first:]),
                          self._ends, ended)
 
@@ -395,7 +395,7 @@ def status(run_dir: Path) -> int:
     if history:
         # this invocation's snapshots: the ETA's pace is measured over them
         first = pace_start([s for s in history if s["time"] >= state["started"]])
-        before = history[-2] if len(history) > 1 else None
+        before = window_start(history)
         ends = RunEnds(state["max_steps"], state.get("max_minutes", 0.0), state["started"])
         lines = summarise(history[-1], before, first, ends, ended=None if running else (
             ended["message"] if ended else "up stopped without finishing"))

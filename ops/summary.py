@@ -312,6 +312,24 @@ def _number(value: float | None, form: str = ".0f", missing: str = "no data") ->
     return missing if value is None else format(value, form)
 
 
+#: The live view's rates (tokens/s, each actor's rollouts and stall, the
+#: bottleneck) are over at least this long: the replay counts an actor's
+#: rollouts and tokens when a batch is confirmed, so the 2 s between two
+#: snapshots often hold none, and read as an idle fleet.
+LIVE_WINDOW_S = 30.0
+
+
+def window_start(snapshots: list[Snapshot]) -> Snapshot | None:
+    """The snapshot the live view's rates count from: the newest one at
+    least :data:`LIVE_WINDOW_S` before the last (else the first); None
+    with fewer than two."""
+    if len(snapshots) < 2:
+        return None
+    end = snapshots[-1]["time"] - LIVE_WINDOW_S  # type: ignore[operator]
+    return next((s for s in reversed(snapshots[:-1]) if s["time"] <= end),  # type: ignore[operator]
+                snapshots[0])
+
+
 def pace_start(snapshots: list[Snapshot]) -> Snapshot | None:
     """The snapshot a pace is counted from: the first of ``snapshots`` with a
     learner step (the learner reports none until it is up, and the first

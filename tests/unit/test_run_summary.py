@@ -16,6 +16,7 @@ from ops.summary import (
     pace_start,
     summarise,
     training_window,
+    window_start,
 )
 
 
@@ -253,3 +254,13 @@ def test_the_views_know_the_stall_reasons_the_heartbeats_carry() -> None:
     from protocol import STALL_REASONS as sent
 
     assert shown == sent
+
+
+def test_the_live_view_counts_its_rates_over_half_a_minute_not_two_seconds() -> None:
+    """The replay counts rollouts when a batch is confirmed: the 2 s between
+    two snapshots often held none, and the live view read '0 tokens/s' for a
+    busy fleet. Rates count from the newest snapshot LIVE_WINDOW_S old."""
+    history = [{"time": t} for t in (0.0, 10.0, 20.0, 30.0, 32.0, 34.0, 62.0)]
+    assert window_start(history) is history[4]  # the newest at or before 62 - 30 = 32 s
+    assert window_start(history[:4]) is history[0]  # under 30 s of history: from its start
+    assert window_start(history[:1]) is None
