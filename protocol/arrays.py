@@ -23,7 +23,8 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
 
 
 # gc=False: no cycles through it (see protocol.messages.Message)
-class Array(msgspec.Struct, array_like=True, frozen=True, gc=False):
+class Array(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True,
+            gc=False):
     """A typed n-dimensional array carried as raw bytes."""
 
     dtype: str

@@ -8,12 +8,13 @@ input bytes are.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
 
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from protocol.messages import MAX_COUNTER, MESSAGE_TYPES, PROTOCOL_VERSION, Message
 
 #: Why a frame nested deeper than the decoder's recursion allows is refused.
 #: msgspec decodes (and skips an unknown key's value) recursively, and past
@@ -136,6 +137,66 @@ def _held(kind: str, value: int | bytes) -> int:
     return value if kind == "array" else 0
 
 
+def duplicate_key(frame: bytes | bytearray | memoryview) -> str | None:
+    """The first key that a MessagePack map of ``frame`` holds twice (as
+    text), or None. msgspec keeps the last value of a repeated key without a
+    word, so two peers could read one frame differently. Reads a frame that
+    has decoded already: every length in it is sound."""
+    data = memoryview(frame).cast("B")
+    at = 0
+    # One entry per open container: [objects left in it, keys seen (a map) or None].
+    open_containers: list[list[Any]] = [[1, None]]
+    while open_containers:
+        top = open_containers[-1]
+        if top[0] == 0:
+            open_containers.pop()
+            continue
+        is_key = top[1] is not None and top[0] % 2 == 0
+        top[0] -= 1
+        start, first = at, data[at]
+        at += 1
+        pairs_or_items = -1
+        if first <= 0x7F or first >= 0xE0 or first in (0xC0, 0xC2, 0xC3):
+            pass
+        elif first <= 0x8F:
+            pairs_or_items = 2 * (first & 0x0F)
+        elif first <= 0x9F:
+            pairs_or_items = first & 0x0F
+        elif first <= 0xBF:
+            at += first & 0x1F
+        elif first in _COUNTED:
+            width = _COUNTED[first]
+            count = int.from_bytes(data[at:at + width])
+            at += width
+            pairs_or_items = 2 * count if first >= 0xDE else count
+        elif first in _SIZED:
+            width = _SIZED[first]
+            at += width + int.from_bytes(data[at:at + width]) + (1 if 0xC7 <= first <= 0xC9
+                                                                  else 0)
+        else:
+            at += _FIXED_WIDTH[first]
+        if is_key:
+            key = bytes(data[start:at])
+            if key in top[1]:
+                return key[1:].decode(errors="replace") if first <= 0xBF else repr(key)
+            top[1].add(key)
+        if pairs_or_items >= 0:
+            is_map = first <= 0x8F or first >= 0xDE
+            open_containers.append([pairs_or_items, set() if is_map else None])
+    return None
+
+
+#: How msgspec words a value of the right type outside its declared range or
+#: set (``Expected `int` >= 0``, ``Expected `str` of length <= 256``, ``Invalid
+#: enum value``): ``invalid``. Every other decoding error is ``malformed``.
+_OUT_OF_RANGE = re.compile(r"Expected `\w+` (>=|<=|>|<|of length)|Invalid enum value")
+
+
+def _is_seq(value: object) -> bool:
+    """Whether ``value`` can be a ``seq`` (an ``error``'s ``ref_seq`` must be)."""
+    return type(value) is int and 0 <= value <= MAX_COUNTER
+
+
 def header_seq(frame: bytes | bytearray | memoryview) -> int | None:
     """The ``seq`` of a frame whose header reads: a MessagePack map in which
     ``protocol_version``, ``kind`` and an integer ``seq`` can be read before
@@ -156,7 +217,7 @@ def header_seq(frame: bytes | bytearray | memoryview) -> int | None:
             if name in _HEADER_KEYS:
                 found[name] = value if value_kind == "int" else None
                 if _HEADER_KEYS <= found.keys():
-                    return found["seq"]
+                    return found["seq"] if _is_seq(found["seq"]) else None
     except ValueError:
         pass
     return None
@@ -182,7 +243,7 @@ def decode(frame: bytes | bytearray | memoryview,
         raise ProtocolError(ErrorCode.MALFORMED, f"frame: {exc}", header_seq(frame)) from None
     except RecursionError:
         raise ProtocolError(ErrorCode.MALFORMED, TOO_DEEP, header_seq(frame)) from None
-    ref_seq = envelope.seq if type(envelope.seq) is int else None
+    ref_seq = envelope.seq if _is_seq(envelope.seq) else None
     if envelope.protocol_version != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.PROTOCOL_VERSION,
@@ -195,11 +256,14 @@ def decode(frame: bytes | bytearray | memoryview,
     try:
         message = decoder.decode(frame)
     except msgspec.MsgspecError as exc:
-        raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: {exc}", ref_seq) from None
+        code = ErrorCode.INVALID if _OUT_OF_RANGE.match(str(exc)) else ErrorCode.MALFORMED
+        raise ProtocolError(code, f"{envelope.kind}: {exc}", ref_seq) from None
     except RecursionError:
         raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: {TOO_DEEP}", ref_seq) from None
+    if (repeated := duplicate_key(frame)) is not None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: a map holds the key "
+                            f"{repeated[:64]!r} twice", message.seq)
     try:
-        message.check_header()
         message.validate()
     except ProtocolError as exc:
         exc.ref_seq = message.seq

@@ -43,12 +43,9 @@ import zmq.asyncio
 
 from protocol.codec import decode, encode
 from protocol.errors import ErrorCode, ProtocolError
-from protocol.messages import Error, Message, Stamp
+from protocol.messages import MAX_ERROR_TEXT, Error, Message, Stamp
 
 log = logging.getLogger("compactionrl.protocol.endpoint")
-
-#: An ``Error``'s text is cut to this many characters.
-MAX_ERROR_TEXT = 500
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ Usage::
 
 from __future__ import annotations
 
-import math
 import secrets
+import sys
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -51,6 +51,36 @@ MAX_COUNTER = 2**63 - 1
 MAX_SEGMENTS = 2**31
 #: Bounds of ``Hello.token``, in bytes: 16 is 128 bits, beyond guessing.
 MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64
+#: Most episodes one actor runs at once (``Hello.capacity``, ``Heartbeat.active_rollouts``):
+#: the replay shares credits by capacity, and one peer's word must not outweigh a fleet's.
+MAX_CAPACITY = 65_536
+#: Most engine workers of one actor (``EngineInfo.tensor_parallel``), each a weight-group rank.
+MAX_TENSOR_PARALLEL = 1024
+#: Most labels of a rollout's ``stats.tags``, and their keys' and values' lengths.
+MAX_TAGS, MAX_TAG_CHARS = 64, 256
+#: Most reasons in ``Heartbeat.stall_seconds``.
+MAX_STALL_REASONS = 16
+#: Longest ``Error.text``, in characters.
+MAX_ERROR_TEXT = 500
+#: Longest model name or folder (``EngineInfo.model``): a path's limit on Linux.
+MAX_PATH_CHARS = 4096
+
+# The ranges of the wire's fields, declared on their types: msgspec checks them
+# while it decodes, and the codec answers a value outside one ``invalid``
+# (protocol/codec.py). docs/protocol.md's field tables are generated from them.
+_FLOAT_MAX = sys.float_info.max
+#: An integer in [0, 2^63): counters, versions, sizes.
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNTER)]
+#: A positive count, in [1, 2^63).
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNTER)]
+#: A finite number (neither NaN nor infinite).
+Finite = Annotated[float, msgspec.Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+#: A finite number >= 0 (durations, mean staleness).
+NonNegative = Annotated[float, msgspec.Meta(ge=0, le=_FLOAT_MAX)]
+#: A finite number of seconds, > 0.
+Interval = Annotated[float, msgspec.Meta(gt=0, le=_FLOAT_MAX)]
+#: An identifier: ``sender_id``, ``rollout_id``, ``task_id``, ``run_id``.
+Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 
 
 def new_token() -> bytes:
@@ -77,32 +107,19 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True, gc=False):
 
     protocol_version: int = PROTOCOL_VERSION
     """The schema version the sender speaks; any other is refused (``protocol_version``)."""
-    sender_id: str
+    sender_id: Identifier
     """The sending process (``actor-3``, ``replay``, ``learner``), 1 to 256 characters. On the
     replay's actor socket and the learner's control socket a connection speaks for the actor
     incarnation whose ``hello`` registered it (anything else is ``unregistered``); ``learner``
     is the learner's alone."""
-    incarnation: int
+    incarnation: Count
     """In [0, 2^63). Changes each time the sender restarts or registers anew; a restarted actor
     takes a larger one."""
-    seq: int
+    seq: Count
     """In [0, 2^63); +1 per message within one incarnation: ``(sender_id, incarnation, seq)``
     identifies a message, and a reply's ``ref_seq`` names it."""
-    sent_at: float
+    sent_at: Finite
     """Sender's wall clock, seconds since the epoch (finite)."""
-
-    def check_header(self) -> None:
-        """The header's ranges (``invalid`` otherwise); the decoder checks them
-        before the kind's own :meth:`validate`."""
-        if not 0 < len(self.sender_id) <= MAX_ID_CHARS:
-            raise ProtocolError(ErrorCode.INVALID, f"sender_id of {len(self.sender_id)} "
-                                f"characters (1 to {MAX_ID_CHARS})")
-        for name in ("incarnation", "seq"):
-            if not 0 <= getattr(self, name) <= MAX_COUNTER:
-                raise ProtocolError(ErrorCode.INVALID, f"{name} {getattr(self, name)} outside "
-                                    f"[0, 2^63)")
-        if not math.isfinite(self.sent_at):
-            raise ProtocolError(ErrorCode.INVALID, f"sent_at {self.sent_at} is not finite")
 
     def validate(self) -> None:
         """Raise :class:`ProtocolError` if the message is semantically invalid.
@@ -138,25 +155,15 @@ class Stamp:
 class EngineInfo(msgspec.Struct, kw_only=True, gc=False):
     """What an actor runs on; the replay and dashboards show it per actor."""
 
-    device: str
+    device: Identifier
     """``cpu``, or the accelerator's name (``NVIDIA H100 80GB HBM3``)."""
-    dtype: str
+    dtype: Identifier
     """The engine's parameter dtype as torch names it (``bfloat16``, ``float16``, ``float32``):
     weights travel to it in this dtype."""
-    tensor_parallel: int
+    tensor_parallel: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSOR_PARALLEL)]
     """Engine workers (tensor-parallel ranks), each one rank of the weight group."""
-    model: str
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS)]
     """The model folder or name the engine started from."""
-
-
-def check_rollout_id(rollout_id: str) -> None:
-    """A rollout id has 1 to ``MAX_ID_CHARS`` characters (``invalid``
-    otherwise): the replay remembers a bounded number of the ids it served
-    or dropped, and an id of any length would leave that memory unbounded in
-    bytes (docs/replay.md, "Memory")."""
-    if not 0 < len(rollout_id) <= MAX_ID_CHARS:
-        raise ProtocolError(ErrorCode.INVALID, f"rollout_id of {len(rollout_id)} characters "
-                            f"(1 to {MAX_ID_CHARS})")
 
 
 class Hello(Message, tag="hello"):
@@ -165,25 +172,25 @@ class Hello(Message, tag="hello"):
     engine: EngineInfo
     """What the actor runs on: the learner sends it weights in its dtype, one group rank per
     tensor-parallel worker."""
-    capacity: int
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=MAX_CAPACITY)]
     """How many episodes the actor runs concurrently."""
-    token: bytes
+    token: Annotated[bytes, msgspec.Meta(min_length=MIN_TOKEN_BYTES, max_length=MAX_TOKEN_BYTES)]
     """16 to 64 random bytes drawn once per incarnation and sent only in its ``hello``s: the
     incarnation's ``hello`` on a new connection (a reconnect) moves it there only if it
     carries the token of its first ``hello``, else ``identity``."""
-    policy_version: int = 0
+    policy_version: Annotated[int, msgspec.Meta(ge=-1, le=MAX_COUNTER)] = 0
     """Version of the weights the actor's engine holds (0 = the starting model;
     ``NO_COMPLETE_VERSION``: a weight load failed midway, the engine holds a mix
     and waits, paused, for the next publication)."""
-    metrics_address: str = ""
+    metrics_address: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
     """``host:port`` of the actor's Prometheus ``/metrics``, as the replay's side of the
     network reaches it (at most 256 characters, port 1 to 65535): the replay lists it for
     Prometheus's file-based discovery while the incarnation is registered. Empty: none."""
 
     def validate(self) -> None:
-        if not MIN_TOKEN_BYTES <= len(self.token) <= MAX_TOKEN_BYTES:
-            raise ProtocolError(ErrorCode.INVALID, f"token of {len(self.token)} bytes "
-                                f"({MIN_TOKEN_BYTES} to {MAX_TOKEN_BYTES})")
+        if self.sender_id == LEARNER_ID:
+            raise ProtocolError(ErrorCode.IDENTITY, f"sender_id {LEARNER_ID!r} is the learner's: "
+                                "no actor registers under it")
         if self.metrics_address and not valid_host_port(self.metrics_address):
             raise ProtocolError(ErrorCode.INVALID, f"metrics_address "
                                 f"{self.metrics_address[:64]!r} is not host:port")
@@ -205,32 +212,32 @@ class Welcome(Message, tag="welcome"):
     """replay -> actor: the run's facts the actor needs, and its credit
     ledger, as in ``Ack``."""
 
-    run_id: str
+    run_id: Identifier
     """The run's name, the same for every process of a run."""
-    policy_version: int
+    policy_version: Count
     """The newest version the learner has asked with."""
-    heartbeat_interval_s: float
+    heartbeat_interval_s: Interval
     """Seconds between the actor's heartbeats."""
-    heartbeat_liveness: int
+    heartbeat_liveness: Positive
     """Intervals of silence after which the replay counts the actor dead."""
-    max_staleness: int
+    max_staleness: Count
     """The bound S, whose one source is the replay's configuration: a rollout whose oldest
     trainable token is more than S versions behind the learner is dropped, and the actor
     waits for weights when it is more than S versions behind."""
-    rollouts_per_batch: int
+    rollouts_per_batch: Positive
     """B: the batch size the learner asks for (for reading: what a credit is worth)."""
-    credits: int
+    credits: Count
     """Rollouts the actor may start now (more arrive with each ``Ack``)."""
-    credit_ledger: int
+    credit_ledger: Count
     """As in ``ack``."""
-    credits_total: int
+    credits_total: Count
     """As in ``ack``."""
-    max_message_bytes: int
+    max_message_bytes: Positive
     """The largest frame the replay takes (``transport.max_message_bytes``): a longer one costs
     the sender its connection, unanswered."""
-    vocab_size: int
+    vocab_size: Positive
     """Token ids must be below it (``invalid`` otherwise)."""
-    stale_grace: int
+    stale_grace: Count
     """Versions past ``max_staleness`` a rollout that was ready in time is still served at."""
 
 
@@ -238,14 +245,14 @@ class MemberWelcome(Message, tag="member_welcome"):
     """learner -> actor: the answer to ``hello`` on the learner's control
     socket; the actor is a member of the weight groups from now on."""
 
-    run_id: str
+    run_id: Identifier
     """The run's name, the same for every process of a run."""
-    policy_version: int
+    policy_version: Count
     """The learner's current version: the actor waits for weights while its own is more
     than the replay's ``max_staleness`` behind it."""
-    heartbeat_interval_s: float
+    heartbeat_interval_s: Interval
     """Seconds between the actor's heartbeats to the learner."""
-    heartbeat_liveness: int
+    heartbeat_liveness: Positive
     """Intervals of silence after which the learner counts the actor gone."""
 
 
@@ -256,34 +263,28 @@ class RolloutStats(msgspec.Struct, kw_only=True, gc=False):
     """How the episode ended."""
     success: bool
     """Whether the environment counts the task solved."""
-    steps: int
+    steps: Count
     """Environment steps taken."""
-    compactions: int
+    compactions: Count
     """Times the context was compacted."""
-    generated_tokens: int
+    generated_tokens: Count
     """Tokens the policy generated, actions and summaries."""
-    summary_tokens: int
+    summary_tokens: Count
     """Of those, the summaries'."""
-    duration_s: float
+    duration_s: NonNegative
     """Wall time of the episode, seconds."""
-    tags: dict[str, str] = {}
+    tags: Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TAG_CHARS)],
+                         Annotated[str, msgspec.Meta(max_length=MAX_TAG_CHARS)]],
+                    msgspec.Meta(max_length=MAX_TAGS)] = {}
     """The task's labels (``Task.tags``: task family, difficulty, ...), which
     the learner's metrics and evaluation reports group by. May be omitted."""
 
     def check(self) -> None:
-        """Counts are not negative, summary tokens are among the generated
-        ones and the duration is finite and not negative (``invalid``)."""
-        counts = {"steps": self.steps, "compactions": self.compactions,
-                  "generated_tokens": self.generated_tokens,
-                  "summary_tokens": self.summary_tokens}
-        problems = [f"stats.{name} {value} < 0" for name, value in counts.items() if value < 0]
+        """Summary tokens are among the generated ones (``invalid``); the
+        other fields' ranges are their types'."""
         if self.summary_tokens > self.generated_tokens:
-            problems.append(f"stats.summary_tokens {self.summary_tokens} > generated_tokens "
-                            f"{self.generated_tokens}")
-        if not (math.isfinite(self.duration_s) and self.duration_s >= 0):
-            problems.append(f"stats.duration_s {self.duration_s} is not a finite duration")
-        if problems:
-            raise ProtocolError(ErrorCode.INVALID, "; ".join(problems))
+            raise ProtocolError(ErrorCode.INVALID, f"stats.summary_tokens {self.summary_tokens} "
+                                f"> generated_tokens {self.generated_tokens}")
 
 
 def sampled_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
@@ -306,14 +307,14 @@ class Segment(Message, tag="segment"):
     ``versions`` are ignored (by convention 0 and -1).
     """
 
-    rollout_id: str
+    rollout_id: Identifier
     """1 to 256 characters, unique within the run (actors use their id, incarnation and a
     counter); every segment of a rollout carries it. The rollout belongs to the actor
     incarnation whose segment of it came first: another's segment or abandon of it is refused
     (``owner``)."""
-    task_id: str
+    task_id: Identifier
     """The task the episode plays: the rollouts of one task are a group (``advantage = grpo``)."""
-    index: int
+    index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SEGMENTS)]
     """Position of the segment in its rollout, in [0, 2^31)."""
     segment_type: SegmentType
     """``execution``: a context window of actions and observations; ``summary``: the summary the
@@ -328,7 +329,7 @@ class Segment(Message, tag="segment"):
     """int32 [T], policy version that sampled each token."""
     final: bool
     """The last segment of the rollout; carries ``reward`` and ``stats``."""
-    reward: float | None = None
+    reward: Finite | None = None
     """The rollout's final reward, a finite number: present exactly on the final segment (omitted
     or nil on the others)."""
     stats: RolloutStats | None = None
@@ -362,18 +363,12 @@ class Segment(Message, tag="segment"):
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"per-token arrays differ: {lengths}")
         if lengths["tokens"] == 0:
             raise ProtocolError(ErrorCode.INVALID, "a segment of no tokens")
-        if not 0 <= self.index < MAX_SEGMENTS:
-            raise ProtocolError(ErrorCode.INVALID,
-                                f"segment index {self.index} outside [0, {MAX_SEGMENTS})")
         if self.index == 0 and self.segment_type == "summary":
             raise ProtocolError(ErrorCode.INVALID, "a rollout starts with an execution "
                                 "segment: a summary summarises one before it")
-        check_rollout_id(self.rollout_id)
         if self.final != (self.reward is not None):
             raise ProtocolError(ErrorCode.INVALID,
                                 "reward must be present exactly on the final segment")
-        if self.reward is not None and not math.isfinite(self.reward):
-            raise ProtocolError(ErrorCode.INVALID, f"reward {self.reward} is not finite")
         if self.stats is not None:
             if not self.final:
                 raise ProtocolError(ErrorCode.INVALID, "stats on a segment that is not final")
@@ -390,11 +385,8 @@ class Abandon(Message, tag="abandon"):
     log: after a replay restart, the rollout's logged segments expire after
     ``rollout_timeout_s``."""
 
-    rollout_id: str
-    """The rollout given up (``Segment.rollout_id``: 1 to 256 characters, else ``invalid``)."""
-
-    def validate(self) -> None:
-        check_rollout_id(self.rollout_id)
+    rollout_id: Identifier
+    """The rollout given up, as in its segments."""
 
 
 class Goodbye(Message, tag="goodbye"):
@@ -413,17 +405,17 @@ class Ack(Message, tag="ack"):
     """replay -> actor: the segments now stored (durably, when the log is on),
     the credits granted with this reply, and the learner's version."""
 
-    stored_seqs: list[int]
+    stored_seqs: list[Count]
     """The seqs of the receiver's segments now stored (durably, with the replay's log on), a
     resent duplicate's too: the actor may forget them."""
-    credits: int
+    credits: Count
     """Granted with this reply (for reading; the actor counts by the ledger)."""
-    policy_version: int
+    policy_version: Count
     """The newest version the learner has asked with."""
-    credit_ledger: int
+    credit_ledger: Count
     """The replay's account of this actor's credits: a new id voids the credits
     held under the old one (the replay restarted, or it forgot the actor)."""
-    credits_total: int
+    credits_total: Count
     """Credits granted under ``credit_ledger`` so far. The actor credits itself
     the part it has not seen, so a reply lost with a connection loses none."""
 
@@ -436,15 +428,15 @@ STALL_REASONS = ("weights", "credits", "summary")
 class Heartbeat(Message, tag="heartbeat"):
     """actor -> replay and learner: liveness, with the actor's own counters."""
 
-    active_rollouts: int
+    active_rollouts: Annotated[int, msgspec.Meta(ge=0, le=MAX_CAPACITY)]
     """Episodes the actor is running now."""
-    stall_seconds: dict[str, float]
+    stall_seconds: Annotated[dict[Identifier, NonNegative],
+                             msgspec.Meta(max_length=MAX_STALL_REASONS)]
     """Cumulative stall seconds of this incarnation by reason (``weights``, ``credits``,
-    ``summary``; the replay counts the increase of each per actor, ignoring other keys and
-    values that are not finite)."""
-    credit_ledger: int
+    ``summary``; the replay counts the increase of each per actor and ignores other keys)."""
+    credit_ledger: Count
     """The replay's ledger id as last received (0: none yet)."""
-    credits_seen: int
+    credits_seen: Count
     """The replay's ledger and total as last received: when behind, the
     replay repeats them (a reply carrying credits was lost)."""
 
@@ -460,14 +452,14 @@ class LearnerHello(Message, tag="learner_hello"):
 class LearnerWelcome(Message, tag="learner_welcome"):
     """replay -> learner: the run's facts the learner takes from the replay."""
 
-    run_id: str
+    run_id: Identifier
     """The run's name, the same for every process of a run."""
-    policy_version: int
+    policy_version: Count
     """The newest version a learner has asked with (an earlier learner process of the run,
     if any): a resumed learner labels its weights above it."""
-    rollouts_per_batch: int
+    rollouts_per_batch: Positive
     """B: the rollouts of each ``batch_request`` (the replay's configuration is the source)."""
-    max_staleness: int
+    max_staleness: Count
     """S, as in ``welcome``: the learner tells an actor more than S versions behind that it
     needs weights at once."""
 
@@ -477,19 +469,23 @@ class BatchRequest(Message, tag="batch_request"):
     batch before arrived (the replay releases it). ``size`` 0: only that (the
     learner's last word)."""
 
-    size: int
-    """Rollouts wanted, >= 0; 0 wants none and only releases the batch before (no reply comes)."""
-    policy_version: int
+    size: Count
+    """Rollouts wanted, at most the replay's ``rollouts_per_batch`` (B; ``invalid`` above it, and
+    the batch before stays unreleased); 0 wants none and only releases the batch before (no
+    reply comes)."""
+    policy_version: Count
     """The learner's current version: the replay measures staleness and its version window from
-    it."""
+    it. The version clock V (the largest heard) only moves forward: a learner incarnation's first
+    request may set it anywhere in range, each later one to V + 1 at most once a batch was served
+    since V moved (``invalid`` above; docs/protocol.md, "The version clock")."""
 
 
 class Rollout(msgspec.Struct, kw_only=True, gc=False):
     """A complete rollout: its segments in index order, the last one final."""
 
-    rollout_id: str
+    rollout_id: Identifier
     """As in its segments."""
-    staleness: int
+    staleness: Count
     """Learner version minus the oldest version among its trainable tokens."""
     segments: list[Segment]
     """The rollout's segments as the actor sent them, in index order, the last one final."""
@@ -510,22 +506,22 @@ class Rollout(msgspec.Struct, kw_only=True, gc=False):
 class StalenessStats(msgspec.Struct, kw_only=True, gc=False):
     """Staleness (in learner versions) over the rollouts of one batch."""
 
-    min: int
+    min: Count
     """Smallest."""
-    max: int
+    max: Count
     """Largest."""
-    mean: float
+    mean: NonNegative
     """Mean."""
-    p50: float
+    p50: NonNegative
     """Median."""
-    p95: float
+    p95: NonNegative
     """95th percentile."""
 
 
 class Batch(Message, tag="batch"):
     """replay -> learner: complete rollouts within the staleness bound."""
 
-    policy_version: int
+    policy_version: Count
     """The learner version the staleness is measured against."""
     rollouts: list[Rollout]
     """Complete rollouts, as many as asked."""
@@ -540,14 +536,14 @@ class Batch(Message, tag="batch"):
 # --------------------------------------------------------------------------- learner <-> actors
 
 
-class TensorSpec(msgspec.Struct, array_like=True, gc=False):
+class TensorSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """One parameter of a weight publication, in broadcast order."""
 
-    name: str
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS)]
     """The parameter's name in the engine's model."""
-    dtype: str
+    dtype: Identifier
     """Its dtype on the wire, as torch names it."""
-    shape: tuple[int, ...]
+    shape: tuple[Count, ...]
     """Its shape."""
 
 
@@ -557,7 +553,7 @@ class WeightManifest(msgspec.Struct, kw_only=True, gc=False):
 
     tensors: list[TensorSpec]
     """Every tensor of the publication, in broadcast order."""
-    bucket_bytes: int
+    bucket_bytes: Count
     """Tensors are packed into flat buffers of at most this many bytes (0 =
     one broadcast per tensor)."""
 
@@ -565,20 +561,20 @@ class WeightManifest(msgspec.Struct, kw_only=True, gc=False):
 class GroupInfo(msgspec.Struct, kw_only=True, gc=False):
     """How to join the weight-broadcast process group of one generation."""
 
-    generation: int
+    generation: Count
     """+1 whenever the group is formed again (the members changed, or a publication failed)."""
-    master_addr: str
+    master_addr: Identifier
     """Host of the learner's rendezvous store."""
-    master_port: int
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     """Its port."""
-    world_size: int
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=2**31 - 1)]
     """Ranks in the group: the learner's and one per engine worker of every member."""
-    rank: int
+    rank: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 2)]
     """This actor's first rank (one per engine worker, consecutive)."""
     backend: Literal["gloo", "nccl", "ipc"]
     """The weight transport (protocol/weights.py): a broadcast, or staging
     buffers mapped by the engine (ipc: the engine on learner rank 0's host or GPU)."""
-    timeout_s: float = 30.0
+    timeout_s: Interval = 30.0
     """Bound on joining and on each broadcast: a dead member fails the
     publication after this long instead of hanging it."""
 
@@ -586,7 +582,7 @@ class GroupInfo(msgspec.Struct, kw_only=True, gc=False):
 class WeightsAnnounce(Message, tag="weights_announce"):
     """learner rank 0 -> actor: a new version is about to be broadcast."""
 
-    version: int
+    version: Count
     """The version the publication carries."""
     manifest: WeightManifest
     """What it carries."""
@@ -597,9 +593,9 @@ class WeightsAnnounce(Message, tag="weights_announce"):
 class WeightsLoaded(Message, tag="weights_loaded"):
     """actor -> learner: the engine now generates with ``version``."""
 
-    version: int
+    version: Count
     """The version the engine now generates with."""
-    seconds: float
+    seconds: NonNegative
     """From the announcement to then."""
 
 
@@ -611,11 +607,11 @@ class Error(Message, tag="error"):
     or a service-specific code; ``ref_seq`` is the rejected message's seq when
     it could be read."""
 
-    code: str
+    code: Identifier
     """An ``ErrorCode`` value (Rejection)."""
-    text: str
+    text: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_TEXT)]
     """What exactly, for people (at most 500 characters)."""
-    ref_seq: int | None = None
+    ref_seq: Count | None = None
     """The refused message's ``seq`` when its header decoded; nil otherwise."""
 
 

@@ -63,6 +63,12 @@ class SeenSeqs:
         if len(seen) > 2 * DEDUP_WINDOW:
             self._seen[(sender, incarnation)] = {s for s in seen if s > newest - DEDUP_WINDOW}
 
+    def forget(self, sender: str, incarnation: int) -> None:
+        """The incarnation is over: the registry refuses its messages from
+        now on, before any could be taken for a resend."""
+        self._seen.pop((sender, incarnation), None)
+        self._newest.pop((sender, incarnation), None)
+
 
 class RolloutBook:
     def __init__(self, config: ReplayConfig, transport: TransportConfig, vocab_size: int,

@@ -34,6 +34,13 @@ RELEASED_MEMORY = 100_000
 #: bounded by ``RELEASED_MEMORY * RELEASED_ID_BYTES`` (docs/replay.md, "Memory").
 RELEASED_ID_BYTES = 1024
 
+#: What holding one stored segment costs beyond its frame: the decoded
+#: message, its array views and the tables' entries. Measured at 3,204 bytes
+#: for a one-token segment with 256-character ids (docs/replay.md, "Memory"):
+#: counted, so that ``max_buffer_bytes`` bounds memory even when a peer sends
+#: many tiny segments.
+SEGMENT_OVERHEAD_BYTES = 4096
+
 #: An actor incarnation: (actor id, incarnation).
 Owner = tuple[str, int]
 
@@ -59,6 +66,7 @@ class RolloutEntry:
     final_index: int | None = None
     ready_at: float | None = None
     nbytes: int = 0
+    """Its segments' frames, in bytes (what the log holds of it)."""
     min_version: int | None = None
     """Oldest policy version among its segments' trainable tokens (None: none
     trainable), kept as segments arrive: staleness reads it for every ready
@@ -67,6 +75,11 @@ class RolloutEntry:
     @property
     def owner(self) -> Owner:
         return self.actor_id, self.incarnation
+
+    @property
+    def held_bytes(self) -> int:
+        """What holding it costs: its frames and each segment's overhead."""
+        return self.nbytes + SEGMENT_OVERHEAD_BYTES * len(self.segments)
 
     @property
     def complete(self) -> bool:
@@ -93,6 +106,8 @@ class RolloutBuffer:
         self.pending: dict[str, RolloutEntry] = {}
         self.ready: dict[str, RolloutEntry] = {}  # insertion order = readiness order
         self.nbytes = 0
+        """The memory its rollouts hold (their ``held_bytes``), which
+        ``max_buffer_bytes`` bounds."""
         self._released: OrderedDict[str, Owner | None] = OrderedDict()
         """Served or dropped rollout ids, oldest first, with their owners."""
 
@@ -116,7 +131,7 @@ class RolloutBuffer:
         stored = StoredSegment(segment, frame)
         entry.segments[segment.index] = stored
         entry.nbytes += stored.nbytes
-        self.nbytes += stored.nbytes
+        self.nbytes += stored.nbytes + SEGMENT_OVERHEAD_BYTES
         if min_version is not None and (entry.min_version is None
                                         or min_version < entry.min_version):
             entry.min_version = min_version
@@ -151,7 +166,7 @@ class RolloutBuffer:
         not the start of a rollout that could never complete."""
         entry = self.pending.pop(rollout_id, None) or self.ready.pop(rollout_id, None)
         if entry is not None:
-            self.nbytes -= entry.nbytes
+            self.nbytes -= entry.held_bytes
             owner = entry.owner
         self._remember(rollout_id, owner)
         return entry
@@ -161,7 +176,7 @@ class RolloutBuffer:
         batch never reached a learner that survived."""
         for entry in entries:
             self._released.pop(entry.rollout_id, None)
-            self.nbytes += entry.nbytes
+            self.nbytes += entry.held_bytes
         self.ready = {entry.rollout_id: entry for entry in entries} | self.ready
 
     def _remember(self, rollout_id: str, owner: Owner | None) -> None:

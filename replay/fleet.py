@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -76,12 +75,12 @@ class Fleet:
 
     def heartbeat(self, peer: Peer, stall_seconds: Mapping[str, float]) -> None:
         """Count the increase of each stall total since the incarnation's
-        last report; unknown reasons and values that are not finite are
-        ignored (a peer must not make up labels, nor poison a counter)."""
+        last report (finite and not negative: the decoder's ranges); unknown
+        reasons are ignored (a peer must not make up labels)."""
         actor = self.series.label(peer.actor_id)
         for reason in STALL_REASONS:
             total = stall_seconds.get(reason)
-            if total is None or not math.isfinite(total):
+            if total is None:
                 continue
             increase = total - peer.stall_reported.get(reason, 0.0)
             if increase > 0:

@@ -41,6 +41,7 @@ from protocol import (
 from protocol.endpoint import Handler, Received, ServerEndpoint
 from protocol.validation import check_segment_content
 from replay.book import RolloutBook, owner_of
+from replay.buffer import SEGMENT_OVERHEAD_BYTES
 from replay.fleet import Fleet
 from replay.pacing import fair_shares
 from replay.registry import ActorRegistry, Peer
@@ -186,7 +187,8 @@ class ActorIngest:
             return
         # a late segment takes no memory: the bound must not drop its complete rollout
         if (not book.buffer.settled(segment.rollout_id)
-                and book.buffer.nbytes + len(frame) > book.config.max_buffer_bytes):
+                and book.buffer.nbytes + len(frame) + SEGMENT_OVERHEAD_BYTES
+                > book.config.max_buffer_bytes):
             book.drop(segment.rollout_id, "full", owner_of(segment))
             self.endpoint.refuse(received, ErrorCode.FULL,
                                  "replay buffer at its memory bound: rollout dropped")
@@ -314,4 +316,5 @@ class ActorIngest:
                  incarnation, len(expired) + unseen, len(expired), unseen, active_rollouts,
                  outstanding)
         book.pacer.forget(actor_id)
+        book.seen.forget(actor_id, incarnation)
         self.fleet.left(peer)

@@ -26,9 +26,16 @@ Rules, for an actor id:
   without the token it is refused (``identity``), so no second connection
   shares an actor's ledger, acks or rollouts.
 
+Bounds (docs/replay.md, "Memory"): at most ``max_actors`` incarnations are
+registered at once (a new actor id's ``Hello`` beyond them is ``full``), and
+of the ids no longer registered the newest ``REMEMBERED_ACTORS`` are
+remembered as stale or dead; an older one is forgotten, so its old
+incarnation, if it ever speaks again, is ``unregistered`` rather than
+``dead_incarnation`` (its rollouts were settled long before).
+
 Usage::
 
-    registry = ActorRegistry(Liveness(interval_s, liveness))
+    registry = ActorRegistry(Liveness(interval_s, liveness), max_actors)
     token = message.token if isinstance(message, Hello) else None
     if (refusal := registry.refusal(identity, actor_id, incarnation, token)) is not None: ...
     if token is not None:
@@ -45,6 +52,10 @@ from typing import NamedTuple
 
 from protocol.errors import ErrorCode
 from protocol.transport import Liveness
+
+#: Actor ids no longer registered whose newest incarnations the registry
+#: remembers (for ``stale_incarnation`` and ``dead_incarnation``).
+REMEMBERED_ACTORS = 65_536
 
 
 @dataclass
@@ -72,12 +83,14 @@ class Registration(NamedTuple):
 
 
 class ActorRegistry:
-    def __init__(self, liveness: Liveness) -> None:
+    def __init__(self, liveness: Liveness, max_actors: int) -> None:
         self.liveness = liveness
+        self.max_actors = max_actors
         self.peers: dict[bytes, Peer] = {}
         """Per registered connection (routing id), the incarnation speaking on it."""
         self.current: dict[str, int] = {}
-        """Per actor id, the newest incarnation registered."""
+        """Per actor id, the newest incarnation registered, the id registered
+        longest ago first (the first forgotten)."""
         self.dead: dict[str, int] = {}
         """Per actor id, the newest incarnation declared dead."""
         self.connection: dict[str, bytes] = {}
@@ -105,6 +118,9 @@ class ActorRegistry:
                         f"incarnation {incarnation}: say hello on it first")
             return None
         bound = self.connection.get(actor_id)
+        if bound is None and here is None and len(self.peers) >= self.max_actors:
+            return (ErrorCode.FULL, f"the replay serves at most {self.max_actors} actors "
+                    "(replay.max_actors)")
         elsewhere = self.peers.get(bound) if bound not in (None, identity) else None
         if elsewhere is not None and elsewhere.incarnation == incarnation \
                 and token != elsewhere.token:
@@ -121,6 +137,7 @@ class ActorRegistry:
         if bound not in (None, identity):
             self.liveness.forget(bound)
         self.connection[actor_id] = identity
+        self.current.pop(actor_id, None)  # re-inserted: the id registered last is forgotten last
         self.current[actor_id] = incarnation
         same = previous is not None and previous.incarnation == incarnation
         peer = previous if same else Peer(actor_id, incarnation, token, capacity)
@@ -137,24 +154,41 @@ class ActorRegistry:
     def expire(self, now: float) -> list[tuple[bytes, Peer]]:
         """The peers silent past the liveness timeout, removed and their
         incarnations declared dead."""
-        expired = []
-        for identity in self.liveness.expire(now):
-            peer = self.peers.pop(identity, None)
-            if peer is not None:
-                self.dead[peer.actor_id] = peer.incarnation
-                expired.append((identity, peer))
+        expired = [(identity, peer) for identity in self.liveness.expire(now)
+                   if (peer := self._over(identity)) is not None]
+        self._forget_the_oldest()
         return expired
 
     def leave(self, identity: bytes) -> Peer | None:
         """The incarnation on ``identity`` said goodbye: removed, and over
         as if declared dead; returns it (None if the connection spoke for none)."""
+        self.liveness.forget(identity)
+        peer = self._over(identity)
+        self._forget_the_oldest()
+        return peer
+
+    def _over(self, identity: bytes) -> Peer | None:
+        """The incarnation on ``identity`` is over: unregistered, remembered dead."""
         peer = self.peers.pop(identity, None)
         if peer is not None:
-            self.liveness.forget(identity)
             self.dead[peer.actor_id] = peer.incarnation
             if self.connection.get(peer.actor_id) == identity:
                 del self.connection[peer.actor_id]
         return peer
+
+    def _forget_the_oldest(self) -> None:
+        """Keep at most ``REMEMBERED_ACTORS`` ids beyond those registered:
+        forget the ids registered longest ago that no connection speaks for
+        now, a sixteenth more than needed at once (each pass reads them all)."""
+        excess = len(self.current) - len(self.connection) - REMEMBERED_ACTORS
+        if excess <= 0:
+            return
+        excess += REMEMBERED_ACTORS // 16
+        forgotten = [actor_id for actor_id in self.current
+                     if actor_id not in self.connection][:excess]
+        for actor_id in forgotten:
+            del self.current[actor_id]
+            self.dead.pop(actor_id, None)
 
     def alive(self) -> int:
         return len(self.liveness)

@@ -67,7 +67,7 @@ class ReplayService:
         vocab_size = vocab_size or config.vocab_size or 2**31 - 1
         self.book = RolloutBook(config, transport, vocab_size, self.metrics)
         self.registry = ActorRegistry(Liveness(transport.heartbeat_interval_s,
-                                               transport.heartbeat_liveness))
+                                               transport.heartbeat_liveness), config.max_actors)
         self.fleet = Fleet(self.metrics.by_actor, Path(config.actor_targets_path)
                            if config.actor_targets_path else None, run_id)
         stamp = Stamp("replay", time.time_ns())

@@ -61,6 +61,11 @@ class LearnerServing:
         """The connection the learner spoke on last, where its batches go."""
         self._incarnation = -1
         """The newest learner incarnation heard from: an older one is fenced."""
+        self._clock_set_by = -1
+        """The learner incarnation whose first ``batch_request`` set the version clock."""
+        self._trained_since_clock_moved = False
+        """A batch was served since the clock last moved: the learner may have
+        trained one more version."""
 
     def receive(self) -> bool:
         """One pass over what the learner socket holds, then serve what
@@ -94,9 +99,13 @@ class LearnerServing:
 
     def _on_batch_request(self, received: Received) -> None:
         learner, request = received.message.sender_id, received.message
-        if request.size < 0:
-            self.endpoint.refuse(received, ErrorCode.INVALID, f"size {request.size} < 0")
+        if (problem := self._request_problem(request)) is not None:
+            # refused before anything moves: the batch before stays unreleased
+            self.endpoint.refuse(received, ErrorCode.INVALID, problem)
             return
+        if request.policy_version > self.book.learner_version:
+            self._trained_since_clock_moved = False
+        self._clock_set_by = request.incarnation
         self.book.set_learner_version(request.policy_version)
         if (frame := self.batches.resent(learner, request)) is not None:
             # asked again after a reconnect: the batch may be lost on the way
@@ -107,6 +116,28 @@ class LearnerServing:
         if (served := self.batches.ask(learner, request)) is not None:
             self._confirm(served, request)
         self._asked = True
+
+    def _request_problem(self, request: BatchRequest) -> str | None:
+        """Why a request is refused (``invalid``), or None. Its ``size`` is at
+        most B: the credits are paced to fill B, and a larger request might
+        never be filled. Its ``policy_version`` moves the version clock V
+        (docs/protocol.md, "The version clock"): a learner incarnation's
+        first request may set it anywhere (a learner resumed from a
+        checkpoint), each later one to V + 1 at most, and only once a batch
+        was served since V last moved: a learner trains one version per
+        batch. One bad number would otherwise make every rollout stale for
+        good."""
+        batch = self.book.config.rollouts_per_batch
+        if request.size > batch:
+            return f"size {request.size} > rollouts_per_batch {batch}"
+        clock = self.book.learner_version
+        allowed = clock + 1 if self._trained_since_clock_moved else clock
+        if request.incarnation == self._clock_set_by and request.policy_version > allowed:
+            return (f"policy_version {request.policy_version} > {allowed}: a learner trains one "
+                    f"version per batch (the version clock is at {clock}, and "
+                    f"{'one' if self._trained_since_clock_moved else 'no'} batch was served "
+                    "since it moved)")
+        return None
 
     def _confirm(self, served: ServedBatch, request: BatchRequest) -> None:
         """A new request: the batch ``served`` before it arrived, or (from a
@@ -146,4 +177,5 @@ class LearnerServing:
                     mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
                     p95=float(np.percentile(staleness, 95)))))
             self.batches.served(learner, request, frame, entries, version)
+            self._trained_since_clock_moved = True
             self.endpoint.send_frame(self._connection, frame)

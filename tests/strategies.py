@@ -30,11 +30,20 @@ from protocol import (
     WeightsLoaded,
     Welcome,
 )
-from protocol.messages import MAX_TOKEN_BYTES, MIN_TOKEN_BYTES
+from protocol.messages import (
+    LEARNER_ID,
+    MAX_CAPACITY,
+    MAX_TENSOR_PARALLEL,
+    MAX_TOKEN_BYTES,
+    MIN_TOKEN_BYTES,
+)
 
 ids = st.text(min_size=1, max_size=24)
 counts = st.integers(min_value=0, max_value=2**31 - 1)
+positives = st.integers(min_value=1, max_value=2**31 - 1)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+non_negative = st.floats(min_value=0, allow_infinity=False, width=64)
+intervals = st.floats(min_value=1e-3, max_value=1e6)
 header = st.fixed_dictionaries({
     "sender_id": ids, "incarnation": counts, "seq": st.integers(0, 2**63 - 1),
     "sent_at": st.floats(0, 4e9),
@@ -107,27 +116,30 @@ def messages(draw, kind: str | None = None):
     if kind == "segment":
         return draw(segments())
     if kind == "hello":
-        engine = draw(st.builds(EngineInfo, device=ids, dtype=ids, tensor_parallel=counts,
+        engine = draw(st.builds(EngineInfo, device=ids, dtype=ids,
+                                tensor_parallel=st.integers(1, MAX_TENSOR_PARALLEL),
                                 model=ids))
-        return Hello(**h, engine=engine, capacity=draw(counts),
+        h["sender_id"] = draw(ids.filter(lambda i: i != LEARNER_ID))
+        return Hello(**h, engine=engine, capacity=draw(st.integers(1, MAX_CAPACITY)),
                      token=draw(st.binary(min_size=MIN_TOKEN_BYTES, max_size=MAX_TOKEN_BYTES)),
                      metrics_address=draw(st.sampled_from(
                          ["", "10.0.0.5:9111", "[::1]:9110", "actor-3.pods.local:65535"])))
     if kind == "welcome":
         return Welcome(**h, run_id=draw(ids), policy_version=draw(counts),
-                       heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts),
-                       max_staleness=draw(counts), rollouts_per_batch=draw(counts),
+                       heartbeat_interval_s=draw(intervals), heartbeat_liveness=draw(positives),
+                       max_staleness=draw(counts), rollouts_per_batch=draw(positives),
                        credits=draw(counts), credit_ledger=draw(counts),
-                       credits_total=draw(counts), max_message_bytes=draw(counts),
-                       vocab_size=draw(counts), stale_grace=draw(counts))
+                       credits_total=draw(counts), max_message_bytes=draw(positives),
+                       vocab_size=draw(positives), stale_grace=draw(counts))
     if kind == "member_welcome":
         return MemberWelcome(**h, run_id=draw(ids), policy_version=draw(counts),
-                             heartbeat_interval_s=draw(finite), heartbeat_liveness=draw(counts))
+                             heartbeat_interval_s=draw(intervals),
+                             heartbeat_liveness=draw(positives))
     if kind == "learner_hello":
         return LearnerHello(**h)
     if kind == "learner_welcome":
         return LearnerWelcome(**h, run_id=draw(ids), policy_version=draw(counts),
-                              rollouts_per_batch=draw(counts), max_staleness=draw(counts))
+                              rollouts_per_batch=draw(positives), max_staleness=draw(counts))
     if kind == "abandon":
         return Abandon(**h, rollout_id=draw(ids))
     if kind == "goodbye":
@@ -137,14 +149,14 @@ def messages(draw, kind: str | None = None):
                    policy_version=draw(counts), credit_ledger=draw(counts),
                    credits_total=draw(counts))
     if kind == "heartbeat":
-        return Heartbeat(**h, active_rollouts=draw(counts),
-                         stall_seconds=draw(st.dictionaries(ids, finite, max_size=3)),
+        return Heartbeat(**h, active_rollouts=draw(st.integers(0, MAX_CAPACITY)),
+                         stall_seconds=draw(st.dictionaries(ids, non_negative, max_size=3)),
                          credit_ledger=draw(counts), credits_seen=draw(counts))
     if kind == "batch_request":
         return BatchRequest(**h, size=draw(counts), policy_version=draw(counts))
     if kind == "batch":
-        stats = StalenessStats(min=draw(counts), max=draw(counts), mean=draw(finite),
-                               p50=draw(finite), p95=draw(finite))
+        stats = StalenessStats(min=draw(counts), max=draw(counts), mean=draw(non_negative),
+                               p50=draw(non_negative), p95=draw(non_negative))
         return Batch(**h, policy_version=draw(counts),
                      rollouts=draw(st.lists(rollouts(), max_size=3)), staleness=stats)
     if kind == "weights_announce":
@@ -153,10 +165,11 @@ def messages(draw, kind: str | None = None):
         manifest = WeightManifest(tensors=draw(st.lists(spec, max_size=5)),
                                   bucket_bytes=draw(counts))
         group = draw(st.builds(GroupInfo, generation=counts, master_addr=ids,
-                               master_port=st.integers(1, 65535), world_size=counts,
-                               rank=counts, backend=st.sampled_from(["gloo", "nccl"])))
+                               master_port=st.integers(1, 65535),
+                               world_size=st.integers(2, 2**31 - 1), rank=st.integers(1, 2**31 - 2),
+                               backend=st.sampled_from(["gloo", "nccl"])))
         return WeightsAnnounce(**h, version=draw(counts), manifest=manifest, group=group)
     if kind == "weights_loaded":
-        return WeightsLoaded(**h, version=draw(counts), seconds=draw(finite))
+        return WeightsLoaded(**h, version=draw(counts), seconds=draw(non_negative))
     return Error(**h, code=draw(ids), text=draw(st.text(max_size=200)),
                  ref_seq=draw(st.none() | counts))

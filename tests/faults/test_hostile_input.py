@@ -84,7 +84,7 @@ def _hostile(context: zmq.Context, address: str) -> zmq.Socket:
 def _header_seq(frames: list[bytes]) -> int | None:
     """The ``seq`` an Error must name for a message of ``frames``: the
     header's, if the message is one frame, a map in which
-    ``protocol_version``, ``kind`` and an integer ``seq`` read before
+    ``protocol_version``, ``kind`` and an integer ``seq`` in [0, 2^63) read before
     anything unreadable (read pair by pair with the plain msgpack package,
     as another implementation would, docs/protocol.md "Rejection")."""
     if len(frames) != 1:
@@ -100,7 +100,8 @@ def _header_seq(frames: list[bytes]) -> int | None:
             else:
                 reader.skip()
             if len(found) == 3:
-                return found["seq"] if type(found["seq"]) is int else None
+                seq = found["seq"]
+                return seq if type(seq) is int and 0 <= seq < 2**63 else None
     except Exception:  # noqa: BLE001  (any way the bytes stop being MessagePack)
         return None
     return None

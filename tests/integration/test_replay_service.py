@@ -29,7 +29,7 @@ from protocol import (
 from protocol.messages import MAX_ID_CHARS
 from protocol.synthetic import synthetic_segment
 from protocol.transport import TransportConfig
-from replay.buffer import RELEASED_ID_BYTES
+from replay.buffer import RELEASED_ID_BYTES, SEGMENT_OVERHEAD_BYTES
 from replay.config import ReplayConfig
 from replay.ingest import VERSION_AHEAD
 from replay.service import ReplayService
@@ -167,10 +167,11 @@ def test_stale_rollouts_are_dropped_and_counted(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()
     learner = replay.learner()
-    learner.request(2, version=0)
     actor.push_rollout(version=0)
     assert actor.pump_until(lambda: not actor.unacked)
-    learner.request(2, version=2)  # max_staleness 1: the version-0 rollout is stale
+    # a learner incarnation's first request sets the version clock anywhere:
+    # max_staleness 1, so the version-0 rollout is stale
+    learner.request(2, version=2)
     assert learner.receive(1.0) is None
     assert replay.metric("crl_replay_dropped_total", reason="stale") == 1
     actor.push_rollout(version=2)
@@ -716,8 +717,7 @@ def test_the_replay_counts_every_actor_and_lists_it_for_prometheus(tmp_path: Pat
         learner = replay.learner()
         served = [_learner_step(replay, learner, step, actors) for step in range(6)]
         learner.request(0, version=6)  # confirms the last batch: it was trained
-        actors[0].heartbeat(stall_seconds={"credits": 2.5, "made-up": 1e9,
-                                           "weights": float("nan")})
+        actors[0].heartbeat(stall_seconds={"credits": 2.5, "made-up": 1e9})
         actors[0].heartbeat(stall_seconds={"credits": 2.0})  # lower: no increase
         by_actor = "crl_replay_actor_rollouts_total"
         assert actors[0].pump_until(lambda: sum(
@@ -774,7 +774,7 @@ def test_malformed_flood_is_rejected_and_counted_while_others_are_served(replay:
     assert rejected == len(frames) == replies
     assert replay.metric("crl_replay_segments_total", result="accepted") == 3
     # nothing of the flood is held: the buffer holds the good rollout only
-    good = sum(len(encode(s)) for s in actor.acked.values())
+    good = sum(len(encode(s)) + SEGMENT_OVERHEAD_BYTES for s in actor.acked.values())
     assert replay.service.book.buffer.nbytes == good
     hostile.close(linger=0)
 

@@ -4,12 +4,15 @@ Each case is bounded by the command time limit and leaves nothing running."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -164,9 +167,66 @@ async def _set_up(shell: Shell, task: Path) -> str:
     return workdir
 
 
+#: The checkout this test file belongs to.
+CHECKOUT = Path(__file__).parents[2]
+
+
+@contextlib.contextmanager
+def _world_readable_copy(checkout: Path) -> Iterator[Path]:
+    """A copy of ``checkout``'s ``actors`` package that ``nobody`` can import.
+
+    A checkout may sit under a folder only its owner can enter (a clone in
+    root's home or in ``mktemp -d``), and then ``nobody`` cannot import from
+    it. The user's folders must keep their modes, so the package is copied
+    into a fresh folder of this test's own, which it makes world-readable. The
+    folder is made under /var/tmp because pytest's own temporary folders (and
+    a private ``TMPDIR``) sit under a folder that only their owner can enter.
+    The copies get explicit modes because a user with umask 077 checks out
+    files that only the owner can read."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="crl-nobody-") as shared:
+        root = Path(shared)
+        shutil.copytree(checkout / "actors", root / "actors",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        os.chmod(root, 0o755)
+        for folder, _dirs, files in os.walk(root / "actors"):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        yield root
+
+
+def _run_as_nobody(code: str, importable: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run Python ``code`` as ``nobody``, importing only the standard library
+    and the packages in ``importable``.
+
+    ``-I -S`` keep the checkout out of the child's import path (no current
+    folder, no PYTHONPATH, no site-packages with the editable install), so
+    the child imports exactly what ``importable`` holds. setpriv executes the
+    interpreter while it still holds root's capabilities (they go at the
+    exec), so an interpreter in the checkout's .venv starts even under a
+    private folder; everything the interpreter reads afterwards, it reads as
+    ``nobody``."""
+    prelude = f"import sys\nsys.path.insert(0, {str(importable)!r})\n"
+    argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+            sys.executable, "-I", "-S", "-c", prelude + code, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/")
+
+
+def _skip_unless_nobody_can_run_python() -> None:
+    """Skip, saying exactly what is missing, where ``nobody`` cannot read
+    this interpreter's standard library (an interpreter installed under a
+    private home folder): then no unprivileged Python can start here."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as empty:
+        done = _run_as_nobody("import encodings, tomllib", Path(empty))
+    if done.returncode != 0:
+        pytest.skip(f"user nobody cannot run {sys.executable}: it cannot read the standard "
+                    f"library under {sys.base_prefix} ({done.stderr.strip()[-300:]})")
+
+
 UNISOLATED = """
-import sys
 from actors.envs.shell import Shell, Unisolated
+import actors.envs.shell
+print("imported from:", actors.envs.shell.__file__)
 try:
     Shell(work_root=sys.argv[1])
 except Unisolated as exc:
@@ -175,18 +235,40 @@ print("accepted:", Shell(work_root=sys.argv[1], allow_unisolated=True).sandbox.i
 """
 
 
-def test_without_isolation_the_environment_refuses_unless_told_to_run_unisolated(
-        tmp_path: Path) -> None:
-    """As an unprivileged user the namespaces cannot be made: refused, and
-    run under resource limits only when the config says so."""
-    root = tmp_path / "work"
-    root.mkdir()
-    os.chmod(tmp_path, 0o755)
-    os.chmod(root, 0o777)
-    unprivileged = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                    sys.executable, "-c", UNISOLATED, str(root)]
-    done = subprocess.run(unprivileged, capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).parents[2])
+def _refuses_unisolated_as_nobody(checkout: Path) -> None:
+    """As ``nobody``, with the ``actors`` of ``checkout``: the environment
+    refuses, and runs under resource limits only when told to."""
+    _skip_unless_nobody_can_run_python()
+    with _world_readable_copy(checkout) as shared:
+        root = shared / "work"
+        root.mkdir()
+        os.chmod(root, 0o777)
+        done = _run_as_nobody(UNISOLATED, shared, str(root))
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"imported from: {shared}/actors/envs/shell.py" in done.stdout
     assert "refused: the shell sandbox cannot isolate commands" in done.stdout
     assert "accepted: rlimits" in done.stdout
+
+
+def test_without_isolation_the_environment_refuses_unless_told_to_run_unisolated() -> None:
+    """As an unprivileged user the namespaces cannot be made: refused, and
+    run under resource limits only when the config says so."""
+    _refuses_unisolated_as_nobody(CHECKOUT)
+
+
+def test_the_unprivileged_child_imports_from_a_checkout_under_a_0700_folder(
+        tmp_path: Path) -> None:
+    """A checkout under a folder only its owner can enter (a clone in root's
+    home or in ``mktemp -d``): ``nobody`` cannot import from it directly, yet
+    the refusal test runs, and the private folder keeps its mode."""
+    _skip_unless_nobody_can_run_python()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    os.chmod(private, 0o700)  # mkdir's mode is reduced by the umask, never raised
+    checkout = private / "checkout"
+    shutil.copytree(CHECKOUT / "actors", checkout / "actors",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    direct = _run_as_nobody("import actors.envs.shell", checkout)
+    assert "ModuleNotFoundError" in direct.stderr, (direct.returncode, direct.stderr[-2000:])
+    _refuses_unisolated_as_nobody(checkout)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700

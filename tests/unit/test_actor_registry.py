@@ -14,7 +14,7 @@ TOKEN, OTHER_TOKEN = b"t" * 16, b"o" * 16
 
 
 def registry() -> ActorRegistry:
-    return ActorRegistry(Liveness(INTERVAL_S, LIVENESS))
+    return ActorRegistry(Liveness(INTERVAL_S, LIVENESS), max_actors=4)
 
 
 def hello(actors: ActorRegistry, connection: bytes, actor_id: str, incarnation: int,

@@ -28,8 +28,9 @@ def test_every_kind_and_every_field_has_a_type_and_a_meaning() -> None:
     rows = [line for line in generated.splitlines() if line.startswith("| `")]
     assert rows
     for row in rows:
-        key, wire, presence, meaning = (cell.strip() for cell in row.strip("|").split(" | "))
-        assert wire and presence and meaning, row
+        key, wire, value_range, presence, meaning = (cell.strip() for cell
+                                                     in row.strip("|").split(" | "))
+        assert wire and value_range and presence and meaning, row
 
 
 def test_the_rejection_table_names_every_error_code() -> None:

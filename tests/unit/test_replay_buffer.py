@@ -7,7 +7,7 @@ import pytest
 
 from protocol import Array, Segment
 from protocol.validation import check_segment_content
-from replay.buffer import RolloutBuffer, to_rollout
+from replay.buffer import SEGMENT_OVERHEAD_BYTES, RolloutBuffer, to_rollout
 
 _seq = iter(range(10**9))
 
@@ -46,7 +46,7 @@ def test_rollout_is_ready_only_when_final_and_complete() -> None:
     add(b, segment("r", 1))
     assert "r" in b.ready and not b.pending
     assert [s.index for s in to_rollout(b.ready["r"], 5).segments] == [0, 1, 2]
-    assert b.nbytes == 300
+    assert b.nbytes == 300 + 3 * SEGMENT_OVERHEAD_BYTES  # three stored segments
 
 
 @pytest.mark.parametrize("second", [
