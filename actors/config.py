@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from protocol.bounds import bound_problems, bounded
+from protocol.messages import MAX_CAPACITY, MAX_TENSOR_PARALLEL
 
 DEFAULT_SUMMARY_INSTRUCTION = (
     "stop . write a summary of the history for your successor : the goal , every fact found "
@@ -45,7 +46,8 @@ class EngineConfig:
     """Weights and activations dtype inside vLLM (the learner may differ)."""
     max_model_len: int = 2048
     """Longest sequence the engine accepts; must be >= compaction.context_tokens."""
-    tensor_parallel: int = bounded(1, ge=1)
+    tensor_parallel: int = bounded(1, ge=1, le=MAX_TENSOR_PARALLEL,
+                                   why="the wire's bound (EngineInfo.tensor_parallel)")
     """GPUs per engine. Must be 1 on CPU."""
     gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (GPU only)."""
@@ -250,7 +252,8 @@ class ActorConfig:
     consecutive ones per actor (count x tensor_parallel in all). Empty:
     the GPUs after the learner's; on one GPU, one actor shares it with the
     learner (co-location). A learner GPU listed here co-locates that actor."""
-    concurrent_episodes: int = bounded(8, ge=1)
+    concurrent_episodes: int = bounded(8, ge=1, le=MAX_CAPACITY,
+                                       why="the wire's bound (Hello.capacity)")
     """Episodes one actor runs at once on its engine."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """What requests in flight during a weight update continue on. "keep":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from protocol import ErrorCode
 from protocol.transport import Liveness
+from replay import registry as registry_module
 from replay.registry import ActorRegistry
 
 #: Silent for 3 x 1 s: dead.
@@ -96,3 +97,30 @@ def test_a_reconnect_moves_the_incarnation_only_with_its_token() -> None:
     assert (actors.peers[b"second"].active_rollouts, actors.peers[b"second"].token) == (2, TOKEN)
     code, _ = actors.refusal(b"first", "actor-1", 1, None)
     assert code is ErrorCode.UNREGISTERED  # the old connection is heard no more
+
+
+def test_a_new_actor_beyond_max_actors_is_refused_full_but_a_registered_one_speaks() -> None:
+    actors = registry()
+    for n in range(actors.max_actors):
+        hello(actors, f"conn-{n}".encode(), f"actor-{n}", 1)
+    code, text = actors.refusal(b"conn-new", "actor-new", 1, TOKEN)
+    assert code is ErrorCode.FULL and "replay.max_actors" in text
+    assert actors.refusal(b"conn-0", "actor-0", 2, TOKEN) is None  # a restart replaces
+    actors.leave(b"conn-1")
+    assert hello(actors, b"conn-new", "actor-new", 1) == (None, None)
+
+
+def test_the_ids_of_gone_actors_are_remembered_within_a_bound(monkeypatch) -> None:
+    """Beyond ``REMEMBERED_ACTORS`` ids no longer registered, those
+    registered longest ago are forgotten: their old incarnations would be
+    unregistered, not dead, if they spoke again."""
+    monkeypatch.setattr(registry_module, "REMEMBERED_ACTORS", 32)
+    actors = registry()
+    for n in range(100):
+        hello(actors, f"conn-{n}".encode(), f"actor-{n}", 1)
+        actors.leave(f"conn-{n}".encode())
+    assert len(actors.current) <= 32 and len(actors.dead) <= 32
+    code, _ = actors.refusal(b"conn-99", "actor-99", 1, None)
+    assert code is ErrorCode.DEAD_INCARNATION  # the newest gone are remembered
+    code, _ = actors.refusal(b"conn-0", "actor-0", 1, None)
+    assert code is ErrorCode.UNREGISTERED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import msgspec
 import numpy as np
 import pytest
@@ -23,8 +24,9 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.codec import HEADER_SCAN_OBJECTS, header_seq
+from protocol.codec import HEADER_SCAN_OBJECTS, duplicate_key, header_seq
 from protocol.synthetic import synthetic_hello
+from tests.field_edges import field_probes, probe, ranged_fields
 from tests.strategies import KINDS, messages
 
 
@@ -257,3 +259,90 @@ def test_a_hello_s_metrics_address_must_be_host_and_port(address: str) -> None:
         decode(_reencode(encode(hello), metrics_address=address))
     assert info.value.code is ErrorCode.INVALID
     assert decode(_reencode(encode(hello), metrics_address="10.0.0.5:9111")).metrics_address
+
+
+def test_every_field_takes_its_range_edges_and_refuses_beyond_them() -> None:
+    """The decoder alone, against the ranges declared on the types (the
+    replay process's answers to the same probes: tests/faults/test_field_ranges.py)."""
+    probes = list(field_probes(Stamp("probe", 1)))
+    assert len(probes) > 300
+    for each in probes:
+        try:
+            decode(each.frame)
+            code = None
+        except ProtocolError as exc:
+            code = exc.code
+        assert code == (None if each.accepted else ErrorCode.INVALID), (
+            each.kind, each.path, repr(each.value)[:80])
+
+
+_INT_FIELDS = [(kind, path, info) for kind in MESSAGE_TYPES
+               for path, info in ranged_fields(msgspec.inspect.type_info(kind))
+               if isinstance(info, msgspec.inspect.IntType) and info.ge is not None]
+
+
+@settings(max_examples=400, deadline=None)
+@given(field=st.sampled_from(_INT_FIELDS), value=st.integers(-(2**63), 2**64 - 1))
+def test_an_integer_field_is_taken_exactly_inside_its_range(field: tuple, value: int) -> None:
+    kind, path, info = field
+    high = info.le if info.le is not None else info.lt - 1
+    message = probe(kind, Stamp("probe", 1), path, value, info.ge <= value <= high)
+    try:
+        decode(message.frame)
+        taken = True
+    except ProtocolError as exc:
+        assert exc.code is ErrorCode.INVALID, exc
+        taken = False
+    assert taken == message.accepted, (path, value)
+
+
+def test_a_string_outside_its_set_is_invalid() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(_reencode(encode(_segment()), segment_type="other"))
+    assert info.value.code is ErrorCode.INVALID and "'other'" in info.value.detail
+
+
+def test_an_array_of_four_elements_is_malformed() -> None:
+    raw = msgspec.msgpack.decode(encode(_segment()))
+    raw["tokens"].append("extra")
+    with pytest.raises(ProtocolError) as info:
+        decode(msgspec.msgpack.encode(raw))
+    assert info.value.code is ErrorCode.MALFORMED and info.value.ref_seq == 0
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_a_key_held_twice_is_malformed_wherever_the_map_is(where: str) -> None:
+    """msgspec keeps the last of two values without a word: two readers of
+    one frame could disagree, so the frame is refused."""
+    frame = encode(synthetic_hello(Stamp("actor-0", 1)))
+    key = msgpack.packb("capacity" if where == "top" else "device")
+    if where == "top":
+        twice = bytes([frame[0] + 1]) + frame[1:] + key + msgpack.packb(3)
+    else:  # the engine map gets a second 'device'
+        at = frame.index(msgpack.packb("engine")) + len(msgpack.packb("engine"))
+        twice = frame[:at] + bytes([frame[at] + 1]) + key + msgpack.packb("gpu") + frame[at + 1:]
+    assert duplicate_key(frame) is None
+    with pytest.raises(ProtocolError) as info:
+        decode(twice)
+    assert info.value.code is ErrorCode.MALFORMED and "twice" in info.value.detail
+
+
+def test_a_message_of_a_past_version_is_refused_for_its_version_whatever_else_is_wrong() -> None:
+    """One order of refusals (docs/protocol.md, "Which refusal wins"): the
+    version comes before the kind's fields and ranges."""
+    frame = _reencode(encode(_segment()), protocol_version=PROTOCOL_VERSION - 1,
+                      segment_type="other", index=-1, rollout_id=7)
+    with pytest.raises(ProtocolError) as info:
+        decode(frame)
+    assert info.value.code is ErrorCode.PROTOCOL_VERSION and info.value.ref_seq == 0
+
+
+def test_ref_seq_is_read_wherever_a_whole_map_holds_it() -> None:
+    """Past the first 256 objects, when the frame is one whole map."""
+    raw = msgspec.msgpack.decode(encode(_segment()))
+    seq = raw.pop("seq")
+    raw["padding"] = list(range(HEADER_SCAN_OBJECTS * 2))  # an unknown key: ignored
+    raw["seq"], raw["index"] = seq + 41, -1
+    with pytest.raises(ProtocolError) as info:
+        decode(msgspec.msgpack.encode(raw))
+    assert info.value.code is ErrorCode.INVALID and info.value.ref_seq == seq + 41
