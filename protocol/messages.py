@@ -108,18 +108,20 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True, gc=False):
     protocol_version: int = PROTOCOL_VERSION
     """The schema version the sender speaks; any other is refused (``protocol_version``)."""
     sender_id: Identifier
-    """The sending process (``actor-3``, ``replay``, ``learner``), 1 to 256 characters. On the
+    """The sending process (``actor-3``, ``replay``, ``learner``). On the
     replay's actor socket and the learner's control socket a connection speaks for the actor
     incarnation whose ``hello`` registered it (anything else is ``unregistered``); ``learner``
     is the learner's alone."""
     incarnation: Count
-    """In [0, 2^63). Changes each time the sender restarts or registers anew; a restarted actor
-    takes a larger one."""
+    """Changes each time the sender restarts or registers anew; a restarted actor takes a larger
+    one."""
     seq: Count
-    """In [0, 2^63); +1 per message within one incarnation: ``(sender_id, incarnation, seq)``
-    identifies a message, and a reply's ``ref_seq`` names it."""
+    """+1 per message within one incarnation: ``(sender_id, incarnation, seq)`` identifies a
+    message, and a reply's ``ref_seq`` names it. A receiver takes gaps (a message lost with a
+    connection leaves one, and a restarted actor continues its seqs) and never reorders by it:
+    a seq already stored is a resend."""
     sent_at: Finite
-    """Sender's wall clock, seconds since the epoch (finite)."""
+    """Sender's wall clock, seconds since the epoch."""
 
     def validate(self) -> None:
         """Raise :class:`ProtocolError` if the message is semantically invalid.
@@ -227,7 +229,9 @@ class Welcome(Message, tag="welcome"):
     rollouts_per_batch: Positive
     """B: the batch size the learner asks for (for reading: what a credit is worth)."""
     credits: Count
-    """Rollouts the actor may start now (more arrive with each ``Ack``)."""
+    """Rollouts the actor may start now: its share of the credits free (more arrive with each
+    ``Ack``); 0 when the actors before it hold them all (docs/replay.md, "Who gets the
+    credits")."""
     credit_ledger: Count
     """As in ``ack``."""
     credits_total: Count
