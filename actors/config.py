@@ -163,7 +163,7 @@ class SamplingConfig:
 
 @dataclass
 class CompactionConfig:
-    """Context compaction (DESIGN §2.1)."""
+    """Context compaction (docs/design.md §2.1)."""
 
     enabled: bool = True
     """Off: plain multi-turn episodes that end when the window is full."""

@@ -1,4 +1,4 @@
-"""The agent's context window with compaction (DESIGN §2.1-2.2), in token space.
+"""The agent's context window with compaction (docs/design.md §2.1-2.2), in token space.
 
 A pure module: no engine, no tokenizer. The chat format hands it rendered
 token pieces (:class:`TurnTokens`); the agent loop asks it for prompts and
@@ -98,7 +98,7 @@ class TurnTokens:
 
 @dataclass
 class SegmentData:
-    """A closed segment: per-token arrays, equal length (DESIGN §2.2)."""
+    """A closed segment: per-token arrays, equal length (docs/design.md §2.2)."""
 
     segment_type: Literal["execution", "summary"]
     tokens: list[int] = field(default_factory=list)

@@ -1,4 +1,4 @@
-"""One compaction-enabled episode: the agent loop of DESIGN §2.1.
+"""One compaction-enabled episode: the agent loop of docs/design.md §2.1.
 
 The loop asks the context for a prompt and a budget, samples the action,
 steps the environment, appends the step, and compacts when the reserve is

@@ -1,4 +1,4 @@
-"""The actor's Prometheus metrics (DESIGN §4, actor part)."""
+"""The actor's Prometheus metrics (docs/design.md §4, actor part)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from protocol.synthetic import synthetic_batch
 
 
 def gae_loop(values, lengths, rollout_of, rewards, gamma: float, lam: float) -> list[float]:
-    """The reference: DESIGN §2.3 token by token, as RL codebases usually
+    """The reference: docs/design.md §2.3 token by token, as RL codebases usually
     write GAE (over tensors, or over Python floats when given lists)."""
     later = [0] * len(lengths)
     running_after = 0

@@ -1,4 +1,4 @@
-"""Advantages for compacted rollouts: cross-trajectory GAE (DESIGN §2.3).
+"""Advantages for compacted rollouts: cross-trajectory GAE (docs/design.md §2.3).
 
 Within each segment, over its trainable tokens in order, with critic values V:
 

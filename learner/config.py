@@ -1,4 +1,4 @@
-"""Configuration of the learner (the ``[learner]`` section): DESIGN §2.3-2.4."""
+"""Configuration of the learner (the ``[learner]`` section): docs/design.md §2.3-2.4."""
 
 from __future__ import annotations
 

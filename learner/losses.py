@@ -1,4 +1,4 @@
-"""PPO losses for asynchronous, compacted rollouts (DESIGN §2.4).
+"""PPO losses for asynchronous, compacted rollouts (docs/design.md §2.4).
 
 For trainable tokens M of the whole global batch (every rank), with the
 learner's weights at the step's start as the proximal policy pi_prox and the

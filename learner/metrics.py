@@ -1,4 +1,4 @@
-"""The learner's Prometheus metrics (DESIGN §4, learner part), served by rank 0."""
+"""The learner's Prometheus metrics (docs/design.md §4, learner part), served by rank 0."""
 
 from __future__ import annotations
 

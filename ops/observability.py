@@ -1,7 +1,7 @@
 """Prometheus and Grafana as code: the dashboard panels, the alerting rules and
 the scrape configuration, generated from the definitions here.
 
-Every panel and alert is written against DESIGN §4's metric names. An alert
+Every panel and alert is written against docs/design.md §4's metric names. An alert
 keeps its *signal* (the PromQL whose value it judges) apart from its
 threshold, so tests can check that every signal returns data from a real run
 while the alert itself stays quiet.

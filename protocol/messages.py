@@ -1,4 +1,4 @@
-"""Every message kind of the wire protocol (DESIGN §3.5), one typed struct each.
+"""Every message kind of the wire protocol (docs/design.md §3.5), one typed struct each.
 
 All messages share the header fields of :class:`Message`; ``kind`` is the
 MessagePack map key that tells them apart. Each struct documents its direction.
@@ -304,7 +304,7 @@ def sampled_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class Segment(Message, tag="segment"):
-    """actor -> replay: one execution window or one summary (DESIGN §2.2).
+    """actor -> replay: one execution window or one summary (docs/design.md §2.2).
 
     All four arrays have one entry per token. Non-trainable tokens (prompt,
     observations, kept steps) have ``loss_mask`` 0; their ``logprobs`` and

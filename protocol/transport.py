@@ -1,6 +1,6 @@
 """ZeroMQ socket helpers: DEALER/ROUTER with the project's transport rules.
 
-Rules (DESIGN §3.2): DEALER/ROUTER only, explicit high-water marks,
+Rules (docs/design.md §3.2): DEALER/ROUTER only, explicit high-water marks,
 ``ROUTER_MANDATORY`` (a reply to a vanished peer raises instead of vanishing),
 ``MAXMSGSIZE`` (the library drops a peer that announces a larger frame before
 it is buffered), heartbeats with a liveness count, optional CURVE. Clients

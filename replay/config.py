@@ -11,7 +11,7 @@ from protocol.transport import listen_address
 
 @dataclass
 class ReplayConfig:
-    """Segment ingest, rollout assembly, staleness bound and pacing (DESIGN §3.3).
+    """Segment ingest, rollout assembly, staleness bound and pacing (docs/design.md §3.3).
     The replay is the source of truth for the batch size and the staleness
     bound: the learner and the actors learn both from its ``Welcome``."""
 

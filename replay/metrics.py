@@ -1,4 +1,4 @@
-"""The replay's Prometheus metrics (DESIGN §4, replay part)."""
+"""The replay's Prometheus metrics (docs/design.md §4, replay part)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Credits: how many rollouts actors may start (DESIGN §3.3).
+"""Credits: how many rollouts actors may start (docs/design.md §3.3).
 
 Semantics (Reverb-style rate limiting, in rollouts):
 

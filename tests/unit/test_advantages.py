@@ -17,7 +17,7 @@ from tests.tolerances import rounding_tolerance
 
 
 def loop_reference(values, lengths, rollout_of, rewards, gamma, lam, mode, token_rewards=None):
-    """DESIGN §2.3 written out token by token."""
+    """docs/design.md §2.3 written out token by token."""
     values = [float(v) for v in values]
     advantages, returns = [0.0] * len(values), [0.0] * len(values)
     offsets, start = [], 0

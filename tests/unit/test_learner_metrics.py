@@ -1,4 +1,4 @@
-"""The learner's metric names (DESIGN §4) and what a step records."""
+"""The learner's metric names (docs/design.md §4) and what a step records."""
 
 from __future__ import annotations
 
