@@ -195,6 +195,10 @@ class LearnerConfig:
     """HOST:PORT where the store listens ("" = ``weight_store_address``)."""
     weight_bucket_bytes: int = bounded(0, ge=0)
     """Broadcast bucket size (0 = one broadcast per tensor, the fast choice on gloo)."""
+    replay_timeout_s: float = bounded(300.0, gt=0)
+    """How long rank 0 waits for the replay to answer its ``learner_hello``, or to come back
+    once its connection dropped (a restart under ``compactionrl up`` takes seconds; a frozen
+    replay's connection drops after the transport's liveness), before the learner stops."""
     weight_timeout_s: float = bounded(30.0, gt=0)
     """Bound on forming a broadcast group and on each broadcast: a dead actor
     fails that publication after this long, never hangs the learner."""

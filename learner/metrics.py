@@ -6,6 +6,8 @@ from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from learner.replay_client import ReplayClientCounters
+
 #: PPO statistics exported as gauges: metric name -> key in the step's metrics.
 STEP_GAUGES = {
     "crl_learner_policy_loss": "losses/policy_loss",
@@ -83,8 +85,8 @@ class LearnerMetrics:
         self.disk_size = Gauge("crl_learner_disk_size_bytes",
                                "Size of the filesystem of the run folder", registry=r)
         self.rejected_frames = Counter("crl_learner_rejected_frames",
-                                       "Frames refused on the control socket, by reason",
-                                       ["reason"], registry=r)
+                                       "Frames refused on the control socket, or dropped "
+                                       "from the replay, by reason", ["reason"], registry=r)
         self.cross_factor_sum = Counter(
             "crl_learner_cross_factor_sum",
             "Sum over trained segments of the cross-trajectory factor "
@@ -96,6 +98,11 @@ class LearnerMetrics:
             ["segment_type"], registry=r)
         self.gauges = {name: Gauge(name, f"PPO statistic {key}", registry=r)
                        for name, key in STEP_GAUGES.items()}
+
+    def replay_client(self) -> ReplayClientCounters:
+        """The counters rank 0's replay client keeps."""
+        return ReplayClientCounters(self.duplicate_batches, self.duplicate_rollouts,
+                                    self.idle_seconds, self.rejected_frames)
 
     def resumed(self, version: int, step: int) -> None:
         """The learner's position is known (a fresh start or a resumed

@@ -19,13 +19,9 @@ publication (actors hold newer weights, the replay has seen newer versions)
 labels its weights above every version announced or reported before
 (:func:`starting_version`), so the actors take its first publication as new.
 
-The replay may restart under the learner (``compactionrl up`` restarts it),
-or the connection may drop with a ``Batch`` on its way: rank 0 sends its
-outstanding ``BatchRequest`` again, byte for byte, whenever its connection to
-the replay is re-established (a ZeroMQ monitor event). A replay that served
-that request already sends the same ``Batch`` again; one that never saw it
-(restarted) treats it as new. A ``Batch`` identical to the one taken last (a
-resend that crossed the original) is ignored and counted.
+Rank 0's client of the replay (:mod:`learner.replay_client`) carries a
+request across a replay restart or a dropped connection, and gives up when
+the replay stays out of reach for ``learner.replay_timeout_s``.
 
 Started as ``torchrun ... -m learner --settings FILE`` (``compactionrl
 learner`` writes FILE: this package cannot read the run's TOML itself).
@@ -37,7 +33,6 @@ import logging
 import os
 import signal
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +41,7 @@ from typing import Any
 import msgspec
 import torch
 import torch.distributed as dist
-import zmq
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from learner.batch import BatchError, TrainBatch, to_train_batch
 from learner.checkpoint import (
@@ -64,6 +58,7 @@ from learner.metrics import LearnerMetrics
 from learner.models import Sharding, load_critic, load_policy
 from learner.ppo import PPOTrainer
 from learner.publisher import WeightPublisher
+from learner.replay_client import ReplayClient
 from learner.tracking.base import (
     SAMPLE_COLUMNS,
     Trackers,
@@ -74,31 +69,14 @@ from learner.tracking.base import (
 )
 from ops.metrics import Health, MetricsServer, watch_disk
 from protocol import (
-    LEARNER_ID,
     Batch,
-    BatchRequest,
-    Error,
-    ErrorCode,
-    LearnerHello,
-    LearnerWelcome,
-    Message,
     ProtocolError,
-    Stamp,
     decode,
-    encode,
 )
-from protocol.transport import TransportConfig, connect_dealer, listen_address
+from protocol.transport import TransportConfig, listen_address
 
 log = logging.getLogger("compactionrl.learner")
 
-#: Rank 0 polls the replay this often while waiting, to notice SIGTERM.
-WAIT_SLICE_MS = 500
-#: Rollout ids rank 0 remembers having taken: a restarted replay serves again
-#: at most the batch it had not seen confirmed, so a few batches' worth suffice.
-TAKEN_ROLLOUTS_MEMORY = 4096
-#: On closing, rank 0 gives its last request this long to leave: without it
-#: the replay would serve the last batch trained again after a restart.
-CLOSE_LINGER_MS = 1000
 #: Name of the announced-version record in the checkpoints folder.
 ANNOUNCED_RECORD = "announced.json"
 
@@ -398,7 +376,8 @@ class _RankZeroPeers(_Peers):
         self.settings = settings
         self.metrics = metrics
         self.announced_record = announced_record
-        self.link = _ReplayLink(settings, metrics.duplicate_batches, metrics.duplicate_rollouts)
+        self.link = ReplayClient(settings.replay_address, settings.transport,
+                                 settings.learner.replay_timeout_s, metrics.replay_client())
         self.replay_version = 0
         """The newest version the replay has heard, from its welcome."""
 
@@ -424,121 +403,9 @@ class _RankZeroPeers(_Peers):
 
     def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
         return self.link.next_batch(
-            size, version, lambda: stopping() or self.control.table.publication_wanted(version),
-            self.metrics.idle_seconds)
+            size, version, lambda: stopping() or self.control.table.publication_wanted(version))
 
     def close(self) -> None:
         self.link.close()
         if self.control is not None:
             self.control.close()
-
-
-class LearnerReplaced(RuntimeError):
-    """The replay refuses this learner incarnation: a newer one of the run
-    has asked it for batches since (this one froze, or was partitioned, and
-    came back). It stops, writing nothing: the run's checkpoints and weights
-    are its successor's now; torchrun stops the other ranks with it."""
-
-
-def _raise_if_replaced(message: Message) -> None:
-    if isinstance(message, Error) and message.code == ErrorCode.STALE_INCARNATION:
-        raise LearnerReplaced(f"the replay serves a newer learner: {message.text}")
-
-
-class _ReplayLink:
-    """Rank 0's DEALER to the replay's learner socket."""
-
-    def __init__(self, settings: LearnerSettings, duplicates: Counter,
-                 duplicate_rollouts: Counter) -> None:
-        self.context = zmq.Context()
-        self.socket = connect_dealer(self.context, settings.replay_address, settings.transport)
-        self.connections = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        """An event per (re)connection to the replay."""
-        self.stamp = Stamp(LEARNER_ID, time.time_ns())
-        self.max_bytes = settings.transport.max_message_bytes
-        self.request_frame: bytes | None = None
-        """The outstanding BatchRequest (its Batch not yet received), as sent."""
-        self.last_batch: tuple[int, int] | None = None
-        """(incarnation, seq) of the replay's last Batch taken: a resend of it is dropped."""
-        self.duplicates = duplicates
-        self.duplicate_rollouts = duplicate_rollouts
-        self.taken: OrderedDict[str, None] = OrderedDict()
-        """Rollout ids taken, newest last (TAKEN_ROLLOUTS_MEMORY of them)."""
-
-    def hello(self) -> LearnerWelcome:
-        """Register; the replay's answer holds the batch size B, the newest
-        learner version it knows and the staleness bound."""
-        self.socket.send(encode(LearnerHello(**self.stamp.next())))
-        while True:
-            message = decode(self.socket.recv(), self.max_bytes)
-            _raise_if_replaced(message)
-            if isinstance(message, LearnerWelcome):
-                self._reconnected()  # the first connection is not a reconnection
-                return message
-
-    def _reconnected(self) -> bool:
-        """Whether the connection to the replay was (re)established since the last call."""
-        events = 0
-        while self.connections.poll(0, zmq.POLLIN):
-            self.connections.recv_multipart()
-            events += 1
-        return events > 0
-
-    def request(self, size: int, version: int) -> None:
-        """Send a BatchRequest unless one is outstanding."""
-        if self.request_frame is None:
-            self.request_frame = encode(BatchRequest(**self.stamp.next(), size=size,
-                                                     policy_version=version))
-            self.socket.send(self.request_frame)
-
-    def next_batch(self, size: int, version: int, interrupted: Callable[[], bool],
-                   idle: Counter) -> bytes:
-        """The next Batch frame, or b"" once ``interrupted()`` (the request
-        stays outstanding: its Batch is the next one taken)."""
-        self.request(size, version)
-        began = time.perf_counter()
-        try:
-            while not interrupted():
-                if self._reconnected() and self.request_frame is not None:
-                    # the request, or its batch, may have been lost with the connection
-                    log.info("reconnected to the replay: asking for the batch again")
-                    self.socket.send(self.request_frame)
-                if self.socket.poll(WAIT_SLICE_MS, zmq.POLLIN):
-                    frame = self.socket.recv()
-                    try:
-                        message = decode(frame, self.max_bytes)
-                    except ProtocolError as exc:
-                        log.warning("dropped a frame from the replay: %s", exc)
-                        continue
-                    _raise_if_replaced(message)
-                    if not isinstance(message, Batch):
-                        continue
-                    if (message.incarnation, message.seq) == self.last_batch:
-                        self.duplicates.inc()
-                        log.info("dropped a batch taken before (resent after a reconnect)")
-                        continue
-                    self.last_batch = (message.incarnation, message.seq)
-                    self.request_frame = None
-                    fresh = [r for r in message.rollouts if r.rollout_id not in self.taken]
-                    if len(fresh) < len(message.rollouts):
-                        self.duplicate_rollouts.inc(len(message.rollouts) - len(fresh))
-                        log.info("dropped %d rollouts taken before (the replay restarted)",
-                                 len(message.rollouts) - len(fresh))
-                        frame = encode(msgspec.structs.replace(message, rollouts=fresh))
-                    for rollout in fresh:
-                        self.taken[rollout.rollout_id] = None
-                    while len(self.taken) > TAKEN_ROLLOUTS_MEMORY:
-                        self.taken.popitem(last=False)
-                    if not fresh:
-                        self.request(size, version)  # nothing new in it: ask again
-                        continue
-                    return frame
-            return b""
-        finally:
-            idle.inc(time.perf_counter() - began)
-
-    def close(self) -> None:
-        self.socket.disable_monitor()
-        self.connections.close(linger=0)
-        self.socket.close(linger=CLOSE_LINGER_MS)
-        self.context.term()

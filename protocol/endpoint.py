@@ -156,6 +156,26 @@ class ServerEndpoint:
 Dropped = Callable[[ProtocolError], None]
 
 
+def read_reply(frame: bytes | memoryview, max_message_bytes: int,
+               handlers: Mapping[type[Message], Callable[[Any], None]], dropped: Dropped) -> None:
+    """The client rule for one frame, for every client of the project (the
+    actors' asyncio links, the learner's replay client): decode it once and
+    hand it to the handler of its type; a frame that does not decode, or of
+    a type the table lacks, is told to ``dropped`` (a client never answers a
+    reply)."""
+    try:
+        message = decode(frame, max_message_bytes)
+    except ProtocolError as exc:
+        dropped(exc)
+        return
+    handler = handlers.get(type(message))
+    if handler is None:
+        dropped(ProtocolError(ErrorCode.UNEXPECTED, f"{type(message).__name__} is not for "
+                              "this link", ref_seq=message.seq))
+    else:
+        handler(message)
+
+
 class ClientEndpoint:
     """The client side of one DEALER link (asyncio).
 
@@ -183,18 +203,7 @@ class ClientEndpoint:
         """Hand each reply to the handler of its type, forever."""
         while True:
             frame = await self.socket.recv(copy=False)
-            try:
-                message = decode(frame.buffer, self.max_message_bytes)
-            except ProtocolError as exc:
-                dropped(exc)
-                continue
-            handler = handlers.get(type(message))
-            if handler is None:
-                dropped(ProtocolError(ErrorCode.UNEXPECTED,
-                                      f"{type(message).__name__} is not for this link",
-                                      ref_seq=message.seq))
-            else:
-                handler(message)
+            read_reply(frame.buffer, self.max_message_bytes, handlers, dropped)
 
     async def register(self, hello: Callable[[], Message], retry_s: float) -> None:
         """Say ``hello()`` every ``retry_s`` until :meth:`welcomed`; again

@@ -203,11 +203,19 @@ def bind_router(context: zmq.Context, address: str, config: TransportConfig) -> 
     return socket
 
 
-def connect_dealer(context: zmq.Context, address: str, config: TransportConfig) -> zmq.Socket:
+def connect_dealer(context: zmq.Context, address: str, config: TransportConfig,
+                   zmtp_heartbeats: bool = False) -> zmq.Socket:
     """A DEALER connected to ``address``, with no routing id of its own (the
-    ROUTER names each of its connections)."""
+    ROUTER names each of its connections). ``zmtp_heartbeats``: ZeroMQ pings
+    the peer every ``heartbeat_interval_s`` and drops the connection when it
+    stays silent for the liveness, for a client that otherwise hears nothing
+    from a frozen peer (the learner waiting for a batch)."""
     socket = context.socket(zmq.DEALER)
     _common_options(socket, config)
+    if zmtp_heartbeats:
+        socket.setsockopt(zmq.HEARTBEAT_IVL, int(config.heartbeat_interval_s * 1000))
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(
+            config.heartbeat_interval_s * config.heartbeat_liveness * 1000))
     socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     if config.curve.enabled:

@@ -10,6 +10,8 @@ import time
 import msgspec
 import zmq
 
+from learner.metrics import LearnerMetrics
+from learner.replay_client import ReplayClient
 from protocol import (
     Ack,
     Batch,
@@ -196,3 +198,13 @@ class ControlClient:
     def receive(self, timeout_ms: int = 5000) -> Message:
         assert self.socket.poll(timeout_ms), "no reply from the control socket"
         return decode(self.socket.recv(), 1 << 20)
+
+
+def replay_client(address: str, timeout_s: float = 60.0,
+                  transport: TransportConfig | None = None
+                  ) -> tuple[ReplayClient, LearnerMetrics]:
+    """The learner's own client of the replay, counting into a metrics
+    registry of its own (``metrics.registry``)."""
+    metrics = LearnerMetrics()
+    return ReplayClient(address, transport or TransportConfig(), timeout_s,
+                        metrics.replay_client()), metrics

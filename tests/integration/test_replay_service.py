@@ -33,7 +33,7 @@ from replay.service import ReplayService
 from tests.fault_proxy import FaultProxy
 from tests.ports import free_ports, loopback_addresses
 from tests.processes import wait_until
-from tests.protocol_clients import ActorClient, LearnerClient, dealer
+from tests.protocol_clients import ActorClient, LearnerClient, dealer, replay_client
 from tests.replay_thread import ReplayThread
 
 
@@ -515,24 +515,14 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
     """Rank 0's link to the replay, through a proxy that cuts it: a batch lost
     on the way arrives when the link asks again on reconnecting; a batch that
     did arrive before the drop is taken once, its resend dropped and counted."""
-    from prometheus_client import CollectorRegistry, Counter
-
-    from learner.process import LearnerSettings, _ReplayLink
-    from protocol import Batch
-
     proxy = FaultProxy(int(replay.service.config.learner_address.rsplit(":", 1)[1]))
-    registry = CollectorRegistry()
-    duplicates = Counter("duplicates", "", registry=registry)
-    duplicate_rollouts = Counter("duplicate_rollouts", "", registry=registry)
-    idle = Counter("idle", "", registry=registry)
-    link = _ReplayLink(LearnerSettings(model="m", replay_address=proxy.address,
-                                       run_dir=str(tmp_path)), duplicates, duplicate_rollouts)
+    link, metrics = replay_client(proxy.address)
     actor = replay.actor(capacity=8)
     taken: list[list[str]] = []
 
     def take(version: int) -> None:
         deadline = time.monotonic() + 60.0
-        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline, idle)
+        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline)
         assert frame, f"no batch for version {version} within 60 s"
         batch = decode(frame)
         assert isinstance(batch, Batch)
@@ -565,7 +555,7 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
         assert actor.pump_until(lambda: not actor.unacked)
         assert taken == [sorted(pushed[0:2]), sorted(pushed[2:4]), sorted(pushed[4:6])]
         assert replay.metric("crl_replay_batches_resent_total") == 2
-        assert registry.get_sample_value("duplicates_total") == 1
+        assert metrics.registry.get_sample_value("crl_learner_duplicate_batches_total") == 1
     finally:
         link.close()
         proxy.close()
@@ -789,24 +779,14 @@ def test_a_batch_taken_before_the_replay_died_is_trained_once(tmp_path: Path) ->
     """The replay releases a batch in its log only when the learner's next
     request shows it arrived; killed before, it serves those rollouts again,
     and the learner's link drops them: nothing lost, nothing trained twice."""
-    from prometheus_client import CollectorRegistry, Counter
-
-    from learner.process import LearnerSettings, _ReplayLink
-    from protocol import Batch
-
     config, transport = _served_again_setup(tmp_path)
-    registry = CollectorRegistry()
-    duplicate_rollouts = Counter("duplicate_rollouts", "", registry=registry)
-    link = _ReplayLink(LearnerSettings(model="m", replay_address=config.learner_address,
-                                       run_dir=str(tmp_path)),
-                       Counter("duplicates", "", registry=registry), duplicate_rollouts)
+    link, metrics = replay_client(config.learner_address)
     replay = ReplayThread(ReplayService(config, transport, vocab_size=100))
     taken: list[list[str]] = []
 
     def take(version: int) -> None:
         deadline = time.monotonic() + 60.0
-        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline,
-                                Counter("idle", "", registry=CollectorRegistry()))
+        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline)
         assert frame, f"no batch for version {version} within 60 s"
         batch = decode(frame)
         assert isinstance(batch, Batch)
@@ -824,7 +804,7 @@ def test_a_batch_taken_before_the_replay_died_is_trained_once(tmp_path: Path) ->
         assert replay.metric("crl_replay_recovered_segments_total") == 4
         take(1)  # served the first two again, dropped; then the next two
         assert taken == [sorted(pushed[:2]), sorted(pushed[2:])]
-        assert registry.get_sample_value("duplicate_rollouts_total") == 2
+        assert metrics.registry.get_sample_value("crl_learner_duplicate_rollouts_total") == 2
     finally:
         link.close()
         replay.close()

@@ -1,0 +1,131 @@
+"""Learner rank 0's client of the replay (learner/replay_client.py): it gives
+up within its deadline when the replay is silent or gone, and stops on a
+refusal instead of waiting for a batch that will never come."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from learner.replay_client import LearnerReplaced, ReplayRefused, ReplayUnreachable
+from protocol import (
+    BatchRequest,
+    Error,
+    ErrorCode,
+    LearnerHello,
+    LearnerWelcome,
+    Stamp,
+    decode,
+    encode,
+)
+from protocol.transport import TransportConfig
+from tests.ports import loopback_addresses
+from tests.processes import ReplayProcess
+from tests.protocol_clients import replay_client
+
+#: The client's deadline here: short, the tests wait for it.
+TIMEOUT_S = 1.0
+#: A frozen peer's connection drops after 0.2 s x 3 without an answer to ZMTP pings.
+TRANSPORT = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=3)
+
+
+class FakeReplay:
+    """A ROUTER on the replay's learner address that answers as the test says."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        [self.address] = loopback_addresses(1)
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.bind(self.address)
+        self.stamp = Stamp("replay", 1)
+
+    def answer(self, reply: object) -> object:
+        """Read the next message and answer it with ``reply(message)``."""
+        assert self.socket.poll(10_000), "the client sent nothing"
+        identity, frame = self.socket.recv_multipart()
+        message = decode(frame)
+        self.socket.send_multipart([identity, encode(reply(message))])
+        return message
+
+    def welcome(self, message: object) -> LearnerWelcome:
+        assert isinstance(message, LearnerHello)
+        return LearnerWelcome(**self.stamp.next(), run_id="run", policy_version=0,
+                              rollouts_per_batch=2, max_staleness=1)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+@pytest.fixture
+def fake(context: zmq.Context) -> Iterator[FakeReplay]:
+    replay = FakeReplay(context)
+    yield replay
+    replay.close()
+
+
+def test_the_client_gives_up_when_the_replay_never_answers_hello(fake: FakeReplay) -> None:
+    client, _ = replay_client(fake.address, TIMEOUT_S, TRANSPORT)
+    began = time.monotonic()
+    try:
+        with pytest.raises(ReplayUnreachable, match="did not answer hello"):
+            client.hello()
+    finally:
+        client.close()
+    assert time.monotonic() - began >= TIMEOUT_S
+
+
+def test_the_client_gives_up_when_the_replay_stays_gone(fake: FakeReplay) -> None:
+    client, _ = replay_client(fake.address, TIMEOUT_S, TRANSPORT)
+    try:
+        # the fake answers from a thread while hello() waits (its socket is
+        # that thread's alone until it is joined)
+        answering = threading.Thread(target=fake.answer, args=(fake.welcome,))
+        answering.start()
+        welcome = client.hello()
+        answering.join()
+        assert welcome.rollouts_per_batch == 2
+        fake.close()  # the replay is gone, and no other comes up
+        with pytest.raises(ReplayUnreachable, match="no connection to the replay"):
+            client.next_batch(2, 0, lambda: False)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("code", "raised"), [(ErrorCode.INVALID, ReplayRefused),
+                                              (ErrorCode.STALE_INCARNATION, LearnerReplaced)])
+def test_a_refusal_of_the_learner_s_request_stops_it_with_the_replay_s_words(
+        fake: FakeReplay, code: ErrorCode, raised: type) -> None:
+    client, _ = replay_client(fake.address, TIMEOUT_S, TRANSPORT)
+    try:
+        client.request(2, 5)
+        request = fake.answer(lambda m: Error(**fake.stamp.next(), code=code,
+                                              text="policy_version 5 > 1", ref_seq=m.seq))
+        assert isinstance(request, BatchRequest)
+        with pytest.raises(raised, match="policy_version 5 > 1"):
+            client.next_batch(2, 5, lambda: False)
+    finally:
+        client.close()
+
+
+def test_a_frozen_replay_is_noticed_by_zmtp_pings_and_the_client_gives_up(
+        tmp_path: Path) -> None:
+    """The real replay process, stopped (SIGSTOP) while the learner waits
+    for a batch: its connection drops after the transport's liveness, and
+    the client gives up ``TIMEOUT_S`` later instead of waiting for ever."""
+    replay = ReplayProcess(tmp_path)
+    client, _ = replay_client(replay.learner_address, TIMEOUT_S, TRANSPORT)
+    try:
+        client.hello()
+        os.kill(replay.pid, signal.SIGSTOP)
+        with pytest.raises(ReplayUnreachable):
+            client.next_batch(2, 0, lambda: False)
+    finally:
+        os.kill(replay.pid, signal.SIGCONT)
+        client.close()
+        replay.stop()
