@@ -180,7 +180,7 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     import msgspec
 
     from learner.checkpoint import CheckpointNotFound, select_checkpoint
-    from learner.process import LearnerSettings
+    from learner.settings import LearnerSettings
 
     config = load_config(args.config, overrides)
     run_dir = Path(config.run.out_dir) / config.run.name

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from learner.models import placement
-from learner.process import Learner, read_settings
+from learner.process import Learner
+from learner.settings import read_settings
 from ops.lifetime import die_with_parent
 
 

@@ -17,7 +17,7 @@ Versions only go up within a run, across learner restarts: a version names
 one set of weights. A learner resumed from a checkpoint older than the last
 publication (actors hold newer weights, the replay has seen newer versions)
 labels its weights above every version announced or reported before
-(:func:`starting_version`), so the actors take its first publication as new.
+(:func:`learner.peers.starting_version`), so the actors take its first publication as new.
 
 Rank 0's client of the replay (:mod:`learner.replay_client`) carries a
 request across a replay restart or a dropped connection, and gives up when
@@ -33,8 +33,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +50,13 @@ from learner.checkpoint import (
     select_checkpoint,
     set_aside_later,
 )
-from learner.config import LearnerConfig, TrackingConfig
-from learner.control import ControlPlane
+from learner.collectives import RankCollectives
 from learner.metrics import LearnerMetrics
 from learner.models import Sharding, load_critic, load_policy
+from learner.peers import Peers, RankZeroPeers
 from learner.ppo import PPOTrainer
 from learner.publisher import WeightPublisher
-from learner.replay_client import ReplayClient
+from learner.settings import LearnerSettings
 from learner.tracking.base import (
     SAMPLE_COLUMNS,
     Trackers,
@@ -73,45 +71,11 @@ from protocol import (
     ProtocolError,
     decode,
 )
-from protocol.transport import TransportConfig, listen_address
 
 log = logging.getLogger("compactionrl.learner")
 
 #: Name of the announced-version record in the checkpoints folder.
 ANNOUNCED_RECORD = "announced.json"
-
-
-def starting_version(restored: int, announced: int, replay_version: int) -> int:
-    """The version the learner's weights carry at start: the restored
-    checkpoint's (0 without one), unless an earlier learner process of the run
-    got further: it announced ``announced`` to actors, and the replay heard
-    ``replay_version`` in its batch requests. Those weights are lost, but
-    actors may still generate with them, so the restored weights take a label
-    above both, never one that named other weights."""
-    seen = max(announced, replay_version)
-    return restored if seen <= restored else seen + 1
-
-
-@dataclass
-class LearnerSettings:
-    """What ``compactionrl learner`` hands every rank (as JSON)."""
-
-    model: str
-    replay_address: str
-    run_dir: str
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    resume: str = ""
-    """Checkpoint to resume from: ``latest`` (the newest, if any), a step, or a
-    checkpoint folder's path; empty: start from ``model``."""
-    run_id: str = "run"
-    trust_remote_code: bool = False
-    """Run the model folder's own code (``actors.engine.trust_remote_code``)."""
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-
-
-def read_settings(path: Path) -> LearnerSettings:
-    return msgspec.convert(msgspec.json.decode(path.read_bytes()), LearnerSettings)
 
 
 class Learner:
@@ -120,6 +84,7 @@ class Learner:
         self.device = device or torch.device("cpu")
         self.config = settings.learner
         self.rank = dist.get_rank()
+        self.collectives = RankCollectives(self.device)
         self.run_dir = Path(settings.run_dir)
         self.stopping = False
         self.version = 0
@@ -144,9 +109,9 @@ class Learner:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         checkpoints = self._load_and_resume()
-        peers: _Peers = (_RankZeroPeers(self.settings, self.metrics,
+        peers: Peers = (RankZeroPeers(self.settings, self.metrics,
                                         checkpoints / ANNOUNCED_RECORD)
-                         if self.rank == 0 else _Peers())
+                         if self.rank == 0 else Peers())
         # rank 0 serves the metrics; the first rank of every other node serves
         # its health alone (an empty registry), so each node's pod has probes
         first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"
@@ -162,12 +127,12 @@ class Learner:
                                 git_revision(Path(__file__).parent))
         try:
             self.health.waiting_for = "joining the replay"
-            batch_size = self._broadcast_int(peers.join())
+            batch_size = self.collectives.broadcast_int(peers.join())
             publisher = WeightPublisher(self.trainer.policy, self.config, self.settings.transport,
                                         self.rank, peers.control, self.metrics,
-                                        self._broadcast_int, lambda: self.stopping)
+                                        self.collectives.broadcast_int, lambda: self.stopping)
             restored = self.version
-            self.version = self._broadcast_int(peers.starting_version(restored))
+            self.version = self.collectives.broadcast_int(peers.starting_version(restored))
             if self.version != restored and self.rank == 0:
                 log.info("weights of version %d labelled version %d: an earlier learner of "
                          "this run got to version %d", restored, self.version,
@@ -219,19 +184,19 @@ class Learner:
                 log.info("later checkpoints of the abandoned branch moved to %s", aside)
         return checkpoints
 
-    def _steps(self, peers: _Peers, publisher: WeightPublisher, batch_size: int) -> None:
+    def _steps(self, peers: Peers, publisher: WeightPublisher, batch_size: int) -> None:
         """Train until max_steps or a stop: publish when an actor needs
         weights or every publish_every steps, checkpoint every
         checkpoint_every steps."""
         while self.step < self.config.max_steps:
             self.health.beat()
-            stopping, publish_now = self._true_on_any_rank(self.stopping,
+            stopping, publish_now = self.collectives.true_on_any_rank(self.stopping,
                                                 peers.weights_wanted(self.version))
             if stopping:
                 break
             if publish_now:
                 publisher.publish(self.version)
-            frame = self._broadcast_bytes(peers.next_batch(
+            frame = self.collectives.broadcast_bytes(peers.next_batch(
                 batch_size, self.version, self._should_stop_waiting))
             if not frame:
                 continue  # stopping, or weights are wanted first
@@ -313,99 +278,3 @@ class Learner:
             self.tracker.table(self.step, "rollouts/samples", SAMPLE_COLUMNS,
                                rollout_samples(message, self._tokenizer, tracking.samples))
 
-    # ------------------------------------------------------------------ collectives
-
-    def _true_on_any_rank(self, *flags: bool) -> list[bool]:
-        """Each flag, true if it is true on any rank."""
-        tensor = torch.tensor([int(f) for f in flags], device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in tensor.tolist()]
-
-    def _broadcast_int(self, value: int) -> int:
-        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
-        dist.broadcast(tensor, 0)
-        return int(tensor.item())
-
-    def _broadcast_bytes(self, data: bytes) -> bytes:
-        """Rank 0's bytes on every rank, as a uint8 tensor: never pickled."""
-        size = self._broadcast_int(len(data))
-        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and size
-                  else torch.empty(size, dtype=torch.uint8)).to(self.device)
-        if size:
-            dist.broadcast(buffer, 0)
-        return buffer.cpu().numpy().tobytes()
-
-
-class _Peers:
-    """What the learner says to its peers (the replay, the actors), as the
-    ranks other than 0 do it: nothing. Every rank calls the same methods at
-    the same points, and the collectives around them carry rank 0's values
-    (:class:`_RankZeroPeers`) to the others."""
-
-    control: ControlPlane | None = None
-
-    def join(self) -> int:
-        """Register with the replay; the batch size B."""
-        return 0
-
-    def starting_version(self, restored: int) -> int:
-        return restored
-
-    def weights_wanted(self, version: int) -> bool:
-        """Whether an actor needs weights at once (and tell the control
-        plane the learner's ``version``)."""
-        return False
-
-    def request(self, size: int, version: int) -> None:
-        """Ask the replay for the next batch (unless a request is outstanding)."""
-
-    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
-        """The next Batch frame, or b"" once ``stopping()`` or weights are wanted."""
-        return b""
-
-    def close(self) -> None:
-        pass
-
-
-class _RankZeroPeers(_Peers):
-    """Rank 0: the link to the replay, and (once the replay has said the
-    staleness bound, its one source) the control plane actors register with."""
-
-    def __init__(self, settings: LearnerSettings, metrics: LearnerMetrics,
-                 announced_record: Path) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        self.announced_record = announced_record
-        self.link = ReplayClient(settings.replay_address, settings.transport,
-                                 settings.learner.replay_timeout_s, metrics.replay_client())
-        self.replay_version = 0
-        """The newest version the replay has heard, from its welcome."""
-
-    def join(self) -> int:
-        welcome = self.link.hello()
-        self.replay_version = welcome.policy_version
-        config = self.settings.learner
-        self.control = ControlPlane(listen_address(config.control_bind, config.control_address),
-                                    self.settings.transport,
-                                    self.settings.run_id, welcome.max_staleness,
-                                    config.late_joiner, self.metrics, self.announced_record)
-        return welcome.rollouts_per_batch
-
-    def starting_version(self, restored: int) -> int:
-        return starting_version(restored, self.control.announced, self.replay_version)
-
-    def weights_wanted(self, version: int) -> bool:
-        self.control.version = version
-        return self.control.table.publication_wanted(version)
-
-    def request(self, size: int, version: int) -> None:
-        self.link.request(size, version)
-
-    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
-        return self.link.next_batch(
-            size, version, lambda: stopping() or self.control.table.publication_wanted(version))
-
-    def close(self) -> None:
-        self.link.close()
-        if self.control is not None:
-            self.control.close()

@@ -119,7 +119,7 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
 def test_the_newest_announced_version_outlives_the_learner(tmp_path) -> None:
     """A restarted learner reads the newest version its predecessor announced,
     and starts above it when its checkpoint is older (versions never repeat)."""
-    from learner.process import starting_version
+    from learner.peers import starting_version
 
     record = tmp_path / "checkpoints" / "announced.json"
     [address] = loopback_addresses(1)
