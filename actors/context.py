@@ -97,8 +97,9 @@ class TurnTokens:
 
 
 @dataclass
-class SegmentData:
-    """A closed segment: per-token arrays, equal length (docs/design.md §2.2)."""
+class ClosedSegment:
+    """A segment the actor's context closed (docs/design.md §2.2), before it
+    is a wire ``Segment``: per-token arrays, equal length."""
 
     segment_type: Literal["execution", "summary"]
     tokens: list[int] = field(default_factory=list)
@@ -178,7 +179,7 @@ class CompactionContext:
                 f"summary request ({len(turns.summary_request)} tokens), the assistant header, "
                 f"max_summary_tokens = {config.max_summary_tokens} and one minimal step: raise "
                 f"it to at least {self._summary_room + self._min_step()}")
-        self._segment = SegmentData("execution")
+        self._segment = ClosedSegment("execution")
         self._segment.append_context(turns.system + turns.task)
         self._steps: list[_Step] = []
         if self._step_room() < self._min_step():
@@ -259,7 +260,7 @@ class CompactionContext:
     def summary_budget(self) -> int:
         return self.config.max_summary_tokens
 
-    def compact(self, summary: Generation, summary_text_ids: list[int]) -> list[SegmentData]:
+    def compact(self, summary: Generation, summary_text_ids: list[int]) -> list[ClosedSegment]:
         """Close the execution segment and the summary segment, and rebuild
         ``s ⊕ resume(u, S) ⊕ last k steps`` with the largest k <= keep_steps
         that leaves reserve_tokens free. ``summary_text_ids`` are the summary's
@@ -269,7 +270,7 @@ class CompactionContext:
         if len(summary.token_ids) > self.config.max_summary_tokens:
             raise ValueError("summary longer than max_summary_tokens")
         execution = self._segment
-        summary_segment = SegmentData("summary")
+        summary_segment = ClosedSegment("summary")
         summary_segment.append_context(self.summary_prompt())
         summary_segment.append_sampled(summary)
         closed = [execution, summary_segment]
@@ -281,12 +282,12 @@ class CompactionContext:
             kept = self._steps[len(self._steps) - k:] if k else []
             rebuilt = base + [t for step in kept for t in step.tokens]
             if self.config.context_tokens - len(rebuilt) >= self.config.reserve_tokens:
-                self._segment = SegmentData("execution")
+                self._segment = ClosedSegment("execution")
                 self._segment.append_context(rebuilt)
                 self._steps = kept
                 return closed
         raise CompactionFailed(closed)
 
-    def finish(self) -> SegmentData:
+    def finish(self) -> ClosedSegment:
         """Close the current execution segment (the episode's last)."""
         return self._segment

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import CompactionContext, CompactionFailed, Generation, SegmentData
+from actors.context import ClosedSegment, CompactionContext, CompactionFailed, Generation
 from actors.envs.base import Environment, StepResult, Task
 from protocol import RolloutStats
 
@@ -58,7 +58,7 @@ class EpisodeResult:
     verifiers rubric's metrics)."""
 
 
-Emit = Callable[[str, SegmentData, "EpisodeResult | None"], Awaitable[None]]
+Emit = Callable[[str, ClosedSegment, "EpisodeResult | None"], Awaitable[None]]
 """Called with the task id and each closed segment, in order; the result
 only with the last segment."""
 
@@ -105,7 +105,7 @@ async def run_episode(policy: GeneratingPolicy, environment: Environment, chat: 
     temperature = 0.0 if greedy else None
     base = seed if sampling_seed is None else sampling_seed
     turn_seeds = iter(range(base * SEED_STRIDE, (base + 1) * SEED_STRIDE))
-    last: SegmentData | None = None
+    last: ClosedSegment | None = None
     while tally.steps < config.environment.max_steps:
         if context.is_full():
             tally.outcome = "context_full"

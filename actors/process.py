@@ -59,7 +59,7 @@ import zmq.asyncio
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.engine import Engine
 from actors.episode import EpisodeResult
 from actors.learner_link import LearnerLink
@@ -151,8 +151,8 @@ class Actor:
         self.settings = settings
         self.config = settings.actor
         self.engine = engine
-        self.replay = replay
-        self.learner = learner
+        self.replay_endpoint = replay
+        self.learner_endpoint = learner
         self.in_flight = InFlight(settings.actor_id, time.time_ns())
         self.stamp = Stamp(settings.actor_id, self.incarnation)
         self.token = new_token()
@@ -176,13 +176,13 @@ class Actor:
         self.health = Health()
         """Ready once registered with the replay (the engine has started by
         then); alive while the event loop runs its heartbeat task."""
-        self.health.readiness = lambda: (None if self.replay.registered.is_set()
+        self.health.readiness = lambda: (None if self.replay_endpoint.registered.is_set()
                                          else "registering with the replay")
         self._stopping = asyncio.Event()
         self.slots = EpisodeSlots(self.config, settings.run_seed, engine, self.chat,
                                   self.metrics, self.replay_link, self.in_flight,
                                   self.weights, self._weights_fresh, self._stopping,
-                                  lambda: self._send_heartbeat(self.replay))
+                                  lambda: self._send_heartbeat(self.replay_endpoint))
         self.endpoint = (RecordingEndpoint(self, settings.model)
                          if self.config.endpoint.enabled else None)
         self._ending_sessions: asyncio.Task | None = None
@@ -289,12 +289,12 @@ class Actor:
 
     def _weights_fresh(self) -> bool:
         """Generating now gives tokens the replay accepts (always, without a learner)."""
-        if self.learner is None:
+        if self.learner_endpoint is None:
             return True
-        return self.learner.registered.is_set() and self.weights.fresh(self.engine.version)
+        return self.learner_endpoint.registered.is_set() and self.weights.fresh(self.engine.version)
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: SegmentData, result: EpisodeResult | None) -> None:
+                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
         await self.replay_link.send_segment(rollout_id, task_id, index, segment, result)
 
     # ------------------------------------------------------------------ harness sessions
@@ -316,7 +316,7 @@ class Actor:
         self.metrics.credits_held.set(self.replay_link.credits.credits)
         self.in_flight.begun()
         self.metrics.active_rollouts.inc()
-        await self._send_heartbeat(self.replay)
+        await self._send_heartbeat(self.replay_endpoint)
         return self.in_flight.next_rollout()[1]
 
     async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
@@ -349,7 +349,7 @@ class Actor:
                 await asyncio.wait_for(self.in_flight.ended.wait(),
                                        self.settings.transport.heartbeat_interval_s)
             self.in_flight.ended.clear()
-            for link in (self.replay, self.learner):
+            for link in (self.replay_endpoint, self.learner_endpoint):
                 if link is not None:
                     await self._send_heartbeat(link)
 

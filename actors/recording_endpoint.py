@@ -49,7 +49,7 @@ from aiohttp import web
 
 from actors.chat import ChatFormat, TemplateError, message_text
 from actors.config import ActorConfig
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.sessions import SessionRecord
@@ -102,7 +102,7 @@ class SessionHost(Protocol):
         """The rollout ended; ``abandoned``: without a reward (the replay drops it)."""
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: SegmentData, result: EpisodeResult | None) -> None: ...
+                           segment: ClosedSegment, result: EpisodeResult | None) -> None: ...
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -158,14 +158,14 @@ class Session:
     previous: list[dict[str, Any]] | None = None
     """The last call's messages, and the key of its completion."""
     previous_key: str = ""
-    pending: SegmentData | None = None
+    pending: ClosedSegment | None = None
     """The latest closed segment, held back until the next one closes or
     the reward comes (the rollout's last segment carries the reward)."""
     sent: int = 0
     summary_seconds: float = 0.0
     ended: bool = False
 
-    async def send_closed(self, host: SessionHost, closed: list[SegmentData]) -> None:
+    async def send_closed(self, host: SessionHost, closed: list[ClosedSegment]) -> None:
         """Send what ``closed`` makes final: the held-back segment and all
         but the newest, which is held back in its turn."""
         for segment in closed:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.state import CreditAccount, LearnerView, Outbox
@@ -94,7 +94,7 @@ class ReplayLink:
         await self.link.send(Goodbye(**self.stamp()))
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: SegmentData, result: EpisodeResult | None) -> None:
+                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
         """Send a closed segment (``result``: the episode's, with the final one)."""
         header = self.stamp()
         message = segment.to_message(header, rollout_id, task_id, index,

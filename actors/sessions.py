@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 
 
 def extends(prompt: list[int], context: list[int]) -> bool:
@@ -50,10 +50,10 @@ class SessionRecord:
     compactions, or any other rewrite of its history)."""
     generated_tokens: int = 0
     summary_tokens: int = 0
-    _open: SegmentData | None = None
+    _open: ClosedSegment | None = None
 
     def record(self, prompt: list[int], generation: Generation, summary: bool
-               ) -> list[SegmentData]:
+               ) -> list[ClosedSegment]:
         """The call of ``prompt`` that sampled ``generation``; ``summary``:
         the harness marked it a summarisation."""
         self.calls += 1
@@ -65,7 +65,7 @@ class SessionRecord:
         if summary:
             self.summaries += 1
             self.summary_tokens += len(generation.token_ids)
-            segment = SegmentData("summary")
+            segment = ClosedSegment("summary")
             segment.append_context(prompt)
             segment.append_sampled(generation)
             closed.append(segment)
@@ -75,13 +75,13 @@ class SessionRecord:
                 current.append_context(prompt[len(current.tokens):])
             else:
                 self.rebuilds += current is not None
-                current = SegmentData("execution")
+                current = ClosedSegment("execution")
                 current.append_context(prompt)
             current.append_sampled(generation)
             self._open = current
         return self._emitted(closed)
 
-    def finish(self) -> SegmentData | None:
+    def finish(self) -> ClosedSegment | None:
         """Close the session: its open segment, the rollout's last (None if
         it has none with sampled tokens)."""
         last, self._open = self._open, None
@@ -89,5 +89,5 @@ class SessionRecord:
         return kept[0] if kept else None
 
     @staticmethod
-    def _emitted(segments: list[SegmentData]) -> list[SegmentData]:
+    def _emitted(segments: list[ClosedSegment]) -> list[ClosedSegment]:
         return [segment for segment in segments if segment.num_trainable]

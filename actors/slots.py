@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.engine import Engine
 from actors.envs.base import Environment, load_environment
 from actors.episode import EpisodeResult, run_episode
@@ -187,7 +187,7 @@ class EpisodeSlots:
                     sampling_seed: int) -> None:
         index = itertools.count()
 
-        async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+        async def emit(task_id: str, segment: ClosedSegment, result: EpisodeResult | None) -> None:
             if result is not None:  # the final segment: nothing of it is left to give up
                 self.open_rollouts.discard(rollout_id)
             await self.replay_link.send_segment(rollout_id, task_id, next(index), segment,

@@ -42,7 +42,7 @@ from typing import Any
 from _options import BenchmarkParser  # bench/_options.py
 
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.engine import Engine, quiet_vllm_logging
 from actors.episode import EpisodeResult
 from deploy.config import load_config
@@ -71,7 +71,7 @@ def figures(results: list[EpisodeResult], seconds: float) -> dict[str, float]:
             "wall_s": seconds}
 
 
-def as_batch(segments: dict[int, list[SegmentData]], results: list[EpisodeResult],
+def as_batch(segments: dict[int, list[ClosedSegment]], results: list[EpisodeResult],
              keep_summaries: bool) -> Batch:
     """The episodes as the learner gets them; without their summary segments
     when not ``keep_summaries``."""
@@ -88,7 +88,7 @@ def as_batch(segments: dict[int, list[SegmentData]], results: list[EpisodeResult
                  staleness=StalenessStats(min=0, max=0, mean=0.0, p50=0.0, p95=0.0))
 
 
-def learner_summary_share(model: str, segments: dict[int, list[SegmentData]],
+def learner_summary_share(model: str, segments: dict[int, list[ClosedSegment]],
                           results: list[EpisodeResult], repeats: int) -> dict[str, float]:
     """Seconds of a PPO step over the rollouts with and without their summaries."""
     import torch
@@ -117,12 +117,12 @@ def learner_summary_share(model: str, segments: dict[int, list[SegmentData]],
 
 async def play(engine: Engine, actors: ActorConfig, episodes: int,
                summariser: Engine | None = None
-               ) -> tuple[list[EpisodeResult], dict[int, list[SegmentData]], float]:
+               ) -> tuple[list[EpisodeResult], dict[int, list[ClosedSegment]], float]:
     """The held-out episodes on ``engine`` (``summariser`` writing the
     summaries, if given), from an empty prefix cache."""
     for used in {engine, summariser} - {None}:
         await used.reset_prefix_cache()
-    segments: dict[int, list[SegmentData]] = defaultdict(list)
+    segments: dict[int, list[ClosedSegment]] = defaultdict(list)
     began = time.perf_counter()
     results = await play_held_out(engine, actors, episodes, show_progress=False,
                                   summariser=summariser,

@@ -40,7 +40,7 @@ from actor import (  # bench/actor.py
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.engine import Engine, quiet_vllm_logging
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
@@ -71,7 +71,7 @@ class BenchHost:
         self.last_close = time.perf_counter()
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: SegmentData, result: EpisodeResult | None) -> None:
+                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
         requests = self.requests.setdefault(rollout_id, [])
         mask = segment.loss_mask
         for i, sampled in enumerate(mask):

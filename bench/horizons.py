@@ -54,7 +54,7 @@ from ablations import (  # bench/ablations.py: its records, kept the same way he
 )
 
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import EVALUATION_SEEDS_FROM
 from deploy.config import JobConfig, load_config, to_toml
@@ -105,7 +105,7 @@ async def evaluate_sizes(model: str, sizes: dict[str, dict[str, int]], episodes:
     try:
         for size, options in sizes.items():
             actors = actors_at(options)
-            segments: dict[int, list[SegmentData]] = defaultdict(list)
+            segments: dict[int, list[ClosedSegment]] = defaultdict(list)
             began = time.perf_counter()
             results = await play_held_out(
                 engine, actors, episodes, show_progress=False,

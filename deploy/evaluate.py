@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.engine import Engine, quiet_vllm_logging, require_model_folder
 from actors.envs.base import EVALUATION_SEEDS_FROM, load_environment
 from actors.episode import EpisodeResult, run_episode
@@ -129,7 +129,7 @@ async def run_evaluation(model: str, actors: ActorConfig, episodes: int,
 
 async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
                         show_progress: bool = True, summariser: Engine | None = None,
-                        keep: Callable[[int, SegmentData], None] | None = None
+                        keep: Callable[[int, ClosedSegment], None] | None = None
                         ) -> list[EpisodeResult]:
     """The held-out episodes 0 .. ``episodes`` - 1 on ``engine``,
     :data:`CONCURRENT_EPISODES` at a time; ``summariser`` writes the
@@ -143,7 +143,7 @@ async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
         bar = progress.add_task("evaluating", total=episodes)
 
         async def one(n: int) -> EpisodeResult:
-            async def emit(task_id: str, segment: SegmentData,
+            async def emit(task_id: str, segment: ClosedSegment,
                            result: EpisodeResult | None) -> None:
                 if keep is not None:
                     keep(n, segment)

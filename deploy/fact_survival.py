@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, ORDINALS, KeyVault
 from actors.episode import EpisodeResult
 from protocol import sampled_runs
@@ -129,7 +129,7 @@ class FactAccount:
         return "wrong answer"
 
 
-def account(segments: list[SegmentData], result: EpisodeResult, layout: Layout,
+def account(segments: list[ClosedSegment], result: EpisodeResult, layout: Layout,
             decode: Callable[[list[int]], str]) -> FactAccount:
     """What happened to the facts of one episode, from its segments in the
     order they were emitted (execution, then summary and execution after

@@ -11,7 +11,7 @@ import msgspec
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.engine import Engine, quiet_vllm_logging
 from actors.envs.base import load_environment
 from actors.episode import EpisodeResult, run_episode
@@ -21,7 +21,7 @@ from actors.preflight import check_episode_setup
 TAIL_CHARS = 400
 
 
-def segment_entry(chat: ChatFormat, segment: SegmentData) -> dict[str, Any]:
+def segment_entry(chat: ChatFormat, segment: ClosedSegment) -> dict[str, Any]:
     """What ``play`` shows of a segment: its type, sizes, its step rewards
     (shaping, on the actions' last tokens) and its whole text, special
     tokens included (the framing the model sees)."""
@@ -56,7 +56,7 @@ async def _play(model: str, config: ActorConfig, seed: int, greedy: bool, as_jso
         environment = load_environment(config.environment.factory, config.environment.options)
         shown: list[dict[str, Any]] = []
 
-        async def show(task_id: str, segment: SegmentData, result: EpisodeResult | None
+        async def show(task_id: str, segment: ClosedSegment, result: EpisodeResult | None
                        ) -> None:
             shown.append(segment_entry(chat, segment))
             if not as_json:

@@ -27,7 +27,10 @@ class BatchError(ValueError):
 
 
 @dataclass
-class Sequence:
+class TrainSequence:
+    """The learner's unit of training: one forward pass over a segment, or
+    over consecutive segments that share their prompt (``share_prefixes``)."""
+
     tokens: torch.Tensor
     """int64 [L]"""
     trainable: torch.Tensor
@@ -49,7 +52,7 @@ class Sequence:
 
 @dataclass
 class TrainBatch:
-    sequences: list[Sequence]
+    sequences: list[TrainSequence]
     """Rollout by rollout, segment by segment."""
     rewards: torch.Tensor
     """float64 [R]"""
@@ -111,7 +114,7 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
     wire; this guards what the learner relies on). With ``share_prefixes``,
     a summary segment that extends the execution segment before it is
     merged into that sequence."""
-    sequences: list[Sequence] = []
+    sequences: list[TrainSequence] = []
     rewards, task_ids, successes, compactions = [], [], [], []
     tags: list[dict[str, str]] = []
     for index, rollout in enumerate(batch.rollouts):
@@ -120,7 +123,7 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
         final = rollout.segments[-1]
         if final.reward is None or not math.isfinite(final.reward):
             raise BatchError(f"rollout {rollout.rollout_id} has no finite reward")
-        previous: Sequence | None = None
+        previous: TrainSequence | None = None
         for segment in rollout.segments:
             tokens = torch.from_numpy(segment.tokens.numpy().astype("int64"))
             mask = torch.from_numpy(segment.loss_mask.numpy().astype(bool))
@@ -143,7 +146,7 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                        count)
                 previous = None  # a sequence holds one summary at most
                 continue
-            previous = Sequence(tokens, mask, logprobs, index, segment.segment_type, [count],
+            previous = TrainSequence(tokens, mask, logprobs, index, segment.segment_type, [count],
                                 step_rewards)
             sequences.append(previous)
         rewards.append(final.reward)
@@ -156,7 +159,7 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                       successes, compactions, tags)
 
 
-def _merge(previous: Sequence, segment_type: str, tokens: torch.Tensor, mask: torch.Tensor,
+def _merge(previous: TrainSequence, segment_type: str, tokens: torch.Tensor, mask: torch.Tensor,
            logprobs: torch.Tensor, step_rewards: torch.Tensor | None, count: int) -> None:
     """Extend ``previous`` by the segment that continues it (its tokens
     start with ``previous``'s): the sequence is trained once, its prefix
@@ -175,7 +178,7 @@ def _merge(previous: Sequence, segment_type: str, tokens: torch.Tensor, mask: to
     previous.segment_lengths.append(count)
 
 
-def _extends(previous: Sequence | None, segment_type: str, tokens: torch.Tensor,
+def _extends(previous: TrainSequence | None, segment_type: str, tokens: torch.Tensor,
              mask: torch.Tensor) -> bool:
     """Whether a summary segment's prompt is the execution sequence before it."""
     if previous is None or segment_type != "summary" or previous.segment_type != "execution":

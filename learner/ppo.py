@@ -58,7 +58,7 @@ from learner.advantages import (
     advantages_and_returns,
     cross_trajectory_factors,
 )
-from learner.batch import Sequence, TrainBatch, microbatches
+from learner.batch import TrainBatch, TrainSequence, microbatches
 from learner.config import LearnerConfig, memory_switches
 from learner.losses import (
     explained_variance,
@@ -85,7 +85,7 @@ class _Prepared:
     advantages and returns with them (on every rank, an empty share too,
     since computing advantages can be collective)."""
 
-    sequences: list[Sequence]
+    sequences: list[TrainSequence]
     groups: list[list[int]]
     """Indices into ``sequences`` of each micro-batch; as many on every rank
     (an empty one runs a dummy sequence)."""
@@ -201,7 +201,7 @@ class StepStatistics:
         }
 
 
-def _segments(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+def _segments(sequences: list[TrainSequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """[S] trainable tokens and rollout index of each segment (a sequence
     may hold two), in order."""
     return (torch.tensor([n for s in sequences for n in s.segment_lengths], dtype=torch.long),
@@ -232,7 +232,7 @@ def _all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> l
 # -------------------------------------------------------------------- advantages
 
 
-def sequence_advantages(config: LearnerConfig, batch: TrainBatch, sequences: list[Sequence],
+def sequence_advantages(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence],
                         values: list[torch.Tensor]
                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sequence, [L] advantages and returns (zero off the trainable
@@ -243,7 +243,7 @@ def sequence_advantages(config: LearnerConfig, batch: TrainBatch, sequences: lis
     return advantages, returns
 
 
-def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[Sequence],
+def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence],
          values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The advantage mode's advantages and returns over the sequences'
     trainable tokens (learner.advantages), laid back into each sequence."""
@@ -275,7 +275,7 @@ def segment_lambda(config: LearnerConfig, lengths: torch.Tensor) -> float | torc
             if config.lam_mode == "adaptive" else config.lam)
 
 
-def cross_factors(config: LearnerConfig, sequences: list[Sequence]
+def cross_factors(config: LearnerConfig, sequences: list[TrainSequence]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The factor (gamma*lambda)^{N_>s} (per-segment lambdas: their
     product) of each segment with trainable tokens, under this run's gamma
@@ -291,7 +291,7 @@ def cross_factors(config: LearnerConfig, sequences: list[Sequence]
     return factors[kept], is_summary[kept]
 
 
-def _whiten(sequences: list[Sequence], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
+def _whiten(sequences: list[TrainSequence], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
     """The trainable tokens' advantages less their mean over every rank,
     over their standard deviation."""
     picked = [a[s.trainable].double() for s, a in zip(sequences, advantages, strict=True)]
@@ -379,7 +379,7 @@ class PPOTrainer:
         return (token_logprobs(self.policy, ids, chunk) if logp else None,
                 token_values(self.critic, ids) if values else None)
 
-    def _microbatches(self, sequences: list[Sequence]) -> list[list[int]]:
+    def _microbatches(self, sequences: list[TrainSequence]) -> list[list[int]]:
         """Micro-batches of ``sequences`` within the token budget, as many as
         on the rank with the most (FSDP's collectives run once per pass)."""
         budget = self.microbatch_tokens
@@ -390,7 +390,7 @@ class PPOTrainer:
         count = int(_all_reduce([len(groups)], dist.ReduceOp.MAX)[0])
         return groups + [[] for _ in range(count - len(groups))]
 
-    def _ids(self, sequences: list[Sequence], group: list[int]) -> torch.Tensor:
+    def _ids(self, sequences: list[TrainSequence], group: list[int]) -> torch.Tensor:
         return pad([sequences[i].tokens for i in group]).to(self.device)
 
     # ------------------------------------------------------------------ the step
@@ -535,7 +535,7 @@ class PPOTrainer:
         statistics.updates += 1
 
 
-def _unpad(sequences: list[Sequence], groups: list[list[int]], outputs: list[torch.Tensor]
+def _unpad(sequences: list[TrainSequence], groups: list[list[int]], outputs: list[torch.Tensor]
            ) -> list[torch.Tensor]:
     """Per sequence, in order, its [L] row of its micro-batch's [B, L'] output, on the CPU."""
     rows = {index: output[row, : len(sequences[index].tokens)]

@@ -39,7 +39,7 @@ import torch
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 from actors.envs.base import load_environment
 from actors.envs.keyvault import CODE_NAMES, NUMBER_WORDS, ORDINALS, KeyVault
 from actors.episode import EpisodeResult, run_episode
@@ -184,7 +184,7 @@ def _keyvault(actors: ActorConfig) -> KeyVault:
 
 
 async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapConfig,
-                      held_out: int = 0) -> tuple[list[SegmentData], list[EpisodeResult]]:
+                      held_out: int = 0) -> tuple[list[ClosedSegment], list[EpisodeResult]]:
     """Play ``recipe.demonstrations`` episodes; their segments and results.
     With ``held_out``, that many further episodes instead (never trained on)."""
     options = actors.environment.options
@@ -194,10 +194,10 @@ async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapCo
                          "of rooms and distractor words are fine)")
     codes, digits = CODE_NAMES[: probe.sizes["codes"][0]], probe.sizes["digits"][0]
     rng = random.Random(recipe.seed)
-    segments: list[SegmentData] = []
+    segments: list[ClosedSegment] = []
     results: list[EpisodeResult] = []
 
-    async def keep(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+    async def keep(task_id: str, segment: ClosedSegment, result: EpisodeResult | None) -> None:
         segments.append(segment)
         if result is not None:
             results.append(result)
@@ -213,7 +213,7 @@ async def demonstrate(chat: ChatFormat, actors: ActorConfig, recipe: BootstrapCo
     return segments, results
 
 
-def training_sequences(segments: list[SegmentData]) -> list[tuple[list[int], list[int]]]:
+def training_sequences(segments: list[ClosedSegment]) -> list[tuple[list[int], list[int]]]:
     """(tokens, loss mask) to fine-tune on. A summary segment's prompt is the
     execution segment before it, so the pair is one sequence with both
     segments' trained tokens: the same loss at ~60 % of the tokens."""
@@ -234,7 +234,7 @@ def training_sequences(segments: list[SegmentData]) -> list[tuple[list[int], lis
     return sequences
 
 
-def fine_tune(model_dir: Path, segments: list[SegmentData], recipe: BootstrapConfig,
+def fine_tune(model_dir: Path, segments: list[ClosedSegment], recipe: BootstrapConfig,
               log: Any = print) -> list[float]:
     """Supervised fine-tuning on the loss-masked tokens; returns the mean
     loss of each logged interval. The model in ``model_dir`` is rewritten."""
@@ -283,7 +283,7 @@ def fine_tune(model_dir: Path, segments: list[SegmentData], recipe: BootstrapCon
     return curve
 
 
-def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[SegmentData],
+def copy_accuracy(model_dir: Path, chat: ChatFormat, segments: list[ClosedSegment],
                   ordered: bool) -> dict[str, float]:
     """How often the model, teacher-forced on demonstrations, puts its most
     likely token on a right copy where the player copied a fact's value: in

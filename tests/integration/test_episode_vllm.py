@@ -9,7 +9,7 @@ import torch
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.envs.base import load_environment
 from actors.episode import EpisodeResult, run_episode
 from deploy.config import load_config
@@ -28,13 +28,13 @@ def _config() -> ActorConfig:
 
 
 def _episode(engine, loop, seed: int, greedy: bool = False
-             ) -> tuple[list[tuple[SegmentData, EpisodeResult | None]], EpisodeResult]:
+             ) -> tuple[list[tuple[ClosedSegment, EpisodeResult | None]], EpisodeResult]:
     config = _config()
     chat = ChatFormat(engine.tokenizer, config.compaction, config.environment)
     environment = load_environment(config.environment.factory, config.environment.options)
-    emitted: list[tuple[SegmentData, EpisodeResult | None]] = []
+    emitted: list[tuple[ClosedSegment, EpisodeResult | None]] = []
 
-    async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None
+    async def emit(task_id: str, segment: ClosedSegment, result: EpisodeResult | None
                    ) -> None:
         emitted.append((segment, result))
 

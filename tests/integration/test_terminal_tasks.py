@@ -15,7 +15,7 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 from actors.envs.sandbox import NOBODY
 from actors.envs.shell import BUILTIN_TASKS, Shell
 from actors.episode import EpisodeResult, run_episode
@@ -68,9 +68,9 @@ def test_a_long_terminal_task_compacts_and_its_test_decides_the_reward(
     shell = Shell(work_root=WORK_ROOT)
     seed = [task.name for task in shell.tasks].index(TASK)
     agent = ScriptedAgent(chat, commands)
-    segments: list[SegmentData] = []
+    segments: list[ClosedSegment] = []
 
-    async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+    async def emit(task_id: str, segment: ClosedSegment, result: EpisodeResult | None) -> None:
         segments.append(segment)
 
     async def play() -> EpisodeResult:

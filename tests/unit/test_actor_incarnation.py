@@ -91,7 +91,7 @@ class ScriptedSocket:
 async def _scenario(engine: StandInEngine) -> None:
     socket = ScriptedSocket()
     actor = make_actor("actor-f", engine, socket)
-    actor.replay.welcomed()
+    actor.replay_endpoint.welcomed()
     link = actor.replay_link
     episodes: list[int] = []
 
@@ -115,7 +115,8 @@ async def _scenario(engine: StandInEngine) -> None:
         if seq >= 6:
             link.outbox.sent(seq, b"frame", time.monotonic())
     old_incarnation = actor.incarnation
-    receive = asyncio.create_task(actor.replay.serve(link.handlers, actor._dropped("replay")))
+    receive = asyncio.create_task(actor.replay_endpoint.serve(link.handlers,
+                                                              actor._dropped("replay")))
     replay = Stamp("replay", 1)
 
     async def reply(ref_seq: int) -> None:
@@ -135,7 +136,7 @@ async def _scenario(engine: StandInEngine) -> None:
     assert len(episodes) == 2 * actor.config.concurrent_episodes  # slots started afresh
     assert not link.outbox and link.outbox.empty.is_set()
     assert link.credits.credits == 0
-    register = asyncio.create_task(actor.replay.register(link.hello, 60.0))
+    register = asyncio.create_task(actor.replay_endpoint.register(link.hello, 60.0))
     await asyncio.sleep(0.05)
     [hello] = [decode(frame) for frame in socket.sent]  # forgotten: says Hello again
     assert isinstance(hello, Hello) and hello.incarnation == actor.incarnation

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from actors.config import CompactionConfig
 from actors.context import (
     MIN_ACTION_TOKENS,
+    ClosedSegment,
     CompactionContext,
     CompactionFailed,
     Generation,
-    SegmentData,
     TurnTokens,
 )
 
@@ -52,9 +52,9 @@ class Sampler:
 
 
 def run_episode(data: st.DataObject, context: CompactionContext, max_turn: int,
-                max_steps: int = 40) -> tuple[list[SegmentData], str, Sampler]:
+                max_steps: int = 40) -> tuple[list[ClosedSegment], str, Sampler]:
     sample = Sampler()
-    segments: list[SegmentData] = []
+    segments: list[ClosedSegment] = []
     for _ in range(max_steps):
         if context.is_full():
             return segments + [context.finish()], "context_full", sample

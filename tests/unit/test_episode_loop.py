@@ -9,7 +9,7 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig, CompactionConfig
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 from actors.engine import Engine
 from actors.envs.base import EnvironmentLoadError, StepResult, Task, load_environment
 from actors.envs.keyvault import KeyVault
@@ -55,12 +55,12 @@ def tokenizer(tiny_model_dir: Path):
 
 
 def play(tokenizer, environment, text: str, config: ActorConfig | None = None
-         ) -> tuple[list[tuple[SegmentData, EpisodeResult | None]], EpisodeResult]:
+         ) -> tuple[list[tuple[ClosedSegment, EpisodeResult | None]], EpisodeResult]:
     config = config or ActorConfig()
     chat = ChatFormat(tokenizer, config.compaction, config.environment)
-    emitted: list[tuple[SegmentData, EpisodeResult | None]] = []
+    emitted: list[tuple[ClosedSegment, EpisodeResult | None]] = []
 
-    async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None
+    async def emit(task_id: str, segment: ClosedSegment, result: EpisodeResult | None
                    ) -> None:
         emitted.append((segment, result))
 

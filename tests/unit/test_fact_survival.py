@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.context import SegmentData
+from actors.context import ClosedSegment
 from actors.episode import EpisodeResult
 from deploy.fact_survival import (
     Fact,
@@ -37,9 +37,9 @@ def decode(tokens: list[int]) -> str:
     return " ".join(WORDS[t] for t in tokens)
 
 
-def segment(kind: str, *parts: tuple[str, bool]) -> SegmentData:
+def segment(kind: str, *parts: tuple[str, bool]) -> ClosedSegment:
     """A segment of ``(text, sampled)`` parts."""
-    data = SegmentData(kind)  # type: ignore[arg-type]
+    data = ClosedSegment(kind)  # type: ignore[arg-type]
     for text, sampled in parts:
         data.tokens += ids(text)
         data.loss_mask += [int(sampled)] * len(text.split())
@@ -66,7 +66,7 @@ FIRST_WINDOW = [context(TASK), sampled("next"), context("room 1 : red . note : a
 
 
 def compacted_episode(summary: str, kept_step: str, after: list[tuple[str, bool]]
-                      ) -> list[SegmentData]:
+                      ) -> list[ClosedSegment]:
     """Two notes read, one compaction with ``summary`` (the rebuilt window
     keeps ``kept_step``), then ``after``."""
     return [segment("execution", *FIRST_WINDOW),

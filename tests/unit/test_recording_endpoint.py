@@ -17,7 +17,7 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig, EndpointConfig
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.recording_endpoint import MAX_BODY_NESTING, EndpointError, RecordingEndpoint
@@ -55,7 +55,7 @@ class Host:
         self.config, self.chat, self.metrics = config, chat, ActorMetrics()
         self.policy = ScriptedPolicy(chat)
         self.credits = credits
-        self.sent: list[tuple[str, int, SegmentData, EpisodeResult | None]] = []
+        self.sent: list[tuple[str, int, ClosedSegment, EpisodeResult | None]] = []
         self.closed: list[tuple[str, bool]] = []
 
     async def open_rollout(self) -> str:
@@ -68,7 +68,7 @@ class Host:
         self.closed.append((rollout_id, abandoned))
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: SegmentData, result: EpisodeResult | None) -> None:
+                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
         self.sent.append((rollout_id, index, segment, result))
 
     def errors(self, reason: str) -> float:

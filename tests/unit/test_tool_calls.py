@@ -12,7 +12,7 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 from actors.envs.base import StepResult, Task, ToolCall
 from actors.envs.shell import TOOLS
 from actors.episode import EpisodeResult, run_episode
@@ -116,14 +116,14 @@ class ToolUser:
 
 
 def play(tokenizer, environment: ToolUser, texts: list[str], **compaction: int
-         ) -> tuple[list[SegmentData], EpisodeResult]:
+         ) -> tuple[list[ClosedSegment], EpisodeResult]:
     config = ActorConfig()
     for name, value in compaction.items():
         setattr(config.compaction, name, value)
     chat = ChatFormat(tokenizer, config.compaction, config.environment)
-    emitted: list[SegmentData] = []
+    emitted: list[ClosedSegment] = []
 
-    async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+    async def emit(task_id: str, segment: ClosedSegment, result: EpisodeResult | None) -> None:
         emitted.append(segment)
 
     result = asyncio.run(run_episode(ScriptedPolicy(tokenizer, texts), environment, chat, config,

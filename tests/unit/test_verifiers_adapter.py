@@ -13,7 +13,7 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import Generation, SegmentData
+from actors.context import ClosedSegment, Generation
 from actors.envs.adapters.verifiers import VerifiersTaskset
 from actors.envs.base import EVALUATION_SEEDS_FROM, EnvironmentLoadError, ToolCall, load_environment
 from actors.episode import EpisodeResult, run_episode
@@ -102,9 +102,9 @@ def test_the_agent_loop_plays_a_verifiers_task_to_its_reward(taskset, tiny_model
     chat = ChatFormat(tokenizer, config.compaction, config.environment)
     call = json.dumps({"name": "calc_add", "arguments": {"a": 2, "b": 3}})
     policy = ScriptedPolicy(tokenizer, [f"<tool_call>\n{call}\n</tool_call>", "5"])
-    segments: list[SegmentData] = []
+    segments: list[ClosedSegment] = []
 
-    async def emit(task_id: str, segment: SegmentData, result: EpisodeResult | None) -> None:
+    async def emit(task_id: str, segment: ClosedSegment, result: EpisodeResult | None) -> None:
         segments.append(segment)
 
     result = asyncio.run(run_episode(policy, taskset, chat, config, seed=0, emit=emit))
