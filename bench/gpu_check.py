@@ -5,7 +5,9 @@ PPO step costs on one GPU.
 
 The GPU machine it is written for has torch with CUDA and none of this
 project's dependencies. Parts 4 to 7 are standard library and torch only:
-their models are written here, not imported from transformers. Parts 1 to 3
+their models are written here, not imported from transformers, and the
+learner part imports the learner's own torch-only modules from this
+checkout (its chunked log-softmax and its PPO losses). Parts 1 to 3
 run the project's ``protocol`` package from the checkout (``PYTHONPATH``
 names the checkout's root where the project is not installed), which needs
 pyzmq and msgspec: they are carried to the machine as wheels (docs/deploy.md,
@@ -183,6 +185,13 @@ except ImportError:  # torch before 2.6, which the GPU machine may have, names F
         fully_shard,
         register_fsdp_forward_method,
     )
+
+# The learner's own kernels and losses, torch only (learner/chunked_logprobs.py,
+# learner/losses.py), from the checkout this script lies in: what the learner
+# part times is what the learner runs, not a copy that can drift from it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from learner.chunked_logprobs import ChunkedLogprobs  # noqa: E402
+from learner.losses import policy_loss, value_loss  # noqa: E402
 
 DTYPE = torch.bfloat16
 DRY_RUN_DIVISOR = 32
@@ -993,7 +1002,6 @@ DRY_RUN_LEARNER_SHAPE = Qwen2Shape(2, 64, 128, 512, 4, 2, tied=True)
 ROPE_THETA = 1_000_000.0  # Qwen2.5's config.json
 RMS_EPS = 1e-6  # idem
 INIT_STD = 0.02  # idem (initializer_range)
-CLIP = 0.2  # learner.clip_low and clip_high's default
 POLICY_LR, CRITIC_LR = 1e-6, 5e-6  # deploy/configs/gpu-*.toml
 MAX_GRAD_NORM = 1.0  # learner.max_grad_norm's default
 SEED = 1234
@@ -1182,45 +1190,6 @@ class Critic(nn.Module):
         return self.head(self.body(ids)).squeeze(-1).clone()
 
 
-class ChunkedLogprobs(torch.autograd.Function):
-    """log_softmax(hidden @ weight.T)[target] per row of ``hidden`` [N, H],
-    ``chunk`` rows at a time, in the shape of ``targets``: the learner's
-    ``_ChunkedLogprobs`` (learner/models.py), copied because this script
-    imports nothing of the project. Forward keeps nothing of a chunk but its
-    results; backward computes the chunk's logits again."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor,
-                weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
-        flat_out, targets = out.view(-1), targets.reshape(-1)
-        for start in range(0, len(targets), chunk):
-            rows = slice(start, start + chunk)
-            logp = torch.log_softmax(F.linear(hidden[rows], weight).float(), dim=-1)
-            flat_out[rows] = logp.gather(-1, targets[rows, None])[:, 0]
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk = chunk
-        return out
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        hidden, weight, targets = ctx.saved_tensors
-        grad = grad.reshape(-1)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight)
-        for start in range(0, len(targets), ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
-            # d log_softmax(x)_t / dx = onehot(t) - softmax(x)
-            grad_logits = torch.log_softmax(F.linear(hidden[rows], weight).float(), dim=-1)
-            grad_logits.exp_().mul_(-grad[rows, None])
-            grad_logits.scatter_add_(1, targets[rows, None], grad[rows, None])
-            grad_logits = grad_logits.to(weight.dtype)
-            grad_hidden[rows] = grad_logits @ weight
-            grad_weight.addmm_(grad_logits.t(), hidden[rows])
-        return grad_hidden, grad_weight, None, None
-
-
 def build(kind: type[Policy] | type[Critic], shape: Qwen2Shape, device: str,
           **options: bool) -> nn.Module:
     """Random float32 weights (the learner's master copy), allocated once on
@@ -1271,7 +1240,8 @@ def token_logprobs(policy: nn.Module, ids: torch.Tensor, chunk_tokens: int) -> t
 def random_batch(shape: Qwen2Shape, sequences: int, length: int, device: str,
                  seed: int) -> dict[str, torch.Tensor]:
     """Token ids drawn at random, old log-probabilities near the uniform
-    distribution's (ratios near 1, some clipped), random advantages and returns."""
+    distribution's (ratios near 1, some clipped), random advantages, returns
+    and old values."""
     generator = torch.Generator().manual_seed(seed)
     per_token = (sequences, length - 1)
     batch = {
@@ -1280,6 +1250,7 @@ def random_batch(shape: Qwen2Shape, sequences: int, length: int, device: str,
                                                                    generator=generator),
         "advantages": torch.randn(per_token, generator=generator),
         "returns": torch.randn(per_token, generator=generator),
+        "old_values": torch.randn(per_token, generator=generator),
     }
     return {key: value.to(device) for key, value in batch.items()}
 
@@ -1294,20 +1265,19 @@ def ppo_step(policy: nn.Module, critic: nn.Module | None,
     ids = batch["ids"]
     per_pass = 1 if "microbatches" in switches else len(ids)
     chunk = chunk_tokens if "chunked_logprobs" in switches else 0
-    count = batch["advantages"].numel()
+    weights = torch.full_like(batch["advantages"], 1.0 / batch["advantages"].numel())
     for start in range(0, len(ids), per_pass):
         rows = slice(start, start + per_pass)
         if critic is None:
             logp, values = policy.logprobs_and_values(ids[rows], chunk)
         else:
             logp, values = token_logprobs(policy, ids[rows], chunk), critic(ids[rows])
-        ratio = torch.exp(logp - batch["old_logprobs"][rows])
-        advantages = batch["advantages"][rows]
-        policy_loss = -torch.minimum(ratio * advantages,
-                                     ratio.clamp(1 - CLIP, 1 + CLIP) * advantages).sum()
         values = values[:, :-1].float()  # V of the state before each token
-        value_loss = 0.5 * (values - batch["returns"][rows]).square().sum()
-        ((policy_loss + value_loss) / count).backward()
+        old = batch["old_logprobs"][rows]  # pi_prox and mu alike: importance weights of 1
+        p_loss, _ = policy_loss(logp, old, old, batch["advantages"][rows], weights[rows])
+        v_loss, _ = value_loss(values, batch["old_values"][rows], batch["returns"][rows],
+                               weights[rows])
+        (p_loss + v_loss).backward()
     for model in (policy, critic):
         if model is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
