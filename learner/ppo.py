@@ -17,10 +17,13 @@
    optimizer step each. What the step reports is summed in a
    :class:`StepStatistics`.
 
-The fused step (one minibatch): what step 2 computes is left out
-(``_Prepared.logp_prox`` and, with one micro-batch, ``old_values`` are None)
-and the first update takes it from its own forward passes, which run at the
-step's start weights.
+The step is planned before it starts (:class:`StepPlan`: shares,
+micro-batches, global counts, epochs, fused or not). In a fused step (one
+minibatch) what step 2 computes is left out of :class:`StartValues` (log
+pi_prox, and with one micro-batch the old values) and the first update
+returns it complete from its own forward passes, which run at the step's
+start weights. The loss of a pass is :func:`minibatch_losses`, in the
+paper's order.
 
 The critic is a model of its own (each model has its loss and optimizer) or,
 with ``critic = "value_head"``, a head on the policy: one pass gives log-
@@ -41,6 +44,13 @@ Usage::
 
     trainer = PPOTrainer(policy, critic, config.learner)
     metrics = trainer.step(to_train_batch(batch, config.learner.train_summary))
+
+    # the same step, spelled out:
+    plan = trainer.plan(train_batch)
+    starts = [trainer.start_values(share, train_batch, plan.fused) for share in plan.shares]
+    for _ in range(plan.epochs):
+        starts = [trainer.update(share, start, train_batch, statistics)
+                  for share, start in zip(plan.shares, starts)]
 """
 
 from __future__ import annotations
@@ -77,47 +87,95 @@ from learner.models import (
 )
 
 
-@dataclass
-class _Prepared:
-    """One rank's share of one minibatch, with what the step's start fixed.
-    ``logp_prox`` None: the first update takes it from its own policy
-    passes; ``old_values`` None: from its own critic passes, and the
-    advantages and returns with them (on every rank, an empty share too,
-    since computing advantages can be collective)."""
+@dataclass(frozen=True)
+class Share:
+    """One rank's share of one minibatch (whole rollouts), cut before the
+    step starts: its sequences in micro-batches (as many on every rank; an
+    empty one runs a dummy sequence), the minibatch's trainable tokens over
+    every rank, and each sequence's [L] loss weights c_t (0 off its
+    trainable tokens: :func:`learner.losses.loss_weights`)."""
 
     sequences: list[TrainSequence]
     groups: list[list[int]]
-    """Indices into ``sequences`` of each micro-batch; as many on every rank
-    (an empty one runs a dummy sequence)."""
-    logp_prox: list[torch.Tensor] | None = None
-    old_values: list[torch.Tensor] | None = None
-    advantages: list[torch.Tensor] | None = None
-    returns: list[torch.Tensor] | None = None
-
-
-@dataclass
-class _Pass:
-    """One micro-batch of an update: its sequences (indices into
-    ``part.sequences``), their padded token ids, and the minibatch's
-    per-token loss weights and global trainable-token count."""
-
-    part: _Prepared
-    group: list[int]
-    ids: torch.Tensor
-    policy_weights: list[torch.Tensor]
     global_tokens: float
+    loss_weights: list[torch.Tensor]
 
 
-@dataclass
-class _Rows:
-    """A micro-batch's per-token [B, L] rows, on the models' device."""
+@dataclass(frozen=True)
+class StepPlan:
+    """A step, decided before it starts: this rank's share of each minibatch,
+    the epochs over them, and whether it is *fused* (one minibatch: its first
+    update runs at the step's start weights, so that update's own passes give
+    log pi_prox, and with one micro-batch the old values too, instead of
+    passes of their own)."""
+
+    shares: list[Share]
+    epochs: int
+    fused: bool
+
+
+@dataclass(frozen=True)
+class StartValues:
+    """What the step's start weights give a share, per sequence [L]: log
+    pi_prox, the old values, and the advantages and returns from them. A
+    field is None only in a fused step, until its first update returns them
+    complete from its own passes."""
+
+    logp_prox: list[torch.Tensor] | None
+    old_values: list[torch.Tensor] | None
+    advantages: list[torch.Tensor] | None
+    returns: list[torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One micro-batch's per-token [B, L] rows, on the models' device: what
+    the loss compares the new policy and values with."""
 
     trainable: torch.Tensor
     behaviour: torch.Tensor
+    prox: torch.Tensor | None
+    """log pi_prox; None: the pass's own log-probabilities (a fused step's first update)."""
     advantages: torch.Tensor
     old_values: torch.Tensor
     returns: torch.Tensor
     weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Losses:
+    """One pass's loss terms (0 for a side not evaluated) and their statistics."""
+
+    policy: torch.Tensor
+    value: torch.Tensor
+    policy_stats: dict[str, torch.Tensor]
+    value_stats: dict[str, torch.Tensor]
+
+
+def minibatch_losses(logp: torch.Tensor | None, values: torch.Tensor | None, rows: Rows,
+                     config: LearnerConfig, global_tokens: float) -> Losses:
+    """The loss of one pass over a minibatch's tokens, in the paper's order
+    (docs/design.md §2.4), for the sides evaluated (a critic model's pass
+    takes the values, then the policy, to free its activations first):
+
+    1. ratios pi_theta / pi_prox, and importance weights min(pi_prox / mu, is_cap);
+    2. the advantages, fixed at the step's start;
+    3. the clipped policy loss, each token weighted by its c_t
+       (``loss_norm``: 1/|M| over every rank, or per segment);
+    4. the clipped value loss against the returns, over the same |M|.
+    """
+    zero = torch.zeros((), device=rows.trainable.device)
+    policy, policy_stats = zero, {}
+    if logp is not None:
+        prox = logp.detach() if rows.prox is None else rows.prox
+        policy, policy_stats = policy_loss(
+            logp, prox, rows.behaviour, rows.advantages, rows.weights,
+            config.clip_low, config.clip_high, config.is_cap, config.is_mode)
+    value, value_stats = zero, {}
+    if values is not None:
+        value, value_stats = value_loss(values, rows.old_values, rows.returns,
+                                        rows.trainable / global_tokens, config.value_clip)
+    return Losses(policy, value, policy_stats, value_stats)
 
 
 @dataclass
@@ -333,51 +391,30 @@ class PPOTrainer:
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [o for o in (self.policy_optimizer, self.critic_optimizer) if o is not None]
 
-    # ------------------------------------------------------------------ preparation
+    # ------------------------------------------------------------------ the plan
 
-    @torch.no_grad()
-    def _prepare(self, batch: TrainBatch, rollouts: list[int], fused: bool = False
-                 ) -> _Prepared:
-        """``rollouts``' sequences in micro-batches, and what the step's start
-        fixes: everything, or in a ``fused`` step only the old values (and
-        advantages), and only when the share takes several micro-batches (the
-        advantages need every old value before the first value loss; a value
-        head's pass gives log pi_prox with them)."""
+    def plan(self, batch: TrainBatch) -> StepPlan:
+        """This rank's share of each minibatch, its micro-batches and the
+        minibatch's global counts (collective: every rank plans)."""
+        shares = [self._share(batch, batch.assign(minibatch, self.world_size)[self.rank])
+                  for minibatch in batch.minibatches(self.config.minibatches)]
+        return StepPlan(shares, self.config.ppo_epochs, fused=len(shares) == 1)
+
+    def _share(self, batch: TrainBatch, rollouts: list[int]) -> Share:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
-        groups = self._microbatches(sequences)
-        part = _Prepared(sequences, groups)
-        want_values = not fused or len(groups) > 1
-        want_prox = not fused or (want_values and self.critic is None)
-        logp, values = [], []
-        for group in groups:
-            group_logp, group_values = self._evaluate(self._ids(sequences, group), want_prox,
-                                                      want_values)
-            logp.append(group_logp)
-            values.append(group_values)
-        if want_prox:
-            part.logp_prox = _unpad(sequences, groups, logp)
-        if want_values:
-            self._fix_values(part, batch, _unpad(sequences, groups, values))
-        return part
-
-    def _fix_values(self, part: _Prepared, batch: TrainBatch, values: list[torch.Tensor]
-                    ) -> None:
-        """The share's old values, and its advantages and returns from them
-        (computed on the CPU: small, sequential per rollout)."""
-        part.old_values = values
-        part.advantages, part.returns = sequence_advantages(self.config, batch,
-                                                            part.sequences, values)
-
-    def _evaluate(self, ids: torch.Tensor, logp: bool, values: bool
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """[B, L] log-probabilities and values of ``ids``, those asked for
-        (a value head gives both from one pass, or neither)."""
-        chunk = self.chunk_tokens
-        if self.critic is None:
-            return token_logprobs_and_values(self.policy, ids, chunk) if values else (None, None)
-        return (token_logprobs(self.policy, ids, chunk) if logp else None,
-                token_values(self.critic, ids) if values else None)
+        local_tokens = sum(int(s.trainable.sum()) for s in sequences)
+        local_segments = sum(n > 0 for s in sequences for n in s.segment_lengths)
+        global_tokens, global_segments = _all_reduce([local_tokens, local_segments])
+        weights = []
+        for sequence in sequences:
+            row = torch.zeros(len(sequence.tokens))
+            if global_tokens:
+                row[sequence.trainable] = loss_weights(
+                    torch.tensor(sequence.segment_lengths), self.config.loss_norm,
+                    global_tokens, global_segments)
+            weights.append(row)
+        return Share(sequences, self._microbatches(sequences), global_tokens, weights)
 
     def _microbatches(self, sequences: list[TrainSequence]) -> list[list[int]]:
         """Micro-batches of ``sequences`` within the token budget, as many as
@@ -390,6 +427,47 @@ class PPOTrainer:
         count = int(_all_reduce([len(groups)], dist.ReduceOp.MAX)[0])
         return groups + [[] for _ in range(count - len(groups))]
 
+    @torch.no_grad()
+    def start_values(self, share: Share, batch: TrainBatch, fused: bool) -> StartValues:
+        """What the step's start weights give ``share``: everything, or in a
+        ``fused`` step only what its first update cannot take from its own
+        passes: the old values (and advantages) when the share takes several
+        micro-batches, since the advantages need every old value before the
+        first value loss (a value head's pass gives log pi_prox with them)."""
+        want_values = not fused or len(share.groups) > 1
+        want_prox = not fused or (want_values and self.critic is None)
+        logp, values = [], []
+        for group in share.groups:
+            group_logp, group_values = self._evaluate(self._ids(share.sequences, group),
+                                                      want_prox, want_values)
+            logp.append(group_logp)
+            values.append(group_values)
+        prox = _unpad(share.sequences, share.groups, logp) if want_prox else None
+        if not want_values:
+            return StartValues(prox, None, None, None)
+        return self._with_old_values(prox, share, batch,
+                                     _unpad(share.sequences, share.groups, values))
+
+    def _with_old_values(self, prox: list[torch.Tensor] | None, share: Share, batch: TrainBatch,
+                         values: list[torch.Tensor]) -> StartValues:
+        """Start values with ``values`` as the old values, and the advantages
+        and returns from them (on the CPU: small, sequential per rollout;
+        collective when whitened, so every rank calls it, an empty share too)."""
+        advantages, returns = sequence_advantages(self.config, batch, share.sequences, values)
+        return StartValues(prox, values, advantages, returns)
+
+    def _evaluate(self, ids: torch.Tensor, logp: bool, values: bool
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """[B, L] log-probabilities and values of ``ids``, those asked for:
+        the value side's one interface (a value head gives both from one
+        pass, or neither; a critic model its values, the policy its
+        log-probabilities)."""
+        chunk = self.chunk_tokens
+        if self.critic is None:
+            return token_logprobs_and_values(self.policy, ids, chunk) if values else (None, None)
+        return (token_logprobs(self.policy, ids, chunk) if logp else None,
+                token_values(self.critic, ids) if values else None)
+
     def _ids(self, sequences: list[TrainSequence], group: list[int]) -> torch.Tensor:
         return pad([sequences[i].tokens for i in group]).to(self.device)
 
@@ -399,118 +477,83 @@ class PPOTrainer:
         """One PPO step on ``batch``; ``value_only`` (the critic's warm-up):
         the critic learns, the policy does not move (its losses are still
         measured)."""
-        shares = [batch.assign(m, self.world_size)[self.rank]
-                  for m in batch.minibatches(self.config.minibatches)]
-        fused = len(shares) == 1
-        prepared = [self._prepare(batch, share, fused) for share in shares]
+        plan = self.plan(batch)
+        starts = [self.start_values(share, batch, plan.fused) for share in plan.shares]
         statistics = StepStatistics()
-        for part in prepared:
-            statistics.add_factors(*cross_factors(self.config, part.sequences))
-        for _ in range(self.config.ppo_epochs):
-            for part in prepared:
-                self._update(part, statistics, batch, value_only)
-        return statistics.summed_over_ranks().metrics(self.config.ppo_epochs)
+        for share in plan.shares:
+            statistics.add_factors(*cross_factors(self.config, share.sequences))
+        for _ in range(plan.epochs):
+            starts = [self.update(share, start, batch, statistics, value_only)
+                      for share, start in zip(plan.shares, starts, strict=True)]
+        return statistics.summed_over_ranks().metrics(plan.epochs)
 
-    def _policy_weights(self, part: _Prepared, tokens: float, segments: float
-                        ) -> list[torch.Tensor]:
-        """Per sequence, [L] loss weight c_t of each token (0 off its
-        trainable tokens): learner.losses.loss_weights over its segments."""
-        weights = []
-        for sequence in part.sequences:
-            row = torch.zeros(len(sequence.tokens))
-            row[sequence.trainable] = loss_weights(torch.tensor(sequence.segment_lengths),
-                                                   self.config.loss_norm, tokens, segments)
-            weights.append(row)
-        return weights
-
-    def _update(self, part: _Prepared, statistics: StepStatistics, batch: TrainBatch,
-                value_only: bool = False) -> None:
-        """One optimizer step on ``part``: per micro-batch, the value loss
-        and the policy loss with the minibatch's global counts in their
-        weights (:meth:`_value_head_pass` or :meth:`_critic_model_pass`),
-        then one step of every optimizer."""
-        local_tokens = sum(int(s.trainable.sum()) for s in part.sequences)
-        local_segments = sum(n > 0 for s in part.sequences for n in s.segment_lengths)
-        global_tokens, global_segments = _all_reduce([local_tokens, local_segments])
-        if global_tokens == 0:
-            return
-        policy_weights = self._policy_weights(part, global_tokens, global_segments)
-        taking_prox = part.logp_prox is None
-        logp_prox: list[torch.Tensor] = []
-        one_pass = self._value_head_pass if self.critic is None else self._critic_model_pass
-        for group in part.groups:
-            logp = one_pass(_Pass(part, group, self._ids(part.sequences, group), policy_weights,
-                                  global_tokens), statistics, batch, value_only)
-            if taking_prox:
-                logp_prox.append(logp.detach())
-        if taking_prox:
-            part.logp_prox = _unpad(part.sequences, part.groups, logp_prox)
+    def update(self, share: Share, start: StartValues, batch: TrainBatch,
+               statistics: StepStatistics, value_only: bool = False) -> StartValues:
+        """One optimizer step on ``share``: a training pass per micro-batch,
+        then one step of every optimizer. Returns the start values complete
+        (a fused step's first update takes what is missing from its passes)."""
+        if share.global_tokens == 0:
+            return start
+        logps = []
+        for group in share.groups:
+            start, logp = self._train_pass(share, start, group, batch, statistics, value_only)
+            logps.append(logp)
+        if start.logp_prox is None:  # the passes ran at the step's start weights
+            start = dataclasses.replace(start, logp_prox=_unpad(share.sequences, share.groups,
+                                                                logps))
         self._step_optimizers(statistics, value_only)
+        return start
 
-    def _value_head_pass(self, one: _Pass, statistics: StepStatistics, batch: TrainBatch,
-                         value_only: bool) -> torch.Tensor:
-        """A value head: one forward gives the log-probabilities and the
-        values, one backward takes both losses (the value loss scaled by
-        ``value_loss_coef``; in the warm-up only it). Returns the log-probabilities."""
-        logp, values = self._evaluate(one.ids, True, True)
-        rows = self._rows(one, batch, values)
-        v_loss, v_stats = value_loss(values, rows.old_values, rows.returns,
-                                     rows.trainable / one.global_tokens, self.config.value_clip)
-        p_loss, p_stats = self._policy_loss(one, rows, logp)
-        coef = self.config.value_loss_coef
-        loss = coef * v_loss if value_only else p_loss + coef * v_loss
-        # FSDP averages the gradients over ranks; scaling the loss by the world
-        # size makes that average the sum that the global token count normalises.
-        (loss * self.world_size).backward()
-        statistics.add_pass(float(rows.trainable.sum()), p_loss, v_loss, p_stats, v_stats,
-                            residual_moments(rows.returns, rows.old_values, rows.trainable))
-        return logp
-
-    def _critic_model_pass(self, one: _Pass, statistics: StepStatistics, batch: TrainBatch,
-                           value_only: bool) -> torch.Tensor:
-        """A critic model: its forward and backward first (its activations
-        are freed before the policy's forward), then the policy's (only
-        measured in the warm-up). Returns the log-probabilities."""
-        _, values = self._evaluate(one.ids, False, True)
-        rows = self._rows(one, batch, values)
-        v_loss, v_stats = value_loss(values, rows.old_values, rows.returns,
-                                     rows.trainable / one.global_tokens, self.config.value_clip)
-        (v_loss * self.world_size).backward()
-        with torch.no_grad() if value_only else contextlib.nullcontext():
-            logp, _ = self._evaluate(one.ids, True, False)
-        p_loss, p_stats = self._policy_loss(one, rows, logp)
-        if not value_only:
-            (p_loss * self.world_size).backward()
-        statistics.add_pass(float(rows.trainable.sum()), p_loss, v_loss, p_stats, v_stats,
-                            residual_moments(rows.returns, rows.old_values, rows.trainable))
-        return logp
-
-    def _rows(self, one: _Pass, batch: TrainBatch, values: torch.Tensor) -> _Rows:
-        """The micro-batch's per-token rows, padded to its ids. A fused first
-        update with one micro-batch takes the old values (and so the
-        advantages) from this pass's ``values``."""
-        part = one.part
-        if part.old_values is None:
-            self._fix_values(part, batch, _unpad(part.sequences, part.groups, [values.detach()]))
-        return _Rows(*(_stack([rows[i] for i in one.group], one.ids.shape).to(self.device)
-                       for rows in ([s.trainable for s in part.sequences],
-                                    [s.behaviour_logprobs for s in part.sequences],
-                                    part.advantages, part.old_values, part.returns,
-                                    one.policy_weights)))
-
-    def _policy_loss(self, one: _Pass, rows: _Rows, logp: torch.Tensor
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The clipped policy loss of the pass. Until the first update of the
-        step fixed log pi_prox, the policy is at the step's start weights:
-        its own log-probabilities are pi_prox."""
-        if one.part.logp_prox is None:
-            prox = logp.detach()
+    def _train_pass(self, share: Share, start: StartValues, group: list[int], batch: TrainBatch,
+                    statistics: StepStatistics, value_only: bool
+                    ) -> tuple[StartValues, torch.Tensor]:
+        """Forward and backward over one micro-batch; returns the start values
+        (with the old values of this pass when it is a fused step's first, of
+        one micro-batch) and its log-probabilities, detached. A value head: one forward gives
+        both, one backward takes the policy loss plus ``value_loss_coef``
+        times the value loss (in the warm-up that alone). A critic model: its
+        forward and backward first (its activations are freed before the
+        policy's forward), then the policy's (only measured in the warm-up).
+        FSDP averages gradients over ranks: scaling each loss by the world
+        size makes that average the sum the global token count normalises."""
+        ids = self._ids(share.sequences, group)
+        head = self.critic is None
+        logp, values = self._evaluate(ids, head, True)
+        if start.old_values is None:  # one micro-batch: this pass's values are the old ones
+            start = self._with_old_values(start.logp_prox, share, batch, _unpad(
+                share.sequences, share.groups, [values.detach()]))
+        rows = self._rows(share, start, group, ids)
+        losses = minibatch_losses(logp, values, rows, self.config, share.global_tokens)
+        if head:
+            coef = self.config.value_loss_coef
+            loss = coef * losses.value if value_only else losses.policy + coef * losses.value
+            (loss * self.world_size).backward()
         else:
-            prox = _stack([one.part.logp_prox[i] for i in one.group],
-                          one.ids.shape).to(self.device)
-        config = self.config
-        return policy_loss(logp, prox, rows.behaviour, rows.advantages, rows.weights,
-                           config.clip_low, config.clip_high, config.is_cap, config.is_mode)
+            (losses.value * self.world_size).backward()
+            with torch.no_grad() if value_only else contextlib.nullcontext():
+                logp, _ = self._evaluate(ids, True, False)
+            policy_losses = minibatch_losses(logp, None, rows, self.config, share.global_tokens)
+            losses = dataclasses.replace(losses, policy=policy_losses.policy,
+                                         policy_stats=policy_losses.policy_stats)
+            if not value_only:
+                (losses.policy * self.world_size).backward()
+        statistics.add_pass(float(rows.trainable.sum()), losses.policy, losses.value,
+                            losses.policy_stats, losses.value_stats,
+                            residual_moments(rows.returns, rows.old_values, rows.trainable))
+        return start, logp.detach()
+
+    def _rows(self, share: Share, start: StartValues, group: list[int], ids: torch.Tensor
+              ) -> Rows:
+        """The micro-batch's rows, padded to its ids."""
+
+        def stacked(per_sequence: list[torch.Tensor]) -> torch.Tensor:
+            return _stack([per_sequence[i] for i in group], ids.shape).to(self.device)
+
+        return Rows(trainable=stacked([s.trainable for s in share.sequences]),
+                    behaviour=stacked([s.behaviour_logprobs for s in share.sequences]),
+                    prox=None if start.logp_prox is None else stacked(start.logp_prox),
+                    advantages=stacked(start.advantages), old_values=stacked(start.old_values),
+                    returns=stacked(start.returns), weights=stacked(share.loss_weights))
 
     def _step_optimizers(self, statistics: StepStatistics, value_only: bool) -> None:
         """Clip the gradients and step every optimizer. In a value head's

@@ -87,10 +87,11 @@ def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_mode
     fused_metrics = fused.step(batch)
     # the general path: no-gradient forward passes at the step's start first
     reference = plain_sgd(trainer(tiny_model_dir, ppo_epochs=2, critic=critic))
-    part = reference._prepare(batch, batch.assign(batch.minibatches(1)[0], 1)[0], fused=False)
+    [share] = reference.plan(batch).shares
+    start = reference.start_values(share, batch, fused=False)
     statistics = StepStatistics()
     for _ in range(2):
-        reference._update(part, statistics, batch)
+        start = reference.update(share, start, batch, statistics)
     # The two paths may differ by rounding only (a forward pass with or without
     # autograd can pick other kernels on another CPU). Each gradient element is
     # a sum over token positions of terms bounded by the clipped gradient norm;
@@ -418,3 +419,27 @@ def test_a_step_reports_the_cross_trajectory_factors_of_summary_and_execution_se
     summary_mean = metrics["advantages/summary_factor_sum"] / len(kinds["summary"])
     assert 0 < summary_mean < 1
     assert metrics["advantages/execution_factor_sum"] >= batch.num_rollouts
+
+
+def test_the_trainer_s_state_is_built_once_and_never_filled_in_later() -> None:
+    """No attribute of the trainer is assigned outside its construction, and
+    what a step plans and fixes at its start is frozen: a step's state does
+    not depend on the order of calls (learner/ppo.py)."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from learner import ppo
+
+    tree = ast.parse(inspect.getsource(ppo.PPOTrainer))
+    assigned_late = [
+        f"{method.name}: self.{target.attr}"
+        for method in tree.body[0].body if isinstance(method, ast.FunctionDef)
+        and method.name != "__init__"
+        for node in ast.walk(method) if isinstance(node, (ast.Assign, ast.AugAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+        and target.value.id == "self"]
+    assert assigned_late == []
+    for planned in (ppo.StepPlan, ppo.Share, ppo.StartValues, ppo.Rows, ppo.Losses):
+        assert dataclasses.fields(planned) and planned.__dataclass_params__.frozen, planned
