@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import msgspec
+from msgspec import inspect as schema
 
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.messages import MAX_COUNTER, MESSAGE_TYPES, PROTOCOL_VERSION, Message
@@ -59,8 +60,10 @@ class _Envelope(msgspec.Struct):
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 _decoders: dict[str, msgspec.msgpack.Decoder] = {
-    msgspec.inspect.type_info(t).tag: msgspec.msgpack.Decoder(t) for t in MESSAGE_TYPES
+    schema.type_info(t).tag: msgspec.msgpack.Decoder(t) for t in MESSAGE_TYPES
 }
+_types: dict[str, schema.Type] = {schema.type_info(t).tag: schema.type_info(t)
+                                  for t in MESSAGE_TYPES}
 
 
 #: The header keys a refusal needs: their values are scalars.
@@ -139,9 +142,9 @@ def _held(kind: str, value: int | bytes) -> int:
 
 def duplicate_key(frame: bytes | bytearray | memoryview) -> str | None:
     """The first key that a MessagePack map of ``frame`` holds twice (as
-    text), or None. msgspec keeps the last value of a repeated key without a
-    word, so two peers could read one frame differently. Reads a frame that
-    has decoded already: every length in it is sound."""
+    text), or None: every object read in Python, so only to name the key of
+    a frame :func:`holds_a_key_twice` refused. Reads a frame that has
+    decoded already: every length in it is sound."""
     data = memoryview(frame).cast("B")
     at = 0
     # One entry per open container: [objects left in it, keys seen (a map) or None].
@@ -184,6 +187,70 @@ def duplicate_key(frame: bytes | bytearray | memoryview) -> str | None:
             is_map = first <= 0x8F or first >= 0xDE
             open_containers.append([pairs_or_items, set() if is_map else None])
     return None
+
+
+_raw_map = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+def _pairs(raw: memoryview) -> int:
+    """The pair count in a MessagePack map's head."""
+    first = raw[0]
+    if first <= 0x8F:
+        return first & 0x0F
+    return int.from_bytes(raw[1:3] if first == 0xDE else raw[1:5])
+
+
+def holds_a_key_twice(raw: bytes | bytearray | memoryview | msgspec.Raw,
+                      info: schema.Type) -> bool:
+    """Whether a map in ``raw``, a value of type ``info`` that decoded, holds
+    a key twice: msgspec keeps the last value of a repeated key without a
+    word, so two peers could read one frame differently. Each map the type
+    has is read once more as keys and undecoded values (at msgspec's speed,
+    the arrays' bytes never copied) and its size compared with its head's."""
+    kind, inner = _map_plan(info)
+    if kind == "none":
+        return False
+    view = memoryview(raw)
+    if view[0] == 0xC0:  # nil, where the type allows it
+        return False
+    if kind == "list":
+        return any(holds_a_key_twice(item, inner) for item in _raw_list.decode(view))
+    mapping = _raw_map.decode(view)
+    if len(mapping) < _pairs(view):
+        return True
+    if kind == "dict":
+        return inner is not None and any(holds_a_key_twice(value, inner)
+                                         for value in mapping.values())
+    return any(holds_a_key_twice(mapping[name], field) for name, field in inner
+               if name in mapping)
+
+
+def _map_plan(info: schema.Type) -> tuple[str, Any]:
+    """How :func:`holds_a_key_twice` reads a value of ``info``: ``("map",
+    [(key, type) of the fields that can hold maps])`` for a struct encoded as
+    a map, ``("dict", value type or None)``, ``("list", item type)`` for a
+    list of values that can hold maps, or ``("none", None)``; remembered per
+    type object (the decoders' types live as long as the process)."""
+    plan = _MAP_PLANS.get(id(info))
+    if plan is None:
+        members = [m for m in info.types if not isinstance(m, schema.NoneType)] \
+            if isinstance(info, schema.UnionType) else [info]
+        plan = ("none", None)
+        for member in members:  # the protocol's unions hold one type besides nil
+            if isinstance(member, schema.StructType) and not member.array_like:
+                plan = ("map", [(f.encode_name, f.type) for f in member.fields
+                                if _map_plan(f.type)[0] != "none"])
+            elif isinstance(member, schema.DictType):
+                value = member.value_type
+                plan = ("dict", value if _map_plan(value)[0] != "none" else None)
+            elif isinstance(member, schema.ListType) and _map_plan(member.item_type)[0] != "none":
+                plan = ("list", member.item_type)
+        _MAP_PLANS[id(info)] = plan
+    return plan
+
+
+_MAP_PLANS: dict[int, tuple[str, Any]] = {}
 
 
 #: How msgspec words a value of the right type outside its declared range or
@@ -260,9 +327,13 @@ def decode(frame: bytes | bytearray | memoryview,
         raise ProtocolError(code, f"{envelope.kind}: {exc}", ref_seq) from None
     except RecursionError:
         raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: {TOO_DEEP}", ref_seq) from None
-    if (repeated := duplicate_key(frame)) is not None:
+    try:
+        repeated = holds_a_key_twice(frame, _types[envelope.kind])
+    except msgspec.MsgspecError as exc:  # a key the typed decoding skipped (unknown) is no text
+        raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: {exc}", message.seq) from None
+    if repeated:
         raise ProtocolError(ErrorCode.MALFORMED, f"{envelope.kind}: a map holds the key "
-                            f"{repeated[:64]!r} twice", message.seq)
+                            f"{(duplicate_key(frame) or '?')[:64]!r} twice", message.seq)
     try:
         message.validate()
     except ProtocolError as exc:
