@@ -12,6 +12,7 @@ from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from learner.replay_client import ReplayClient
 from learner.settings import LearnerSettings
+from protocol import Batch
 from protocol.transport import listen_address
 
 
@@ -52,6 +53,11 @@ class Peers:
     def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
         """The next Batch frame, or b"" once ``stopping()`` or weights are wanted."""
         return b""
+
+    def taken(self) -> Batch | None:
+        """The batch :meth:`next_batch` returned last, already decoded (rank 0
+        decodes it once; the others decode the bytes they are broadcast)."""
+        return None
 
     def close(self) -> None:
         pass
@@ -94,6 +100,9 @@ class RankZeroPeers(Peers):
     def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
         return self.link.next_batch(
             size, version, lambda: stopping() or self.control.table.publication_wanted(version))
+
+    def taken(self) -> Batch | None:
+        return self.link.taken
 
     def close(self) -> None:
         self.link.close()

@@ -200,7 +200,7 @@ class Learner:
                 batch_size, self.version, self._should_stop_waiting))
             if not frame:
                 continue  # stopping, or weights are wanted first
-            if not self._train(frame):
+            if not self._train(frame, peers.taken()):
                 continue
             # ask now: the replay learns the new version before any actor
             # can sample with it, assembles while we publish, and releases
@@ -236,11 +236,13 @@ class Learner:
                       self.run_dir / "exports" / f"step-{self.step}", self.export_dtype,
                       self.config.export_timeout_s, self.settings.trust_remote_code)
 
-    def _train(self, frame: bytes) -> bool:
-        """One step on the batch in ``frame``; False if it was refused."""
+    def _train(self, frame: bytes, decoded: Batch | None) -> bool:
+        """One step on the batch in ``frame`` (``decoded``: rank 0's, read
+        once); False if it was refused."""
         began = time.perf_counter()
         try:
-            message = decode(frame, self.settings.transport.max_message_bytes)
+            message = (decoded if decoded is not None
+                       else decode(frame, self.settings.transport.max_message_bytes))
             if not isinstance(message, Batch):
                 raise BatchError(f"expected a Batch, got {type(message).__name__}")
             batch = to_train_batch(message, self.config.train_summary,

@@ -119,6 +119,9 @@ class ReplayClient:
         """Since when no connection is up (None: one is)."""
         self._frame = b""
         """The frame :meth:`_next` read last."""
+        self.taken: Batch | None = None
+        """The batch :meth:`next_batch` returned last, decoded (its frame's
+        reader need not decode it again)."""
         self._last_batch: tuple[int, int] | None = None
         """(incarnation, seq) of the last batch taken: a resend of it is dropped."""
         self._taken: OrderedDict[str, None] = OrderedDict()
@@ -202,9 +205,13 @@ class ReplayClient:
             self._taken[rollout.rollout_id] = None
         while len(self._taken) > TAKEN_ROLLOUTS_MEMORY:
             self._taken.popitem(last=False)
+        if not fresh:
+            return None
         if len(fresh) == len(batch.rollouts):
+            self.taken = batch
             return frame
-        return encode(msgspec.structs.replace(batch, rollouts=fresh)) if fresh else None
+        self.taken = msgspec.structs.replace(batch, rollouts=fresh)
+        return encode(self.taken)
 
     def _refused(self, error: Error) -> None:
         if error.code == ErrorCode.STALE_INCARNATION:

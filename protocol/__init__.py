@@ -19,6 +19,8 @@ from protocol.messages import (
     BatchRequest,
     EngineInfo,
     Error,
+    FramedBatch,
+    FramedRollout,
     Goodbye,
     GroupInfo,
     Heartbeat,
@@ -46,6 +48,7 @@ __all__ = [
     "PROTOCOL_VERSION", "STALL_REASONS", "Abandon", "Ack", "Batch",
     "BatchRequest", "EngineInfo", "Error", "Goodbye", "GroupInfo", "Heartbeat", "Hello",
     "LearnerHello", "LearnerWelcome", "MemberWelcome", "Message",
-    "Rollout", "RolloutStats", "Segment", "StalenessStats", "Stamp", "TensorSpec",
+    "Rollout", "RolloutStats", "Segment", "FramedBatch", "FramedRollout", "StalenessStats",
+    "Stamp", "TensorSpec",
     "WeightManifest", "WeightsAnnounce", "WeightsLoaded", "Welcome", "sampled_runs",
 ]

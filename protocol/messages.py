@@ -537,6 +537,25 @@ class Batch(Message, tag="batch"):
             rollout.validate()
 
 
+class FramedRollout(msgspec.Struct, kw_only=True, gc=False):
+    """A ``Rollout`` as the replay encodes it: each segment the frame its
+    actor sent, as stored, written verbatim (a ``msgspec.Raw``) instead of
+    decoded and encoded again. The learner decodes it as a ``Rollout``."""
+
+    rollout_id: Identifier
+    staleness: Count
+    segments: list[msgspec.Raw]
+
+
+class FramedBatch(Message, tag="batch"):
+    """A ``batch`` as the replay encodes it (its rollouts
+    :class:`FramedRollout`); on the wire and to its reader a :class:`Batch`."""
+
+    policy_version: Count
+    rollouts: list[FramedRollout]
+    staleness: StalenessStats
+
+
 # --------------------------------------------------------------------------- learner <-> actors
 
 

@@ -24,7 +24,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from protocol import Rollout, Segment
+import msgspec
+
+from protocol import FramedRollout, Segment
 
 #: Remember this many served or dropped rollout ids, so late resends of
 #: their segments are recognised instead of starting a ghost rollout.
@@ -218,6 +220,10 @@ class RolloutBuffer:
                 for s in e.segments.values()]
 
 
-def to_rollout(entry: RolloutEntry, learner_version: int) -> Rollout:
-    return Rollout(rollout_id=entry.rollout_id, staleness=entry.staleness(learner_version),
-                   segments=[entry.segments[i].segment for i in range(len(entry.segments))])
+def to_rollout(entry: RolloutEntry, learner_version: int) -> FramedRollout:
+    """The rollout as a batch serves it: its segments' frames as stored, in
+    index order (nothing is decoded or encoded again)."""
+    return FramedRollout(rollout_id=entry.rollout_id,
+                         staleness=entry.staleness(learner_version),
+                         segments=[msgspec.Raw(entry.segments[i].frame)
+                                   for i in range(len(entry.segments))])

@@ -27,9 +27,9 @@ import numpy as np
 
 from protocol import (
     LEARNER_ID,
-    Batch,
     BatchRequest,
     ErrorCode,
+    FramedBatch,
     LearnerHello,
     LearnerWelcome,
     Message,
@@ -169,7 +169,7 @@ class LearnerServing:
             for value in staleness:
                 metrics.staleness.observe(value)
             metrics.batches.inc()
-            frame = encode(Batch(
+            frame = encode(FramedBatch(
                 **self._stamp.next(), policy_version=version,
                 rollouts=[to_rollout(e, version) for e in entries],
                 staleness=StalenessStats(

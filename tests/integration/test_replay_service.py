@@ -160,6 +160,29 @@ def test_batches_wait_for_enough_ready_rollouts_and_carry_staleness(replay: Repl
     assert (batch.staleness.min, batch.staleness.max) == (0, 1)
 
 
+def test_a_batch_serves_each_segment_as_the_bytes_its_actor_sent(replay: ReplayThread) -> None:
+    """The replay writes the stored frames into the batch: nothing is
+    decoded and encoded again between the actor and the learner."""
+    actor = replay.actor()
+    actor.hello()
+    sent = []
+    for n in range(2):
+        segment = synthetic_segment(actor.stamp, f"verbatim-{n}", 0, final=True)
+        raw = msgspec.msgpack.decode(encode(segment))
+        raw["a_key_of_tomorrow"], raw["reward"] = [1, 2], 1  # unknown; an int
+        sent.append(msgspec.msgpack.encode(raw))
+        actor.unacked[segment.seq], actor.sent[segment.seq] = sent[-1], segment
+        actor.socket.send(sent[-1])
+    assert actor.pump_until(lambda: not actor.unacked), actor.errors
+    learner = replay.learner()
+    learner.request(2, version=0)
+    assert learner.socket.poll(10_000)
+    frame = learner.socket.recv()
+    assert all(one in frame for one in sent)
+    batch = decode(frame)
+    assert [r.segments[0].reward for r in batch.rollouts] == [1.0, 1.0]
+
+
 def test_stale_rollouts_are_dropped_and_counted(replay: ReplayThread) -> None:
     actor = replay.actor()
     actor.hello()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocol import Array, Segment
+from protocol import Array, Segment, encode
 from protocol.validation import check_segment_content
 from replay.buffer import SEGMENT_OVERHEAD_BYTES, RolloutBuffer, to_rollout
 
@@ -27,7 +27,7 @@ def segment(rollout: str, index: int, final: bool = False, version: int = 5,
 
 def add(buffer: RolloutBuffer, seg: Segment, now: float = 0.0) -> str:
     oldest = check_segment_content(seg, vocab_size=100, oldest_version=0, newest_version=99)
-    result = buffer.add(seg, b"x" * 100, now, oldest)
+    result = buffer.add(seg, encode(seg), now, oldest)
     buffer.promote(seg.rollout_id, now)
     return result
 
@@ -40,13 +40,16 @@ def buffer(**changes) -> RolloutBuffer:
 
 def test_rollout_is_ready_only_when_final_and_complete() -> None:
     b = buffer()
-    add(b, segment("r", 2, final=True))
-    add(b, segment("r", 0))
+    segments = [segment("r", 2, final=True), segment("r", 0), segment("r", 1)]
+    add(b, segments[0])
+    add(b, segments[1])
     assert "r" in b.pending and not b.ready
-    add(b, segment("r", 1))
+    add(b, segments[2])
     assert "r" in b.ready and not b.pending
-    assert [s.index for s in to_rollout(b.ready["r"], 5).segments] == [0, 1, 2]
-    assert b.nbytes == 300 + 3 * SEGMENT_OVERHEAD_BYTES  # three stored segments
+    # served as stored: the frames, in index order
+    served = to_rollout(b.ready["r"], 5).segments
+    assert [bytes(frame) for frame in served] == [encode(s) for s in segments[1:] + [segments[0]]]
+    assert b.nbytes == sum(len(encode(s)) + SEGMENT_OVERHEAD_BYTES for s in segments)
 
 
 @pytest.mark.parametrize("second", [
