@@ -57,6 +57,20 @@ class EpisodeResult:
     it gives them, the parts of its reward (KeyVault's digits right, a
     verifiers rubric's metrics)."""
 
+    @classmethod
+    def of(cls, task_id: str, outcome: str, reward: float, success: bool, *, steps: int,
+           compactions: int, generated_tokens: int, summary_tokens: int, duration_s: float,
+           tags: dict[str, str], summary_seconds: float, observations_cut: int = 0,
+           tool_call_errors: Counter[str] | None = None,
+           info: dict[str, Any] | None = None) -> EpisodeResult:
+        """The result and its :class:`RolloutStats` (what the final segment
+        carries), as an episode and a harness session both end."""
+        stats = RolloutStats(outcome=outcome, success=success, steps=steps,
+                             compactions=compactions, generated_tokens=generated_tokens,
+                             summary_tokens=summary_tokens, duration_s=duration_s, tags=tags)
+        return cls(task_id, reward, stats, summary_seconds, observations_cut,
+                   tool_call_errors or Counter(), info or {})
+
 
 Emit = Callable[[str, ClosedSegment, "EpisodeResult | None"], Awaitable[None]]
 """Called with the task id and each closed segment, in order; the result
@@ -79,14 +93,12 @@ class _Tally:
 
     def result(self, task: Task, context: CompactionContext, duration_s: float
                ) -> EpisodeResult:
-        stats = RolloutStats(outcome=self.outcome, success=self.success, steps=self.steps,
-                             compactions=context.compactions, generated_tokens=self.generated,
-                             summary_tokens=context.summary_tokens, duration_s=duration_s,
-                             tags=task.tags)
-        return EpisodeResult(task_id=task.task_id, reward=self.reward, stats=stats,
-                             summary_seconds=self.summary_seconds,
-                             observations_cut=self.observations_cut,
-                             tool_call_errors=self.tool_call_errors, info=self.info)
+        return EpisodeResult.of(
+            task.task_id, self.outcome, self.reward, self.success, steps=self.steps,
+            compactions=context.compactions, generated_tokens=self.generated,
+            summary_tokens=context.summary_tokens, duration_s=duration_s, tags=task.tags,
+            summary_seconds=self.summary_seconds, observations_cut=self.observations_cut,
+            tool_call_errors=self.tool_call_errors, info=self.info)
 
 
 async def run_episode(policy: GeneratingPolicy, environment: Environment, chat: ChatFormat,

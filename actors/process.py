@@ -59,9 +59,7 @@ import zmq.asyncio
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import ClosedSegment
 from actors.engine import Engine
-from actors.episode import EpisodeResult
 from actors.learner_link import LearnerLink
 from actors.metrics import ActorMetrics
 from actors.preflight import check_episode_setup
@@ -293,9 +291,10 @@ class Actor:
             return True
         return self.learner_endpoint.registered.is_set() and self.weights.fresh(self.engine.version)
 
-    async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
-        await self.replay_link.send_segment(rollout_id, task_id, index, segment, result)
+    @property
+    def segments(self) -> ReplayLink:
+        """Where a harness session's rollout goes (its :class:`RolloutWriter`)."""
+        return self.replay_link
 
     # ------------------------------------------------------------------ harness sessions
 

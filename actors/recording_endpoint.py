@@ -49,11 +49,11 @@ from aiohttp import web
 
 from actors.chat import ChatFormat, TemplateError, message_text
 from actors.config import ActorConfig
-from actors.context import ClosedSegment, Generation
+from actors.context import Generation
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
+from actors.rollout_writer import RolloutWriter, SegmentSender
 from actors.sessions import SessionRecord
-from protocol import RolloutStats
 from protocol.codec import TOO_DEEP, nests_deeper
 
 log = logging.getLogger("compactionrl.endpoint")
@@ -101,8 +101,9 @@ class SessionHost(Protocol):
     async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
         """The rollout ended; ``abandoned``: without a reward (the replay drops it)."""
 
-    async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: ClosedSegment, result: EpisodeResult | None) -> None: ...
+    @property
+    def segments(self) -> SegmentSender:
+        """Where a session's rollout goes (the actor's replay link)."""
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -152,28 +153,16 @@ class Session:
 
     record: SessionRecord
     task_id: str
+    writer: RolloutWriter
+    """The session's rollout on its way to the replay."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     recorded: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
     """Completions as returned (:func:`turn_key`) -> the ids the policy sampled."""
     previous: list[dict[str, Any]] | None = None
     """The last call's messages, and the key of its completion."""
     previous_key: str = ""
-    pending: ClosedSegment | None = None
-    """The latest closed segment, held back until the next one closes or
-    the reward comes (the rollout's last segment carries the reward)."""
-    sent: int = 0
     summary_seconds: float = 0.0
     ended: bool = False
-
-    async def send_closed(self, host: SessionHost, closed: list[ClosedSegment]) -> None:
-        """Send what ``closed`` makes final: the held-back segment and all
-        but the newest, which is held back in its turn."""
-        for segment in closed:
-            if self.pending is not None:
-                await host.send_segment(self.record.rollout_id, self.task_id, self.sent,
-                                        self.pending, None)
-                self.sent += 1
-            self.pending = segment
 
     def check_continuation(self, messages: list[dict[str, Any]]) -> None:
         """A call that continues the last one must send its completion back as returned."""
@@ -291,8 +280,9 @@ class RecordingEndpoint:
                 raise EndpointError(409, "session_ended", f"session {session_id!r} has ended: "
                                     "a new episode needs a new session id")
             rollout_id = await self.host.open_rollout()
-            session = Session(SessionRecord(session_id, rollout_id),
-                              task_id=request.headers.get("X-Task-Id") or session_id)
+            task_id = request.headers.get("X-Task-Id") or session_id
+            session = Session(SessionRecord(session_id, rollout_id), task_id=task_id,
+                              writer=RolloutWriter(self.host.segments, rollout_id, task_id))
             self.sessions[session_id] = session
         async with session.lock:
             if session.ended:
@@ -343,7 +333,7 @@ class RecordingEndpoint:
             session.recorded.popitem(last=False)
         session.previous, session.previous_key = messages, key
         rebuilds = session.record.rebuilds
-        await session.send_closed(self.host, session.record.record(prompt, generation, summary))
+        await session.writer.add(session.record.record(prompt, generation, summary))
         self.host.metrics.endpoint_rebuilds.inc(session.record.rebuilds - rebuilds)
         self.host.metrics.endpoint_calls.labels("summary" if summary else "execution").inc()
         if response is not None:
@@ -364,28 +354,24 @@ class RecordingEndpoint:
                 raise EndpointError(409, "session_ended", f"session {session_id!r} has ended")
             record = session.record
             last = record.finish()
-            if last is None and session.pending is None:
+            writer = session.writer
+            if last is None and writer.empty:
                 await self._end(session_id, "abandoned")
                 raise EndpointError(409, "nothing_sampled", f"session {session_id!r} has no "
                                     "completion to reward: it is abandoned")
-            if last is not None:
-                await session.send_closed(self.host, [last])
-            success = body.reward >= 1.0 if body.success is None else body.success
-            stats = RolloutStats(
-                outcome="done", success=success, steps=record.calls - record.summaries,
-                compactions=record.summaries, generated_tokens=record.generated_tokens,
-                summary_tokens=record.summary_tokens,
-                duration_s=time.monotonic() - record.started, tags=body.tags)
-            result = EpisodeResult(session.task_id, body.reward, stats, session.summary_seconds,
-                                   observations_cut=0)
-            final, session.pending = session.pending, None
-            await self.host.send_segment(record.rollout_id, session.task_id, session.sent,
-                                         final, result)
-            session.sent += 1
-            self.host.metrics.episode_finished(body.reward, stats, session.summary_seconds, 0, {})
+            result = EpisodeResult.of(
+                session.task_id, "done", body.reward,
+                body.reward >= 1.0 if body.success is None else body.success,
+                steps=record.calls - record.summaries, compactions=record.summaries,
+                generated_tokens=record.generated_tokens, summary_tokens=record.summary_tokens,
+                duration_s=time.monotonic() - record.started, tags=body.tags,
+                summary_seconds=session.summary_seconds)
+            await writer.finish(last, result)
+            self.host.metrics.episode_finished(body.reward, result.stats,
+                                               session.summary_seconds, 0, {})
             await self._end(session_id, "rewarded")
         return web.json_response({"session": session_id, "rollout_id": record.rollout_id,
-                                  "segments": session.sent, "calls": record.calls,
+                                  "segments": session.writer.sent, "calls": record.calls,
                                   "summaries": record.summaries, "rebuilds": record.rebuilds})
 
     async def _abandon(self, request: web.Request) -> web.Response:

@@ -22,12 +22,12 @@ from collections.abc import Awaitable, Callable
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
-from actors.context import ClosedSegment
 from actors.engine import Engine
 from actors.envs.base import Environment, load_environment
-from actors.episode import EpisodeResult, run_episode
+from actors.episode import run_episode
 from actors.metrics import ActorMetrics
 from actors.replay_link import ReplayLink
+from actors.rollout_writer import RolloutWriter
 from actors.state import LearnerView
 
 log = logging.getLogger("compactionrl.actor")
@@ -137,6 +137,7 @@ class EpisodeSlots:
             training_seed(self.run_seed, self.in_flight.actor_id, self.in_flight.incarnation,
                           number)
             for number in (n // self.config.group_size, n))
+        writer = RolloutWriter(self.replay_link, rollout_id)
         self.in_flight.begun()
         self.playing += 1
         self.open_rollouts.add(rollout_id)
@@ -146,7 +147,7 @@ class EpisodeSlots:
             await self.tell_replay()
             self.metrics.active_rollouts.inc()
             try:
-                await self._play(environment, rollout_id, task_seed, sampling_seed)
+                await self._play(environment, writer, task_seed, sampling_seed)
             finally:
                 self.metrics.active_rollouts.dec()
         except Exception as exc:  # a turn failed (the engine's): the episode cannot go on
@@ -155,7 +156,7 @@ class EpisodeSlots:
             log.error("episode %s given up: %r", rollout_id, exc)
             self.metrics.abandoned_rollouts.inc()
             self.open_rollouts.discard(rollout_id)
-            await self.replay_link.send_abandon(rollout_id)
+            await writer.abandon()
         finally:
             self.playing -= 1
             self.in_flight.finished()
@@ -183,17 +184,10 @@ class EpisodeSlots:
         woken.cancel()
         stop.cancel()
 
-    async def _play(self, environment: Environment, rollout_id: str, seed: int,
+    async def _play(self, environment: Environment, writer: RolloutWriter, seed: int,
                     sampling_seed: int) -> None:
-        index = itertools.count()
-
-        async def emit(task_id: str, segment: ClosedSegment, result: EpisodeResult | None) -> None:
-            if result is not None:  # the final segment: nothing of it is left to give up
-                self.open_rollouts.discard(rollout_id)
-            await self.replay_link.send_segment(rollout_id, task_id, next(index), segment,
-                                                result)
-
-        result = await run_episode(self.engine, environment, self.chat, self.config, seed, emit,
-                                   sampling_seed=sampling_seed)
+        result = await run_episode(self.engine, environment, self.chat, self.config, seed,
+                                   writer.emit, sampling_seed=sampling_seed)
+        self.open_rollouts.discard(writer.rollout_id)  # finished: nothing left to give up
         self.metrics.episode_finished(result.reward, result.stats, result.summary_seconds,
                                       result.observations_cut, result.tool_call_errors)

@@ -67,9 +67,17 @@ class Host:
     async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
         self.closed.append((rollout_id, abandoned))
 
+    @property
+    def segments(self) -> Host:
+        """Where the sessions' rollouts go: this fake, which keeps them."""
+        return self
+
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: ClosedSegment, result: EpisodeResult | None) -> None:
         self.sent.append((rollout_id, index, segment, result))
+
+    async def send_abandon(self, rollout_id: str) -> None:
+        raise AssertionError("a session's abandon goes through close_rollout")
 
     def errors(self, reason: str) -> float:
         return self.metrics.registry.get_sample_value(
