@@ -24,7 +24,7 @@ from typing import Any
 from actors.config import ActorConfig
 from actors.engine import Engine
 from actors.metrics import ActorMetrics
-from actors.state import LearnerView
+from actors.state import Incarnation, LearnerView
 from protocol import (
     NO_COMPLETE_VERSION,
     EngineInfo,
@@ -49,12 +49,9 @@ class LearnerLink:
 
     def __init__(self, link: ClientEndpoint, engine: Engine, engine_info: EngineInfo,
                  config: ActorConfig, curve: CurveConfig, weights: LearnerView,
-                 metrics: ActorMetrics, stamp: Callable[[], dict[str, Any]],
-                 token: Callable[[], bytes], refused: Callable[[str, Error], None]) -> None:
-        """``stamp()``: the header fields of the actor's next message (its
-        incarnation changes when it registers anew); ``token()``: its
-        incarnation's ``Hello.token``; ``refused``: how the
-        actor counts an ``Error`` from a peer."""
+                 metrics: ActorMetrics, incarnation: Incarnation) -> None:
+        """``incarnation``: the actor's (it changes when the actor registers
+        anew), whose header and token its messages carry."""
         self.link = link
         self.engine = engine
         self.engine_info = engine_info
@@ -62,9 +59,7 @@ class LearnerLink:
         self.curve = curve
         self.weights = weights
         self.metrics = metrics
-        self.stamp = stamp
-        self.token = token
-        self.refused = refused
+        self.incarnation = incarnation
         self.announcements: asyncio.Queue[tuple[int, WeightsAnnounce]] = asyncio.Queue()
         """Announcements to apply, in order, with the announcing learner's incarnation."""
         self.handlers: dict[type[Message], Callable[[Any], None]] = {
@@ -101,13 +96,13 @@ class LearnerLink:
             except TimeoutError:
                 log.warning("a weight load is under way: leaving without waiting for it")
         self.left = True
-        await self.link.send(Goodbye(**self.stamp()))
+        await self.link.send(Goodbye(**self.incarnation.header()))
         self.metrics.learner_registered.set(0)
 
     def _hello(self) -> Hello:
-        return Hello(**self.stamp(), engine=self.engine_info,
+        return Hello(**self.incarnation.header(), engine=self.engine_info,
                      capacity=self.config.concurrent_episodes,
-                     policy_version=self.engine.version, token=self.token())
+                     policy_version=self.engine.version, token=self.incarnation.token)
 
     def _on_member_welcome(self, welcome: MemberWelcome) -> None:
         self.weights.heard(welcome.policy_version)
@@ -119,7 +114,7 @@ class LearnerLink:
         self.announcements.put_nowait((announce.incarnation, announce))
 
     def _on_error(self, error: Error) -> None:
-        self.refused("learner", error)
+        self.metrics.refused("learner", error)
         if error.code == ErrorCode.UNREGISTERED:  # the learner restarted, or our connection is new
             self.forgotten()
 
@@ -164,4 +159,4 @@ class LearnerLink:
             log.info("loaded version %d in %.3f s (generation paused %.3f s)",
                      announce.version, times.load_seconds, times.stall_seconds)
             await self.link.send(WeightsLoaded(
-                **self.stamp(), version=announce.version, seconds=times.load_seconds))
+                **self.incarnation.header(), version=announce.version, seconds=times.load_seconds))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -12,7 +13,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from protocol import STALL_REASONS, EngineInfo, RolloutStats
+from protocol import STALL_REASONS, EngineInfo, Error, RolloutStats
+
+log = logging.getLogger("compactionrl.actor")
 
 
 class EngineMetrics(Collector):
@@ -180,6 +183,11 @@ class ActorMetrics:
             "crl_actor_endpoint_sessions", "Harness sessions ended, by how (rewarded, "
             "abandoned: no call or reward within session_timeout_s, or the actor stopping)",
             ["end"], registry=r)
+
+    def refused(self, peer: str, error: Error) -> None:
+        """A peer refused one of the actor's messages: counted by code, logged."""
+        self.errors_received.labels(error.code).inc()
+        log.warning("%s rejected seq %s: %s %s", peer, error.ref_seq, error.code, error.text)
 
     def set_engine(self, engine: EngineInfo) -> None:
         self.engine_info.labels(engine.device, engine.dtype, str(engine.tensor_parallel),

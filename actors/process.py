@@ -66,11 +66,10 @@ from actors.preflight import check_episode_setup
 from actors.recording_endpoint import EndpointError, RecordingEndpoint, serve_until
 from actors.replay_link import ReplayLink
 from actors.slots import EpisodeSlots, InFlight
-from actors.state import LearnerView
+from actors.state import Incarnation, LearnerView
 from ops.metrics import Health, MetricsServer, PortInUse, port_in_use
-from protocol import EngineInfo, Error, Heartbeat, ProtocolError, Stamp
+from protocol import EngineInfo, Heartbeat, ProtocolError
 from protocol.endpoint import ClientEndpoint
-from protocol.messages import new_token
 from protocol.transport import TransportConfig, advertised_address, connect_dealer
 
 log = logging.getLogger("compactionrl.actor")
@@ -152,9 +151,8 @@ class Actor:
         self.replay_endpoint = replay
         self.learner_endpoint = learner
         self.in_flight = InFlight(settings.actor_id, time.time_ns())
-        self.stamp = Stamp(settings.actor_id, self.incarnation)
-        self.token = new_token()
-        """The incarnation's ``Hello.token``: a reconnect moves it with it."""
+        self.sender = Incarnation(settings.actor_id, self.incarnation)
+        """The incarnation as its messages carry it (header, ``Hello`` token)."""
         self.metrics = ActorMetrics()
         self.engine_info = EngineInfo(device=engine.device(), dtype=engine.dtype(),
                                       tensor_parallel=self.config.engine.tensor_parallel,
@@ -164,23 +162,19 @@ class Actor:
         self.chat.tool_calls.check()
         self.weights = LearnerView()
         self.replay_link = ReplayLink(replay, self.engine_info, self.config, self.weights,
-                                      self.metrics, lambda: self.stamp.next(),
-                                      lambda: self.token, self._refused, self._declared_dead)
+                                      self.metrics, self.sender, self)
         self.learner_link = (LearnerLink(learner, engine, self.engine_info, self.config,
                                          settings.transport.curve, self.weights, self.metrics,
-                                         lambda: self.stamp.next(), lambda: self.token,
-                                         self._refused)
+                                         self.sender)
                              if learner is not None else None)
         self.health = Health()
         """Ready once registered with the replay (the engine has started by
         then); alive while the event loop runs its heartbeat task."""
         self.health.readiness = lambda: (None if self.replay_endpoint.registered.is_set()
                                          else "registering with the replay")
-        self._stopping = asyncio.Event()
-        self.slots = EpisodeSlots(self.config, settings.run_seed, engine, self.chat,
-                                  self.metrics, self.replay_link, self.in_flight,
-                                  self.weights, self._weights_fresh, self._stopping,
-                                  lambda: self._send_heartbeat(self.replay_endpoint))
+        self.stopping = asyncio.Event()
+        """Set on SIGTERM or Ctrl-C, or when the engine died: no episode starts."""
+        self.slots = EpisodeSlots(self.config, settings.run_seed, engine, self.chat, self)
         self.endpoint = (RecordingEndpoint(self, settings.model)
                          if self.config.endpoint.enabled else None)
         self._ending_sessions: asyncio.Task | None = None
@@ -197,7 +191,7 @@ class Actor:
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
-            loop.add_signal_handler(sig, self._stopping.set)
+            loop.add_signal_handler(sig, self.stopping.set)
         transport = self.settings.transport
         metrics = MetricsServer(self.metrics.registry, self.settings.metrics_port,
                                 transport.metrics_address, self.health)
@@ -221,12 +215,12 @@ class Actor:
         if self.endpoint is not None:
             port = self.config.endpoint.port
             coroutines.append(serve_until(self.endpoint, port + self.settings.index if port else 0,
-                                          self._stopping))
+                                          self.stopping))
         background = [asyncio.create_task(coroutine) for coroutine in coroutines]
         for task in background:
             task.add_done_callback(self._loop_ended)
         self._start_slots()
-        await self._stopping.wait()
+        await self.stopping.wait()
         log.info("stopping: %s in-flight episodes (%s)", self.in_flight.count,
                  self.config.on_shutdown)
         deadline = time.monotonic() + self.config.shutdown_deadline_s
@@ -264,7 +258,7 @@ class Actor:
         log.error("%s failed, stopping for a restart", task.get_coro().__qualname__,
                   exc_info=error)
         self.loop_failed = True
-        self._stopping.set()
+        self.stopping.set()
 
     async def _watch_engine(self) -> None:
         """Stop the actor once its engine has died. vLLM does not exit with
@@ -277,7 +271,7 @@ class Actor:
                   "%d for a restart", len(self.slots.open_rollouts), ENGINE_DIED_EXIT)
         self.engine_died = True
         await self.slots.give_up()
-        self._stopping.set()
+        self.stopping.set()
 
     # ------------------------------------------------------------------ episodes
 
@@ -285,7 +279,7 @@ class Actor:
         """The actor's own episodes (none where a harness drives the endpoint)."""
         self.slots.start(self.config.concurrent_episodes if self.endpoint is None else 0)
 
-    def _weights_fresh(self) -> bool:
+    def weights_fresh(self) -> bool:
         """Generating now gives tokens the replay accepts (always, without a learner)."""
         if self.learner_endpoint is None:
             return True
@@ -305,9 +299,9 @@ class Actor:
     async def open_rollout(self) -> str:
         """A harness session's rollout, started like an episode: with weights
         fresh enough and a credit, or refused (429, the harness retries)."""
-        if self._stopping.is_set():
+        if self.stopping.is_set():
             raise EndpointError(503, "stopping", "the actor is stopping")
-        if not self._weights_fresh():
+        if not self.weights_fresh():
             raise EndpointError(429, "weights_behind", "the actor's weights are more than "
                                 "max_staleness versions behind the learner's: retry shortly")
         if not self.replay_link.credits.spend():
@@ -315,7 +309,7 @@ class Actor:
         self.metrics.credits_held.set(self.replay_link.credits.credits)
         self.in_flight.begun()
         self.metrics.active_rollouts.inc()
-        await self._send_heartbeat(self.replay_endpoint)
+        await self.tell_replay()
         return self.in_flight.next_rollout()[1]
 
     async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
@@ -337,10 +331,6 @@ class Actor:
             log.warning("dropped a frame from the %s: %s", peer, error)
         return dropped
 
-    def _refused(self, peer: str, error: Error) -> None:
-        self.metrics.errors_received.labels(error.code).inc()
-        log.warning("%s rejected seq %s: %s %s", peer, error.ref_seq, error.code, error.text)
-
     async def _heartbeat(self) -> None:
         while True:
             self.health.beat()
@@ -352,19 +342,23 @@ class Actor:
                 if link is not None:
                     await self._send_heartbeat(link)
 
+    async def tell_replay(self) -> None:
+        """A heartbeat to the replay now (a rollout that starts is told at once)."""
+        await self._send_heartbeat(self.replay_endpoint)
+
     async def _send_heartbeat(self, link: ClientEndpoint) -> None:
         await link.send(Heartbeat(
-            **self.stamp.next(), active_rollouts=self.in_flight.count,
+            **self.sender.header(), active_rollouts=self.in_flight.count,
             stall_seconds=self.metrics.stall_totals(),
             credit_ledger=self.replay_link.credits.ledger,
             credits_seen=self.replay_link.credits.seen))
 
     # ------------------------------------------------------------------ incarnations
 
-    def _declared_dead(self, ref_seq: int) -> None:
+    def declared_dead(self, ref_seq: int) -> None:
         """The replay refused message ``ref_seq`` as of a dead incarnation:
         this one if the seq is its own (older seqs: one already left behind)."""
-        if ref_seq >= self.stamp.first_seq and not self._stopping.is_set():
+        if self.sender.sent(ref_seq) and not self.stopping.is_set():
             self._reincarnate()
 
     def _reincarnate(self) -> None:
@@ -374,9 +368,7 @@ class Actor:
         again with the replay and the learner."""
         old = self.incarnation
         self.in_flight.incarnation = max(time.time_ns(), old + 1)
-        self.stamp = Stamp(self.settings.actor_id, self.incarnation,
-                           first_seq=self.stamp.next_seq)
-        self.token = new_token()
+        self.sender.renew(self.incarnation)
         log.warning("the replay declared incarnation %d dead: abandoning %d episodes and %d "
                     "unacknowledged segments; registering as incarnation %d", old,
                     self.in_flight.count, len(self.replay_link.outbox), self.incarnation)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from actors.config import ActorConfig
 from actors.context import ClosedSegment
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
-from actors.state import CreditAccount, LearnerView, Outbox
+from actors.state import CreditAccount, Incarnation, LearnerView, Outbox
 from protocol import (
     Abandon,
     Ack,
@@ -46,28 +46,29 @@ from protocol.endpoint import ClientEndpoint
 RESEND_CHECK_FRACTION = 0.25
 
 
+class IncarnationOwner(Protocol):
+    """Who renews the actor's incarnation (:class:`actors.process.Actor`)."""
+
+    def declared_dead(self, ref_seq: int) -> None:
+        """The replay refused the message ``ref_seq`` as of an incarnation it
+        declared dead."""
+
+
 class ReplayLink:
     """The replay link's handler table, its credits and its outbox."""
 
     def __init__(self, link: ClientEndpoint, engine_info: EngineInfo, config: ActorConfig,
-                 weights: LearnerView, metrics: ActorMetrics,
-                 stamp: Callable[[], dict[str, Any]], token: Callable[[], bytes],
-                 refused: Callable[[str, Error], None],
-                 declared_dead: Callable[[int], None]) -> None:
-        """``stamp()``: the header fields of the actor's next message;
-        ``token()``: its incarnation's ``Hello.token``; ``refused``: how the
-        actor counts an ``Error`` from a peer;
-        ``declared_dead(ref_seq)``: the replay refused the message ``ref_seq``
-        as of an incarnation it declared dead."""
+                 weights: LearnerView, metrics: ActorMetrics, incarnation: Incarnation,
+                 owner: IncarnationOwner) -> None:
+        """``incarnation``: the actor's, whose header and token its messages
+        carry; ``owner``: whom to tell the replay declared it dead."""
         self.link = link
         self.engine_info = engine_info
         self.config = config
         self.weights = weights
         self.metrics = metrics
-        self.stamp = stamp
-        self.token = token
-        self.refused = refused
-        self.declared_dead = declared_dead
+        self.incarnation = incarnation
+        self.owner = owner
         self.credits = CreditAccount()
         self.outbox = Outbox()
         self.handlers: dict[type[Message], Callable[[Any], None]] = {
@@ -84,19 +85,19 @@ class ReplayLink:
                 self.link.count_disconnects(self.metrics.disconnects.labels("replay").inc)]
 
     def hello(self) -> Hello:
-        return Hello(**self.stamp(), engine=self.engine_info,
-                     capacity=self.config.concurrent_episodes, token=self.token(),
+        return Hello(**self.incarnation.header(), engine=self.engine_info,
+                     capacity=self.config.concurrent_episodes, token=self.incarnation.token,
                      metrics_address=self.metrics_address)
 
     async def leave(self) -> None:
         """Say goodbye, the incarnation's last message: the replay gives its
         unfinished rollouts up and its credits to the other actors at once."""
-        await self.link.send(Goodbye(**self.stamp()))
+        await self.link.send(Goodbye(**self.incarnation.header()))
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: ClosedSegment, result: EpisodeResult | None) -> None:
         """Send a closed segment (``result``: the episode's, with the final one)."""
-        header = self.stamp()
+        header = self.incarnation.header()
         message = segment.to_message(header, rollout_id, task_id, index,
                                      None if result is None else result.reward,
                                      None if result is None else result.stats)
@@ -105,7 +106,7 @@ class ReplayLink:
 
     async def send_abandon(self, rollout_id: str) -> None:
         """Tell the replay a rollout is given up: it drops it and returns its credit."""
-        header = self.stamp()
+        header = self.incarnation.header()
         await self._send_kept(header["seq"], encode(Abandon(**header, rollout_id=rollout_id)))
 
     async def _send_kept(self, seq: int, frame: bytes) -> None:
@@ -147,7 +148,7 @@ class ReplayLink:
         self.metrics.credits_held.set(self.credits.credits)
 
     def _on_error(self, error: Error) -> None:
-        self.refused("replay", error)
+        self.metrics.refused("replay", error)
         if error.code == ErrorCode.UNREGISTERED:
             # this connection is new to the replay (it restarted, or ours did):
             # register on it; what it refused stays kept and is resent
@@ -157,7 +158,7 @@ class ReplayLink:
         if error.ref_seq is not None and self.outbox.settle([error.ref_seq]):
             self.metrics.unacked_segments.set(len(self.outbox))
         if error.code == ErrorCode.DEAD_INCARNATION and error.ref_seq is not None:
-            self.declared_dead(error.ref_seq)
+            self.owner.declared_dead(error.ref_seq)
 
     async def _resend(self) -> None:
         timeout = self.config.ack_timeout_s

@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
@@ -72,27 +72,35 @@ class InFlight:
         self.ended.set()
 
 
+class EpisodeHost(Protocol):
+    """What the slots use of their actor (:class:`actors.process.Actor`)."""
+
+    metrics: ActorMetrics
+    replay_link: ReplayLink
+    in_flight: InFlight
+    weights: LearnerView
+    """What the actor knows of the learner's versions: its ``changed`` event
+    wakes a slot waiting for fresh weights."""
+    stopping: asyncio.Event
+
+    def weights_fresh(self) -> bool:
+        """Generating now gives tokens the replay accepts."""
+
+    async def tell_replay(self) -> None:
+        """A heartbeat to the replay: an episode that starts is told at once."""
+
+
 class EpisodeSlots:
     def __init__(self, config: ActorConfig, run_seed: int, engine: Engine, chat: ChatFormat,
-                 metrics: ActorMetrics, replay_link: ReplayLink, in_flight: InFlight,
-                 weights: LearnerView, weights_fresh: Callable[[], bool], stopping: asyncio.Event,
-                 tell_replay: Callable[[], Awaitable[None]]) -> None:
-        """``weights``: what the actor knows of the learner's versions (its
-        ``changed`` event wakes a slot waiting for fresh weights);
-        ``weights_fresh()``: generating now gives tokens the replay
-        accepts; ``tell_replay()``: a heartbeat to the replay (an episode
-        that starts is told at once)."""
+                 host: EpisodeHost) -> None:
         self.config = config
         self.run_seed = run_seed
         self.engine = engine
         self.chat = chat
-        self.metrics = metrics
-        self.replay_link = replay_link
-        self.in_flight = in_flight
-        self.weights = weights
-        self.weights_fresh = weights_fresh
-        self.stopping = stopping
-        self.tell_replay = tell_replay
+        self.host = host
+        self.metrics = host.metrics
+        self.replay_link = host.replay_link
+        self.in_flight = host.in_flight
         self.tasks: list[asyncio.Task] = []
         self.playing = 0
         """The actor's own episodes under way (harness sessions are not)."""
@@ -144,7 +152,7 @@ class EpisodeSlots:
         try:
             # queued before anything else can run: a weight load may hold
             # the event loop for seconds, and the heartbeat task with it
-            await self.tell_replay()
+            await self.host.tell_replay()
             self.metrics.active_rollouts.inc()
             try:
                 await self._play(environment, writer, task_seed, sampling_seed)
@@ -166,20 +174,20 @@ class EpisodeSlots:
         """Wait for weights fresh enough and a credit, and spend it; False once
         the actor is stopping. Each wait counts as stall while it lasts."""
         with self.metrics.stall_seconds.waiting("weights"):
-            while not self.weights_fresh() and not self.stopping.is_set():
-                await self._until(self.weights.changed)
+            while not self.host.weights_fresh() and not self.host.stopping.is_set():
+                await self._until(self.host.weights.changed)
         credits = self.replay_link.credits
         with self.metrics.stall_seconds.waiting("credits"):
-            while not self.stopping.is_set() and not credits.spend():
+            while not self.host.stopping.is_set() and not credits.spend():
                 await self._until(credits.available)
         self.metrics.credits_held.set(credits.credits)
-        return not self.stopping.is_set()
+        return not self.host.stopping.is_set()
 
     async def _until(self, event: asyncio.Event) -> None:
         """Clear ``event`` and wait until it is set again or the actor stops."""
         event.clear()
         woken = asyncio.create_task(event.wait())
-        stop = asyncio.create_task(self.stopping.wait())
+        stop = asyncio.create_task(self.host.stopping.wait())
         await asyncio.wait([woken, stop], return_when=asyncio.FIRST_COMPLETED)
         woken.cancel()
         stop.cancel()

@@ -8,6 +8,38 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
+
+from protocol import Stamp
+from protocol.messages import new_token
+
+
+class Incarnation:
+    """The actor's current incarnation as its messages carry it: the header
+    of its next message and its ``Hello`` token. Renewed when the replay
+    declares it dead; its seqs go on, so that a refusal's ``ref_seq`` tells
+    which incarnation it is about."""
+
+    def __init__(self, actor_id: str, number: int) -> None:
+        self.stamp = Stamp(actor_id, number)
+        self.token = new_token()
+        """Drawn once per incarnation: a reconnect moves the incarnation with it."""
+
+    @property
+    def number(self) -> int:
+        return self.stamp.incarnation
+
+    def header(self) -> dict[str, Any]:
+        """The header fields of the next message."""
+        return self.stamp.next()
+
+    def sent(self, seq: int) -> bool:
+        """Whether the message ``seq`` was sent by this incarnation (not an older one)."""
+        return seq >= self.stamp.first_seq
+
+    def renew(self, number: int) -> None:
+        self.stamp = Stamp(self.stamp.sender_id, number, first_seq=self.stamp.next_seq)
+        self.token = new_token()
 
 
 class CreditAccount:

@@ -111,7 +111,7 @@ async def _scenario(engine: StandInEngine) -> None:
     actor._start_slots()
     first_slots = actor.slots.tasks
     for _ in range(10):  # seqs 0..9 sent; 6..9 are segments still unacknowledged
-        seq = actor.stamp.next()["seq"]
+        seq = actor.sender.header()["seq"]
         if seq >= 6:
             link.outbox.sent(seq, b"frame", time.monotonic())
     old_incarnation = actor.incarnation
@@ -131,7 +131,7 @@ async def _scenario(engine: StandInEngine) -> None:
 
     await reply(7)  # the replay refuses a resent segment of the frozen incarnation
     assert actor.incarnation > old_incarnation
-    assert actor.stamp.incarnation == actor.incarnation and actor.stamp.first_seq == 10
+    assert actor.sender.number == actor.incarnation and actor.sender.stamp.first_seq == 10
     assert all(task.cancelled() for task in first_slots)
     assert len(episodes) == 2 * actor.config.concurrent_episodes  # slots started afresh
     assert not link.outbox and link.outbox.empty.is_set()
@@ -149,7 +149,7 @@ async def _scenario(engine: StandInEngine) -> None:
     assert actor.incarnation == reborn
     assert count("crl_actor_reincarnations_total") == 1
 
-    await reply(actor.stamp.next()["seq"])  # the new incarnation declared dead in turn
+    await reply(actor.sender.header()["seq"])  # the new incarnation declared dead in turn
     assert actor.incarnation > reborn
     assert count("crl_actor_reincarnations_total") == 2
 
@@ -219,7 +219,7 @@ async def _broken_link_scenario(engine: StandInEngine) -> None:
 
     socket.recv = broken_recv  # type: ignore[method-assign]
     assert await actor._serve() == LOOP_FAILED_EXIT
-    assert actor._stopping.is_set()
+    assert actor.stopping.is_set()
 
 
 def test_a_loop_that_raises_stops_the_actor_for_a_restart(engine, caplog) -> None:
