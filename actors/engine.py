@@ -184,37 +184,11 @@ def require_model_folder(model: str) -> None:
 
 
 def engine_kwargs(model: str, config: EngineConfig, seed_offset: int = 0) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` / ``vllm.AsyncEngineArgs``.
-
-    On CPU the KV cache size (GiB), the cores of the engine's threads and how
-    they wait are environment variables (``VLLM_CPU_KVCACHE_SPACE``,
-    ``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_WAIT_POLICY``, and
-    ``TORCH_COMPILE_DISABLE`` when eager) read when the engine starts: they
-    are set here, the one place that decides them. So is where
-    the engine's ipc socket files go (``VLLM_RPC_BASE_PATH``,
-    :func:`vllm_socket_folder`); an explicit setting wins.
-    """
-    chosen = os.environ.get("VLLM_RPC_BASE_PATH")
-    if chosen is None or Path(chosen).name.startswith(SOCKET_FOLDER_PREFIX):
-        if (folder := vllm_socket_folder()) is not None:
-            os.environ["VLLM_RPC_BASE_PATH"] = str(folder)
-        else:  # vLLM's default; never a folder of ours that is gone
-            os.environ.pop("VLLM_RPC_BASE_PATH", None)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    """Keyword arguments for ``vllm.LLM`` / ``vllm.AsyncEngineArgs``. What
+    the engine reads from the environment instead is
+    :func:`engine_environment`, set only while the engine starts
+    (:func:`engine_process_started`)."""
     from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        # OpenMP threads that finished a kernel sleep instead of spinning, so an
-        # engine idle on credits leaves its cores to the learner, whether `up`
-        # started it or a user did. An explicit setting wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        if config.eager(on_gpu=False):
-            # Eager promises no compilation, yet vLLM still compiles a few
-            # sampler helpers with inductor: a C++ build and a loader process
-            # per kernel in every engine, about 3 s of each start here, for
-            # ops too small to gain from it. The results are the same tokens.
-            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
     kwargs = {
         "model": model,
@@ -258,6 +232,34 @@ def executor_backend(config: EngineConfig, on_cpu: bool) -> Any:
     return UniProcExecutor
 
 
+def engine_environment(config: EngineConfig, on_cpu: bool) -> dict[str, str | None]:
+    """The environment vLLM's engine reads as it starts, on top of the
+    caller's (None: unset): where its ipc socket files go
+    (``VLLM_RPC_BASE_PATH``, :func:`vllm_socket_folder`; an explicit setting
+    wins), the KV cache size and the cores of its threads on CPU
+    (``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``), and there
+    how they wait and whether to compile: OpenMP threads that finished a
+    kernel sleep instead of spinning (``OMP_WAIT_POLICY``), so an engine
+    idle on credits leaves its cores to the learner, and an eager engine
+    compiles nothing (``TORCH_COMPILE_DISABLE``: vLLM still compiles a few
+    sampler helpers with inductor, a C++ build and a loader process per
+    kernel, about 3 s of each start here, for the same tokens); explicit
+    settings of those two win. Then :func:`engine_process_env`'s."""
+    changes: dict[str, str | None] = {}
+    chosen = os.environ.get("VLLM_RPC_BASE_PATH")
+    if chosen is None or Path(chosen).name.startswith(SOCKET_FOLDER_PREFIX):
+        folder = vllm_socket_folder()  # None: vLLM's default, never a folder of ours that is gone
+        changes["VLLM_RPC_BASE_PATH"] = None if folder is None else str(folder)
+    changes["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
+    changes["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    if on_cpu:
+        if "OMP_WAIT_POLICY" not in os.environ:
+            changes["OMP_WAIT_POLICY"] = "PASSIVE"
+        if config.eager(on_gpu=False) and "TORCH_COMPILE_DISABLE" not in os.environ:
+            changes["TORCH_COMPILE_DISABLE"] = "1"
+    return changes | engine_process_env(config, on_cpu)
+
+
 def engine_process_env(config: EngineConfig, on_cpu: bool) -> dict[str, str]:
     """The environment vLLM's engine-core process needs on top of the
     caller's: with the model in that process (:func:`executor_backend`) and a
@@ -278,11 +280,13 @@ def engine_process_env(config: EngineConfig, on_cpu: bool) -> dict[str, str]:
 @contextlib.contextmanager
 def engine_process_started(config: EngineConfig) -> Iterator[None]:
     """Around the call that starts vLLM's engine (``AsyncLLM``, ``LLM``):
-    :func:`engine_process_env` set while the engine-core process is spawned
-    (it inherits it), and the caller's own settings restored after."""
+    :func:`engine_environment` set while the engine builds its
+    configuration and spawns its engine-core process (which inherits it),
+    and the caller's own settings restored after: the one place the engine's
+    settings enter the environment, at that process's start."""
     from vllm.platforms import current_platform
 
-    with environment(engine_process_env(config, current_platform.is_cpu())):
+    with environment(engine_environment(config, current_platform.is_cpu())):
         yield
 
 
@@ -333,8 +337,8 @@ class Engine:
 
         # registered in this process too: vLLM checks the backend name here
         extra = {"weight_transfer_config": {"backend": BACKEND}} if weight_transfer else {}
-        args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset), **extra)
         with engine_process_started(config):
+            args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset), **extra)
             llm = AsyncLLM.from_engine_args(args)
         return cls(llm, sampling, model, config)
 

@@ -1,6 +1,11 @@
-"""Environment variables set for a while: what is built or started meanwhile
-reads them (a process group, a child process, which inherits them), and the
-caller's own settings come back after."""
+"""Environment variables set for a while: a child process started meanwhile
+inherits them, and the caller's own settings come back after. The one place
+the project writes ``os.environ`` once a process runs
+(tests/unit/test_environment_writes.py): glibc's ``setenv`` is not safe
+against another thread's ``getenv``, so it is used only where a child
+starts (vLLM's engine process), and, until issue 62 settles the weight
+group's error handling, around building the NCCL weight group, whose
+settings torch reads from the environment per group."""
 
 from __future__ import annotations
 
@@ -10,11 +15,15 @@ from collections.abc import Iterator, Mapping
 
 
 @contextlib.contextmanager
-def environment(changes: Mapping[str, str]) -> Iterator[None]:
-    """``changes`` set inside; each variable restored after, or removed if
-    it was not set."""
+def environment(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """``changes`` set inside (None: unset); each variable restored after,
+    or removed if it was not set."""
     saved = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         yield
     finally:

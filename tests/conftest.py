@@ -224,12 +224,14 @@ def tiny_llm_float32(tiny_model_dir: Path):
     """An offline vLLM engine (CPU build, float32) on the tiny model; shut
     down at the end of the session, engine processes included."""
     from actors.config import EngineConfig
-    from actors.engine import engine_kwargs, quiet_vllm_logging
+    from actors.engine import engine_kwargs, engine_process_started, quiet_vllm_logging
 
     quiet_vllm_logging()
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(str(tiny_model_dir), EngineConfig(dtype="float32")))
+    config = EngineConfig(dtype="float32")
+    with engine_process_started(config):
+        llm = LLM(**engine_kwargs(str(tiny_model_dir), config))
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from actors.config import EngineConfig
-from actors.engine import engine_kwargs
+from actors.engine import engine_environment, engine_kwargs, engine_process_started
 from tests.processes import VENV_BIN, run_command
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -76,15 +76,20 @@ def test_engine_arguments_pass_through_and_collisions_are_refused(tiny_model_dir
 def test_an_eager_cpu_engine_is_started_without_compilation_unless_asked(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM compiles sampler helpers even when eager; an eager engine on CPU
-    is started with torch.compile off (an explicit setting wins)."""
+    is started with torch.compile off (an explicit setting wins), and only
+    while it starts: building its arguments changes nothing."""
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    engine_kwargs(str(tiny_model_dir), EngineConfig(enforce_eager=False))
+    before = dict(os.environ)
+    engine_kwargs(str(tiny_model_dir), EngineConfig())
+    assert dict(os.environ) == before
+    assert "TORCH_COMPILE_DISABLE" not in engine_environment(EngineConfig(enforce_eager=False),
+                                                             on_cpu=True)
+    assert engine_environment(EngineConfig(), on_cpu=True)["TORCH_COMPILE_DISABLE"] == "1"
+    with engine_process_started(EngineConfig()):
+        assert os.environ["TORCH_COMPILE_DISABLE"] == "1"
     assert "TORCH_COMPILE_DISABLE" not in os.environ
-    engine_kwargs(str(tiny_model_dir), EngineConfig())
-    assert os.environ["TORCH_COMPILE_DISABLE"] == "1"
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
-    engine_kwargs(str(tiny_model_dir), EngineConfig())
-    assert os.environ["TORCH_COMPILE_DISABLE"] == "0"
+    assert "TORCH_COMPILE_DISABLE" not in engine_environment(EngineConfig(), on_cpu=True)
 
 
 REMOTE_CONFIG = '''

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from actors.config import EngineConfig
-from actors.engine import SOCKET_FOLDER_PREFIX, engine_kwargs
+from actors.engine import SOCKET_FOLDER_PREFIX, engine_environment, engine_process_started
 
 ROOT = Path(__file__).parents[2]
 
@@ -110,5 +110,6 @@ def test_a_tmpdir_too_deep_for_socket_paths_leaves_vllm_s_default(tmp_path: Path
 def test_engine_arguments_keep_an_explicit_socket_path(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
-    engine_kwargs(str(tiny_model_dir), EngineConfig())
-    assert os.environ["VLLM_RPC_BASE_PATH"] == str(tmp_path)
+    assert "VLLM_RPC_BASE_PATH" not in engine_environment(EngineConfig(), on_cpu=True)
+    with engine_process_started(EngineConfig()):
+        assert os.environ["VLLM_RPC_BASE_PATH"] == str(tmp_path)
