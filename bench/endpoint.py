@@ -70,6 +70,14 @@ class BenchHost:
     async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
         self.last_close = time.perf_counter()
 
+    @property
+    def segments(self) -> BenchHost:
+        """Where the sessions' rollouts go: this host, which keeps their requests."""
+        return self
+
+    async def send_abandon(self, rollout_id: str) -> None:
+        """Never called: a session's abandon goes through :meth:`close_rollout`."""
+
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: ClosedSegment, result: EpisodeResult | None) -> None:
         requests = self.requests.setdefault(rollout_id, [])

@@ -186,12 +186,18 @@ except ImportError:  # torch before 2.6, which the GPU machine may have, names F
         register_fsdp_forward_method,
     )
 
-# The learner's own kernels and losses, torch only (learner/chunked_logprobs.py,
-# learner/losses.py), from the checkout this script lies in: what the learner
-# part times is what the learner runs, not a copy that can drift from it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from learner.chunked_logprobs import ChunkedLogprobs  # noqa: E402
-from learner.losses import policy_loss, value_loss  # noqa: E402
+# The learner's own kernel and losses, torch only (learner/chunked_logprobs.py,
+# learner/losses.py), from the checkout (installed, or PYTHONPATH=.): what the
+# learner part times is what the learner runs, not a copy that can drift.
+try:
+    from learner.chunked_logprobs import ChunkedLogprobs
+    from learner.losses import policy_loss, value_loss
+except ModuleNotFoundError as missing:
+    LEARNER_UNAVAILABLE: str | None = (
+        f"skipped: the project's learner package is not importable ({missing}); run from the "
+        "checkout's root with PYTHONPATH=.")
+else:
+    LEARNER_UNAVAILABLE = None
 
 DTYPE = torch.bfloat16
 DRY_RUN_DIVISOR = 32
@@ -1613,6 +1619,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def learner_report(args: argparse.Namespace, device: str, out: Path,
                    started: float) -> dict[str, Any]:
+    if LEARNER_UNAVAILABLE:
+        return {"errors": 0, "skipped": LEARNER_UNAVAILABLE, "budget_s": args.budget_s}
     plan = DRY_RUN_PLAN if args.dry_run else GPU_PLAN
     plan = LearnerPlan(**{**asdict(plan), "steps": args.learner_steps or plan.steps,
                           "lengths": tuple(sorted(args.lengths or plan.lengths))})

@@ -32,14 +32,22 @@ def scraped_stall(metrics: ActorMetrics) -> dict[str, float]:
 async def _never_credited() -> None:
     metrics, stopping = ActorMetrics(), asyncio.Event()
 
-    async def tell_replay() -> None:
-        pass
+    class Host:
+        """An actor whose weights are always fresh and whose replay grants nothing."""
+
+        def __init__(self) -> None:
+            self.metrics, self.stopping = metrics, stopping
+            self.replay_link = SimpleNamespace(credits=CreditAccount())
+            self.in_flight, self.weights = InFlight("actor", 1), LearnerView()
+
+        def weights_fresh(self) -> bool:
+            return True
+
+        async def tell_replay(self) -> None:
+            pass
 
     # no engine, chat or episode is reached: no credit ever comes
-    slots = EpisodeSlots(ActorConfig(), 0, None, None, metrics,  # type: ignore[arg-type]
-                         SimpleNamespace(credits=CreditAccount()),  # type: ignore[arg-type]
-                         InFlight("actor", 1), LearnerView(), lambda: True, stopping,
-                         tell_replay)
+    slots = EpisodeSlots(ActorConfig(), 0, None, None, Host())  # type: ignore[arg-type]
     slots.start(SLOTS)
     await asyncio.sleep(WAIT_S)
     during = scraped_stall(metrics)
