@@ -63,8 +63,9 @@ from actors.engine import Engine
 from actors.learner_link import LearnerLink
 from actors.metrics import ActorMetrics
 from actors.preflight import check_episode_setup
-from actors.recording_endpoint import EndpointError, RecordingEndpoint, serve_until
+from actors.recording_endpoint import RecordingEndpoint, serve_until
 from actors.replay_link import ReplayLink
+from actors.session_rollouts import SessionRollouts
 from actors.slots import EpisodeSlots, InFlight
 from actors.state import Incarnation, LearnerView
 from ops.metrics import Health, MetricsServer, PortInUse, port_in_use
@@ -139,8 +140,11 @@ async def run_actor(settings: ActorSettings) -> int:
 
 
 class Actor:
-    """Concurrent episodes on one engine; the replay link's and the learner
-    link's handler tables over the socket-free state of actors/state.py."""
+    """Concurrent episodes on one engine (its slots) or a harness's sessions
+    (the recording endpoint's :class:`SessionRollouts`); the replay link's and
+    the learner link's handler tables over the socket-free state of
+    actors/state.py. It is the :class:`EpisodeHost` of both and the owner of
+    its incarnation."""
 
     def __init__(self, settings: ActorSettings, engine: Engine, replay: ClientEndpoint,
                  learner: ClientEndpoint | None) -> None:
@@ -175,7 +179,8 @@ class Actor:
         self.stopping = asyncio.Event()
         """Set on SIGTERM or Ctrl-C, or when the engine died: no episode starts."""
         self.slots = EpisodeSlots(self.config, settings.run_seed, engine, self.chat, self)
-        self.endpoint = (RecordingEndpoint(self, settings.model)
+        self.endpoint = (RecordingEndpoint(SessionRollouts(self.config, self.chat, engine, self),
+                                           settings.model)
                          if self.config.endpoint.enabled else None)
         self._ending_sessions: asyncio.Task | None = None
         self.engine_died = False
@@ -284,44 +289,6 @@ class Actor:
         if self.learner_endpoint is None:
             return True
         return self.learner_endpoint.registered.is_set() and self.weights.fresh(self.engine.version)
-
-    @property
-    def segments(self) -> ReplayLink:
-        """Where a harness session's rollout goes (its :class:`RolloutWriter`)."""
-        return self.replay_link
-
-    # ------------------------------------------------------------------ harness sessions
-
-    @property
-    def policy(self) -> Engine:
-        return self.engine
-
-    async def open_rollout(self) -> str:
-        """A harness session's rollout, started like an episode: with weights
-        fresh enough and a credit, or refused (429, the harness retries)."""
-        if self.stopping.is_set():
-            raise EndpointError(503, "stopping", "the actor is stopping")
-        if not self.weights_fresh():
-            raise EndpointError(429, "weights_behind", "the actor's weights are more than "
-                                "max_staleness versions behind the learner's: retry shortly")
-        if not self.replay_link.credits.spend():
-            raise EndpointError(429, "no_credit", "no rollout credit is free: retry shortly")
-        self.metrics.credits_held.set(self.replay_link.credits.credits)
-        self.in_flight.begun()
-        self.metrics.active_rollouts.inc()
-        await self.tell_replay()
-        return self.in_flight.next_rollout()[1]
-
-    async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
-        """A harness session ended; ``abandoned``: without a reward, so the
-        replay drops the rollout and returns its credit. A rollout of an
-        incarnation already declared dead is not told: the replay expired it."""
-        self.in_flight.finished()
-        self.metrics.active_rollouts.dec()
-        if abandoned:
-            self.metrics.abandoned_rollouts.inc()
-            if self.in_flight.ours(rollout_id):
-                await self.replay_link.send_abandon(rollout_id)
 
     # ------------------------------------------------------------------ both links
 
