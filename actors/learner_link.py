@@ -43,6 +43,9 @@ from protocol.transport import CurveConfig
 
 log = logging.getLogger("compactionrl.actor")
 
+#: How often ``leave`` looks whether the load it waits for ended (or its engine died).
+LEAVE_POLL_S = 0.05
+
 
 class LearnerLink:
     """The learner link's handler table and its weight loading."""
@@ -91,8 +94,11 @@ class LearnerLink:
         process exits and waiting out its heartbeats."""
         if self._loading.locked():
             try:
-                async with asyncio.timeout(max(0.0, timeout_s)), self._loading:
-                    pass
+                async with asyncio.timeout(max(0.0, timeout_s)):
+                    # a load into an engine that died (the stop's signal reached
+                    # its process too) never ends: no wait for it
+                    while self._loading.locked() and not self.engine.dead:
+                        await asyncio.sleep(LEAVE_POLL_S)
             except TimeoutError:
                 log.warning("a weight load is under way: leaving without waiting for it")
         self.left = True

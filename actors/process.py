@@ -241,7 +241,7 @@ class Actor:
             await asyncio.wait_for(self.replay_link.outbox.empty.wait(),
                                    max(0.0, deadline - time.monotonic()))
         if self.learner_link is not None:  # a dead engine's load never ends: no wait for it
-            await self.learner_link.leave(0.0 if self.engine_died else deadline - time.monotonic())
+            await self.learner_link.leave(0.0 if self.engine.dead else deadline - time.monotonic())
         for task in background:
             task.cancel()
         await asyncio.gather(*background, *slots, return_exceptions=True)
@@ -272,6 +272,12 @@ class Actor:
         publication to its weight group."""
         while not self.engine.dead:
             await asyncio.sleep(ENGINE_CHECK_S)
+        if self.stopping.is_set():
+            # asked to stop first: the signal reached the engine's process too
+            # (a process group's or a unit's stop), and the stop goes on as asked
+            log.info("the vLLM engine ended while the actor was stopping")
+            await self.slots.give_up()
+            return
         log.error("the vLLM engine died: giving up %d rollouts in flight; exiting with code "
                   "%d for a restart", len(self.slots.open_rollouts), ENGINE_DIED_EXIT)
         self.engine_died = True
