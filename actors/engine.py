@@ -38,6 +38,7 @@ from actors.context import Generation
 from protocol import NO_COMPLETE_VERSION, GroupInfo, WeightManifest
 from protocol.environment import environment
 from protocol.transport import CurveConfig
+from protocol.weights_collective import weight_member_environment
 
 
 def quiet_vllm_logging() -> None:
@@ -244,7 +245,10 @@ def engine_environment(config: EngineConfig, on_cpu: bool) -> dict[str, str | No
     compiles nothing (``TORCH_COMPILE_DISABLE``: vLLM still compiles a few
     sampler helpers with inductor, a C++ build and a loader process per
     kernel, about 3 s of each start here, for the same tokens); explicit
-    settings of those two win. Then :func:`engine_process_env`'s."""
+    settings of those two win. Then what a process that may join an NCCL
+    weight group starts with (the engine's worker joins it:
+    :func:`protocol.weights_collective.weight_member_environment`), and
+    :func:`engine_process_env`'s."""
     changes: dict[str, str | None] = {}
     chosen = os.environ.get("VLLM_RPC_BASE_PATH")
     if chosen is None or Path(chosen).name.startswith(SOCKET_FOLDER_PREFIX):
@@ -257,7 +261,7 @@ def engine_environment(config: EngineConfig, on_cpu: bool) -> dict[str, str | No
             changes["OMP_WAIT_POLICY"] = "PASSIVE"
         if config.eager(on_gpu=False) and "TORCH_COMPILE_DISABLE" not in os.environ:
             changes["TORCH_COMPILE_DISABLE"] = "1"
-    return changes | engine_process_env(config, on_cpu)
+    return changes | weight_member_environment() | engine_process_env(config, on_cpu)
 
 
 def engine_process_env(config: EngineConfig, on_cpu: bool) -> dict[str, str]:
@@ -307,6 +311,14 @@ def passed_through(extra_args: dict[str, Any], set_here: set[str]) -> dict[str, 
     return dict(extra_args)
 
 
+log = logging.getLogger("compactionrl.actor")
+
+
+class EngineHung(Exception):
+    """The engine did not finish a weight join or load within its bound
+    (actors/learner_link.py ``load_bound_s``)."""
+
+
 class Engine:
     """An ``AsyncLLM`` with the actor's sampling settings and policy version."""
 
@@ -318,6 +330,8 @@ class Engine:
         self.config = config
         self.version = 0
         """Policy version of the loaded weights (0 = the starting model)."""
+        self.hung: str | None = None
+        """Why the engine counts as hung (:meth:`declare_hung`); None while it answers."""
         self._request_ids = itertools.count()
         self._cache_epoch = 0
         # new requests' prefix-cache salt is f"weights-{epoch}" (kv_plan)
@@ -354,8 +368,16 @@ class Engine:
     @property
     def dead(self) -> bool:
         """The engine core has died (vLLM's monitor saw its process exit, or
-        a request met a dead core): nothing can be generated again here."""
-        return bool(self._llm.errored)
+        a request met a dead core), or hangs (:meth:`declare_hung`): nothing
+        can be generated again here."""
+        return bool(self._llm.errored) or self.hung is not None
+
+    def declare_hung(self, reason: str) -> None:
+        """The engine stopped answering (``reason``: what it did not finish in
+        time): it counts as dead from now on, so that the actor stops for a
+        restart rather than stay a member that fails every publication."""
+        log.error("the vLLM engine hangs: %s", reason)
+        self.hung = reason
 
     def dtype(self) -> str:
         """The dtype the engine runs (``bfloat16``; resolved where the config

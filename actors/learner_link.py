@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from actors.config import ActorConfig
-from actors.engine import Engine
+from actors.engine import Engine, EngineHung
 from actors.metrics import ActorMetrics
 from actors.state import Incarnation, LearnerView
 from protocol import (
@@ -35,16 +35,37 @@ from protocol import (
     MemberWelcome,
     Message,
     ProtocolError,
+    WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
 )
 from protocol.endpoint import ClientEndpoint
 from protocol.transport import CurveConfig
+from protocol.weights import nbytes_of
 
 log = logging.getLogger("compactionrl.actor")
+T = TypeVar("T")
 
 #: How often ``leave`` looks whether the load it waits for ended (or its engine died).
 LEAVE_POLL_S = 0.05
+#: A join and a load each get this many of the group's deadlines (the join's
+#: own, the first broadcast's, and the pause and finish around them) ...
+LOAD_DEADLINES = 3
+#: ... plus the publication's bytes at this rate, far below any transport's
+#: (the slowest measured, gloo between two processes on this 2-core machine,
+#: moves hundreds of MB/s).
+SLOWEST_LOAD_BYTES_PER_S = 50e6
+
+
+def load_bound_s(manifest: WeightManifest, timeout_s: float) -> float:
+    """How long joining a generation, and then loading a publication of
+    ``manifest``, may each take before the engine counts as hung. Every
+    broadcast the engine waits for has its own deadline (``timeout_s``) and
+    a generation the learner gives up is abandoned, which ends the wait at
+    once; an engine that answers neither within this is stuck itself, and is
+    treated as dead (the actor exits for a restart) instead of holding every
+    later publication of its lane back by a deadline."""
+    return LOAD_DEADLINES * timeout_s + sum(map(nbytes_of, manifest.tensors)) / SLOWEST_LOAD_BYTES_PER_S
 
 
 class LearnerLink:
@@ -140,16 +161,21 @@ class LearnerLink:
             group = (learner_incarnation, announce.group.generation)
             if group == self.weights.group and announce.version <= self.engine.version:
                 continue  # announced again after a reconnect, and loaded already
+            bound_s = load_bound_s(announce.manifest, announce.group.timeout_s)
             try:
                 async with self._loading:
                     if self.left:  # announced before the learner read the goodbye
                         continue
                     if group != self.weights.group:
                         self.weights.group = None
-                        await self.engine.join_weight_group(announce.group, self.curve)
+                        await self._bounded(self.engine.join_weight_group(
+                            announce.group, self.curve), bound_s, "joining a weight group")
                         self.weights.group = group
-                    times = await self.engine.load_weights(
-                        announce.version, announce.manifest, self.config.kv_on_update)
+                    times = await self._bounded(self.engine.load_weights(
+                        announce.version, announce.manifest, self.config.kv_on_update),
+                        bound_s, f"loading version {announce.version}")
+            except EngineHung:
+                return  # the actor stops for a restart (its engine counts as dead)
             except Exception as exc:  # a member died, a timeout: wait for the next one
                 self.weights.group = None
                 self.metrics.weight_failures.inc()
@@ -166,3 +192,19 @@ class LearnerLink:
                      announce.version, times.load_seconds, times.stall_seconds)
             await self.link.send(WeightsLoaded(
                 **self.incarnation.header(), version=announce.version, seconds=times.load_seconds))
+
+    async def _bounded(self, call: Coroutine[Any, Any, T], bound_s: float, what: str) -> T:
+        """``call``'s result, unless it takes longer than ``bound_s``: then the
+        engine is declared hung (:meth:`Engine.declare_hung`: it counts as
+        dead from then on) and :class:`EngineHung` raised. A ``TimeoutError``
+        of the engine's own (a broadcast's deadline) passes as it is: the
+        engine answered."""
+        bound = asyncio.timeout(bound_s)
+        try:
+            async with bound:
+                return await call
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            self.engine.declare_hung(f"{what} took longer than {bound_s:.0f} s")
+            raise EngineHung(what) from None

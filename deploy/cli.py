@@ -181,6 +181,7 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from learner.checkpoint import CheckpointNotFound, select_checkpoint
     from learner.settings import LearnerSettings
+    from protocol.weights_collective import weight_member_environment
 
     config = load_config(args.config, overrides)
     run_dir = Path(config.run.out_dir) / config.run.name
@@ -204,7 +205,11 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     path.write_bytes(msgspec.json.encode(settings))
     command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(config.learner),
                "-m", "learner", "--settings", str(path)]
-    os.execv(command[0], command)  # torchrun takes over this process (and its signals)
+    # torchrun takes over this process (and its signals); its ranks inherit
+    # what rank 0's weight group needs from the start (torchrun passes the
+    # error handling on instead of its own default)
+    os.execve(command[0], command,
+              {**os.environ, **weight_member_environment(config.learner.weight_timeout_s)})
 
 
 def torchrun_args(learner: LearnerConfig) -> list[str]:

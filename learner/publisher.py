@@ -11,8 +11,11 @@ Every learner rank calls :meth:`WeightPublisher.publish` at the same point
 3. forms new group generations if the member set changed (or the last
    publication failed), announcing ``WeightsAnnounce`` to each member first,
    since members join when they read it;
-4. gathers the policy's parameters one at a time and feeds each to every
-   lane (one bucket at most held per lane beyond the tensor being gathered).
+4. gathers the policy's parameters one at a time, cast to the lanes' wire
+   dtype before the gather where every lane has the same one
+   (:func:`gather_dtype`: bf16 engines get bf16 over NVLink, half the bytes
+   of fp32 masters), and feeds each to every lane (one bucket at most held
+   per lane beyond the tensor being gathered).
 
 A member that dies or stalls makes the join or a broadcast of its lane fail
 within ``weight_timeout_s`` (an explicit completion wait, then the group is
@@ -23,6 +26,9 @@ generation as late as the learner gives up on it); rank 0 keeps feeding the
 other lanes and taking part in the remaining gathers (the other ranks are in
 them), counts the failure, and the next publication forms a new generation
 with the members still alive. The learner never hangs on an actor.
+Rank 0 serves the lanes in turn from one thread, so a lane whose member
+stalls holds the others back until it fails; each member's deadline covers
+that (:func:`member_timeout_s`).
 
 Gathering and broadcasting are pipelined per tensor; the publication itself
 runs between optimiser steps (training resumes when the last bucket is sent;
@@ -98,6 +104,34 @@ class Lane:
     world_size: int
     generation: int = 0
     group: WeightChannel | None = None
+
+
+def member_timeout_s(weight_timeout_s: float, lanes: int) -> float:
+    """A member's bound on joining its lane's generation and on each of its
+    broadcasts. Rank 0 serves every lane from one thread, one bucket at a
+    time across them: a lane whose member stalls holds the others back for up
+    to ``weight_timeout_s`` (rank 0's own bound, then the lane is failed and
+    skipped), and so on for each such lane. A member of a healthy lane
+    waits through all of them without failing itself."""
+    return weight_timeout_s * max(1, lanes)
+
+
+#: The dtypes a gather may travel in, by index: rank 0 tells the other ranks
+#: which one with a single integer.
+GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def gather_dtype(wire_dtypes: list[torch.dtype], trained: torch.dtype) -> torch.dtype:
+    """What floating-point shards are cast to before they are gathered: the
+    wire dtype of every lane where they share one (a cast commutes with the
+    gather, so the bytes delivered are the same, and the gather moves half of
+    them for bf16 engines of fp32 masters); else (lanes of several dtypes,
+    or one this gather does not carry) the trained dtype, which each lane
+    converts from."""
+    distinct = set(wire_dtypes)
+    if len(distinct) == 1 and (shared := distinct.pop()) in GATHER_DTYPES:
+        return shared
+    return trained
 
 
 def plan_lanes(members: list[Member], trained: torch.dtype) -> list[Lane]:
@@ -178,8 +212,10 @@ class WeightPublisher:
         if not self.agree(len(formed)):
             self.metrics.publications.labels("failed").inc()
             return False
+        cast = GATHER_DTYPES[self.agree(GATHER_DTYPES.index(
+            gather_dtype([lane.dtype for lane in formed], self.trained_dtype)))]
         self._gather_seconds = 0.0
-        gathered = self._gathered()
+        gathered = self._gathered(cast)
         if self.rank != 0:
             for _ in gathered:
                 pass
@@ -236,7 +272,8 @@ class WeightPublisher:
                 announcements.append((member, manifest, GroupInfo(
                     generation=lane.generation, master_addr=self.host, master_port=self.port,
                     world_size=lane.world_size, rank=base, backend=self.backend,
-                    timeout_s=self.config.weight_timeout_s)))
+                    timeout_s=member_timeout_s(self.config.weight_timeout_s,
+                                               len(self.lanes)))))
         self.control.announce(version, announcements)
         if new:
             for lane in self.lanes:
@@ -256,11 +293,15 @@ class WeightPublisher:
     def _give_up(self, lane: Lane) -> str | None:
         return reason_to_give_up(lane, self.control.members(), self.stopping())
 
-    def _gathered(self) -> Iterator[torch.Tensor]:
+    def _gathered(self, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         """Full tensors, one at a time, in manifest order (a collective per
-        tensor), adding the time spent to ``_gather_seconds``."""
+        tensor), floating-point ones cast to ``dtype`` before the gather,
+        adding the time spent to ``_gather_seconds``."""
         for _, parameter in self.parameters:
             began = time.perf_counter()
-            full = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+            shard = parameter.detach()
+            if shard.is_floating_point():
+                shard = shard.to(dtype)
+            full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
             self._gather_seconds += time.perf_counter() - began
-            yield full.detach()
+            yield full

@@ -3,9 +3,7 @@ inherits them, and the caller's own settings come back after. The one place
 the project writes ``os.environ`` once a process runs
 (tests/unit/test_environment_writes.py): glibc's ``setenv`` is not safe
 against another thread's ``getenv``, so it is used only where a child
-starts (vLLM's engine process), and, until issue 62 settles the weight
-group's error handling, around building the NCCL weight group, whose
-settings torch reads from the environment per group."""
+starts (vLLM's engine process)."""
 
 from __future__ import annotations
 

@@ -11,32 +11,34 @@ serves both backends. Past the deadline the communicator is aborted
 (``ncclCommAbort`` on NCCL) and :class:`TransferFailed` raised; the process
 stays healthy.
 
-NCCL's own watchdog must never act first: by default (torchrun sets
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) it tears the process down when a
-collective outlives the group's timeout, which would kill learner rank 0
-whenever an actor dies mid-publication. The weight group alone is built with
-error handling that only cleans up (:func:`nccl_error_handling`; the
-variable is read when a group is built) and a timeout far above the
-project's deadline (:func:`nccl_watchdog_timeout_s`). Every member joins
-through the store first (``WeightChannel._join``), with our deadline: NCCL
-creates its communicator inside the first collective, which has none. An
-aborted NCCL group is never destroyed, an aborted gloo group not before its
-pending operation timed out (:func:`retire`): either destructor joins a
-thread that may still be waiting.
+NCCL's own watchdog must never act first, and no other group may end the
+process for the weight group's failure (docs/weights.md "NCCL error
+handling"). Torch reads both from the environment as each group is built,
+so every process that may join a weight group starts with
+:func:`weight_member_environment` (the learner's ranks through
+``compactionrl learner``, each engine through ``actors/engine.py``), and an
+NCCL weight group refuses to form in a process without it
+(:func:`nccl_environment_problem`). Its timeout is far above the project's
+deadline (:func:`nccl_watchdog_timeout_s`). Every member joins through the
+store first (``WeightChannel._join``), with our deadline: NCCL creates its
+communicator inside the first collective, which has none. An aborted NCCL
+group is never destroyed, an aborted gloo group not before its pending
+operation timed out (:func:`retire`): either destructor joins a thread that
+may still be waiting.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import math
+import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from protocol.environment import environment
 from protocol.messages import TensorSpec
 from protocol.weights import (
     ABANDONED_POLL_S,
@@ -53,8 +55,25 @@ from protocol.weights_store import StoreClient
 NCCL_ERROR_HANDLING_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 #: ``CleanUpOnly`` in ProcessGroupNCCL.hpp: abort the failed group's
 #: communicators and leave the process running (3, ``SkipCleanUp``, and 1,
-#: ``TearDown``, end the process).
+#: ``TearDown``, torchrun's default for its ranks, end the process).
 NCCL_CLEAN_UP_ONLY = "2"
+#: Whether a group's watchdog, on a failed or timed-out collective, dumps:
+#: every group's watchdog raises a process-wide dump flag when one of its
+#: collectives fails, and the monitor of the process's first group, where
+#: this is on, acts on it (or on a dump key in its store): it dumps, waits
+#: ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (480 s) and ends the process. Off
+#: from the start, the first group never acts on another group's failure.
+NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+#: A failing group's watchdog sleeps 4 times this many milliseconds (60 s
+#: by default) before it aborts the group's communicators, and a group's
+#: destructor waits for that sleep: at 250, one second.
+NCCL_DUMP_WAIT_MS = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+#: How long, in whole seconds, torch waits for a non-blocking communicator
+#: to become ready before it raises (read once per process; 1800 by default).
+NCCL_INIT_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+#: What a process that may join an NCCL weight group must start with.
+NCCL_MEMBER_REQUIRED = {**dict.fromkeys(NCCL_ERROR_HANDLING_VARIABLES, NCCL_CLEAN_UP_ONLY),
+                        NCCL_DUMP_ON_TIMEOUT: "0"}
 #: The weight group's NCCL timeout, in multiples of the project's deadline:
 #: the watchdog acts only long after :func:`wait_within` has aborted.
 NCCL_WATCHDOG_FACTOR = 10
@@ -65,14 +84,41 @@ def nccl_watchdog_timeout_s(deadline_s: float) -> float:
     return NCCL_WATCHDOG_FACTOR * deadline_s
 
 
-@contextlib.contextmanager
-def nccl_error_handling(mode: str = NCCL_CLEAN_UP_ONLY) -> Iterator[None]:
-    """Build a ProcessGroupNCCL inside: the error-handling variables (both
-    names, so that neither overrides the other) say ``mode`` meanwhile, and
-    are restored after. Only that group is affected: the learner's own
-    training group keeps what torchrun set."""
-    with environment(dict.fromkeys(NCCL_ERROR_HANDLING_VARIABLES, mode)):
-        yield
+def weight_member_environment(deadline_s: float = GROUP_TIMEOUT_S) -> dict[str, str]:
+    """What a process that may join an NCCL weight group with a deadline of
+    ``deadline_s`` starts with, on top of its parent's (and over any setting
+    of the same names). Torch reads these as each group is built (the init
+    timeout once per process), so they hold for the process's other groups
+    too (the learner's training group, vLLM's world group):
+
+    - error handling ``CleanUpOnly`` (both names, so neither overrides the
+      other): a failed collective aborts its own group's communicators and
+      the process goes on. In the training group a failure then surfaces as
+      an error of the next collective the step waits for, and the learner
+      exits with it, instead of the watchdog ending the process;
+    - no dump on timeout: the first group's monitor never ends the process
+      for another group's failure (it still ends a process whose own
+      watchdog hangs);
+    - a failing group's watchdog waits 1 s, not 60, before its clean-up, so
+      a process that stops soon after a failure is not held by it;
+    - a communicator that does not become ready within ``deadline_s`` (a
+      member died between the join and the first broadcast) raises, where
+      the weight group creates it (:class:`WeightGroup`)."""
+    return {**NCCL_MEMBER_REQUIRED, NCCL_DUMP_WAIT_MS: "250",
+            NCCL_INIT_TIMEOUT: str(max(1, math.ceil(deadline_s)))}
+
+
+def nccl_environment_problem(environ: Mapping[str, str]) -> str | None:
+    """Why a process started with ``environ`` must not build an NCCL weight
+    group (None: it may): a member's death would end it, now or minutes
+    later."""
+    wrong = {name: environ.get(name) for name, value in NCCL_MEMBER_REQUIRED.items()
+             if environ.get(name) != value}
+    if not wrong:
+        return None
+    return (f"this process started with {wrong}, not {NCCL_MEMBER_REQUIRED}: a weight "
+            "group's failure could end it (docs/weights.md \"NCCL error handling\"); start it "
+            "through `compactionrl learner` / `compactionrl actor`")
 
 
 #: Aborted groups kept referenced (:func:`retire`), each with when it may go:
@@ -87,11 +133,15 @@ def retire(group: object, backend: str, timeout_s: float) -> None:
     referenced while destroying it could block. Either backend's destructor
     joins a thread of the group's:
 
-    - NCCL: its watchdog, which after a peer's death may log its clean-up a
-      minute after its flight-recorder dump signal (measured on an H200,
-      docs/weights.md "Run on an H200", where such a member did not join the
-      next generation in time). Kept for the process's life: one group
-      object a failure, its communicators aborted. Not yet run on a GPU.
+    - NCCL: its watchdog, which after a peer's death sleeps before its
+      clean-up (60 s by default: a member that did not join the next
+      generation in time on an H200, docs/weights.md "Run on an H200"; 1 s
+      with :func:`weight_member_environment`), and which never ends if an
+      operation never completes. Never destroyed, not even at the
+      interpreter's exit (a reference nobody drops): stopping never waits on
+      it. What it keeps is small: its tensors were released at the abort
+      (:func:`releases_on_abort`), its communicators aborted, its threads
+      ended with them. Not yet run on a GPU.
     - gloo: the worker thread of the broadcast pending at the abort, which
       ``abort()`` does not end (gloo's abort is a no-op here); it ends at
       the group's own timeout. Dropped at once, the group blocked whoever
@@ -103,8 +153,34 @@ def retire(group: object, backend: str, timeout_s: float) -> None:
     now = time.monotonic()
     RETIRED_GROUPS[:] = [(kept, until) for kept, until in RETIRED_GROUPS if until > now]
     if not any(kept is group for kept, _ in RETIRED_GROUPS):
+        if backend == "nccl":
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         until = math.inf if backend == "nccl" else now + timeout_s + GLOO_RELEASE_GRACE_S
         RETIRED_GROUPS.append((group, until))
+
+
+def releases_on_abort(backend: str) -> bool:
+    """Whether the tensors of a broadcast pending at an abort are released
+    then (:func:`release`), or kept until the operation ends:
+
+    - NCCL: a work keeps its tensors until it is waited for, and one that
+      completes unwaited has them moved to its group's list of tensors to
+      release, emptied only by that group's next collective: a retired group
+      has none, so each failure would keep a bucket on the GPU for the
+      process's life. ``wait()`` on the aborted work releases them (it
+      orders streams and never blocks the host).
+    - gloo: ``wait()`` blocks until the operation ends, which after an abort
+      is the group's timeout; its tensors go with the group then (:func:`retire`)."""
+    return backend == "nccl"
+
+
+def release(work: dist.Work) -> None:
+    """Release what ``work`` keeps of an aborted group (NCCL: its tensors),
+    whatever its outcome."""
+    try:
+        work.wait()
+    except RuntimeError:  # the collective failed: it was aborted
+        pass
 
 
 def wait_within(work: dist.Work, deadline: float,
@@ -142,13 +218,20 @@ class WeightGroup(WeightChannel):
         # the generation's store view is kept: the group's C++ side calls into it
         super().__init__(store, generation, world_size, rank, timeout_s, cancelled)
         self.backend = backend
+        if backend == "nccl" and (problem := nccl_environment_problem(os.environ)):
+            raise TransferFailed(problem)
         self._join(backend)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timedelta(seconds=nccl_watchdog_timeout_s(timeout_s))
-            with nccl_error_handling():
-                self._group = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
+            # Non-blocking: the communicator is created now, without holding
+            # the host; the first broadcast waits for it within the process's
+            # init timeout (weight_member_environment), so a member that died
+            # after the join fails that broadcast instead of hanging it.
+            options.config.blocking = 0
+            self._group = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
             self.device = torch.device("cuda", torch.cuda.current_device())
+            self._group.eager_connect_single_device(self.device)
         else:
             self._group = dist.ProcessGroupGloo(self._store, rank, world_size,
                                                 timedelta(seconds=timeout_s))
@@ -177,12 +260,12 @@ class WeightGroup(WeightChannel):
         if self._pending is None:
             return
         work, _, deadline = self._pending
-        self._pending = None  # the tensor may be freed once the work has completed
         try:
             wait_within(work, deadline, self.given_up)
         except (RuntimeError, TimeoutError) as exc:  # torch's DistError is a RuntimeError
             self.abort()
             raise TransferFailed(f"generation {self.generation}: {exc}") from exc
+        self._pending = None  # the tensor may be freed: the work has completed
 
     # a tensor travelling alone is broadcast as it is: packing would only add a copy
     def _send_tensor(self, tensor: torch.Tensor) -> None:
@@ -205,8 +288,11 @@ class WeightGroup(WeightChannel):
         return flat
 
     def abort(self) -> None:
+        pending, self._pending = self._pending, None
         try:
             self._group.abort()
         except RuntimeError:
             pass
+        if pending is not None and releases_on_abort(self.backend):
+            release(pending[0])
         retire(self._group, self.backend, self.timeout_s)

@@ -208,3 +208,32 @@ def replay_client(address: str, timeout_s: float = 60.0,
     metrics = LearnerMetrics()
     return ReplayClient(address, transport or TransportConfig(), timeout_s,
                         metrics.replay_client()), metrics
+
+
+class ControlServer:
+    """A learner's control socket, scripted: reads what actors send and
+    answers the one that spoke last."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.stamp = Stamp("learner", time.time_ns())
+        self.peer = b""
+
+    def receive(self, timeout_ms: int = 5000) -> Message:
+        assert self.socket.poll(timeout_ms), "nothing from an actor"
+        self.peer, frame = self.socket.recv_multipart()
+        return decode(frame, 1 << 20)
+
+    def receive_until(self, kind: type[Message], timeout_s: float) -> Message:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0, f"no {kind.__name__} from an actor"
+            if isinstance(message := self.receive(left_ms), kind):
+                return message
+
+    def send(self, message_type: type, **fields: object) -> None:
+        self.socket.send_multipart([self.peer, encode(message_type(**self.stamp.next(),
+                                                                   **fields))])

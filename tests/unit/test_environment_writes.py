@@ -2,7 +2,7 @@
 other threads (glibc's ``setenv`` against a concurrent ``getenv`` can
 crash): each write is in one of a few places that run at a process's start,
 and settings meant for a child go through ``protocol.environment`` around
-that child's start."""
+that child's start, or are passed to ``exec``."""
 
 from __future__ import annotations
 
@@ -23,9 +23,6 @@ WRITERS = {
 #: Where ``protocol.environment.environment`` is used, and why.
 USERS = {
     "actors/engine.py:engine_process_started": "vLLM's engine process starts meanwhile",
-    "protocol/weights_collective.py:nccl_error_handling":
-        "torch reads the NCCL group's error handling from the environment as the group is "
-        "built (issue 62 revisits it)",
 }
 WRITING_METHODS = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__"}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -25,9 +26,13 @@ from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
     GLOO_RELEASE_GRACE_S,
     NCCL_CLEAN_UP_ONLY,
+    NCCL_DUMP_ON_TIMEOUT,
     NCCL_ERROR_HANDLING_VARIABLES,
-    nccl_error_handling,
+    nccl_environment_problem,
+    weight_member_environment,
     nccl_watchdog_timeout_s,
+    release,
+    releases_on_abort,
     retire,
     wait_within,
 )
@@ -51,18 +56,25 @@ def test_nccl_s_watchdog_acts_only_long_after_the_project_s_deadline() -> None:
         assert nccl_watchdog_timeout_s(deadline_s) >= 2 * deadline_s
 
 
-def test_the_weight_group_is_built_with_clean_up_only_error_handling_and_the_rest_keeps_its_own(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    current, legacy = NCCL_ERROR_HANDLING_VARIABLES
-    monkeypatch.setenv(current, "3")  # what torchrun sets for every rank
-    monkeypatch.delenv(legacy, raising=False)
-    with nccl_error_handling():
-        assert [os.environ.get(name) for name in NCCL_ERROR_HANDLING_VARIABLES] == [
-            NCCL_CLEAN_UP_ONLY, NCCL_CLEAN_UP_ONLY]
-    assert os.environ[current] == "3" and legacy not in os.environ
-    with pytest.raises(RuntimeError), nccl_error_handling():
-        raise RuntimeError("the group failed to build")
-    assert os.environ[current] == "3" and legacy not in os.environ
+def test_a_weight_member_starts_with_clean_up_only_error_handling_and_no_dump_on_timeout() -> None:
+    started = weight_member_environment()
+    assert [started[name] for name in NCCL_ERROR_HANDLING_VARIABLES] == [NCCL_CLEAN_UP_ONLY] * 2
+    assert started[NCCL_DUMP_ON_TIMEOUT] == "0"
+    assert nccl_environment_problem({**os.environ, **started}) is None
+
+
+@pytest.mark.parametrize("changed", [
+    # torch's defaults: a timeout arms the process-wide dump, and the first group's abort
+    dict.fromkeys(weight_member_environment()),
+    {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},  # torchrun's default for its ranks
+    {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"},
+])
+def test_an_nccl_weight_group_refuses_to_form_in_a_process_a_member_s_death_could_end(
+        changed: dict[str, str | None]) -> None:
+    started = {name: value for name, value in {**weight_member_environment(), **changed}.items()
+               if value is not None}
+    problem = nccl_environment_problem(started)
+    assert problem is not None and "compactionrl learner" in problem
 
 
 def test_a_broadcast_s_deadline_counts_from_when_it_was_enqueued() -> None:
@@ -165,6 +177,8 @@ def test_an_aborted_group_is_kept_while_destroying_it_could_block(
     retire(nccl, "nccl", 30.0)
     retire(gloo, "gloo", 30.0)
     assert [group for group, _ in kept] == [nccl, gloo]  # the expired one released
+    # and the NCCL one never destroyed: a reference nobody drops, not even at exit
+    assert sys.getrefcount(nccl) == 4  # the local, the list's, the kept one, getrefcount's
     assert kept[0][1] == math.inf
     assert began + 30 + GLOO_RELEASE_GRACE_S <= kept[1][1] <= time.monotonic() + 30 + \
         GLOO_RELEASE_GRACE_S
@@ -195,6 +209,47 @@ def test_an_aborted_gloo_group_with_a_broadcast_pending_is_dropped_without_waiti
         assert time.monotonic() - began < timeout_s / 3  # not the broadcast's timeout
         del sender  # its connections close: the pending broadcast fails, and goes at once
         kept.clear()
+    finally:
+        clients[1].close()
+        store.close()
+
+
+def test_only_an_nccl_abort_releases_the_pending_broadcast_s_tensors_by_waiting() -> None:
+    """An NCCL work's wait orders streams and releases what it keeps; a gloo
+    work's wait would block until the group's timeout."""
+    assert releases_on_abort("nccl") and not releases_on_abort("gloo")
+    waited: list[bool] = []
+    failed = SimpleNamespace(wait=lambda: (waited.append(True), _raise_aborted())[0])
+    release(failed)  # an aborted collective's error is what its wait gives: taken
+    assert waited == [True]
+
+
+def _raise_aborted() -> None:
+    raise RuntimeError("NCCL communicator was aborted on rank 1")
+
+
+def test_an_abort_lets_go_of_the_pending_broadcast_and_releases_it_where_the_backend_can(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The member's last reference to a bucket in flight goes at the abort,
+    and on a backend that releases on abort (NCCL: here gloo stands in, its
+    wait recorded instead of run) the work is waited for once, so that a
+    retired group keeps no bucket (issue 62: a GPU bucket per failure)."""
+    monkeypatch.setattr("protocol.weights_collective.RETIRED_GROUPS", kept := [])
+    released: list[object] = []
+    monkeypatch.setattr("protocol.weights_collective.releases_on_abort", lambda backend: True)
+    monkeypatch.setattr("protocol.weights_collective.release", released.append)
+    store = host_store(0, timeout_s=60)
+    clients = [store, connect_store("127.0.0.1", store.port, 60)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sender, member = pool.map(
+                lambda rank: join_channel(clients[rank], 1, 2, rank, "gloo", 30.0), (0, 1))
+        member._start(torch.empty(1 << 20))  # rank 0 never sends
+        [(work, _, _)] = [member._pending]
+        member.abort()
+        assert released == [work] and member._pending is None
+        kept.clear()
+        del sender, member
     finally:
         clients[1].close()
         store.close()

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from learner.members import Member
-from learner.publisher import plan_lanes, reason_to_give_up, weight_backend, wire_dtype
+from learner.publisher import (
+    gather_dtype,
+    member_timeout_s,
+    plan_lanes,
+    reason_to_give_up,
+    weight_backend,
+    wire_dtype,
+)
 from protocol import EngineInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
@@ -267,3 +274,20 @@ def test_the_weight_backend_follows_the_config_or_the_learner() -> None:
         weight_backend("nccl", "gloo")
     assert weight_backend("ipc", "nccl") == "ipc"  # CUDA IPC on the learner's GPU
     assert weight_backend("ipc", "gloo") == "ipc"  # shared memory on its host
+
+
+def test_a_lane_s_member_waits_through_every_other_lane_s_failure() -> None:
+    """Rank 0 serves lanes in turn; each stalled lane holds the rest back by
+    up to its own deadline, then is skipped."""
+    assert member_timeout_s(30.0, 1) == 30.0
+    for lanes in (2, 3):
+        assert member_timeout_s(30.0, lanes) >= 30.0 * lanes
+
+
+def test_shards_are_cast_to_the_one_wire_dtype_before_they_are_gathered() -> None:
+    assert gather_dtype([torch.bfloat16], torch.float32) == torch.bfloat16
+    assert gather_dtype([torch.bfloat16, torch.bfloat16], torch.float32) == torch.bfloat16
+    # two wire dtypes: each lane converts from what was trained
+    assert gather_dtype([torch.bfloat16, torch.float16], torch.float32) == torch.float32
+    assert gather_dtype([torch.float8_e4m3fn], torch.float32) == torch.float32
+    assert gather_dtype([], torch.bfloat16) == torch.bfloat16
