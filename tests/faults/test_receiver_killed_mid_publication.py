@@ -57,33 +57,60 @@ def _tails(logs: dict[str, Path]) -> Callable[[], str]:
                               for name, path in logs.items() if path.is_file())
 
 
+def _learner(transport: str, control: str, replay: ReplayThread, model: Path, out: Path,
+             log: Path) -> Background:
+    """A one-rank learner publishing every step in buckets of 64 KiB, whose
+    weight deadline is ``TIMEOUT_S``; a dead receiver leaves its membership
+    5 s after its last heartbeat (the generations formed meanwhile are given
+    up then)."""
+    [store] = free_ports(1)
+    return Background(
+        ["learner", "--run.model", str(model), "--run.out_dir", str(out),
+         "--replay.learner_address", replay.config.learner_address,
+         "--replay.actor_address", replay.config.actor_address, "--replay.max_staleness", "20",
+         "--learner.control_address", control,
+         "--learner.weight_store_address", f"127.0.0.1:{store}",
+         "--learner.nproc", "1", "--learner.metrics_port", "0",
+         "--learner.max_steps", "20", "--learner.publish_every", "1",
+         "--learner.weight_bucket_bytes", str(64 * 1024),  # several buckets
+         "--learner.weight_timeout_s", str(TIMEOUT_S),
+         "--learner.weight_transport", transport,
+         "--transport.heartbeat_interval_s", "0.5", "--transport.heartbeat_liveness", "10"],
+        log)
+
+
+def _feed(rollouts: object) -> None:
+    """Enough rollouts for the learner's 20 steps (the receivers registered
+    first: silent for long, the replay would have declared them dead)."""
+    rollouts.hello()
+    for _ in range(40):
+        rollouts.push_rollout(segments=2, tokens=32)
+    assert rollouts.pump_until(lambda: not rollouts.unacked)
+    assert not rollouts.errors, rollouts.errors
+
+
+def _stop(learner: Background | None, processes: list[subprocess.Popen]) -> None:
+    if learner is not None:
+        learner.stop(signal.SIGTERM, timeout=60)
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
 @pytest.mark.parametrize("transport", ["gloo", "ipc"])
 def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
         transport: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     [control] = loopback_addresses(1)
-    [store] = free_ports(1)
     replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20, durable_log=False)
-    actor_address, learner_address = replay.config.actor_address, replay.config.learner_address
     rollouts = replay.actor()
     logs = {name: tmp_path / f"{name}.log" for name in ("learner", "survivor", "doomed")}
     processes: list[subprocess.Popen] = []
     learner = None
     try:
-        learner = Background(
-            ["learner", "--run.model", str(tiny_model_dir), "--run.out_dir", str(tmp_path),
-             "--replay.learner_address", learner_address, "--replay.actor_address",
-             actor_address, "--replay.max_staleness", "20",
-             "--learner.control_address", control,
-             "--learner.weight_store_address", f"127.0.0.1:{store}",
-             "--learner.nproc", "1", "--learner.metrics_port", "0",
-             "--learner.max_steps", "20", "--learner.publish_every", "1",
-             "--learner.weight_bucket_bytes", str(64 * 1024),  # several buckets
-             "--learner.weight_timeout_s", str(TIMEOUT_S),
-             "--learner.weight_transport", transport,
-             # the dead receiver leaves the membership 5 s after its last
-             # heartbeat; the generations formed meanwhile are given up then
-             "--transport.heartbeat_interval_s", "0.5", "--transport.heartbeat_liveness", "10"],
-            logs["learner"])
+        learner = _learner(transport, control, replay, tiny_model_dir, tmp_path, logs["learner"])
         survivor = _receiver(control, "survivor", logs["survivor"], "--dtype", "bfloat16")
         doomed = _receiver(control, "doomed", logs["doomed"], "--dtype", "bfloat16",
                            "--die-in", str(DIE_IN))
@@ -93,12 +120,7 @@ def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
         for name in ("survivor", "doomed"):
             wait_until(lambda n=name: "registered" in logs[n].read_text(), 300,
                        f"{name} registered", context=tails)
-        # registered now: silent for long, the replay would have declared it dead
-        rollouts.hello()
-        for _ in range(40):  # enough for 20 steps
-            rollouts.push_rollout(segments=2, tokens=32)
-        assert rollouts.pump_until(lambda: not rollouts.unacked)
-        assert not rollouts.errors, rollouts.errors
+        _feed(rollouts)
         learner_log = lambda: logs["learner"].read_text()  # noqa: E731
         wait_until(lambda: "dying in version" in logs["doomed"].read_text(), 300,
                    "receiver death", context=tails)
@@ -142,13 +164,91 @@ def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
         if transport == "gloo" and survivor_failures:
             assert "abandoned" in survivor_failures[0], survivor_failures
     finally:
-        if learner is not None:
-            learner.stop(signal.SIGTERM, timeout=60)
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+        _stop(learner, processes)
+        rollouts.close()
+        replay.close()
+
+
+def test_a_receiver_killed_between_its_join_and_the_first_broadcast_fails_within_the_deadline(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """On NCCL the communicator is created right after the join, and the
+    first broadcast waits for it within the deadline (issue 62 item 3); on
+    gloo, the same code: the group connects as it forms, and rank 0's first
+    broadcast to the dead member fails. Either way the learner lives and
+    the next publication reaches the survivor."""
+    [control] = loopback_addresses(1)
+    replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20, durable_log=False)
+    rollouts = replay.actor()
+    logs = {name: tmp_path / f"{name}.log" for name in ("learner", "survivor", "doomed")}
+    processes: list[subprocess.Popen] = []
+    learner = None
+    try:
+        learner = _learner("gloo", control, replay, tiny_model_dir, tmp_path, logs["learner"])
+        tails = _tails(logs)
+        processes.append(_receiver(control, "survivor", logs["survivor"]))
+        processes.append(doomed := _receiver(control, "doomed", logs["doomed"],
+                                             "--die-after-join"))
+        for name in ("survivor", "doomed"):
+            wait_until(lambda n=name: "registered" in logs[n].read_text(), 300,
+                       f"{name} registered", context=tails)
+        _feed(rollouts)
+        wait_until(lambda: "dying after the join" in logs["doomed"].read_text(), 300,
+                   "the receiver's death", context=tails)
+        died_at = time.monotonic()
+        doomed.wait(timeout=10)
+        learner_log = lambda: logs["learner"].read_text()  # noqa: E731
+        wait_until(lambda: FAILED.search(learner_log()), 60, "failed publication",
+                   context=tails)
+        failed_after = time.monotonic() - died_at
+        wait_until(lambda: re.search(r"published version (\d+) to 1 actors", learner_log()),
+                   120, "publication to the survivor", context=tails)
+        later = re.search(r"published version (\d+) to 1 actors", learner_log()).group(1)
+        wait_until(lambda: f"received {later} " in logs["survivor"].read_text(), 30,
+                   "the survivor's load", context=tails)
+        assert learner.process.poll() is None or learner.process.returncode == 0
+        print(f"\n[measured] the first publication after the death failed {failed_after:.1f} s "
+              f"after it (weight_timeout_s {TIMEOUT_S})")
+        assert failed_after < TIMEOUT_S + 10
+    finally:
+        _stop(learner, processes)
+        rollouts.close()
+        replay.close()
+
+
+def test_a_lane_whose_member_holds_its_join_back_leaves_the_other_lane_its_weights(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 forms and serves lanes in turn: the bfloat16 lane's member
+    stalls its join (alive, heartbeating), which holds rank 0 for the
+    deadline before the float32 lane is joined. Its member waits through
+    that (learner/publisher.py ``member_timeout_s``) and gets the
+    publication; with a member deadline of one weight deadline it failed."""
+    [control] = loopback_addresses(1)
+    replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20, durable_log=False)
+    rollouts = replay.actor()
+    logs = {name: tmp_path / f"{name}.log" for name in ("learner", "staller", "survivor")}
+    processes: list[subprocess.Popen] = []
+    learner = None
+    try:
+        learner = _learner("gloo", control, replay, tiny_model_dir, tmp_path, logs["learner"])
+        tails = _tails(logs)
+        # the staller registers first: its lane is formed and served first
+        processes.append(_receiver(control, "staller", logs["staller"], "--stall-join"))
+        wait_until(lambda: "registered" in logs["staller"].read_text(), 300,
+                   "staller registered", context=tails)
+        processes.append(_receiver(control, "survivor", logs["survivor"], "--dtype", "float32"))
+        wait_until(lambda: "registered" in logs["survivor"].read_text(), 300,
+                   "survivor registered", context=tails)
+        _feed(rollouts)
+        learner_log = lambda: logs["learner"].read_text()  # noqa: E731
+        wait_until(lambda: "did not form" in learner_log(), 120, "the stalled lane given up",
+                   context=tails)
+        wait_until(lambda: "received " in logs["survivor"].read_text(), 60,
+                   "the survivor's first load", context=tails)
+        survivor = logs["survivor"].read_text()
+        assert "failed" not in survivor.split("received ")[0], survivor
+        assert "float32" in survivor
+        assert learner.process.poll() is None or learner.process.returncode == 0
+    finally:
+        _stop(learner, processes)
         rollouts.close()
         replay.close()

@@ -2,10 +2,14 @@
 joins each announced group generation and receives every publication, on
 the transport announced, through the project's own transfer code (``protocol.weights``), without a
 vLLM engine. With ``--die-in`` it SIGKILLs itself after the first bucket of
-that version: a receiver dying in the middle of a bucketed broadcast.
+that version: a receiver dying in the middle of a bucketed broadcast; with
+``--die-after-join``, once it has joined its first group generation, before
+its first broadcast; with ``--stall-join``, it waits ``STALL_S``
+(heartbeating on, as an actor whose engine is stuck does) before it joins
+its first group generation: a member that holds its lane's join back.
 
     python -m tests.programs.weight_receiver --control ADDR --actor-id ID
-        [--dtype bfloat16] [--die-in VERSION]
+        [--dtype bfloat16] [--die-in VERSION | --die-after-join | --stall-join]
 
 Prints one line per publication: ``received VERSION TENSORS DTYPES``.
 """
@@ -34,6 +38,8 @@ from protocol.weights_backends import join_channel
 from tests.protocol_clients import ControlClient
 
 HEARTBEAT_S = 0.5
+#: How long ``--stall-join`` holds its join back.
+STALL_S = 12.0
 
 
 def main() -> None:
@@ -42,18 +48,26 @@ def main() -> None:
     parser.add_argument("--actor-id", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--die-in", type=int, default=None)
+    parser.add_argument("--die-after-join", action="store_true")
+    parser.add_argument("--stall-join", action="store_true")
     args = parser.parse_args()
     client = ControlClient(zmq.Context(), args.control, args.actor_id)
     engine = EngineInfo(device="cpu", dtype=args.dtype, tensor_parallel=1, model="receiver")
     client.send(Hello, engine=engine, capacity=1)
     group: WeightChannel | None = None
     joined = -1
+    joins = 0
     last_beat = 0.0
-    while True:
+
+    def heartbeat() -> None:
+        nonlocal last_beat
         if time.monotonic() - last_beat > HEARTBEAT_S:
             client.send(Heartbeat, active_rollouts=0, stall_seconds={}, credit_ledger=0,
                         credits_seen=0)
             last_beat = time.monotonic()
+
+    while True:
+        heartbeat()
         if not client.socket.poll(100):
             continue
         message = client.receive()
@@ -69,10 +83,19 @@ def main() -> None:
         began = time.perf_counter()
         try:
             if info.generation != joined:
+                if args.stall_join and joins == 0:
+                    print(f"stalling the join of version {message.version}", flush=True)
+                    stall_until = time.monotonic() + STALL_S
+                    while time.monotonic() < stall_until:
+                        heartbeat()
+                        time.sleep(0.1)
                 group = join_channel(connect_store(info.master_addr, info.master_port,
                                                    info.timeout_s), info.generation,
                                      info.world_size, info.rank, info.backend, info.timeout_s)
-                joined = info.generation
+                joined, joins = info.generation, joins + 1
+                if args.die_after_join and joins == 1:
+                    print(f"dying after the join of version {message.version}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
             dtypes = set()
             count = 0
             for _, tensor in group.receive(message.manifest):
