@@ -277,6 +277,28 @@ class ActorConfig:
     shutdown_deadline_s: float = bounded(30.0, gt=0)
     """Longest wait on SIGTERM for episodes (with "finish") and acks together."""
 
+    def window_tokens(self) -> int:
+        """Tokens one episode's window holds at most in the engine's KV cache:
+        its context (compaction's, or the engine's whole length without
+        compaction) and a turn."""
+        window = (self.compaction.context_tokens if self.compaction.enabled
+                  else self.engine.max_model_len)
+        return window + self.sampling.max_turn_tokens
+
+    def kv_shortfall(self, kv_tokens: int) -> str | None:
+        """What is wrong with an engine whose KV cache holds ``kv_tokens`` for
+        ``concurrent_episodes`` (None: every episode's full window fits at
+        once). Past it vLLM preempts running requests and recomputes them
+        later: episodes take longer, and their rollouts grow stale."""
+        window = self.window_tokens()
+        if kv_tokens >= self.concurrent_episodes * window:
+            return None
+        return (f"the engine's KV cache holds {kv_tokens:,} tokens: {kv_tokens // window} full "
+                f"windows of {window:,} (context and a turn), fewer than "
+                f"actors.concurrent_episodes = {self.concurrent_episodes}; vLLM will preempt "
+                f"and recompute requests (lower concurrent_episodes to {kv_tokens // window}, or "
+                "give the engine more memory)")
+
     def validate(self, section: str = "actors") -> list[str]:
         """Problems that make this section unusable, each naming field and fix."""
         c, e = self.compaction, self.engine

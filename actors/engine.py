@@ -379,6 +379,12 @@ class Engine:
         log.error("the vLLM engine hangs: %s", reason)
         self.hung = reason
 
+    def kv_tokens(self) -> int:
+        """Tokens the engine's KV cache holds (its blocks, as its core sized
+        them at start, times their size)."""
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+
     def dtype(self) -> str:
         """The dtype the engine runs (``bfloat16``; resolved where the config
         says ``auto``): the learner sends floating-point weights in it."""

@@ -65,7 +65,8 @@ def load_bound_s(manifest: WeightManifest, timeout_s: float) -> float:
     once; an engine that answers neither within this is stuck itself, and is
     treated as dead (the actor exits for a restart) instead of holding every
     later publication of its lane back by a deadline."""
-    return LOAD_DEADLINES * timeout_s + sum(map(nbytes_of, manifest.tensors)) / SLOWEST_LOAD_BYTES_PER_S
+    publication_bytes = sum(map(nbytes_of, manifest.tensors))
+    return LOAD_DEADLINES * timeout_s + publication_bytes / SLOWEST_LOAD_BYTES_PER_S
 
 
 class LearnerLink:

@@ -122,6 +122,12 @@ async def run_actor(settings: ActorSettings) -> int:
     engine = await Engine.start(settings.model, config.engine, config.sampling,
                                 seed_offset=settings.index,
                                 weight_transfer=settings.learner_address is not None)
+    kv_tokens = engine.kv_tokens()
+    if shortfall := config.kv_shortfall(kv_tokens):
+        log.warning("%s", shortfall)
+    else:
+        log.info("the engine's KV cache holds %d tokens: %d episodes' full windows of %d",
+                 kv_tokens, kv_tokens // config.window_tokens(), config.window_tokens())
     context = zmq.asyncio.Context()
     max_bytes = settings.transport.max_message_bytes
     replay = ClientEndpoint(connect_dealer(context, settings.replay_address, settings.transport),

@@ -167,9 +167,7 @@ def engine_memory(shape: ModelShape, actors: ActorConfig, gpu_bytes: int,
     weights = 2 * shape.parameters // tp
     free = gpu_bytes * (utilization - ENGINE_ACTIVATION_FRACTION) - weights
     kv_tokens = max(0, int(free * tp // shape.kv_bytes_per_token))
-    window = actors.compaction.context_tokens if actors.compaction.enabled \
-        else actors.engine.max_model_len
-    per_episode = window + actors.sampling.max_turn_tokens
+    per_episode = actors.window_tokens()
     return EngineMemory(weights, kv_tokens, actors.concurrent_episodes * per_episode,
                         per_episode)
 

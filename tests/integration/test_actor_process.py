@@ -4,6 +4,7 @@ credits, resends after a lost ack, heartbeats, and a flushing SIGTERM."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -166,3 +167,9 @@ def test_metrics_use_the_design_names(actor_run: ActorRun) -> None:
 
 def test_a_registered_actor_is_ready_and_alive(actor_run: ActorRun) -> None:
     assert actor_run.probes == {"/readyz": "ready", "/healthz": "alive"}
+
+
+def test_the_actor_says_at_start_how_many_episodes_windows_its_kv_cache_holds(
+        actor_run: ActorRun) -> None:
+    assert re.search(r"the engine's KV cache holds \d+ tokens: \d+ episodes' full windows",
+                     actor_run.stderr), actor_run.stderr[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,17 @@ def test_greedy_episode_is_reproducible_from_its_seed(actor_engine, engine_loop)
     second, _ = _episode(actor_engine, engine_loop, seed=11, greedy=True)
     assert [s.tokens for s, _ in first] == [s.tokens for s, _ in second]
     assert result.stats.steps > 0
+
+
+def test_the_engine_s_kv_cache_is_what_its_cpu_space_holds_of_the_model(
+        actor_engine, tiny_model_dir: Path) -> None:
+    """The tokens the actor checks its episodes against (``Engine.kv_tokens``)
+    are the KV space the engine was given over one token's K and V in every
+    layer, within a block (vLLM allocates whole blocks)."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = (config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+                 * 2 * 2)  # K and V, bfloat16
+    space = actor_engine.config.cpu_kv_cache_gib * 2**30
+    block = actor_engine._llm.vllm_config.cache_config.block_size
+    assert space // per_token - block <= actor_engine.kv_tokens() <= space // per_token

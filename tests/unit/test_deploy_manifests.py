@@ -21,6 +21,8 @@ import yaml
 
 from deploy.cli import build_parser
 from deploy.config import JobConfig, load_config
+from deploy.memory_plan import GIB, engine_memory
+from deploy.model_shapes import shape_of
 
 ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -424,3 +426,32 @@ def test_gpu_7b_config_loads_and_is_a_real_7b_setup() -> None:
                              "--config", str(GPU_7B)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert tomllib.loads(result.stdout)["learner"]["nproc"] == 8
+
+
+#: At least the memory torch reports of a GPU of each product the actor
+#: manifests select, in GiB: 80 GB products report about 79.6 (an H100:
+#: deploy/fleet.py) or a little less (an A100); the H100 NVL has 94 GB.
+REPORTED_GIB = {"NVIDIA-H100-80GB-HBM3": 79.1, "NVIDIA-H100-PCIe": 79.1,
+                "NVIDIA-H100-NVL": 93.0, "NVIDIA-A100-SXM4-80GB": 79.1,
+                "NVIDIA-A100-80GB-PCIe": 79.1}
+
+
+def test_each_actor_manifest_s_episodes_fit_its_gpus_kv_cache(rendered: list[dict],
+                                                              run_toml: Path) -> None:
+    """The manifests and run.toml are one source for what the plan checks:
+    the effective configuration of each actor pod (run.toml, then its
+    arguments) passes the plan's KV arithmetic on the GPUs it selects, as
+    the actor checks its own engine at start."""
+    pods = workloads(rendered)
+    for name in ("actors-h100", "actors-a100"):
+        spec = pods[name]["spec"]["template"]["spec"]
+        (term,) = spec["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        (expression,) = term["matchExpressions"]
+        assert set(expression["values"]) <= set(REPORTED_GIB), expression
+        smallest_gib = min(REPORTED_GIB[product] for product in expression["values"])
+        _, config = effective(pods[name], run_toml)
+        memory = engine_memory(shape_of("Qwen2.5-7B"), config.actors, int(smallest_gib * GIB),
+                               config.actors.engine.gpu_memory_utilization)
+        assert memory.needed_tokens <= memory.kv_tokens, (name, memory.describe())
+        assert config.actors.kv_shortfall(memory.kv_tokens) is None

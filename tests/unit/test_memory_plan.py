@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.config import ActorConfig
 from deploy.cli import main
 from deploy.config import load_config
 from deploy.device_plan import plan_devices
@@ -132,3 +133,14 @@ def test_up_plan_prints_each_process_s_memory_and_refuses_what_does_not_fit(
     assert "memory, learner: " in out and "memory, actor-0 to actor-3: weights 14.2 GiB" in out
     assert main([*args, "--learner.critic", "model"]) == 2
     assert "compactionrl: refused: a learner rank needs about" in capsys.readouterr().err
+
+
+def test_an_actor_tells_how_many_full_windows_its_kv_cache_holds_when_its_episodes_need_more(
+) -> None:
+    actors = ActorConfig(concurrent_episodes=4)
+    window = actors.window_tokens()
+    assert window == actors.compaction.context_tokens + actors.sampling.max_turn_tokens
+    assert actors.kv_shortfall(4 * window) is None
+    shortfall = actors.kv_shortfall(4 * window - 1)
+    assert shortfall is not None and f"3 full windows of {window:,}" in shortfall
+    assert "concurrent_episodes to 3" in shortfall

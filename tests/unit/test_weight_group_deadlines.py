@@ -29,12 +29,12 @@ from protocol.weights_collective import (
     NCCL_DUMP_ON_TIMEOUT,
     NCCL_ERROR_HANDLING_VARIABLES,
     nccl_environment_problem,
-    weight_member_environment,
     nccl_watchdog_timeout_s,
     release,
     releases_on_abort,
     retire,
     wait_within,
+    weight_member_environment,
 )
 from protocol.weights_store import REPLY_GRACE_S, StoreClient
 from tests.ports import free_ports
