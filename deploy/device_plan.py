@@ -46,10 +46,12 @@ from deploy.memory_plan import (
     GIB,
     EngineMemory,
     Fix,
+    LearnerHostMemory,
     LearnerRankMemory,
     Ranks,
     engine_memory,
     engine_memory_problems,
+    learner_host_memory,
     learner_memory_problems,
     learner_need,
 )
@@ -142,6 +144,9 @@ class DevicePlan:
     """The model's shape the memory was sized for."""
     unplaced: tuple[str, ...] = ()
     """Processes that need GPUs and got none: the plan refuses them."""
+    learner_host: LearnerHostMemory | None = None
+    """What a learner node's host memory holds for checkpoints and exports
+    (a learner on GPUs, the model's shape known)."""
 
     @property
     def gpus_present(self) -> int:
@@ -167,6 +172,7 @@ class DevicePlan:
                 "colocated": list(self.colocated), "problems": list(self.problems),
                 "memory_note": self.memory_note,
                 "model_shape": self.shape.source if self.shape else None,
+                "learner_host": self.learner_host.to_json() if self.learner_host else None,
                 "lanes": [{"gpu_type": t.name, "processes": names, "free": free}
                           for t, names, free in self.lanes()],
                 "unplaced": list(self.unplaced),
@@ -187,6 +193,8 @@ class DevicePlan:
                   for names, gpu_type, text in _groups(self.processes)]
         if self.memory_note:
             memory.append(f"memory: {self.memory_note}")
+        if self.learner_host is not None:
+            memory.append(f"memory: {self.learner_host.describe()}")
         if self.shape is not None:
             memory.append(f"memory sized for {self.shape.source}")
         return "\n".join([head, *lanes, *_aligned(rows), *unplaced, *memory])
@@ -270,9 +278,12 @@ def plan_devices(config: JobConfig, gpus: int | Fleet, shape: ModelShape | None 
         problems.append("co-location starts the learner once the engine answers on its metrics "
                         "port, and actors.metrics_port = 0 turns it off: set actors.metrics_port")
     unplaced = tuple(f"actor-{i}" for i, gpus in enumerate(actor_gpus) if fleet.size and not gpus)
+    sized = any(p.memory for p in processes)
+    host = (learner_host_memory(shape, learner)
+            if sized and shape is not None and learner_on_gpu else None)
     return DevicePlan(fleet, transport, processes, tuple(problems),
                       tuple(f"actor-{i}" for i in colocated), note,
-                      shape if any(p.memory for p in processes) else None, unplaced)
+                      shape if sized else None, unplaced, host)
 
 
 def _machine_problems(config: JobConfig, gpus_present: int) -> list[str]:

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from learner.config import memory_switches
+from learner.config import CHECKPOINT_BYTES_PER_PARAMETER, HOST_STAGING_SHARE, memory_switches
 
 if TYPE_CHECKING:
     from actors.config import ActorConfig
@@ -110,15 +110,22 @@ def pass_tokens(learner: LearnerConfig, actors: ActorConfig, replay: ReplayConfi
     return rollouts * segments * actors.compaction.context_tokens
 
 
+def trained_parameters(shape: ModelShape, learner: LearnerConfig) -> tuple[int, int]:
+    """Parameters of the policy and of the value side (a critic model: the
+    policy's body with a value head; else the policy's value head)."""
+    policy = shape.parameters
+    critic = (policy - (0 if shape.tied else shape.embedding_parameters) + shape.hidden + 1
+              if learner.critic == "model" else shape.hidden + 1)
+    return policy, critic
+
+
 def learner_rank_memory(shape: ModelShape, learner: LearnerConfig, tokens: int,
                         chunk_tokens: int) -> LearnerRankMemory:
     """The peak of one rank of ``learner.nproc`` training ``shape`` with
     forward passes of ``tokens`` and log-probabilities ``chunk_tokens``
     positions at a time (0: all at once)."""
     critic_model = learner.critic == "model"
-    policy = shape.parameters
-    critic = (policy - (0 if shape.tied else shape.embedding_parameters) + shape.hidden + 1
-              if critic_model else shape.hidden + 1)
+    policy, critic = trained_parameters(shape, learner)
     bodies = 2 if critic_model else 1
     states = STATE_BYTES_PER_PARAMETER * (policy + critic) // learner.nproc
     # bf16: a decoder layer computing and the next prefetched, and each
@@ -133,6 +140,41 @@ def learner_rank_memory(shape: ModelShape, learner: LearnerConfig, tokens: int,
     rows = chunk_tokens if chunk_tokens else tokens
     logits = 3 * rows * shape.vocab * 4
     return LearnerRankMemory(states, gathered, bodies * per_body, logits, tokens)
+
+
+@dataclass(frozen=True)
+class LearnerHostMemory:
+    """Host memory a learner node needs beyond its processes, for checkpoints
+    and exports (the checkpoint rule itself: learner/checkpoint.py)."""
+
+    staging: int
+    """A background save's copy of the node's ranks' states."""
+    export: int
+    """Rank 0's gather of the policy in bf16 for an export (its node's)."""
+
+    @property
+    def background(self) -> int:
+        """The node memory under which ``auto`` saves in the background."""
+        return math.ceil(self.staging / HOST_STAGING_SHARE)
+
+    def describe(self) -> str:
+        return (f"a learner node's host memory: background checkpoints copy its states, "
+                f"{self.staging / GIB:.1f} GiB, and need {self.background / GIB:.0f} GiB of it "
+                f"(with less, learner.async_checkpoint = \"auto\" saves synchronously); an "
+                f"export gathers {self.export / GIB:.1f} GiB on rank 0's")
+
+    def to_json(self) -> dict[str, int]:
+        return {"staging_bytes": self.staging, "background_bytes": self.background,
+                "export_bytes": self.export}
+
+
+def learner_host_memory(shape: ModelShape, learner: LearnerConfig) -> LearnerHostMemory:
+    """What one of ``learner.nnodes`` nodes holds on the host for checkpoints
+    of ``shape`` (every trained parameter's weight and moments, the node's
+    share) and for an export (the policy in bf16)."""
+    policy, critic = trained_parameters(shape, learner)
+    return LearnerHostMemory(CHECKPOINT_BYTES_PER_PARAMETER * (policy + critic) // learner.nnodes,
+                             2 * policy)
 
 
 @dataclass(frozen=True)

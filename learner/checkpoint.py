@@ -14,6 +14,8 @@ chat template, generation config) that transformers and vLLM load.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 from concurrent.futures import Future
 from datetime import timedelta
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -30,13 +33,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from learner.config import LearnerConfig
+from learner.config import CHECKPOINT_BYTES_PER_PARAMETER, HOST_STAGING_SHARE, LearnerConfig
 from learner.models import is_value_head
 from learner.ppo import PPOTrainer
 from ops.files import atomic_write_text
 
 #: Files of a model folder that hold weights, in any format, or index them:
 #: the export writes its own weights in their place.
+log = logging.getLogger("compactionrl.learner")
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
                    ".index.json")
 
@@ -82,10 +87,66 @@ def _complete(target: Path, version: int, step: int) -> None:
     _barrier()
 
 
-def background_saves(setting: str, device_type: str) -> bool:
+def background_saves(setting: str, device_type: str, staging_bytes: int,
+                     host_bytes: int | None) -> bool:
     """Whether checkpoints are written in the background
-    (``learner.async_checkpoint``: ``auto`` is on for GPUs only)."""
-    return setting == "on" or (setting == "auto" and device_type == "cuda")
+    (``learner.async_checkpoint``): ``on`` always, ``off`` never, ``auto``
+    on GPUs where the copy of the host's states (``staging_bytes``, all its
+    ranks together) takes at most ``HOST_STAGING_SHARE`` of its memory
+    (``host_bytes``; None: unknown, taken as enough). A host short of it
+    saves synchronously: a copy beyond its memory gets the pod evicted."""
+    if setting != "auto":
+        return setting == "on"
+    fits = host_bytes is None or staging_bytes <= HOST_STAGING_SHARE * host_bytes
+    return device_type == "cuda" and fits
+
+
+def host_memory_bytes(cgroup: Path = Path("/sys/fs/cgroup"),
+                      meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The memory this process's host gives it: its cgroup's limit (v2
+    ``memory.max``, v1 ``memory/memory.limit_in_bytes``: a pod's
+    ``limits.memory``) where one is set, else the machine's; None where
+    neither can be read."""
+    limits = []
+    for path in (cgroup / "memory.max", cgroup / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    try:
+        total_kib = next(int(line.split()[1]) for line in meminfo.read_text().splitlines()
+                         if line.startswith("MemTotal:"))
+        limits.append(total_kib * 1024)
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    return min(limits) if limits else None
+
+
+def staging_bytes(trainer: PPOTrainer, ranks_on_host: int) -> int:
+    """What a background save copies to the host's memory: each rank's
+    shard of every trained model and its optimizer states, for the
+    ``ranks_on_host`` ranks of this host (FSDP shards evenly)."""
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                for model, _ in _models(trainer).values() for p in model.parameters())
+    return CHECKPOINT_BYTES_PER_PARAMETER * local * ranks_on_host
+
+
+def background_saves_here(setting: str, device_type: str, trainer: PPOTrainer) -> bool:
+    """:func:`background_saves` on this host's numbers: the copy a background
+    save makes of its ranks' states (torchrun's ``LOCAL_WORLD_SIZE`` ranks),
+    against its memory; rank 0 says so where a GPU host saves synchronously
+    for want of it."""
+    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    staging, host = staging_bytes(trainer, ranks_on_host), host_memory_bytes()
+    background = background_saves(setting, device_type, staging, host)
+    if setting == "auto" and device_type == "cuda" and not background and _is_rank0():
+        log.warning("checkpoints are saved synchronously: a background save would copy %.1f "
+                    "GiB of this host's states into its %.1f GiB of memory (at most %.0f%%; "
+                    "docs/learner.md \"Checkpoints\")", staging / 2**30, (host or 0) / 2**30,
+                    100 * HOST_STAGING_SHARE)
+    return background
 
 
 class CheckpointWriter:
@@ -109,6 +170,12 @@ class CheckpointWriter:
         self._group = (dist.new_group(backend="gloo")
                        if asynchronous and dist.is_available() and dist.is_initialized()
                        else None)
+        # One copy of the state in host memory for the run, reused by every
+        # save (its storages cached per state tensor), pinned on a GPU host:
+        # DCP's default stager allocates a fresh, unpinned one for each save.
+        self._stager = (DefaultStager(StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+            use_async_staging=False, use_non_blocking_copy=False)) if asynchronous else None)
         self._pending: tuple[Future, Path, int, int] | None = None
         self.removed: list[Path] = []
         """What retention removed at the last completion (rank 0)."""
@@ -121,7 +188,7 @@ class CheckpointWriter:
             self._retain()
             return target
         written = dcp.async_save(_state(trainer), checkpoint_id=str(target),
-                                 process_group=self._group)
+                                 process_group=self._group, async_stager=self._stager)
         self._pending = (written, target, version, step)
         return target
 
@@ -134,6 +201,13 @@ class CheckpointWriter:
         written.result()
         _complete(target, version, step)
         self._retain()
+
+    def close(self) -> None:
+        """Complete the save under way and let go of the host copy."""
+        self.finish()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _retain(self) -> None:
         self.removed = (prune_checkpoints(self.folder, self.keep_last, self.keep_every)

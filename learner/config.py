@@ -21,6 +21,15 @@ AUTO_MAX_TOKENS_PER_MICROBATCH = 16384
 SHARED_GPU_RANKS_ENV = "COMPACTIONRL_SHARED_GPU_RANKS"
 
 
+#: Bytes a checkpoint holds per trained parameter: the fp32 weight and
+#: AdamW's two moments (no gradient).
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+#: The share of a learner host's memory a background save may copy the
+#: host's states into (``async_checkpoint = "auto"``): the rest holds the
+#: ranks' processes, rank 0's gather of an export and the page cache the
+#: writes go through.
+HOST_STAGING_SHARE = 0.5
+
 @dataclass
 class TrackingConfig:
     """Experiment tracking by the learner's rank 0 (learner/tracking/)."""
@@ -164,10 +173,13 @@ class LearnerConfig:
     """Steps between checkpoints (and one at shutdown)."""
     async_checkpoint: Literal["auto", "on", "off"] = "auto"
     """Write checkpoints in the background, training stalled only while the
-    state is copied to CPU memory. ``auto``: on GPU (the copy leaves the
-    device, the slow write overlaps training), off on the CPU, where the
-    state is in memory already and the copy only adds (bench/checkpoint.py
-    measured the background save stalling 1.2x the synchronous one there)."""
+    state is copied to CPU memory (one pinned copy for the run). ``auto``: on
+    GPU (the copy leaves the device, the slow write overlaps training) where
+    the copy of a host's states fits ``HOST_STAGING_SHARE`` of its memory
+    (its cgroup's limit: a pod's ``limits.memory``), else synchronous; off on
+    the CPU, where the state is in memory already and the copy only adds
+    (bench/checkpoint.py measured the background save stalling 1.2x the
+    synchronous one there)."""
     keep_last: int = bounded(3, ge=1)
     """Complete checkpoints kept, the newest; older ones are removed after
     each save (a 7B checkpoint is ~180 GB: docs/deploy.md)."""

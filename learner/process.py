@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 from learner.batch import BatchError, TrainBatch, to_train_batch
 from learner.checkpoint import (
     CheckpointWriter,
-    background_saves,
+    background_saves_here,
     export_hf,
     load_checkpoint,
     select_checkpoint,
@@ -173,7 +173,8 @@ class Learner:
         self.trainer = PPOTrainer(policy, critic, self.config)
         checkpoints = self.run_dir / "checkpoints"
         self.checkpoints = CheckpointWriter(
-            checkpoints, background_saves(self.config.async_checkpoint, self.device.type),
+            checkpoints, background_saves_here(self.config.async_checkpoint, self.device.type,
+                                               self.trainer),
             self.config.keep_last, self.config.keep_every)
         chosen = (select_checkpoint(checkpoints, self.settings.resume)
                   if self.settings.resume else None)
@@ -228,7 +229,7 @@ class Learner:
         ``export_every`` says; retention follows each completed save."""
         self.checkpoints.save(self.trainer, self.version, self.step)
         if final:
-            self.checkpoints.finish()
+            self.checkpoints.close()
         if self.checkpoints.removed:
             log.info("retention removed %s", ", ".join(p.name for p in self.checkpoints.removed))
         if self.config.export_every and self.step % self.config.export_every == 0:

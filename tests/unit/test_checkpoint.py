@@ -13,17 +13,21 @@ from safetensors.torch import load_file
 
 from learner.batch import to_train_batch
 from learner.checkpoint import (
+    CHECKPOINT_BYTES_PER_PARAMETER,
     WEIGHT_SUFFIXES,
     CheckpointNotFound,
     CheckpointWriter,
     background_saves,
+    complete_checkpoints,
     export_hf,
+    host_memory_bytes,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
     save_checkpoint,
     select_checkpoint,
     set_aside_later,
+    staging_bytes,
 )
 from learner.config import LearnerConfig
 from learner.models import engine_parameters, is_value_head, load_critic, load_policy
@@ -183,5 +187,56 @@ def test_resuming_from_an_earlier_step_sets_the_later_branch_aside(tmp_path: Pat
 
 
 def test_background_saves_are_on_for_gpus_by_default_and_as_set_otherwise() -> None:
-    assert background_saves("auto", "cuda") and not background_saves("auto", "cpu")
-    assert background_saves("on", "cpu") and not background_saves("off", "cuda")
+    assert background_saves("auto", "cuda", 1, None)
+    assert not background_saves("auto", "cpu", 1, None)
+    assert background_saves("on", "cpu", 1, 1) and not background_saves("off", "cuda", 1, None)
+
+
+def test_a_gpu_host_short_of_memory_for_the_copy_saves_synchronously() -> None:
+    """The 8xH100 pod of deploy/k8s: ~170 GiB of a 7B policy's and critic's
+    states against 128 GiB: the copy would get the pod evicted."""
+    gib = 2**30
+    assert not background_saves("auto", "cuda", 170 * gib, 128 * gib)
+    assert background_saves("auto", "cuda", 64 * gib, 128 * gib)
+    assert background_saves("on", "cuda", 170 * gib, 128 * gib)  # as asked
+
+
+def test_the_host_s_memory_is_its_cgroup_s_limit_where_one_is_set(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16384 kB\nMemFree:        1024 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert host_memory_bytes(cgroup, meminfo) == 16384 * 1024
+    (cgroup / "memory.max").write_text("max\n")  # v2, no limit
+    assert host_memory_bytes(cgroup, meminfo) == 16384 * 1024
+    (cgroup / "memory.max").write_text("8388608\n")
+    assert host_memory_bytes(cgroup, meminfo) == 8388608
+    assert host_memory_bytes(tmp_path / "none", tmp_path / "none") is None
+    assert host_memory_bytes() is not None  # this machine's
+
+
+def test_a_background_save_stages_every_trained_parameter_s_weight_and_moments(
+        tiny_model_dir: Path) -> None:
+    trainer = fresh(tiny_model_dir)
+    trained = sum(p.numel() for model in (trainer.policy, trainer.critic)
+                  for p in model.parameters())
+    assert staging_bytes(trainer, 2) == 2 * CHECKPOINT_BYTES_PER_PARAMETER * trained
+
+
+def test_background_saves_copy_into_one_host_copy_for_the_run(tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """DCP's default stager allocates a fresh copy of the state for every
+    save; the writer's own keeps one, its storages reused save after save."""
+    trainer = fresh(tiny_model_dir)
+    run(trainer, range(1))
+    writer = CheckpointWriter(tmp_path, asynchronous=True, keep_last=3, keep_every=0)
+    copies = writer._stager._state_dict_stager._cached_storage_mapping
+    writer.save(trainer, version=1, step=1)
+    writer.finish()
+    first = {id(copy) for copy in copies.values()}
+    run(trainer, range(1, 2))
+    writer.save(trainer, version=2, step=2)
+    writer.finish()
+    assert first and {id(copy) for copy in copies.values()} == first
+    writer.close()
+    assert [path.name for path in complete_checkpoints(tmp_path)] == ["step-1", "step-2"]

@@ -21,7 +21,7 @@ import yaml
 
 from deploy.cli import build_parser
 from deploy.config import JobConfig, load_config
-from deploy.memory_plan import GIB, engine_memory
+from deploy.memory_plan import GIB, engine_memory, learner_host_memory
 from deploy.model_shapes import shape_of
 
 ROOT = Path(__file__).parents[2]
@@ -455,3 +455,41 @@ def test_each_actor_manifest_s_episodes_fit_its_gpus_kv_cache(rendered: list[dic
                                config.actors.engine.gpu_memory_utilization)
         assert memory.needed_tokens <= memory.kv_tokens, (name, memory.describe())
         assert config.actors.kv_shortfall(memory.kv_tokens) is None
+
+
+def test_the_learner_pod_requests_the_host_memory_the_plan_says_and_is_limited_to_it(
+        rendered: list[dict], run_toml: Path) -> None:
+    """Background checkpoints copy a node's states to its host memory; the
+    pod requests what the plan's arithmetic says for that, and its limit
+    (what the learner reads) is the request, so that the learner's own rule
+    and the scheduler's agree (learner/checkpoint.py ``background_saves``)."""
+    learner = workloads(rendered)["learner"]
+    resources = container(learner)["resources"]
+    _, config = effective(learner, run_toml)
+    assert learner["spec"]["replicas"] == config.learner.nnodes
+    host = learner_host_memory(shape_of("Qwen2.5-7B"), config.learner)
+    requested = quantity_bytes(resources["requests"]["memory"])
+    assert quantity_bytes(resources["limits"]["memory"]) == requested
+    assert requested >= host.background, host.describe()
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity in bytes (binary suffixes, as ours are)."""
+    for suffix, power in (("Ki", 1), ("Mi", 2), ("Gi", 3), ("Ti", 4)):
+        if quantity.endswith(suffix):
+            return int(quantity[:-2]) * 1024**power
+    return int(quantity)
+
+
+#: DCP's synchronous write rate measured on the CPU machine, as a floor
+#: (docs/learner.md "Checkpoints and host memory").
+FLOOR_WRITE_BYTES_PER_S = 0.24 * GIB
+
+
+def test_the_learner_pod_s_grace_period_holds_a_pending_write_a_final_save_and_the_export(
+        rendered: list[dict], run_toml: Path) -> None:
+    learner = workloads(rendered)["learner"]
+    _, config = effective(learner, run_toml)
+    host = learner_host_memory(shape_of("Qwen2.5-7B"), config.learner)
+    shutdown_s = (2 * host.staging + host.export) / FLOOR_WRITE_BYTES_PER_S
+    assert learner["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= shutdown_s
