@@ -17,8 +17,8 @@ PACKAGES = ("actors", "replay", "learner", "protocol", "deploy", "ops", "bench",
 WRITERS = {
     "protocol/environment.py:environment": "the one mechanism, around a child's start",
     "actors/engine.py:quiet_vllm_logging": "a command's own start, before vLLM is imported",
-    "bench/gpu_check.py:shared_device_rank": "a member process's own start",
-    "bench/gpu_check.py:group_member": "a member process's own start",
+    "bench/gpu_parts/raw_ipc.py:shared_device_rank": "a member process's own start",
+    "bench/gpu_parts/weight_group.py:group_member": "a member process's own start",
 }
 #: Where ``protocol.environment.environment`` is used, and why.
 USERS = {

@@ -1,13 +1,12 @@
-"""bench/gpu_check.py: its CPU dry run (the same code as on a GPU, with shared
-memory for CUDA IPC, the project's ipc channel on its CPU twin, gloo for NCCL
-and a tiny model for the learner part), its manifests, its checksum, its
-models and FLOP count. The GPU run itself happens only on a machine with a
-GPU."""
+"""bench/gpu_check.py and its parts (bench/gpu_parts/): its CPU dry run (the
+same code as on a GPU, with shared memory for CUDA IPC, the project's ipc
+channel on its CPU twin, gloo for NCCL and a tiny model for the learner
+part), its manifests, its checksum, its models and FLOP count, the weight
+group's trials. The GPU run itself happens only on a machine with a GPU."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,24 +30,39 @@ def gpu_check() -> ModuleType:
     return import_script(SCRIPT, "gpu_check_bench")
 
 
-def test_manifests_have_the_published_parameter_counts(gpu_check: ModuleType) -> None:
+@pytest.fixture(scope="module")
+def common(gpu_check: ModuleType) -> ModuleType:
+    return sys.modules["gpu_parts.common"]  # imported by the script
+
+
+@pytest.fixture(scope="module")
+def learner_part(gpu_check: ModuleType) -> ModuleType:
+    return sys.modules["gpu_parts.learner_part"]
+
+
+@pytest.fixture(scope="module")
+def weight_group(gpu_check: ModuleType) -> ModuleType:
+    return sys.modules["gpu_parts.weight_group"]
+
+
+def test_manifests_have_the_published_parameter_counts(common: ModuleType) -> None:
     """As Hugging Face counts them (a tied lm_head counted once)."""
-    counts = {name: sum(gpu_check.numel(shape) for _, shape in gpu_check.manifest(model))
-              for name, model in gpu_check.MODELS.items()}
+    counts = {name: sum(common.numel(shape) for _, shape in common.manifest(model))
+              for name, model in common.MODELS.items()}
     assert counts == {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304,
                       "qwen2.5-7b": 7_615_616_512}
 
 
-def test_the_checksum_sees_a_changed_or_moved_element(gpu_check: ModuleType) -> None:
+def test_the_checksum_sees_a_changed_or_moved_element(common: ModuleType) -> None:
     specs = [("a", (3, 5)), ("b", (7,))]
-    tensors = [gpu_check.deterministic(i, shape, "cpu") for i, (_, shape) in enumerate(specs)]
-    original = gpu_check.digest(specs, tensors)
-    assert gpu_check.digest(specs, [t.clone() for t in tensors]) == original
+    tensors = [common.deterministic(i, shape, "cpu") for i, (_, shape) in enumerate(specs)]
+    original = common.digest(specs, tensors)
+    assert common.digest(specs, [t.clone() for t in tensors]) == original
     changed = [t.clone() for t in tensors]
     changed[0][1, 2] += 1
     moved = [tensors[0], tensors[1].flip(0)]
-    assert gpu_check.digest(specs, changed) != original
-    assert gpu_check.digest(specs, moved) != original
+    assert common.digest(specs, changed) != original
+    assert common.digest(specs, moved) != original
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +76,15 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, Pa
 
 
 @pytest.mark.slow
-def test_dry_run_pushes_every_model_intact(gpu_check: ModuleType,
+def test_dry_run_pushes_every_model_intact(common: ModuleType,
                                            dry_run: tuple[dict, Path]) -> None:
     report, _ = dry_run
     assert report["dry_run"] is True and report["device"] == "cpu"
     assert report["torch"] == torch.__version__
-    assert [p["model"] for p in report["ipc_push"]] == list(gpu_check.MODELS)
+    assert [p["model"] for p in report["ipc_push"]] == list(common.MODELS)
     for push in report["ipc_push"]:
-        specs = gpu_check.manifest(gpu_check.MODELS[push["model"]], gpu_check.DRY_RUN_DIVISOR)
-        params = sum(gpu_check.numel(shape) for _, shape in specs)
+        specs = common.manifest(common.MODELS[push["model"]], common.DRY_RUN_DIVISOR)
+        params = sum(common.numel(shape) for _, shape in specs)
         assert push["checksum_equal"] is True, push
         assert (push["tensors"], push["params"], push["bytes"]) == (len(specs), params,
                                                                      2 * params)
@@ -84,17 +98,17 @@ def test_dry_run_pushes_every_model_intact(gpu_check: ModuleType,
 
 @pytest.mark.slow
 def test_dry_run_moves_every_publication_through_the_project_s_ipc_channel_intact(
-        gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
+        common: ModuleType, dry_run: tuple[dict, Path]) -> None:
     """protocol/weights_ipc.py between two processes, loaded as the
     publications come and, through the receive-ahead thread, on a loader of
     its own: every tensor of every publication has the sender's checksum."""
     report, _ = dry_run
-    specs = gpu_check.manifest(gpu_check.MODELS["qwen2.5-0.5b"], gpu_check.DRY_RUN_DIVISOR)
-    nbytes = 2 * sum(gpu_check.numel(shape) for _, shape in specs)
-    plans = gpu_check.DRY_RUN_TRANSFER
+    specs = common.manifest(common.MODELS["qwen2.5-0.5b"], common.DRY_RUN_DIVISOR)
+    nbytes = 2 * sum(common.numel(shape) for _, shape in specs)
+    plans = common.DRY_RUN_TRANSFER
     expected = {"project_ipc": (3, 0, False),  # --pushes 2 after a warm-up
                 "receive_ahead_streams": (plans["receive_ahead_streams"].pushes + 1,
-                                          gpu_check.RECEIVE_AHEAD, True)}
+                                          common.RECEIVE_AHEAD, True)}
     for part, (pushes, ahead, side_stream) in expected.items():
         result = report[part]
         assert result["error"] is None and result["checksums_match"] is True, result
@@ -108,34 +122,82 @@ def test_dry_run_moves_every_publication_through_the_project_s_ipc_channel_intac
 
 @pytest.mark.slow
 def test_dry_run_sender_survives_a_receiver_killed_mid_broadcast_and_reaches_the_survivor(
-        gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
-    """The weight group on gloo: the receiver dies in the second publication;
-    the sender fails within its deadline (that one, or the next if every byte
-    had left it), lives, and publishes intact to the survivor in a new
-    generation."""
+        dry_run: tuple[dict, Path]) -> None:
+    """The weight group on gloo, every member with a first group of its own:
+    the receiver dies in the second publication; the sender fails within its
+    deadline (that one, or the next if every byte had left it), lives, and
+    publishes intact to the survivor in a new generation; both still answer
+    after the window."""
     report, _ = dry_run
-    killed = report["nccl_receiver_killed"]
-    assert killed["error"] is None and killed["backend"] == "gloo"
+    group = report["weight_group"]
+    killed = group["receiver_killed"]
+    assert killed["error"] is None and group["backend"] == "gloo"
     assert killed["receiver_died"] is True and killed["sender_survived"] is True
     assert killed["sender_exitcode"] is None
     assert killed["first_publication_checksums_match"] is True
     assert killed["failed_in_publication"] in (2, 3), killed
     assert killed["failure"].startswith("TransferFailed")
-    assert 0 <= killed["failed_within_s"] < killed["deadline_s"]
+    assert 0 <= killed["failed_within_s"] < group["deadline_s"]
     assert killed["republished"] is True and killed["republish_generation"] == 2
     assert killed["republish_checksums_match"] is True
+    assert killed["alive_after_window"] == {"sender": True, "survivor": True}
     first, killed_in, last = (killed["publications"][i] for i in (0, 1, -1))
     assert first == {"number": 1, "generation": 1, "world_size": 3, "sender": "ok",
                      "survivor": "ok", "doomed": "ok"}
     assert killed_in["doomed"] == "died"
     assert last == {"number": last["number"], "generation": 2, "world_size": 2,
                     "sender": "ok", "survivor": "ok"}
-    assert killed["before_fix"] == {"skipped": "gloo: the NCCL error handling the fix "
-                                               "scopes is not involved"}
+    assert group["before_fix"] == {"skipped": "gloo: no heartbeat monitor to end a process"}
+
+
+@pytest.mark.slow
+def test_dry_run_fails_publications_on_both_sides_and_then_delivers_intact(
+        dry_run: tuple[dict, Path]) -> None:
+    """Each failed round leaves a broadcast in flight on both sides (the
+    sender's times out on a stalled receiver, the receiver's on the
+    abandoned generation); the publication after them arrives whole. The
+    memory it keeps is measured on a GPU only."""
+    report, _ = dry_run
+    failed = report["weight_group"]["failed_publications"]
+    assert failed["error"] is None and failed["every_round_failed_on_both"] is True, failed
+    assert "did not complete by its deadline" in failed["first_failures"]["sender"]
+    assert failed["warm_and_final_intact"] and failed["final_checksums_match"]
+    assert failed["retained_bytes"] == {"sender": None, "receiver": None}
+
+
+@pytest.mark.slow
+def test_dry_run_a_receiver_dead_after_its_join_fails_the_sender_within_its_deadline(
+        dry_run: tuple[dict, Path]) -> None:
+    report, _ = dry_run
+    joined = report["weight_group"]["killed_after_join"]
+    assert joined["error"] is None and joined["receiver_died"] is True, joined
+    assert joined["sender_failure"].startswith("TransferFailed")
+    assert 0 <= joined["failed_within_s"] <= joined["deadline_s"]
+    assert joined["sender_alive"] is True
+
+
+def test_a_member_starts_with_the_weight_member_environment_or_as_before_the_fix(
+        weight_group: ModuleType) -> None:
+    from protocol.weights_collective import (
+        NCCL_DUMP_ON_TIMEOUT,
+        nccl_environment_problem,
+        weight_member_environment,
+    )
+
+    fixed = weight_group.member_environment(True, 10.0)
+    before = weight_group.member_environment(False, 10.0)
+    assert weight_member_environment(10.0).items() <= fixed.items()
+    assert nccl_environment_problem(fixed) is None
+    assert NCCL_DUMP_ON_TIMEOUT not in before and nccl_environment_problem(before)
+    for started in (fixed, before):
+        assert started["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == str(
+            weight_group.HEARTBEAT_TIMEOUT_S)
+    assert weight_group.GPU_PLAN.window_s > weight_group.HEARTBEAT_TIMEOUT_S
 
 
 def test_without_pyzmq_the_transfer_parts_say_so_and_count_as_intact(
-        gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+        gpu_check: ModuleType, common: ModuleType, weight_group: ModuleType,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU machine without the carried wheels: no part of the project's
     transfer runs, each says why, and the check's exit status ignores them."""
     # the modules that import pyzmq, imported afresh (and failing) in here
@@ -143,74 +205,68 @@ def test_without_pyzmq_the_transfer_parts_say_so_and_count_as_intact(
                  "protocol.weights_store", "protocol.weights_ipc", "protocol.weights_collective"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, "zmq", None)  # its import fails as if not installed
-    plans = gpu_check.DRY_RUN_TRANSFER
-    reports = gpu_check.transfer_parts("cpu", list(gpu_check.PARTS), plans)
+    plans, group = common.DRY_RUN_TRANSFER, weight_group.DRY_RUN_PLAN
+    reports = gpu_check.transfer_parts("cpu", list(gpu_check.PARTS), plans, group)
     assert list(reports) == list(gpu_check.TRANSFER_PARTS)
     for report in reports.values():
         assert report["error"].startswith("skipped: pyzmq/msgspec not installed"), report
     assert gpu_check.transfers_intact(reports) is True
-    assert gpu_check.transfer_parts("cpu", ["learner"], plans) == dict.fromkeys(
+    assert gpu_check.transfer_parts("cpu", ["learner"], plans, group) == dict.fromkeys(
         gpu_check.TRANSFER_PARTS)
 
 
 def test_a_dead_sender_or_a_differing_checksum_fails_the_check(gpu_check: ModuleType) -> None:
+    held = {"receiver_killed": {"error": None, "sender_survived": True,
+                                "first_publication_checksums_match": True,
+                                "republish_checksums_match": True,
+                                "alive_after_window": {"sender": True, "survivor": True}},
+            "before_fix": {"skipped": "gloo"},
+            "failed_publications": {"error": None, "every_round_failed_on_both": True,
+                                    "within_one_bucket": True, "final_checksums_match": True},
+            "killed_after_join": {"error": None, "sender_alive": True, "failed_within_s": 3.0,
+                                  "deadline_s": 10.0}}
     intact = {"project_ipc": {"error": None, "checksums_match": True},
-              "receive_ahead_streams": None,
-              "nccl_receiver_killed": {"error": None, "sender_survived": True,
-                                       "first_publication_checksums_match": True,
-                                       "republish_checksums_match": True}}
+              "receive_ahead_streams": None, "weight_group": held}
     assert gpu_check.transfers_intact(intact) is True
-    for part, key in (("project_ipc", "checksums_match"),
-                      ("nccl_receiver_killed", "sender_survived"),
-                      ("nccl_receiver_killed", "republish_checksums_match")):
-        assert gpu_check.transfers_intact({**intact, part: {**intact[part], key: False}}) is False
+    broken = [("receiver_killed", "sender_survived", False),
+              ("receiver_killed", "republish_checksums_match", False),
+              ("receiver_killed", "alive_after_window", {"sender": False, "survivor": True}),
+              ("failed_publications", "within_one_bucket", False),
+              ("killed_after_join", "failed_within_s", 30.0),
+              ("killed_after_join", "sender_alive", False)]
+    for trial, key, value in broken:
+        group = {**held, trial: {**held[trial], key: value}}
+        assert gpu_check.transfers_intact({**intact, "weight_group": group}) is False, key
+    assert gpu_check.transfers_intact(
+        {**intact, "project_ipc": {"error": None, "checksums_match": False}}) is False
     assert gpu_check.transfers_intact({**intact, "project_ipc": {"error": "Timeout"}}) is False
 
 
-def test_before_the_fix_the_nccl_group_gets_torchrun_s_error_handling_and_the_deadline(
-        gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the sender of ``before_fix`` builds its group with: the
-    variable torchrun sets (a failed collective ends the process) and NCCL's
-    own timeout equal to the project's deadline."""
-    from protocol import weights_collective
-
-    for name in ("nccl_error_handling", "nccl_watchdog_timeout_s"):  # restored after
-        monkeypatch.setattr(weights_collective, name, getattr(weights_collective, name))
-    current, legacy = weights_collective.NCCL_ERROR_HANDLING_VARIABLES
-    monkeypatch.setenv(current, "3")
-    assert weights_collective.nccl_watchdog_timeout_s(10.0) == 100.0
-    with weights_collective.nccl_error_handling():
-        assert os.environ[current] == weights_collective.NCCL_CLEAN_UP_ONLY
-    gpu_check.build_groups_as_before_the_fix()
-    assert weights_collective.nccl_watchdog_timeout_s(10.0) == 10.0
-    with weights_collective.nccl_error_handling():
-        assert os.environ[current] == os.environ[legacy] == "3"
-
-
-def test_learner_models_have_the_published_shapes(gpu_check: ModuleType) -> None:
+def test_learner_models_have_the_published_shapes(common: ModuleType,
+                                                  learner_part: ModuleType) -> None:
     """The policy written in the script has, name for name, the shapes of the
     manifest (so its parameter count is Hugging Face's); the critic is the
     same body plus a scalar head. Built on the meta device: nothing allocated."""
-    for name in gpu_check.LEARNER_MODELS:
-        shape = gpu_check.MODELS[name]
+    for name in learner_part.LEARNER_MODELS:
+        shape = common.MODELS[name]
         with torch.device("meta"):
-            policy, critic = gpu_check.Policy(shape), gpu_check.Critic(shape)
-        expected = dict(gpu_check.manifest(shape))
+            policy, critic = learner_part.Policy(shape), learner_part.Critic(shape)
+        expected = dict(common.manifest(shape))
         assert {k: tuple(p.shape) for k, p in policy.named_parameters()} == expected
         assert {k: tuple(p.shape) for k, p in critic.named_parameters()} == {
             **{k.replace("model.", "body.", 1): v for k, v in expected.items()},
             "head.weight": (1, shape.hidden), "head.bias": (1,)}
 
 
-def test_flop_count_is_written_out(gpu_check: ModuleType) -> None:
+def test_flop_count_is_written_out(common: ModuleType, learner_part: ModuleType) -> None:
     """6 FLOPs per matmul parameter and token for both models, the critic's
     embedding (a lookup) left out, and 6*layers*hidden*seq per model for
     causal attention (half the full score matrix); for 0.5B at 2k tokens,
     ~5.1 + 2 x 0.26 GFLOP per token."""
     counts = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
     for name, n_policy in counts.items():
-        shape = gpu_check.MODELS[name]
-        flops = gpu_check.flop_count(shape, (2048, 16384))
+        shape = common.MODELS[name]
+        flops = learner_part.flop_count(shape, (2048, 16384))
         n_critic = n_policy + shape.hidden + 1
         assert (flops["n_policy"], flops["n_critic"]) == (n_policy, n_critic)
         # everything but the embedding and the final norm is in the layers
@@ -223,19 +279,20 @@ def test_flop_count_is_written_out(gpu_check: ModuleType) -> None:
             assert flops["per_token"][str(seq)] == dense + 2 * attention
             assert flops["per_token_value_head"][str(seq)] == (
                 6 * (n_policy + shape.hidden + 1) + attention)
-    small = gpu_check.flop_count(gpu_check.MODELS["qwen2.5-0.5b"], (2048,))
+    small = learner_part.flop_count(common.MODELS["qwen2.5-0.5b"], (2048,))
     assert small["dense_per_token"] == pytest.approx(5.11e9, rel=0.01)
     assert small["attention_per_token_per_model"]["2048"] == pytest.approx(2.64e8, rel=0.01)
     assert "6*(N_policy + N_critic - vocab*hidden)" in small["formula"]
     assert "2*6*layers*hidden*seq" in small["formula"]
 
 
-def test_hardware_flops_add_what_the_switches_compute_again(gpu_check: ModuleType) -> None:
+def test_hardware_flops_add_what_the_switches_compute_again(common: ModuleType,
+                                                            learner_part: ModuleType) -> None:
     """HFU's count: checkpointing runs every layer's forward again (the
     layers' matmuls and causal attention, per body), the chunked log-softmax
     the output layer; MFU's count is the same whatever the switches."""
-    shape = gpu_check.MODELS["qwen2.5-0.5b"]
-    flops = gpu_check.flop_count(shape, (2048,))
+    shape = common.MODELS["qwen2.5-0.5b"]
+    flops = learner_part.flop_count(shape, (2048,))
     model, model_value_head = flops["per_token"]["2048"], flops["per_token_value_head"]["2048"]
     layer_forward = 2 * flops["n_layers"] + 2 * shape.layers * shape.hidden * 2048
     output_layer = 2 * shape.vocab * shape.hidden
@@ -244,26 +301,26 @@ def test_hardware_flops_add_what_the_switches_compute_again(gpu_check: ModuleTyp
         frozenset({"microbatches"}): (model, model),
         frozenset({"checkpointing"}): (model, model + 2 * layer_forward),
         frozenset({"chunked_logprobs"}): (model, model + output_layer),
-        frozenset(gpu_check.SWITCHES): (model, model + 2 * layer_forward + output_layer),
-        gpu_check.SWITCH_SETS["all_value_head"]: (
+        frozenset(learner_part.SWITCHES): (model, model + 2 * layer_forward + output_layer),
+        learner_part.SWITCH_SETS["all_value_head"]: (
             model_value_head, model_value_head + layer_forward + output_layer),
     }
     for switches, (model_flops, hardware_flops) in expected.items():
-        assert gpu_check.flops_per_token(flops, 2048, switches) == {
+        assert learner_part.flops_per_token(flops, 2048, switches) == {
             "model": model_flops, "hardware": hardware_flops}, switches
     assert "2*N_layers + 2*layers*hidden*seq" in flops["formula"]
     assert "2*vocab*hidden" in flops["formula"]
 
 
-def test_chunked_logprobs_match_the_whole_pass(gpu_check: ModuleType) -> None:
+def test_chunked_logprobs_match_the_whole_pass(learner_part: ModuleType) -> None:
     """The script's copy of the learner's chunked log-softmax: the same
     values and gradients as log_softmax over whole logits (float32)."""
-    shape = gpu_check.DRY_RUN_LEARNER_SHAPE
+    shape = learner_part.DRY_RUN_LEARNER_SHAPE
     ids = torch.randint(shape.vocab, (2, 37), generator=torch.Generator().manual_seed(0))
     results = []
     for chunk in (0, 16):
-        policy = gpu_check.build(gpu_check.Policy, shape, "cpu")
-        logprobs = gpu_check.token_logprobs(policy, ids, chunk)
+        policy = learner_part.build(learner_part.Policy, shape, "cpu")
+        logprobs = learner_part.token_logprobs(policy, ids, chunk)
         logprobs.sum().backward()
         results.append((logprobs.detach(), [p.grad for p in policy.parameters()]))
     (whole, whole_grads), (chunked, chunked_grads) = results
@@ -273,31 +330,32 @@ def test_chunked_logprobs_match_the_whole_pass(gpu_check: ModuleType) -> None:
         torch.testing.assert_close(chunked_grad, whole_grad)
 
 
-def test_the_learner_part_runs_the_learner_s_own_kernel_and_losses(gpu_check: ModuleType
+def test_the_learner_part_runs_the_learner_s_own_kernel_and_losses(learner_part: ModuleType
                                                                    ) -> None:
     """The script imports the learner's torch-only modules from the checkout
     instead of keeping copies that drift (one did: it summed the output
     layer's bf16 gradient in bf16, the learner in float32)."""
     from learner import chunked_logprobs, losses
 
-    assert gpu_check.ChunkedLogprobs is chunked_logprobs.ChunkedLogprobs
-    assert gpu_check.policy_loss is losses.policy_loss
-    assert gpu_check.value_loss is losses.value_loss
+    assert learner_part.ChunkedLogprobs is chunked_logprobs.ChunkedLogprobs
+    assert learner_part.policy_loss is losses.policy_loss
+    assert learner_part.value_loss is losses.value_loss
 
 
 @pytest.mark.slow
-def test_dry_run_learner_part(gpu_check: ModuleType, dry_run: tuple[dict, Path]) -> None:
+def test_dry_run_learner_part(common: ModuleType, learner_part: ModuleType,
+                              dry_run: tuple[dict, Path]) -> None:
     report, out = dry_run
     assert json.loads((out / "gpu_check.json").read_text()) == report
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json"]  # the export is gone
     learner = report["learner"]
-    plan = gpu_check.DRY_RUN_PLAN
+    plan = learner_part.DRY_RUN_PLAN
     assert learner["errors"] == 0 and learner["peak_flops"] is None
     assert learner["plan"]["lengths"] == [64, 128, 256] == list(plan.lengths)
-    assert learner["switch_sets"] == {k: sorted(v) for k, v in gpu_check.SWITCH_SETS.items()}
-    shape = gpu_check.DRY_RUN_LEARNER_SHAPE
-    expected_flops = json.loads(json.dumps(gpu_check.flop_count(shape, plan.lengths)))
-    assert [m["model"] for m in learner["models"]] == list(gpu_check.LEARNER_MODELS)
+    assert learner["switch_sets"] == {k: sorted(v) for k, v in learner_part.SWITCH_SETS.items()}
+    shape = learner_part.DRY_RUN_LEARNER_SHAPE
+    expected_flops = json.loads(json.dumps(learner_part.flop_count(shape, plan.lengths)))
+    assert [m["model"] for m in learner["models"]] == list(learner_part.LEARNER_MODELS)
     for model in learner["models"]:
         assert model["error"] is None
         assert model["flops"] == expected_flops
@@ -306,33 +364,33 @@ def test_dry_run_learner_part(gpu_check: ModuleType, dry_run: tuple[dict, Path])
         assert 0 <= error["mean_abs"] <= error["max_abs"] < 0.1
         assert error["chunked_vs_whole_bf16_max_abs"] < 0.1
         export = model["export"]
-        assert export["tensors"] == len(gpu_check.manifest(shape))
+        assert export["tensors"] == len(common.manifest(shape))
         assert export["bytes"] > 2 * model["flops"]["n_policy"]  # bf16, plus pickle framing
         assert export["gather_seconds"] > 0 and export["export_seconds"] > 0
         assert model["fit"] == {name: {"fits": [64, 128, 256], "does_not_fit": [],
                                        "first_unfit_length": None}
-                                for name in gpu_check.SWITCH_SETS}
+                                for name in learner_part.SWITCH_SETS}
     cases = learner["cases"]
     assert [(c["switches"], c["model"], c["length"]) for c in cases] == [
-        (s, m, n) for s in gpu_check.SWITCH_SETS for m in gpu_check.LEARNER_MODELS
+        (s, m, n) for s in learner_part.SWITCH_SETS for m in learner_part.LEARNER_MODELS
         for n in plan.lengths]
     for case in cases:
         assert case["outcome"] == "ok", case
-        assert case["on"] == sorted(gpu_check.SWITCH_SETS[case["switches"]])
+        assert case["on"] == sorted(learner_part.SWITCH_SETS[case["switches"]])
         assert case["tokens_per_step"] == 2 * case["length"]
         assert case["passes"] == (2 if "microbatches" in case["on"] else 1)
         assert len(case["step_seconds_each"]) == plan.steps and case["step_seconds"] > 0
         assert case["tokens_per_second"] == pytest.approx(
             case["tokens_per_step"] / case["step_seconds"])
-        switches = gpu_check.SWITCH_SETS[case["switches"]]
-        assert case["flops_per_token"] == gpu_check.flops_per_token(
+        switches = learner_part.SWITCH_SETS[case["switches"]]
+        assert case["flops_per_token"] == learner_part.flops_per_token(
             expected_flops, case["length"], switches)
         # on a CPU: no MFU or HFU (the peak is a GPU's) and no CUDA memory figures
         assert case["mfu"] is None and case["hfu"] is None
         assert case["peak_allocated_bytes"] is None and case["peak_reserved_bytes"] is None
 
 
-def test_out_of_memory_is_recorded_as_does_not_fit(gpu_check: ModuleType,
+def test_out_of_memory_is_recorded_as_does_not_fit(learner_part: ModuleType,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """What a GPU would raise, raised here: the case does not fit, the first
     such length per switch set is reported, and other failures are errors."""
@@ -343,23 +401,23 @@ def test_out_of_memory_is_recorded_as_does_not_fit(gpu_check: ModuleType,
             raise RuntimeError("something else")
         return {"outcome": "ok"}
 
-    monkeypatch.setattr(gpu_check, "run_case", run_case)
-    plan, switches = gpu_check.DRY_RUN_PLAN, gpu_check.SWITCH_SETS["none"]
+    monkeypatch.setattr(learner_part, "run_case", run_case)
+    plan, switches = learner_part.DRY_RUN_PLAN, learner_part.SWITCH_SETS["none"]
     cases = [{"model": "m", "switches": "none", "length": length,
-              **gpu_check.learner_case(gpu_check.DRY_RUN_LEARNER_SHAPE, length, switches, plan,
-                                       "cpu", deadline=float("inf"))}
+              **learner_part.learner_case(learner_part.DRY_RUN_LEARNER_SHAPE, length,
+                                          switches, plan, "cpu", deadline=float("inf"))}
              for length in (64, 100, 128, 256)]
     assert [c["outcome"] for c in cases] == ["ok", "error", "does_not_fit", "does_not_fit"]
     assert cases[2]["error"] == "CUDA out of memory. Tried to allocate 2 GiB"
     assert cases[1]["error"] == "RuntimeError: something else"
-    assert gpu_check.fit(cases, "m")["none"] == {"fits": [64], "does_not_fit": [128, 256],
-                                                 "first_unfit_length": 128}
-    assert gpu_check.fit(cases, "m")["all"] == {"fits": [], "does_not_fit": [],
-                                                "first_unfit_length": None}
+    assert learner_part.fit(cases, "m")["none"] == {"fits": [64], "does_not_fit": [128, 256],
+                                                    "first_unfit_length": 128}
+    assert learner_part.fit(cases, "m")["all"] == {"fits": [], "does_not_fit": [],
+                                                   "first_unfit_length": None}
 
 
 @pytest.mark.slow
-def test_budget_skips_the_learner_cases(gpu_check: ModuleType) -> None:
+def test_budget_skips_the_learner_cases(gpu_check: ModuleType, learner_part: ModuleType) -> None:
     result = run_command([sys.executable, str(SCRIPT), "--dry-run", "--json", "--parts",
                           "learner", "--budget-s", "0"], timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -368,7 +426,7 @@ def test_budget_skips_the_learner_cases(gpu_check: ModuleType) -> None:
     assert all(report[part] is None for part in gpu_check.TRANSFER_PARTS)
     learner = report["learner"]
     assert learner["budget_s"] == 0 and learner["errors"] == 0
-    assert len(learner["cases"]) == len(gpu_check.SWITCH_SETS) * 2 * 3
+    assert len(learner["cases"]) == len(learner_part.SWITCH_SETS) * 2 * 3
     assert {(c["outcome"], c["error"]) for c in learner["cases"]} == {
         ("skipped", "past --budget-s")}
     for model in learner["models"]:
@@ -384,7 +442,7 @@ def test_parts_and_models_options_select_a_subset() -> None:
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert [p["model"] for p in report["ipc_push"]] == ["qwen2.5-0.5b"]
     assert report["nccl_shared_gpu"] is None and report["learner"] is None
-    assert report["project_ipc"] is None and report["nccl_receiver_killed"] is None
+    assert report["project_ipc"] is None and report["weight_group"] is None
 
 
 @pytest.mark.slow

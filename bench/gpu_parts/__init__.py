@@ -1,0 +1,1 @@
+"""The GPU check's parts (bench/gpu_check.py), a module each."""
