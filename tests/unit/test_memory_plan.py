@@ -17,8 +17,15 @@ from deploy.cli import main
 from deploy.config import load_config
 from deploy.device_plan import plan_devices
 from deploy.fleet import Fleet
-from deploy.memory_plan import GIB, engine_memory, learner_rank_memory
+from deploy.memory_plan import (
+    GIB,
+    engine_memory,
+    learner_host_memory,
+    learner_rank_memory,
+    trained_parameters,
+)
 from deploy.model_shapes import ModelShape
+from learner.config import LearnerConfig
 
 CONFIGS = Path(__file__).parents[2] / "deploy" / "configs"
 H100 = CONFIGS / "gpu-8xh100.toml"
@@ -144,3 +151,26 @@ def test_an_actor_tells_how_many_full_windows_its_kv_cache_holds_when_its_episod
     shortfall = actors.kv_shortfall(4 * window - 1)
     assert shortfall is not None and f"3 full windows of {window:,}" in shortfall
     assert "concurrent_episodes to 3" in shortfall
+
+
+def test_a_learner_node_s_host_memory_holds_a_copy_of_its_states_for_background_saves(
+        qwen_7b: Path) -> None:
+    """Each trained parameter's weight and AdamW moments (12 bytes), the
+    node's share; the node needs twice that for auto to save in the
+    background; an export gathers the policy in bf16."""
+    shape = ModelShape.of(qwen_7b)
+    learner = LearnerConfig(nproc=8)
+    policy, critic = trained_parameters(shape, learner)
+    host = learner_host_memory(shape, learner)
+    assert host.staging == 12 * (policy + critic)
+    assert host.background == 2 * host.staging and host.export == 2 * policy
+    assert 160 * GIB < host.staging < 170 * GIB  # a 7B policy and critic model
+    two_nodes = learner_host_memory(shape, LearnerConfig(nproc=8, nnodes=2))
+    assert two_nodes.staging == host.staging // 2
+    value_head = learner_host_memory(shape, LearnerConfig(critic="value_head"))
+    assert value_head.staging == 12 * (policy + shape.hidden + 1)  # one body
+    config = load_config(H100, ["--run.model", str(qwen_7b)])
+    plan = plan_devices(config, EIGHT_H100)
+    assert plan.learner_host == learner_host_memory(shape, config.learner)
+    assert "background checkpoints copy its states" in plan.table()
+    assert plan.to_json()["learner_host"]["staging_bytes"] == plan.learner_host.staging
