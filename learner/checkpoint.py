@@ -144,8 +144,8 @@ def background_saves_here(setting: str, device_type: str, trainer: PPOTrainer) -
     if setting == "auto" and device_type == "cuda" and not background and _is_rank0():
         log.warning("checkpoints are saved synchronously: a background save would copy %.1f "
                     "GiB of this host's states into its %.1f GiB of memory (at most %.0f%%; "
-                    "docs/learner.md \"Checkpoints\")", staging / 2**30, (host or 0) / 2**30,
-                    100 * HOST_STAGING_SHARE)
+                    "docs/learner.md \"Checkpoints and host memory\")", staging / 2**30,
+                    (host or 0) / 2**30, 100 * HOST_STAGING_SHARE)
     return background
 
 

@@ -325,16 +325,20 @@ def killed_receiver_summary(history: list[dict[str, Any]]) -> dict[str, Any]:
                              for role, r in h["reports"].items()}} for h in history]}
 
 
+def ping(members: Members, roles: list[str]) -> dict[str, dict[str, Any]]:
+    """Each of ``roles``' answer to whether it lives, with its allocated GPU memory."""
+    for role in roles:
+        order(members, role, ping=True)
+    return {role: answer(members[role][1], members[role][0], 30) for role in roles}
+
+
 def alive_after(members: Members, roles: list[str], since: float | None,
                 window_s: float) -> dict[str, bool]:
     """Whether each of ``roles`` answers once ``window_s`` has passed since
     ``since`` (the death): the first group's monitor would have ended it by then."""
     if since is not None:
         time.sleep(max(0.0, since + window_s - time.monotonic()))
-    for role in roles:
-        order(members, role, ping=True)
-    return {role: "alive_at" in answer(members[role][1], members[role][0], 30)
-            for role in roles}
+    return {role: "alive_at" in report for role, report in ping(members, roles).items()}
 
 
 def receiver_killed(context: Any, backend: str, device: str, plan: WeightGroupPlan,
@@ -382,11 +386,13 @@ def failed_publications(context: Any, backend: str, device: str,
             return collect(members, roles, 2 * plan.deadline_s + 10)
 
         warm = publish(1, 1, stall=False)
+        before = ping(members, roles)
         rounds = [publish(2 + i, 2 + i, stall=True) for i in range(plan.rounds)]
         final = publish(2 + plan.rounds, 2 + plan.rounds, stall=False)
+        after = ping(members, roles)
         tails = {role: tail(log) for role, log in logs.items()}
     failed_both = all(r["sender"]["error"] and r["receiver"]["error"] for r in rounds)
-    retained = {role: (final[role].get("memory") or 0) - (warm[role].get("memory") or 0)
+    retained = {role: after[role]["memory"] - before[role]["memory"]
                 if device == "cuda" else None for role in roles}
     return {"error": None, "rounds": plan.rounds, "every_round_failed_on_both": failed_both,
             "first_failures": {role: rounds[0][role]["error"] for role in roles},

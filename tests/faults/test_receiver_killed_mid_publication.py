@@ -15,13 +15,14 @@ docs/weights.md says what was not run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,51 +80,83 @@ def _learner(transport: str, control: str, replay: ReplayThread, model: Path, ou
         log)
 
 
-def _feed(rollouts: object) -> None:
-    """Enough rollouts for the learner's 20 steps (the receivers registered
-    first: silent for long, the replay would have declared them dead)."""
-    rollouts.hello()
-    for _ in range(40):
-        rollouts.push_rollout(segments=2, tokens=32)
-    assert rollouts.pump_until(lambda: not rollouts.unacked)
-    assert not rollouts.errors, rollouts.errors
+class Publishing:
+    """A learner publishing every step to the receivers a test starts, its
+    replay fed once they registered (silent for long, the replay would have
+    declared them dead); each process's output in a log of its name."""
+
+    def __init__(self, transport: str, model: Path, out: Path) -> None:
+        [self.control] = loopback_addresses(1)
+        self.out = out
+        self.replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20,
+                                               durable_log=False)
+        self.rollouts = self.replay.actor()
+        self.logs = {"learner": out / "learner.log"}
+        self.processes: list[subprocess.Popen] = []
+        self.tails = _tails(self.logs)
+        self.learner = _learner(transport, self.control, self.replay, model, out,
+                                self.logs["learner"])
+
+    def receiver(self, name: str, *extra: str) -> subprocess.Popen:
+        """Receiver ``name`` started, once registered with the learner."""
+        self.logs[name] = self.out / f"{name}.log"
+        self.processes.append(process := _receiver(self.control, name, self.logs[name],
+                                                   *extra))
+        self.wait_for(name, "registered", 300, f"{name} registered")
+        return process
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text() if self.logs[name].is_file() else ""
+
+    def feed(self) -> None:
+        """Enough rollouts for the learner's 20 steps."""
+        self.rollouts.hello()
+        for _ in range(40):
+            self.rollouts.push_rollout(segments=2, tokens=32)
+        assert self.rollouts.pump_until(lambda: not self.rollouts.unacked)
+        assert not self.rollouts.errors, self.rollouts.errors
+
+    def wait_for(self, name: str, pattern: str, within_s: float, what: str) -> re.Match:
+        """The first match of ``pattern`` in ``name``'s log, once there."""
+        wait_until(lambda: re.search(pattern, self.log(name)), within_s, what,
+                   context=self.tails)
+        match = re.search(pattern, self.log(name))
+        assert match is not None
+        return match
+
+    def learner_lives(self) -> bool:
+        return self.learner.process.poll() is None or self.learner.process.returncode == 0
+
+    def stop(self) -> None:
+        self.learner.stop(signal.SIGTERM, timeout=60)
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        self.rollouts.close()
+        self.replay.close()
 
 
-def _stop(learner: Background | None, processes: list[subprocess.Popen]) -> None:
-    if learner is not None:
-        learner.stop(signal.SIGTERM, timeout=60)
-    for process in processes:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+@contextlib.contextmanager
+def publishing(transport: str, model: Path, out: Path) -> Iterator[Publishing]:
+    run = Publishing(transport, model, out)
+    try:
+        yield run
+    finally:
+        run.stop()
 
 
 @pytest.mark.parametrize("transport", ["gloo", "ipc"])
 def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
         transport: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    [control] = loopback_addresses(1)
-    replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20, durable_log=False)
-    rollouts = replay.actor()
-    logs = {name: tmp_path / f"{name}.log" for name in ("learner", "survivor", "doomed")}
-    processes: list[subprocess.Popen] = []
-    learner = None
-    try:
-        learner = _learner(transport, control, replay, tiny_model_dir, tmp_path, logs["learner"])
-        survivor = _receiver(control, "survivor", logs["survivor"], "--dtype", "bfloat16")
-        doomed = _receiver(control, "doomed", logs["doomed"], "--dtype", "bfloat16",
-                           "--die-in", str(DIE_IN))
-        processes += [survivor, doomed]
+    with publishing(transport, tiny_model_dir, tmp_path) as run:
         # both are members before the learner has anything to train on
-        tails = _tails(logs)
-        for name in ("survivor", "doomed"):
-            wait_until(lambda n=name: "registered" in logs[n].read_text(), 300,
-                       f"{name} registered", context=tails)
-        _feed(rollouts)
-        learner_log = lambda: logs["learner"].read_text()  # noqa: E731
-        wait_until(lambda: "dying in version" in logs["doomed"].read_text(), 300,
-                   "receiver death", context=tails)
+        run.receiver("survivor", "--dtype", "bfloat16")
+        doomed = run.receiver("doomed", "--dtype", "bfloat16", "--die-in", str(DIE_IN))
+        run.feed()
+        run.wait_for("doomed", "dying in version", 300, "receiver death")
         died_at = time.monotonic()
         doomed.wait(timeout=10)
         assert doomed.returncode == -signal.SIGKILL
@@ -131,26 +164,23 @@ def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
         # before the death: a broadcast completes at its sender once sent, so
         # then it counts as published and the next one, to the dead member,
         # fails. Either way the learner knows within a step.
-        wait_until(lambda: FAILED.search(learner_log()), 60, "failed publication",
-                   context=tails)
+        failed = run.wait_for("learner", FAILED.pattern, 60, "failed publication")
         failed_after = time.monotonic() - died_at
-        failed_version = int(FAILED.search(learner_log()).group(1))
+        failed_version = int(failed.group(1))
         assert failed_version == DIE_IN or (
             failed_version == DIE_IN + 1
-            and f"published version {DIE_IN} to 2 actors" in learner_log()), learner_log()[-3000:]
+            and f"published version {DIE_IN} to 2 actors" in run.log("learner")
+        ), run.log("learner")[-3000:]
         # the learner lives: a publication to the survivor alone (the cut
         # version again, or a later one), and its next step
-        wait_until(lambda: re.search(r"published version (\d+) to 1 actors", learner_log()),
-                   120, "publication to the survivor", context=tails)
-        wait_until(lambda: f"step {DIE_IN + 1}:" in learner_log(), 60, "next step",
-                   context=tails)
-        later = int(re.findall(r"published version (\d+) to 1 actors", learner_log())[0])
+        later = int(run.wait_for("learner", r"published version (\d+) to 1 actors", 120,
+                                 "publication to the survivor").group(1))
+        run.wait_for("learner", f"step {DIE_IN + 1}:", 60, "next step")
         assert later >= DIE_IN
-        wait_until(lambda: f"received {later} " in logs["survivor"].read_text(), 30,
-                   "the survivor's load", context=tails)
-        assert learner.process.poll() is None or learner.process.returncode == 0
-        line = re.search(rf"received {later} (\d+) (\S+)", logs["survivor"].read_text())
-        assert line and line.group(2) == "bfloat16"  # the survivor's dtype, not fp32
+        line = run.wait_for("survivor", rf"received {later} (\d+) (\S+)", 30,
+                            "the survivor's load")
+        assert run.learner_lives()
+        assert line.group(2) == "bfloat16"  # the survivor's dtype, not fp32
         print(f"\n[measured] publication of version {failed_version} (died in {DIE_IN}) failed "
               f"{failed_after:.1f} s after the receiver died (weight_timeout_s {TIMEOUT_S}); "
               f"next publication: version {later}")
@@ -160,13 +190,9 @@ def test_a_receiver_killed_mid_broadcast_fails_one_publication_not_the_learner(
         # cut publication's next bucket, is released then, not at its own
         # deadline. (On ipc the learner learns of it only at its deadline, a
         # missing acknowledgement, as the survivor does.)
-        survivor_failures = re.findall(r"failed \d+: .*", logs["survivor"].read_text())
+        survivor_failures = re.findall(r"failed \d+: .*", run.log("survivor"))
         if transport == "gloo" and survivor_failures:
             assert "abandoned" in survivor_failures[0], survivor_failures
-    finally:
-        _stop(learner, processes)
-        rollouts.close()
-        replay.close()
 
 
 def test_a_receiver_killed_between_its_join_and_the_first_broadcast_fails_within_the_deadline(
@@ -176,43 +202,22 @@ def test_a_receiver_killed_between_its_join_and_the_first_broadcast_fails_within
     gloo, the same code: the group connects as it forms, and rank 0's first
     broadcast to the dead member fails. Either way the learner lives and
     the next publication reaches the survivor."""
-    [control] = loopback_addresses(1)
-    replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20, durable_log=False)
-    rollouts = replay.actor()
-    logs = {name: tmp_path / f"{name}.log" for name in ("learner", "survivor", "doomed")}
-    processes: list[subprocess.Popen] = []
-    learner = None
-    try:
-        learner = _learner("gloo", control, replay, tiny_model_dir, tmp_path, logs["learner"])
-        tails = _tails(logs)
-        processes.append(_receiver(control, "survivor", logs["survivor"]))
-        processes.append(doomed := _receiver(control, "doomed", logs["doomed"],
-                                             "--die-after-join"))
-        for name in ("survivor", "doomed"):
-            wait_until(lambda n=name: "registered" in logs[n].read_text(), 300,
-                       f"{name} registered", context=tails)
-        _feed(rollouts)
-        wait_until(lambda: "dying after the join" in logs["doomed"].read_text(), 300,
-                   "the receiver's death", context=tails)
+    with publishing("gloo", tiny_model_dir, tmp_path) as run:
+        run.receiver("survivor")
+        doomed = run.receiver("doomed", "--die-after-join")
+        run.feed()
+        run.wait_for("doomed", "dying after the join", 300, "the receiver's death")
         died_at = time.monotonic()
         doomed.wait(timeout=10)
-        learner_log = lambda: logs["learner"].read_text()  # noqa: E731
-        wait_until(lambda: FAILED.search(learner_log()), 60, "failed publication",
-                   context=tails)
+        run.wait_for("learner", FAILED.pattern, 60, "failed publication")
         failed_after = time.monotonic() - died_at
-        wait_until(lambda: re.search(r"published version (\d+) to 1 actors", learner_log()),
-                   120, "publication to the survivor", context=tails)
-        later = re.search(r"published version (\d+) to 1 actors", learner_log()).group(1)
-        wait_until(lambda: f"received {later} " in logs["survivor"].read_text(), 30,
-                   "the survivor's load", context=tails)
-        assert learner.process.poll() is None or learner.process.returncode == 0
+        later = run.wait_for("learner", r"published version (\d+) to 1 actors", 120,
+                             "publication to the survivor").group(1)
+        run.wait_for("survivor", f"received {later} ", 30, "the survivor's load")
+        assert run.learner_lives()
         print(f"\n[measured] the first publication after the death failed {failed_after:.1f} s "
               f"after it (weight_timeout_s {TIMEOUT_S})")
         assert failed_after < TIMEOUT_S + 10
-    finally:
-        _stop(learner, processes)
-        rollouts.close()
-        replay.close()
 
 
 def test_a_lane_whose_member_holds_its_join_back_leaves_the_other_lane_its_weights(
@@ -222,33 +227,14 @@ def test_a_lane_whose_member_holds_its_join_back_leaves_the_other_lane_its_weigh
     deadline before the float32 lane is joined. Its member waits through
     that (learner/publisher.py ``member_timeout_s``) and gets the
     publication; with a member deadline of one weight deadline it failed."""
-    [control] = loopback_addresses(1)
-    replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20, durable_log=False)
-    rollouts = replay.actor()
-    logs = {name: tmp_path / f"{name}.log" for name in ("learner", "staller", "survivor")}
-    processes: list[subprocess.Popen] = []
-    learner = None
-    try:
-        learner = _learner("gloo", control, replay, tiny_model_dir, tmp_path, logs["learner"])
-        tails = _tails(logs)
+    with publishing("gloo", tiny_model_dir, tmp_path) as run:
         # the staller registers first: its lane is formed and served first
-        processes.append(_receiver(control, "staller", logs["staller"], "--stall-join"))
-        wait_until(lambda: "registered" in logs["staller"].read_text(), 300,
-                   "staller registered", context=tails)
-        processes.append(_receiver(control, "survivor", logs["survivor"], "--dtype", "float32"))
-        wait_until(lambda: "registered" in logs["survivor"].read_text(), 300,
-                   "survivor registered", context=tails)
-        _feed(rollouts)
-        learner_log = lambda: logs["learner"].read_text()  # noqa: E731
-        wait_until(lambda: "did not form" in learner_log(), 120, "the stalled lane given up",
-                   context=tails)
-        wait_until(lambda: "received " in logs["survivor"].read_text(), 60,
-                   "the survivor's first load", context=tails)
-        survivor = logs["survivor"].read_text()
+        run.receiver("staller", "--stall-join")
+        run.receiver("survivor", "--dtype", "float32")
+        run.feed()
+        run.wait_for("learner", "did not form", 120, "the stalled lane given up")
+        run.wait_for("survivor", "received ", 60, "the survivor's first load")
+        survivor = run.log("survivor")
         assert "failed" not in survivor.split("received ")[0], survivor
         assert "float32" in survivor
-        assert learner.process.poll() is None or learner.process.returncode == 0
-    finally:
-        _stop(learner, processes)
-        rollouts.close()
-        replay.close()
+        assert run.learner_lives()
