@@ -20,8 +20,9 @@ so every process that may join a weight group starts with
 NCCL weight group refuses to form in a process without it
 (:func:`nccl_environment_problem`). Its timeout is far above the project's
 deadline (:func:`nccl_watchdog_timeout_s`). Every member joins through the
-store first (``WeightChannel._join``), with our deadline: NCCL creates its
-communicator inside the first collective, which has none. An aborted NCCL
+store first (``WeightChannel._join``), with our deadline; the NCCL
+communicator is then created without blocking, and the first broadcast
+waits for it at most the process's init timeout, the deadline. An aborted NCCL
 group is never destroyed, an aborted gloo group not before its pending
 operation timed out (:func:`retire`): either destructor joins a thread that
 may still be waiting.
