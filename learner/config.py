@@ -140,9 +140,11 @@ class LearnerConfig:
     advantage: Literal["cross", "independent", "grpo"] = "cross"
     """cross: cross-trajectory GAE; independent: each segment alone; grpo:
     group-relative outcome advantage (ablations)."""
-    loss_norm: Literal["token", "segment"] = "token"
+    loss_norm: Literal["token", "segment", "rollout"] = "token"
     """token: mean over all trainable tokens of the global batch; segment: mean
-    per segment, then over segments (ablation)."""
+    per segment, then over segments; rollout: mean per rollout, then over
+    rollouts, each rollout weighing the same whatever its segment count
+    (ablations; formulas in learner/losses.py and docs/learner.md)."""
     train_summary: bool = True
     """False: summary tokens stay in the context but are masked out of the loss."""
     share_prefixes: bool = True

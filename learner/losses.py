@@ -10,13 +10,17 @@ actors' sampling distribution mu:
     L   = sum_t c_t * l_t
 
 with the loss weight c_t of each token passed in (:func:`loss_weights`):
-1/|M| on M and 0 elsewhere (``loss_norm = "token"``), or 1/(n_s * S) on
-segment s's n_s tokens, S the segments with any (``"segment"``, the
-ablation). ``is_mode="mask"`` gives w = 0 to tokens whose pi_prox/mu leaves
-[1/C_is, C_is] (kept tokens keep w); ``"off"`` sets w = 1. Dividing by the
-global count |M| (not per sequence, not per rank) is what makes a rollout that
-compacted more often weigh no more per token, and 1 rank equal 8. The value
-loss is token-normalised the same way in both modes.
+1/|M| on M and 0 elsewhere (``loss_norm = "token"``); 1/(n_s * S) on
+segment s's n_s tokens, S the segments with any (``"segment"``, an
+ablation: a rollout's weight grows with its segment count); or 1/(n_r * R)
+on rollout r's n_r tokens, R the rollouts with any (``"rollout"``, an
+ablation: every rollout weighs the same whatever its segment count, so each
+of a long rollout's tokens weighs less). ``is_mode="mask"`` gives w = 0 to
+tokens whose pi_prox/mu leaves [1/C_is, C_is] (kept tokens keep w);
+``"off"`` sets w = 1. Dividing by the global count |M| (not per sequence,
+not per rank) is what makes a rollout that compacted more often weigh no
+more per token, and 1 rank equal 8. The value loss is token-normalised the
+same way in every mode.
 """
 
 from __future__ import annotations
@@ -41,18 +45,24 @@ def importance_weights(logp_prox: torch.Tensor, logp_behav: torch.Tensor, is_cap
 
 
 def loss_weights(segment_lengths: torch.Tensor, loss_norm: str, num_tokens: float,
-                 num_segments: float) -> torch.Tensor:
+                 num_segments: float, rollout_tokens: float, num_rollouts: float
+                 ) -> torch.Tensor:
     """c_t for the trainable tokens of segments of ``segment_lengths`` (in
-    order): 1/|M| (``"token"``; |M| = ``num_tokens``, the global batch's) or
+    order), all of one rollout with ``rollout_tokens`` trainable tokens in
+    all: 1/|M| (``"token"``; |M| = ``num_tokens``, the global batch's),
     1/(n_s * S) (``"segment"``; S = ``num_segments``, the global batch's
-    segments with any trainable token)."""
+    segments with any trainable token) or 1/(n_r * R) (``"rollout"``; n_r =
+    ``rollout_tokens``, R = ``num_rollouts``, the global batch's rollouts
+    with any trainable token)."""
     lengths = segment_lengths.long()
     if loss_norm == "token":
         return torch.full((int(lengths.sum()),), 1.0 / num_tokens)
     if loss_norm == "segment":
         per_segment = 1.0 / (lengths.clamp(min=1).double() * num_segments)
         return torch.repeat_interleave(per_segment, lengths).float()
-    raise ValueError(f"loss_norm must be 'token' or 'segment', not {loss_norm!r}")
+    if loss_norm == "rollout":
+        return torch.full((int(lengths.sum()),), 1.0 / (max(rollout_tokens, 1) * num_rollouts))
+    raise ValueError(f"loss_norm must be 'token', 'segment' or 'rollout', not {loss_norm!r}")
 
 
 def policy_loss(

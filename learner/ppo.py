@@ -403,16 +403,24 @@ class PPOTrainer:
     def _share(self, batch: TrainBatch, rollouts: list[int]) -> Share:
         chosen = set(rollouts)
         sequences = [s for s in batch.sequences if s.rollout in chosen]
-        local_tokens = sum(int(s.trainable.sum()) for s in sequences)
+        # a rollout's sequences are all in one share (it is chosen by rollout)
+        rollout_tokens: dict[int, int] = {}
+        for sequence in sequences:
+            rollout_tokens[sequence.rollout] = (rollout_tokens.get(sequence.rollout, 0)
+                                                + int(sequence.trainable.sum()))
+        local_tokens = sum(rollout_tokens.values())
         local_segments = sum(n > 0 for s in sequences for n in s.segment_lengths)
-        global_tokens, global_segments = _all_reduce([local_tokens, local_segments])
+        local_rollouts = sum(n > 0 for n in rollout_tokens.values())
+        global_tokens, global_segments, global_rollouts = _all_reduce(
+            [local_tokens, local_segments, local_rollouts])
         weights = []
         for sequence in sequences:
             row = torch.zeros(len(sequence.tokens))
             if global_tokens:
                 row[sequence.trainable] = loss_weights(
                     torch.tensor(sequence.segment_lengths), self.config.loss_norm,
-                    global_tokens, global_segments)
+                    global_tokens, global_segments, rollout_tokens[sequence.rollout],
+                    global_rollouts)
             weights.append(row)
         return Share(sequences, self._microbatches(sequences), global_tokens, weights)
 

@@ -145,14 +145,22 @@ def test_explained_variance_of_parts_is_that_of_the_whole() -> None:
     assert explained_variance(constant, int(mask[:5].sum())) == 0.0
 
 
-def test_loss_weights_are_one_over_the_global_count_or_per_segment() -> None:
+def test_loss_weights_are_one_over_the_global_count_or_per_segment_or_per_rollout() -> None:
     """Token normalisation: every token 1/|M| (the global batch's |M|, which
     other ranks' tokens count in). Segment normalisation: each segment's
-    tokens share 1/S, S the global batch's segments with tokens."""
+    tokens share 1/S, S the global batch's segments with tokens. Rollout
+    normalisation: each rollout's tokens share 1/R, whatever its segments."""
     lengths = torch.tensor([3, 0, 1])
-    token = loss_weights(lengths, "token", num_tokens=10, num_segments=5)
+    counts = {"num_tokens": 10, "num_segments": 5, "rollout_tokens": 4, "num_rollouts": 2}
+    token = loss_weights(lengths, "token", **counts)
     assert token.tolist() == pytest.approx([0.1] * 4)
-    segment = loss_weights(lengths, "segment", num_tokens=10, num_segments=5)
+    segment = loss_weights(lengths, "segment", **counts)
     assert segment.tolist() == pytest.approx([1 / 15] * 3 + [1 / 5])
+    rollout = loss_weights(lengths, "rollout", **counts)
+    assert rollout.tolist() == pytest.approx([1 / 8] * 4)
+    assert float(rollout.sum()) == pytest.approx(1 / 2)
+    # a rollout of two segments sent as two sequences: the same 1/R in all
+    halves = [loss_weights(torch.tensor([n]), "rollout", **counts) for n in (3, 1)]
+    assert float(sum(half.sum() for half in halves)) == pytest.approx(1 / 2)
     with pytest.raises(ValueError, match="loss_norm"):
-        loss_weights(lengths, "rollout", num_tokens=10, num_segments=5)
+        loss_weights(lengths, "sample", **counts)

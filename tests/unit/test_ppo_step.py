@@ -65,6 +65,7 @@ def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("changes", [
     {}, {"advantage": "independent"}, {"advantage": "grpo"}, {"loss_norm": "segment"},
+    {"loss_norm": "rollout"},
     {"is_mode": "mask", "ppo_epochs": 2, "minibatches": 2}, {"whiten_advantages": True},
     {"critic": "value_head"}, {"critic": "value_head", "ppo_epochs": 2, "minibatches": 2},
 ])
@@ -132,7 +133,7 @@ def test_a_summary_shares_the_sequence_of_the_window_it_summarises() -> None:
 
 @pytest.mark.parametrize("changes", [
     {}, {"advantage": "independent"}, {"advantage": "grpo"}, {"loss_norm": "segment"},
-    {"train_summary": False},
+    {"loss_norm": "rollout"}, {"train_summary": False},
 ])
 def test_shared_prefixes_leave_the_update_unchanged(tiny_model_dir: Path, changes: dict) -> None:
     """The gradients each optimizer step receives are compared, not the
