@@ -147,9 +147,10 @@ class JobConfig:
                 f"learner.publish_every = {self.learner.publish_every} exceeds "
                 f"replay.max_staleness + 1 = {self.replay.max_staleness + 1}: actors would "
                 "generate stale tokens before each publication; lower it or raise the bound")
-        if self.learner.advantage == "grpo" and self.actors.group_size < 2:
-            problems.append("learner.advantage = \"grpo\" needs groups of episodes on the same "
-                            "task: set actors.group_size >= 2 (every advantage would be 0)")
+        if self.learner.advantage.startswith("grpo") and self.actors.group_size < 2:
+            problems.append(f"learner.advantage = \"{self.learner.advantage}\" needs groups of "
+                            "episodes on the same task: set actors.group_size >= 2 (every "
+                            "advantage would be 0)")
         problems += self._shared_ports()
         problems += static_device_problems(self.learner, self.actors)
         problems += self.model_problems()

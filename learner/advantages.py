@@ -21,8 +21,12 @@ which is the fixed-lambda form when every lambda_j is the same.
 ``mode="independent"`` skips that discount (the ablation). Value targets are
 the local returns A_loc + V. ``"grpo"`` (the ablation without a critic's
 credit) gives every token of a rollout (R - mean) / (std + eps) over the
-rollouts of its task in the batch. :func:`advantages_and_returns` is the one
-entry point for the three.
+rollouts of its task in the batch, each rollout counted once.
+``"grpo_segments"`` takes the group's mean and std over its segments
+instead, each carrying its rollout's reward, so that a rollout that
+compacted k times counts k + 1 times in them: GRPO as frameworks that train
+each segment as a sample run it (the bias the paper names).
+:func:`advantages_and_returns` is the one entry point for the four.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import torch
 #: Group-relative advantages divide by the group's reward std plus this.
 GRPO_EPSILON = 1e-6
 
-AdvantageMode = Literal["cross", "independent", "grpo"]
+AdvantageMode = Literal["cross", "independent", "grpo", "grpo_segments"]
+ADVANTAGE_MODES = ("cross", "independent", "grpo", "grpo_segments")
 
 
 def adaptive_lambdas(segment_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -60,6 +65,7 @@ def advantages_and_returns(
     gamma: float,
     lam: float | torch.Tensor,
     token_rewards: torch.Tensor | None = None,
+    segments_per_rollout: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [T], returns [T]) of the trainable tokens of some of a
     batch's rollouts (a rank's share), concatenated segment by segment, each
@@ -68,32 +74,42 @@ def advantages_and_returns(
     ``token_rewards`` [T], the environment's per-step rewards on the trainable
     tokens, join the final reward in GAE's per-token rewards (grpo compares
     final rewards only); the returns are the local returns whatever the mode.
-    ``lam``: one lambda, or [S] one per segment (:func:`adaptive_lambdas`)."""
-    if mode not in ("cross", "independent", "grpo"):
-        raise ValueError(f"mode must be 'cross', 'independent' or 'grpo', not {mode!r}")
+    ``lam``: one lambda, or [S] one per segment (:func:`adaptive_lambdas`);
+    ``segments_per_rollout`` [R], the batch's segments of each rollout
+    (``"grpo_segments"`` only)."""
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ADVANTAGE_MODES)}, not {mode!r}")
     rollouts, local = torch.unique_consecutive(segment_rollout, return_inverse=True)
     if len(rollouts) != len(torch.unique(segment_rollout)):
         raise ValueError("each rollout's segments must be consecutive")
     advantages, returns = cross_trajectory_gae(
         values, segment_lengths, local, rewards[rollouts], gamma, lam,
         "independent" if mode == "independent" else "cross", token_rewards)
-    if mode == "grpo":
-        per_rollout = group_relative(rewards, task_ids)[segment_rollout]
+    if mode in ("grpo", "grpo_segments"):
+        counts = segments_per_rollout if mode == "grpo_segments" else None
+        per_rollout = group_relative(rewards, task_ids, counts)[segment_rollout]
         advantages = torch.repeat_interleave(per_rollout, segment_lengths.long()).to(
             advantages.dtype)
     return advantages, returns
 
 
-def group_relative(rewards: torch.Tensor, task_ids: Sequence[str]) -> torch.Tensor:
-    """[R] (R - mean) / (std + eps) over the rollouts of each one's task."""
+def group_relative(rewards: torch.Tensor, task_ids: Sequence[str],
+                   counts: torch.Tensor | None = None) -> torch.Tensor:
+    """[R] (R - mean) / (std + eps) over the rollouts of each one's task,
+    each rollout counted ``counts[r]`` times in its group's mean and std
+    (None: once)."""
     groups: dict[str, list[int]] = defaultdict(list)
     for index, task in enumerate(task_ids):
         groups[task].append(index)
     result = torch.zeros(len(rewards), dtype=torch.float64)
     for members in groups.values():
         group = rewards[members].double()
-        std = group.std(unbiased=False) if len(members) > 1 else torch.tensor(0.0)
-        result[members] = (group - group.mean()) / (std + GRPO_EPSILON)
+        weight = (torch.ones(len(members), dtype=torch.float64) if counts is None
+                  else counts[members].double())
+        mean = (weight * group).sum() / weight.sum()
+        std = (((weight * (group - mean) ** 2).sum() / weight.sum()).sqrt()
+               if len(members) > 1 else torch.tensor(0.0, dtype=torch.float64))
+        result[members] = (group - mean) / (std + GRPO_EPSILON)
     return result
 
 
@@ -134,6 +150,7 @@ def cross_trajectory_gae(
     lam: float | torch.Tensor,
     mode: str = "cross",
     token_rewards: torch.Tensor | None = None,
+    segments_per_rollout: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [T], returns [T]) for trainable tokens concatenated rollout
     by rollout, segment by segment. ``segment_lengths`` [S] counts trainable

@@ -137,9 +137,11 @@ class LearnerConfig:
     """Value-only updates on the first batches: the critic (a value head
     alone, without the shared body) learns while the policy, its version and
     the actors' weights stay put."""
-    advantage: Literal["cross", "independent", "grpo"] = "cross"
+    advantage: Literal["cross", "independent", "grpo", "grpo_segments"] = "cross"
     """cross: cross-trajectory GAE; independent: each segment alone; grpo:
-    group-relative outcome advantage (ablations)."""
+    group-relative outcome advantage, each rollout counted once in its
+    group's statistics; grpo_segments: the same with each segment counted
+    (ablations; formulas in learner/advantages.py)."""
     loss_norm: Literal["token", "segment", "rollout"] = "token"
     """token: mean over all trainable tokens of the global batch; segment: mean
     per segment, then over segments; rollout: mean per rollout, then over

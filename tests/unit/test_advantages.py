@@ -12,6 +12,7 @@ from learner.advantages import (
     advantages_and_returns,
     cross_trajectory_factors,
     cross_trajectory_gae,
+    group_relative,
 )
 from tests.tolerances import rounding_tolerance
 
@@ -267,3 +268,25 @@ def test_cross_trajectory_factors_are_the_discount_the_gae_applies() -> None:
                           atol=1e-12, rtol=0)
     assert cross_trajectory_factors(torch.tensor([], dtype=torch.long),
                                     torch.tensor([], dtype=torch.long), 0.9).shape == (0,)
+
+
+def test_grpo_over_segments_counts_a_rollout_once_per_segment_in_its_group() -> None:
+    """The per-segment statistics are those of the rewards repeated once per
+    segment: a rollout that compacted more pulls the group's mean its way;
+    per rollout, each counts once."""
+    rewards = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    tasks = ["a", "a", "a"]
+    counts = torch.tensor([3.0, 1.0, 1.0], dtype=torch.float64)
+    repeated = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5], dtype=torch.float64)
+    mean, std = repeated.mean(), repeated.std(unbiased=False)
+    per_segment = group_relative(rewards, tasks, counts)
+    assert per_segment.tolist() == pytest.approx(((rewards - mean) / (std + 1e-6)).tolist())
+    per_rollout = group_relative(rewards, tasks)
+    assert per_rollout.tolist() == pytest.approx(
+        ((rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)).tolist())
+    assert per_segment[1] < per_rollout[1]  # the short failure looks worse beside the long win
+    values = torch.zeros(5, dtype=torch.float64)
+    lengths, rollout_of = torch.ones(5, dtype=torch.long), torch.tensor([0, 0, 0, 1, 2])
+    advantages, _ = advantages_and_returns("grpo_segments", values, lengths, rollout_of,
+                                           rewards, tasks, 1.0, 0.5, None, counts)
+    assert advantages.tolist() == pytest.approx(per_segment[rollout_of].tolist())

@@ -64,8 +64,8 @@ def snapshot(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("changes", [
-    {}, {"advantage": "independent"}, {"advantage": "grpo"}, {"loss_norm": "segment"},
-    {"loss_norm": "rollout"},
+    {}, {"advantage": "independent"}, {"advantage": "grpo"}, {"advantage": "grpo_segments"},
+    {"loss_norm": "segment"}, {"loss_norm": "rollout"},
     {"is_mode": "mask", "ppo_epochs": 2, "minibatches": 2}, {"whiten_advantages": True},
     {"critic": "value_head"}, {"critic": "value_head", "ppo_epochs": 2, "minibatches": 2},
 ])
