@@ -311,9 +311,11 @@ def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence
                                else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
                                for s in sequences])
                     if any(s.token_rewards is not None for s in sequences) else None)
-    segments_per_rollout = torch.zeros(len(batch.rewards), dtype=torch.float64)
-    for sequence in batch.sequences:  # the whole batch's: grpo_segments' groups span it
-        segments_per_rollout[sequence.rollout] += len(sequence.segment_lengths)
+    segments_per_rollout = None
+    if config.advantage == "grpo_segments":  # the whole batch's: its groups span it
+        segments_per_rollout = torch.zeros(len(batch.rewards), dtype=torch.float64)
+        for sequence in batch.sequences:
+            segments_per_rollout[sequence.rollout] += len(sequence.segment_lengths)
     flat_adv, flat_ret = advantages_and_returns(
         config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
         batch.task_ids, config.gamma, segment_lambda(config, lengths), step_rewards,
