@@ -93,7 +93,8 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         actors.compaction.max_compactions = args.max_compactions
     models = [args.model or config.run.model] + ([args.baseline] if args.baseline else [])
     # the same held-out episodes for each: a folder named twice is evaluated once
-    evaluated = {model: evaluate(model, actors, args.episodes, show_progress=sys.stderr.isatty())
+    evaluated = {model: evaluate(model, actors, args.episodes, show_progress=sys.stderr.isatty(),
+                                 group_size=args.group_size)
                  for model in dict.fromkeys(models)}
     reports = [evaluated[model] for model in models]
     for report in reports:
@@ -297,6 +298,13 @@ def _fleet_argument(text: str) -> Fleet:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _group_size_argument(text: str) -> int:
+    """``eval --group-size``: a whole number of episodes per task, at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of episodes >= 1")
+    return int(text)
+
+
 def _gib_argument(text: str) -> float:
     """``--gpu-memory-gib``'s one size; several point to ``--fleet``."""
     try:
@@ -442,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="off: one window; the episode ends when it is full")
     evaluation.add_argument("--max-compactions", type=int, default=None,
                             help="default: actors.compaction.max_compactions")
+    evaluation.add_argument("--group-size", type=_group_size_argument, default=1,
+                            help="episodes per held-out task, each sampled apart (as GRPO's "
+                                 "groups): the report adds how unequally a task's episodes "
+                                 "compacted")
     evaluation.add_argument("--baseline", default=None,
                             help="also evaluate this model on the same episodes and print "
                                  "the change (e.g. the base policy before training)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -82,10 +82,15 @@ class EvalReport:
     seconds: float = 0.0
     success_by_tag: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     """Task tag -> its value -> {"episodes": n, "success": rate} (``Task.tags``)."""
+    group_size: int = 1
+    """Episodes played on each held-out task (consecutive episodes, other samples)."""
+    compaction_spread: dict[int, int] = field(default_factory=dict)
+    """With groups: the most minus the fewest compactions within a group ->
+    groups with that spread (how unequally one task's rollouts compacted)."""
 
 
 def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
-              seconds: float) -> EvalReport:
+              seconds: float, group_size: int = 1) -> EvalReport:
     n = len(results)
     successes = sum(r.stats.success for r in results)
     compactions = sum(r.stats.compactions for r in results)
@@ -111,30 +116,45 @@ def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
         outcomes=dict(sorted(outcomes.items())), seconds=seconds,
         success_by_tag={tag: {value: {"episodes": len(v), "success": sum(v) / len(v)}
                               for value, v in sorted(values.items())}
-                        for tag, values in sorted(by_tag.items())})
+                        for tag, values in sorted(by_tag.items())},
+        group_size=group_size, compaction_spread=compaction_spread(results, group_size))
+
+
+def compaction_spread(results: list[EpisodeResult], group_size: int) -> dict[int, int]:
+    """Spread of compactions (most minus fewest) -> groups, over the whole
+    groups of ``group_size`` consecutive results; empty without groups."""
+    if group_size < 2:
+        return {}
+    spreads: Counter[int] = Counter()
+    for start in range(0, len(results) - group_size + 1, group_size):
+        counts = [r.stats.compactions for r in results[start:start + group_size]]
+        spreads[max(counts) - min(counts)] += 1
+    return dict(sorted(spreads.items()))
 
 
 async def run_evaluation(model: str, actors: ActorConfig, episodes: int,
-                         show_progress: bool = True) -> EvalReport:
+                         show_progress: bool = True, group_size: int = 1) -> EvalReport:
     began = time.perf_counter()
     # before the engine's slow start: the first held-out task can be played
     await check_episode_setup(model, actors, seed=EVALUATION_SEEDS_FROM)
     engine = await Engine.start(model, actors.engine, actors.sampling)
     try:
-        results = await play_held_out(engine, actors, episodes, show_progress)
+        results = await play_held_out(engine, actors, episodes, show_progress,
+                                      group_size=group_size)
     finally:
         await engine.shutdown()
-    return summarise(model, actors, results, time.perf_counter() - began)
+    return summarise(model, actors, results, time.perf_counter() - began, group_size)
 
 
 async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
                         show_progress: bool = True, summariser: Engine | None = None,
-                        keep: Callable[[int, ClosedSegment], None] | None = None
-                        ) -> list[EpisodeResult]:
+                        keep: Callable[[int, ClosedSegment], None] | None = None,
+                        group_size: int = 1) -> list[EpisodeResult]:
     """The held-out episodes 0 .. ``episodes`` - 1 on ``engine``,
     :data:`CONCURRENT_EPISODES` at a time; ``summariser`` writes the
     summaries (default: the same engine); ``keep(n, segment)`` is told each
-    segment of episode ``n``."""
+    segment of episode ``n``. With ``group_size`` g, episode n plays held-out
+    task n // g, sampled with a seed of its own (n), as GRPO's groups do."""
     from rich.progress import Progress
 
     chat = ChatFormat(engine.tokenizer, actors.compaction, actors.environment)
@@ -153,8 +173,9 @@ async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
                                                actors.environment.options)
                 try:
                     return await run_episode(engine, environment, chat, actors,
-                                             EVALUATION_SEEDS_FROM + n, emit,
-                                             summariser=summariser)
+                                             EVALUATION_SEEDS_FROM + n // group_size, emit,
+                                             summariser=summariser,
+                                             sampling_seed=EVALUATION_SEEDS_FROM + n)
                 finally:
                     await environment.close()
                     progress.advance(bar)
@@ -163,9 +184,9 @@ async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
 
 
 def evaluate(model: str, actors: ActorConfig, episodes: int,
-             show_progress: bool = True) -> EvalReport:
+             show_progress: bool = True, group_size: int = 1) -> EvalReport:
     quiet_vllm_logging()
-    return asyncio.run(run_evaluation(model, actors, episodes, show_progress))
+    return asyncio.run(run_evaluation(model, actors, episodes, show_progress, group_size))
 
 
 def format_report(report: EvalReport) -> str:
@@ -183,6 +204,10 @@ def format_report(report: EvalReport) -> str:
             for k, v in report.success_by_compactions.items()),
         "  outcomes: " + ", ".join(f"{k} {v}" for k, v in report.outcomes.items()),
     ]
+    if report.compaction_spread:
+        lines.append(f"  compaction spread within groups of {report.group_size} "
+                     "(most - fewest: groups): " + ", ".join(
+                         f"{k}: {v}" for k, v in report.compaction_spread.items()))
     lines += [f"  success by {tag}: " + ", ".join(
         f"{value}: {v['success']:.1%} of {v['episodes']:.0f}" for value, v in values.items())
         for tag, values in report.success_by_tag.items()]

@@ -7,6 +7,7 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from learner.replay_client import ReplayClientCounters
+from ops.summary import COMPACTION_BUCKETS, compaction_bucket
 
 #: PPO statistics exported as gauges: metric name -> key in the step's metrics.
 STEP_GAUGES = {
@@ -93,6 +94,18 @@ class LearnerMetrics:
             "(gamma*lambda)^N_>s under the run's lambda (applied with advantage = cross), "
             "by segment type; over crl_learner_trained_segments_total, its mean",
             ["segment_type"], registry=r)
+        self.loss_weight = Counter(
+            "crl_learner_loss_weight",
+            "Sum of the loss weights c_t over the trained tokens of rollouts that "
+            "compacted this many times (the last bucket open), over every minibatch: "
+            "each minibatch's weights sum to 1, so a bucket's share of the total is the "
+            "share of the loss its rollouts had", ["compactions"], registry=r)
+        self.trained_rollouts = Counter(
+            "crl_learner_trained_rollouts", "Rollouts trained on, by how many times they "
+            "compacted (the last bucket open)", ["compactions"], registry=r)
+        for bucket in COMPACTION_BUCKETS:  # from 0: a share over buckets sees every one
+            self.loss_weight.labels(bucket)
+            self.trained_rollouts.labels(bucket)
         self.trained_segments = Counter(
             "crl_learner_trained_segments", "Segments with trainable tokens trained on, by type",
             ["segment_type"], registry=r)
@@ -132,6 +145,9 @@ class LearnerMetrics:
         for reward, count in zip(rewards, compactions, strict=True):
             self.rollout_reward.observe(reward)
             self.rollout_compactions.observe(count)
+            self.trained_rollouts.labels(compaction_bucket(count)).inc()
+        for bucket in COMPACTION_BUCKETS:
+            self.loss_weight.labels(bucket).inc(metrics.get(f"loss_weight/{bucket}", 0.0))
         for label, chosen in (("true", [s for s, c in zip(successes, compactions, strict=True)
                                         if c > 0]),
                               ("false", [s for s, c in zip(successes, compactions, strict=True)

@@ -85,6 +85,7 @@ from learner.models import (
     token_logprobs_and_values,
     token_values,
 )
+from ops.summary import COMPACTION_BUCKETS, compaction_bucket
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,21 @@ class StepStatistics:
                for name in ("summary_factor_sum", "summary_segments", "execution_factor_sum",
                             "execution_segments")},
         }
+
+
+def weight_by_compactions(shares: list[Share], compactions: list[int]) -> dict[str, float]:
+    """``loss_weight/<bucket>``: the loss weights c_t of the rollouts in each
+    compaction bucket (:data:`ops.summary.COMPACTION_BUCKETS`), summed over the
+    minibatches and the ranks; each minibatch's sum to 1. What the loss
+    normalisation gives rollouts that compacted more (docs/learner.md, "Loss
+    weight by compaction count")."""
+    totals = [0.0] * len(COMPACTION_BUCKETS)
+    for share in shares:
+        for sequence, weights in zip(share.sequences, share.loss_weights, strict=True):
+            bucket = compaction_bucket(compactions[sequence.rollout])
+            totals[COMPACTION_BUCKETS.index(bucket)] += float(weights.sum())
+    return {f"loss_weight/{bucket}": total
+            for bucket, total in zip(COMPACTION_BUCKETS, _all_reduce(totals), strict=True)}
 
 
 def _segments(sequences: list[TrainSequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -499,7 +515,8 @@ class PPOTrainer:
         for _ in range(plan.epochs):
             starts = [self.update(share, start, batch, statistics, value_only)
                       for share, start in zip(plan.shares, starts, strict=True)]
-        return statistics.summed_over_ranks().metrics(plan.epochs)
+        return (statistics.summed_over_ranks().metrics(plan.epochs)
+                | weight_by_compactions(plan.shares, batch.compactions))
 
     def update(self, share: Share, start: StartValues, batch: TrainBatch,
                statistics: StepStatistics, value_only: bool = False) -> StartValues:

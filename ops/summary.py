@@ -47,6 +47,17 @@ Snapshot = dict[str, float | None]
 #: Run totals: snapshot key -> (the process that counts it, counter, labels).
 #: What actors did is the replay's count (it sums its per-actor series): it
 #: registers every actor, whoever started it, where ``up`` scrapes only its own.
+#: Rollouts by how many times they compacted, the last bucket open: the labels
+#: of the learner's loss-weight and rollout counters (docs/learner.md, "Loss
+#: weight by compaction count").
+COMPACTION_BUCKETS = ("0", "1", "2", "3", "4", "5", "6", "7", "8+")
+
+
+def compaction_bucket(compactions: int) -> str:
+    """The bucket of a rollout that compacted ``compactions`` times."""
+    return COMPACTION_BUCKETS[min(compactions, len(COMPACTION_BUCKETS) - 1)]
+
+
 TOTALS: dict[str, tuple[str, str, dict[str, str]]] = {
     "learner_tokens": ("learner", "crl_learner_tokens_total", {}),
     "learner_idle_s": ("learner", "crl_learner_idle_seconds_total", {}),
@@ -77,6 +88,10 @@ TOTALS: dict[str, tuple[str, str, dict[str, str]]] = {
     "execution_segments": ("learner", "crl_learner_trained_segments_total",
                            {"segment_type": "execution"}),
     "staleness_count": ("replay", "crl_replay_staleness_count", {}),
+    **{f"loss_weight_c{bucket}": ("learner", "crl_learner_loss_weight_total",
+                                  {"compactions": bucket}) for bucket in COMPACTION_BUCKETS},
+    **{f"rollouts_c{bucket}": ("learner", "crl_learner_trained_rollouts_total",
+                               {"compactions": bucket}) for bucket in COMPACTION_BUCKETS},
 }
 #: The learner's position: it only goes up within a run (snapshot key -> gauge).
 LEARNER_POSITION = {
@@ -203,6 +218,21 @@ def cross_factors(snapshot: Snapshot) -> dict[str, float]:
     return {kind: (snapshot.get(f"{kind}_factor_sum") or 0.0) / count
             for kind in ("summary", "execution")
             if (count := snapshot.get(f"{kind}_segments") or 0.0)}
+
+
+def weight_by_compactions(snapshot: Snapshot) -> dict[str, dict[str, float]]:
+    """Per compaction bucket with any rollout trained: its share of the
+    rollouts trained so far and its share of the loss weight they got (the
+    sum of c_t over their tokens, over every minibatch); under token-level
+    normalisation a bucket's weight share over its rollout share is its
+    rollouts' length over the mean."""
+    rollouts = {b: snapshot.get(f"rollouts_c{b}") or 0.0 for b in COMPACTION_BUCKETS}
+    weights = {b: snapshot.get(f"loss_weight_c{b}") or 0.0 for b in COMPACTION_BUCKETS}
+    total_rollouts, total_weight = sum(rollouts.values()), sum(weights.values())
+    if not total_rollouts or not total_weight:
+        return {}
+    return {b: {"rollouts": rollouts[b] / total_rollouts, "weight": weights[b] / total_weight}
+            for b in COMPACTION_BUCKETS if rollouts[b]}
 
 
 def staleness_quantile(snapshot: Snapshot, q: float) -> float | None:

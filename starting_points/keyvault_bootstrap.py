@@ -50,6 +50,10 @@ from starting_points.config import BootstrapConfig
 ORDERED_FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(ORDINALS)}) "
                           rf"({'|'.join(NUMBER_WORDS[:10])})\b")
 UNORDERED_FACT = re.compile(rf"\b({'|'.join(CODE_NAMES)}) ({'|'.join(NUMBER_WORDS[:10])})\b")
+#: The agent's own answer ("answer alpha seven two five"): with ``retries`` a
+#: wrong one stays in view, and its guesses are not facts.
+OWN_ANSWER = re.compile(
+    rf"\banswer(?: (?:{'|'.join(CODE_NAMES)}|{'|'.join(NUMBER_WORDS[:10])}|\d))+")
 #: Seeds of demonstrations: a range of their own, below evaluation's 2^31.
 DEMONSTRATION_SEED_SALT = "bootstrap"
 #: Demonstrations played after fine-tuning to measure copying (~5 s on CPU).
@@ -86,8 +90,10 @@ KEPT_BASES = {
 
 
 def facts_in(text: str, ordered: bool) -> dict[tuple[str, str], str]:
-    """Facts stated in ``text``, in order of first statement: value by (code,
-    ordinal), later statements winning; unordered, value by (code, value)."""
+    """Facts stated in ``text`` (the agent's own answers left out), in order of
+    first statement: value by (code, ordinal), later statements winning;
+    unordered, value by (code, value)."""
+    text = OWN_ANSWER.sub("", text)
     if ordered:
         return {(code, position): digit for code, position, digit in ORDERED_FACT.findall(text)}
     return {(code, digit): digit for code, digit in UNORDERED_FACT.findall(text)}

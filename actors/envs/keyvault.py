@@ -21,6 +21,15 @@ number, or a ``[low, high]`` range from which each episode draws its own
 keep) instead of one. Each task's tags name its sizes, so an evaluation
 reports success by size.
 
+``retries``: after a wrong answer the agent may search again that many times:
+the observation says how many digits were right, the walk starts again at
+room 1 (the same notes, other distractor text), and the last answer is
+graded. How long an episode runs, and so how many times it compacts,
+then depends on what the agent kept: rollouts of one task that kept every
+fact answer after one walk, those that lost one walk again (and compact
+again), the regime in which segment counts differ within a task's group
+(docs/results.md, "Unequal compaction").
+
 Reward: 1 for an exact answer (all codes, all digits), else 0; with
 ``partial_credit`` the fraction of digits right, each code's counted over
 the digits given for it where more were given than it has (an answer padded
@@ -74,7 +83,7 @@ class KeyVault:
 
     def __init__(self, codes: Size = 2, digits: Size = 4, rooms: Size = 24,
                  distractor_words: Size = 30, partial_credit: bool = False,
-                 ordered: bool = True, step_latency_s: float = 0.0) -> None:
+                 ordered: bool = True, step_latency_s: float = 0.0, retries: int = 0) -> None:
         self.sizes = {name: size_range(name, size) for name, size in (
             ("codes", codes), ("digits", digits), ("rooms", rooms),
             ("distractor_words", distractor_words))}
@@ -86,13 +95,16 @@ class KeyVault:
         if self.sizes["rooms"][0] < most_notes:
             raise ValueError(f"rooms = {self.sizes['rooms'][0]} cannot hold codes x digits = "
                              f"{most_notes} notes")
-        if self.sizes["distractor_words"][0] < 0 or step_latency_s < 0:
-            raise ValueError("distractor_words and step_latency_s must be >= 0")
+        if self.sizes["distractor_words"][0] < 0 or step_latency_s < 0 or retries < 0:
+            raise ValueError("distractor_words, step_latency_s and retries must be >= 0")
         self.codes = self.digits = self.rooms = self.distractor_words = 0
         """This episode's sizes (drawn at reset)."""
         self.partial_credit = partial_credit
         self.ordered = ordered
         self.step_latency_s = step_latency_s
+        self.retries = retries
+        self.attempts = 0
+        """Answers given in this episode."""
         self._rng = random.Random()
         self._answer: dict[str, list[int]] = {}
         self._notes: dict[int, tuple[str, int, int]] = {}
@@ -112,6 +124,7 @@ class KeyVault:
         rooms = self._rng.sample(range(1, self.rooms + 1), len(facts))
         self._notes = dict(zip(rooms, facts, strict=True))
         self._room = 0
+        self.attempts = 0
         which = " . " if self.ordered else " , not its position . "
         instruction = (
             f"{self.rooms} rooms . say next to enter a room . notes hold one digit of a code"
@@ -127,7 +140,12 @@ class KeyVault:
             await asyncio.sleep(self.step_latency_s)
         words = re.findall(r"[a-z]+|\d", action.lower())
         if "answer" in words:
-            return self._grade(words[words.index("answer") + 1:])
+            self.attempts += 1
+            graded = self._grade(words[words.index("answer") + 1:])
+            if graded.success or self.attempts > self.retries:
+                return graded
+            self._room = 0  # the same notes again, from the first room
+            return StepResult(f"{graded.observation} try again : say next .")
         if words[:1] == ["next"]:
             self._room += 1
             if self._room > self.rooms:
@@ -173,4 +191,5 @@ class KeyVault:
         reward = 1.0 if exact else (credit if self.partial_credit else 0.0)
         verdict = "correct" if exact else "wrong"
         return StepResult(f"answer {verdict} . {right} of {total} digits right .", done=True,
-                          reward=reward, success=exact, info={"digits_right": right})
+                          reward=reward, success=exact,
+                          info={"digits_right": right, "attempts": self.attempts})

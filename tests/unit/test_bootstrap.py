@@ -97,6 +97,14 @@ def test_unordered_the_player_lists_facts_by_value_and_guesses_other_digits(toke
         assert words[4] not in ("nine", "four")  # a guess is never a digit already given
 
 
+def test_a_wrong_answer_in_view_is_no_fact_on_the_next_attempt() -> None:
+    """With retries the player's last answer stays in the window: its
+    guesses must not be read back as found facts."""
+    text = ("note : alpha seven . assistant answer alpha seven two 5 tool answer wrong . "
+            "1 of 3 digits right . try again : say next . assistant next tool room 1 : red .")
+    assert facts_in(text, ordered=False) == {("alpha", "seven"): "seven"}
+
+
 def test_fine_tuning_trains_each_summary_with_the_window_it_summarises(tokenizer) -> None:
     segments, _ = play(tokenizer, drop=0.3, episodes=5)
     sequences = training_sequences(segments)

@@ -50,3 +50,23 @@ def test_report_gives_success_by_each_tag_value() -> None:
         "family": {"arith": {"episodes": 2, "success": 0.5},
                    "words": {"episodes": 1, "success": 1.0}}}
     assert "success by family: arith: 50.0% of 2, words: 100.0% of 1" in format_report(report)
+
+
+def test_groups_report_how_unequally_a_task_s_episodes_compacted() -> None:
+    results = [result(True, 2, 5), result(False, 6, 5), result(True, 2, 5), result(False, 4, 5),
+               result(True, 2, 5), result(True, 2, 5), result(True, 3, 5), result(True, 2, 5),
+               result(False, 4, 5)]  # a group cut short (the last) is left out
+    report = summarise("m", ActorConfig(), results, seconds=1.0, group_size=4)
+    assert report.group_size == 4 and report.compaction_spread == {1: 1, 4: 1}
+    assert "compaction spread within groups of 4 (most - fewest: groups): 1: 1, 4: 1" in (
+        format_report(report))
+    assert summarise("m", ActorConfig(), results, seconds=1.0).compaction_spread == {}
+
+
+def test_a_group_size_below_one_is_refused_by_the_command_line() -> None:
+    from deploy.cli import build_parser
+
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["eval", "--group-size", bad])
+    assert build_parser().parse_args(["eval", "--group-size", "4"]).group_size == 4

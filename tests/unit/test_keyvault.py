@@ -102,6 +102,41 @@ def test_text_stays_inside_the_vocabulary(ordered: bool) -> None:
     assert {w for w in text.split() if w not in known and not w.isdigit()} == set()
 
 
+def test_a_wrong_answer_with_retries_left_walks_the_same_rooms_again() -> None:
+    """With ``retries`` a wrong answer is not the end: the agent is told how
+    many digits were right and walks the same notes from room 1 again; the
+    last answer is graded, with the attempts it took."""
+    env = KeyVault(codes=1, digits=3, rooms=5, ordered=False, partial_credit=True, retries=2)
+    first = walk(env, 7)
+    digits = env._answer["alpha"]
+    wrong = "answer alpha " + " ".join(str(d) for d in range(10) if d not in digits)[:5]
+    retry = answer(env, wrong)
+    assert not retry.done and retry.observation.endswith("try again : say next .")
+    assert set(retry.observation.split()) <= set(WORDS) | {".", ",", ":", "right"} | set("0123")
+    again = [asyncio.run(env.step("next")).observation for _ in range(env.rooms + 1)]
+    notes = [o.split(" . note : ")[1:] for o in first]
+    assert [o.split(" . note : ")[1:] for o in again] == notes  # the same notes, room by room
+    right = answer(env, "answer alpha " + " ".join(map(str, digits)))
+    assert right.done and right.success and right.reward == 1.0
+    assert right.info["attempts"] == 2
+
+
+def test_the_last_attempt_is_graded_when_the_retries_run_out() -> None:
+    env = KeyVault(codes=1, digits=3, rooms=5, ordered=False, partial_credit=True, retries=1)
+    walk(env, 7)
+    digits = env._answer["alpha"]
+    wrong = "answer alpha " + " ".join(str(d) for d in range(10) if d not in digits)[:5]
+    assert not answer(env, wrong).done
+    one_right = f"answer alpha {digits[0]} " + wrong.split()[-1] + " " + wrong.split()[-2]
+    last = answer(env, one_right)
+    assert last.done and not last.success and last.reward == pytest.approx(1 / 3)
+    assert last.info["attempts"] == 2
+    asyncio.run(env.reset(7))  # a new episode has its retries again
+    assert not answer(env, wrong).done
+    with pytest.raises(ValueError, match="retries"):
+        KeyVault(retries=-1)
+
+
 def test_sizes_given_as_ranges_are_drawn_per_episode_and_tagged() -> None:
     env = KeyVault(codes=1, digits=3, rooms=[6, 20], distractor_words=[2, 9])
     drawn = set()

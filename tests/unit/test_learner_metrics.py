@@ -9,7 +9,8 @@ def test_a_step_is_recorded_under_the_design_names() -> None:
     metrics = LearnerMetrics()
     step = {"tokens": 120.0, **{key: 0.5 for key in STEP_GAUGES.values()},
             "advantages/summary_factor_sum": 1.5, "advantages/summary_segments": 3.0,
-            "advantages/execution_factor_sum": 4.0, "advantages/execution_segments": 5.0}
+            "advantages/execution_factor_sum": 4.0, "advantages/execution_segments": 5.0,
+            "loss_weight/0": 0.25, "loss_weight/1": 0.25, "loss_weight/2": 0.5}
     metrics.record(step, rewards=[1.0, 0.0, 1.0], successes=[True, False, True],
                    compactions=[2, 0, 1], seconds=1.5, version=7, step=5)
     value = metrics.registry.get_sample_value
@@ -28,6 +29,18 @@ def test_a_step_is_recorded_under_the_design_names() -> None:
     assert value("crl_learner_trained_segments_total", {"segment_type": "execution"}) == 5
     for name in STEP_GAUGES:
         assert value(name) == 0.5
+    assert value("crl_learner_loss_weight_total", {"compactions": "2"}) == 0.5
+    assert value("crl_learner_loss_weight_total", {"compactions": "8+"}) == 0.0
+    assert value("crl_learner_trained_rollouts_total", {"compactions": "0"}) == 1
+
+
+def test_rollouts_past_the_last_bucket_are_counted_in_it() -> None:
+    metrics = LearnerMetrics()
+    metrics.record({}, rewards=[0.0, 1.0], successes=[False, True], compactions=[8, 12],
+                   seconds=1.0, version=1, step=1)
+    value = metrics.registry.get_sample_value
+    assert value("crl_learner_trained_rollouts_total", {"compactions": "8+"}) == 2
+    assert value("crl_learner_trained_rollouts_total", {"compactions": "7"}) == 0
 
 
 def test_a_learner_serves_no_version_or_step_until_it_has_resumed() -> None:

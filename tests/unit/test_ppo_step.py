@@ -22,7 +22,7 @@ from learner.models import (
     token_logprobs_and_values,
     token_values,
 )
-from learner.ppo import PPOTrainer, StepStatistics
+from learner.ppo import PPOTrainer, StepStatistics, weight_by_compactions
 from protocol import Batch, Rollout
 from protocol.synthetic import synthetic_batch
 from tests.tolerances import logprob_tolerance, rounding_tolerance
@@ -420,6 +420,32 @@ def test_a_step_reports_the_cross_trajectory_factors_of_summary_and_execution_se
     summary_mean = metrics["advantages/summary_factor_sum"] / len(kinds["summary"])
     assert 0 < summary_mean < 1
     assert metrics["advantages/execution_factor_sum"] >= batch.num_rollouts
+
+
+@pytest.mark.parametrize("loss_norm", ["token", "segment", "rollout"])
+def test_the_loss_weight_by_compaction_count_is_what_the_normalisation_gives(
+        tiny_model_dir: Path, loss_norm: str) -> None:
+    """Each minibatch's weights sum to 1; of that, rollouts that compacted
+    once get their share of the tokens (token), of the segments with
+    trainable tokens (segment) or of the rollouts (rollout)."""
+    ppo = trainer(tiny_model_dir, loss_norm=loss_norm, minibatches=2)
+    batch = to_train_batch(synthetic_batch(rollouts=8), train_summary=True)
+    assert set(batch.compactions) == {0, 1}
+    shares = ppo.plan(batch).shares
+    weights = weight_by_compactions(shares, batch.compactions)
+    assert sum(weights.values()) == pytest.approx(len(shares))
+    assert weights["loss_weight/2"] == weights["loss_weight/8+"] == 0.0
+    expected = 0.0
+    for share in shares:
+        rollouts = sorted({s.rollout for s in share.sequences})
+        units = {r: [n for s in share.sequences if s.rollout == r for n in s.segment_lengths]
+                 for r in rollouts}
+        size = {"token": lambda lengths: sum(lengths),
+                "segment": lambda lengths: sum(n > 0 for n in lengths),
+                "rollout": lambda lengths: 1}[loss_norm]
+        expected += (sum(size(units[r]) for r in rollouts if batch.compactions[r] == 1)
+                     / sum(size(units[r]) for r in rollouts))
+    assert weights["loss_weight/1"] == pytest.approx(expected)
 
 
 def test_the_trainer_s_state_is_built_once_and_never_filled_in_later() -> None:

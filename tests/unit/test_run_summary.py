@@ -16,6 +16,7 @@ from ops.summary import (
     pace_start,
     summarise,
     training_window,
+    weight_by_compactions,
     window_start,
 )
 
@@ -230,6 +231,21 @@ def test_the_summary_gives_the_mean_cross_trajectory_factor_by_segment_type() ->
     empty = RunScraper({}).fold({"learner": _learner(0, 0)}, {})
     assert cross_factors(empty) == {}
     assert summarise(empty, None, empty, RunEnds(max_steps=10))["credit"].endswith(": -")
+
+
+def test_the_loss_weight_by_compaction_count_is_folded_into_shares_of_the_run() -> None:
+    learner = _learner(3, 3) | _samples(
+        crl_learner_loss_weight_total={(("compactions", "2"),): 1.0,
+                                       (("compactions", "4"),): 2.0,
+                                       (("compactions", "8+"),): 1.0},
+        crl_learner_trained_rollouts_total={(("compactions", "2"),): 30,
+                                            (("compactions", "4"),): 10,
+                                            (("compactions", "8+"),): 0})
+    snapshot = RunScraper({}).fold({"learner": learner}, {})
+    assert weight_by_compactions(snapshot) == {"2": {"rollouts": 0.75, "weight": 0.25},
+                                               "4": {"rollouts": 0.25, "weight": 0.5}}
+    empty = RunScraper({}).fold({"learner": _learner(0, 0)}, {})
+    assert weight_by_compactions(empty) == {}
 
 
 def test_the_training_window_spans_the_snapshots_with_the_learner_training() -> None:
