@@ -23,6 +23,13 @@ plot are written at the end.
 local default: :data:`RECIPES`) in its own run folder, results section and
 JSON; ``--recipe blind-critic`` under the paper's lambda with the critic held
 at V = 0 (when, if ever, cross-segment credit matters without a baseline).
+``--recipe retries`` runs the table in the regime the paper's three claims
+are about: keyvault with retries (deploy/configs/retries.toml), where one
+task's rollouts compact 2, 5 or 8 times by what their summaries kept, under
+the paper's recipe, with the normalisation and advantage modes the field
+uses (:data:`RETRIES_VARIANTS`); each run's budget is a number of learner
+steps of the same number of rollouts, not minutes, and evaluation plays
+each held-out task 4 times to measure how unequally a group compacts.
 ``--variants`` trains only those (in that order): a long table can be made
 in parts, each part reusing the finished runs of the others.
 
@@ -60,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -68,11 +76,11 @@ from typing import Any
 from _options import BenchmarkParser  # bench/_options.py
 
 from deploy.answer_lengths import measure as answer_lengths
-from deploy.config import load_config, to_toml
+from deploy.config import JobConfig, load_config, to_toml
 from deploy.evaluate import wilson_interval
 from ops.files import write_section
 from ops.report import bar_chart, read_history
-from ops.summary import cross_factors
+from ops.summary import COMPACTION_BUCKETS, cross_factors, weight_by_compactions
 from starting_points.keyvault_bootstrap import base_digest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +97,21 @@ VARIANTS: dict[str, list[str]] = {
     "advantage=grpo": ["--learner.advantage", "grpo",
                        "--actors.group_size", str(GRPO_GROUP_SIZE)],
     "compaction=false": ["--actors.compaction.enabled", "false"],
+    # GRPO with the group statistics over segments, a rollout counted once per
+    # segment (as frameworks that train segments as samples do), and the loss
+    # normalised per rollout: docs/learner.md.
+    "advantage=grpo_segments": ["--learner.advantage", "grpo_segments",
+                                "--actors.group_size", str(GRPO_GROUP_SIZE)],
+    "loss_norm=rollout": ["--learner.loss_norm", "rollout"],
 }
+#: The variants of the first three tables (measured before the last two existed).
+FIRST_VARIANTS = ["full", "train_summary=false", "loss_norm=segment", "advantage=independent",
+                  "advantage=grpo", "compaction=false"]
+#: The unequal-compaction table's rows (besides the base): the paper's recipe,
+#: its three claims' alternatives, and the field's fixes of GRPO.
+RETRIES_VARIANTS = ["full", "advantage=independent", "advantage=grpo",
+                    "advantage=grpo_segments", "loss_norm=segment", "loss_norm=rollout",
+                    "train_summary=false"]
 #: The paper's length-adaptive lambda and gamma.
 PAPER_LAMBDA = ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
                 "--learner.gamma", "1"]
@@ -117,19 +139,35 @@ RECIPES: dict[str, list[str]] = {
     # (tests/unit/test_results_doc.py), against rewards of order 1.
     "blind-critic": [*CROSS, *PAPER_LAMBDA, "--learner.critic_lr", "1e-9"],
 }
+RECIPES["retries"] = RECIPES["paper"]
+#: A configuration file a recipe layers under its overrides.
+RECIPE_CONFIGS = {"retries": "deploy/configs/retries.toml"}
+#: Each recipe's variants, in the table's order.
+RECIPE_VARIANTS = {"today": FIRST_VARIANTS, "paper": FIRST_VARIANTS,
+                   "blind-critic": FIRST_VARIANTS, "retries": RETRIES_VARIANTS}
+#: A recipe whose runs are budgeted in learner steps (each of
+#: replay.rollouts_per_batch rollouts, whatever their segments: every variant
+#: sees as many rollouts per step and as many steps), not minutes; its time
+#: budget is then a guard only.
+RECIPE_STEPS = {"retries": 120}
+STEP_BUDGET_GUARD_MINUTES = 40.0
+#: Episodes per held-out task in a recipe's evaluation (1 unless named).
+RECIPE_GROUPS = {"retries": GRPO_GROUP_SIZE}
 #: Where each recipe's table goes: run folder, results.md section, file stem.
 RECIPE_OUTPUTS = {"today": ("runs/ablations", "ablations", "results"),
                   "paper": ("runs/ablations-paper", "ablations-paper", "results-paper"),
                   "blind-critic": ("runs/ablations-blind-critic", "ablations-blind-critic",
-                                   "results-blind-critic")}
+                                   "results-blind-critic"),
+                  "retries": ("runs/ablations-retries", "ablations-retries", "results-retries")}
 #: The base policy each recipe's records are made from, kept in docs/ (one
 #: copy for the recipes that share it: the same digest).
 KEPT_BASES = {"today": "results-base", "paper": "results-paper-base",
-              "blind-critic": "results-paper-base"}
+              "blind-critic": "results-paper-base", "retries": "results-retries-base"}
 #: How each recipe's section is titled.
 RECIPE_TITLES = {"today": "the ablation table", "paper": "the ablation table, the paper's recipe",
                  "blind-critic": "the ablation table, the paper's lambda with a blind critic "
-                                 "(V = 0)"}
+                                 "(V = 0)",
+                 "retries": "the ablation table, unequal compaction (keyvault with retries)"}
 #: Learner steps are not the budget (time is): this only keeps max_steps out of the way.
 UNBOUNDED_STEPS = 1_000_000
 #: Each training run's wall-time budget, as the tables were measured (the
@@ -158,26 +196,48 @@ def check(command: list[str]) -> None:
     load_config(getattr(args, "config", None), overrides)
 
 
-def eval_command(model: Path, episodes: int, compaction: bool, out: Path) -> list[str]:
-    return [COMPACTIONRL, "eval", "--model", str(model), "--episodes", str(episodes),
-            "--compaction", "on" if compaction else "off", "--out", str(out)]
+def recipe_config(recipe: str, *overrides: str) -> JobConfig:
+    """The configuration of a recipe's runs: its file over the local default,
+    then its overrides and ``overrides``."""
+    return load_config(RECIPE_CONFIGS.get(recipe), [*RECIPES[recipe], *overrides])
+
+
+def config_args(recipe: str) -> list[str]:
+    """The recipe's configuration file, as the command line takes it."""
+    return ["--config", RECIPE_CONFIGS[recipe]] if recipe in RECIPE_CONFIGS else []
+
+
+def eval_command(model: Path, episodes: int, compaction: bool, out: Path, recipe: str
+                 ) -> list[str]:
+    groups = RECIPE_GROUPS.get(recipe, 1)
+    return [COMPACTIONRL, "eval", *config_args(recipe), "--model", str(model), "--episodes",
+            str(episodes), "--compaction", "on" if compaction else "off", "--out", str(out),
+            *(["--group-size", str(groups)] if groups > 1 else [])]
 
 
 def run_name(variant: str, seed: int) -> str:
     return f"{variant.replace('=', '-')}-seed{seed}"
 
 
+def budget_args(minutes: float, recipe: str) -> list[str]:
+    """Time is the budget, or a recipe's learner steps with time a guard."""
+    if recipe in RECIPE_STEPS:
+        return ["--run.max_minutes", str(STEP_BUDGET_GUARD_MINUTES),
+                "--learner.max_steps", str(RECIPE_STEPS[recipe])]
+    return ["--run.max_minutes", str(minutes), "--learner.max_steps", str(UNBOUNDED_STEPS)]
+
+
 def up_command(variant: str, seed: int, minutes: float, out_dir: Path, recipe: str
                ) -> list[str]:
-    return [COMPACTIONRL, "up", "--run.out_dir", str(out_dir), "--run.name",
-            run_name(variant, seed), "--run.seed", str(seed), "--run.max_minutes", str(minutes),
-            "--learner.max_steps", str(UNBOUNDED_STEPS), *RECIPES[recipe], *VARIANTS[variant]]
+    return [COMPACTIONRL, "up", *config_args(recipe), "--run.out_dir", str(out_dir),
+            "--run.name", run_name(variant, seed), "--run.seed", str(seed),
+            *budget_args(minutes, recipe), *RECIPES[recipe], *VARIANTS[variant]]
 
 
-def evaluate(model: Path, episodes: int, compaction: bool, out: Path, log: Path
+def evaluate(model: Path, episodes: int, compaction: bool, out: Path, log: Path, recipe: str
              ) -> dict[str, Any]:
     if not out.is_file():  # finished evaluations are kept: a rerun resumes
-        run(eval_command(model, episodes, compaction, out), log)
+        run(eval_command(model, episodes, compaction, out, recipe), log)
     return json.loads(out.read_text())
 
 
@@ -193,7 +253,7 @@ def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path, rec
     return run_dir
 
 
-def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path
+def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path, recipe: str
                ) -> dict[str, Any]:
     """A trained run's record: what the table needs of it, evaluated."""
     last = (read_history(run_dir / "metrics.jsonl") or [{}])[-1]
@@ -203,10 +263,12 @@ def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path
         "learner_steps": int(last.get("learner_step") or 0),
         "wall_seconds": float((run_dir / "wall_seconds").read_text()),
         "cross_factor": cross_factors(last),
-        "compacted": evaluate(export, episodes, True, run_dir / evaluation_name(True), log)}
+        "loss_weight": weight_by_compactions(last),
+        "compacted": evaluate(export, episodes, True, run_dir / evaluation_name(True), log,
+                              recipe)}
     if variant == "compaction=false":
         record["single_window"] = evaluate(export, episodes, False,
-                                           run_dir / evaluation_name(False), log)
+                                           run_dir / evaluation_name(False), log, recipe)
     answers = answer_lengths(run_dir, ANSWER_WINDOW)
     record["answers"] = {key: answers[key] for key in
                          ("answers", "code_digits", "over_long_first", "over_long_last")}
@@ -286,7 +348,22 @@ def pooled(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
             "compactions_per_episode": statistics.fmean(
                 e["compactions_per_episode"] for e in evaluations),
             "summary_tokens": statistics.fmean(
-                e["summary_tokens_per_compaction"] for e in evaluations)}
+                e["summary_tokens_per_compaction"] for e in evaluations),
+            "success_by_compactions": pooled_by_compactions(evaluations),
+            "compaction_spread": dict(sum((Counter(e.get("compaction_spread") or {})
+                                           for e in evaluations), Counter()))}
+
+
+def pooled_by_compactions(evaluations: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Success by the number of compactions, over every evaluation's episodes."""
+    episodes: Counter[str] = Counter()
+    successes: Counter[str] = Counter()
+    for evaluation in evaluations:
+        for count, entry in (evaluation.get("success_by_compactions") or {}).items():
+            episodes[str(count)] += entry["episodes"]
+            successes[str(count)] += entry["success"] * entry["episodes"]
+    return {count: {"episodes": episodes[count], "success": successes[count] / episodes[count]}
+            for count in sorted(episodes, key=int)}
 
 
 def machine() -> str:
@@ -333,7 +410,7 @@ def write_results(results: dict[str, Any], docs: Path) -> None:
     runs = [run for entry in results["variants"].values() for run in entry["runs"]]
     training_minutes = sum(run["wall_seconds"] for run in runs) / 60
     title = RECIPE_TITLES[recipe]
-    missing = [name for name in VARIANTS if name not in results["variants"]]
+    missing = [name for name in RECIPE_VARIANTS[recipe] if name not in results["variants"]]
     text = f"""# Results: {title}
 
 Generated by `bench/ablations.py` — do not edit by hand; rerun:
@@ -346,13 +423,10 @@ Machine: {results['machine']}. Wall time of the last invocation:
 {results['wall_minutes']:.0f} min (it reuses finished runs of the same settings, so
 a resumed table took less); the {len(runs)} training runs alone took
 {training_minutes:.0f} min of `compactionrl up`, plus one evaluation each.
-Budget per training run: {params['minutes']} min of `compactionrl up` (engine start
-included), seeds {params['seeds']}; every policy evaluated on the same
-{params['episodes']} held-out episodes (seeds from 2^31, never trained on) at the
-sampling temperature it trains at ({params['temperature']:g}).
+{budget_text(params)}
 
 {chr(10).join(rows)}
-
+{unequal_table(table, params)}
 ![compacted success by variant](images/{section}.svg)
 
 {key_figures(table)}{"Not run yet: " + ", ".join(f"`{m}`" for m in missing) + "." + chr(10)
@@ -373,6 +447,58 @@ more digits than the codes have (`deploy.answer_lengths`; "-" for runs not check
 {every_parameter(results, recipe, stem)}"""
     write_section(docs / "results.md", section, text)
     (docs / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def budget_text(params: dict[str, Any]) -> str:
+    """How each run was budgeted, seeded and evaluated."""
+    if "steps" in params:
+        budget = (f"Budget per training run: {params['steps']} learner steps of "
+                  f"{params['rollouts_per_batch']} rollouts each, whatever their segments (the "
+                  "same rollouts per step and steps in every variant; the learning rate is "
+                  "constant)")
+    else:
+        budget = (f"Budget per training run: {params['minutes']} min of `compactionrl up` "
+                  "(engine start included)")
+    groups = params.get("group_size", 1)
+    played = (f", each held-out task played {groups} times (other samples)" if groups > 1
+              else "")
+    return (f"{budget}, seeds {params['seeds']}; every policy evaluated on the same "
+            f"{params['episodes']} held-out episodes (seeds from 2^31, never trained on"
+            f"{played}) at the sampling temperature it trains at ({params['temperature']:g}).")
+
+
+def unequal_table(table: dict[str, Any], params: dict[str, Any]) -> str:
+    """With groups in the evaluation: how unequally each policy's groups
+    compacted, its success by compaction count, and the share of the loss
+    weight its training gave rollouts by compaction count (against their
+    share of the rollouts)."""
+    if params.get("group_size", 1) < 2:
+        return ""
+    rows = [f"| policy | groups of {params['group_size']} with a compaction spread >= 2 % "
+            "| success % by compactions (episodes) | loss weight % / rollouts % by "
+            "compactions (training) |", "|---|---|---|---|"]
+    for name, entry in table.items():
+        compacted = entry["compacted"]
+        spread = compacted.get("compaction_spread") or {}
+        groups = sum(spread.values())
+        wide = sum(n for k, n in spread.items() if int(k) >= 2)
+        by_count = ", ".join(f"{k}: {point(v['success'])} ({v['episodes']:.0f})"
+                             for k, v in compacted.get("success_by_compactions", {}).items())
+        weight = mean_weights(entry.get("runs", []))
+        shares = ", ".join(f"{k}: {100 * v['weight']:.0f} / {100 * v['rollouts']:.0f}"
+                           for k, v in weight.items()) or "-"
+        rows.append(f"| {name} | {point(wide / groups) if groups else '-'} "
+                    f"| {by_count or '-'} | {shares} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def mean_weights(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each compaction bucket's loss-weight and rollout shares, averaged over
+    the runs that measured them (a run without a bucket counts 0 there)."""
+    measured = [run["loss_weight"] for run in runs if run.get("loss_weight")]
+    buckets = sorted({k for m in measured for k in m}, key=COMPACTION_BUCKETS.index)
+    return {k: {share: statistics.fmean(m.get(k, {}).get(share, 0.0) for m in measured)
+                for share in ("weight", "rollouts")} for k in buckets}
 
 
 def table_rows(table: dict[str, Any]) -> list[str]:
@@ -428,7 +554,7 @@ the base's copy accuracy, teacher-forced on held-out demonstrations):
 Variant overrides (over the configuration below):
 
 ```json
-{json.dumps(VARIANTS, indent=2)}
+{json.dumps({name: VARIANTS[name] for name in RECIPE_VARIANTS[recipe]}, indent=2)}
 ```
 
 The effective configuration of the `full` runs (seed 0):
@@ -465,24 +591,61 @@ def key_figures(table: dict[str, Any]) -> str:
         alone = table["advantage=independent"]["compacted"]
         lines.append(f"- Cross-trajectory GAE vs `advantage=independent`: "
                      f"**{100 * (full['success'] - alone['success']):+.1f} points**.")
+    lines += [f"- {claim}: {difference_text(table['full']['compacted'], table[other]['compacted'])}"
+              for claim, other in PAPER_CLAIMS if "full" in table and other in table]
     return "\n".join(lines) + "\n\n"
+
+
+#: The paper's claims as comparisons of the table's rows: its recipe (``full``)
+#: against each alternative.
+PAPER_CLAIMS = [("Token-level over segment normalisation (`loss_norm=segment`)",
+                 "loss_norm=segment"),
+                ("Token-level over rollout normalisation (`loss_norm=rollout`)",
+                 "loss_norm=rollout"),
+                ("Cross-trajectory over independent GAE (`advantage=independent`)",
+                 "advantage=independent"),
+                ("PPO with a critic over GRPO (`advantage=grpo`)", "advantage=grpo"),
+                ("PPO with a critic over GRPO with segment statistics "
+                 "(`advantage=grpo_segments`)", "advantage=grpo_segments"),
+                ("Training the summaries (`train_summary=false`)", "train_summary=false")]
+
+
+def difference_interval(first: dict[str, Any], second: dict[str, Any]) -> tuple[float, float]:
+    """95 % interval of the difference of two pooled success rates from their
+    Wilson intervals (Newcombe's hybrid score method): over episodes, not
+    seeds; the per-seed rates beside it show the seeds' spread."""
+    p1, (l1, u1) = first["success"], first["ci95"]
+    p2, (l2, u2) = second["success"], second["ci95"]
+    difference = p1 - p2
+    return (difference - ((p1 - l1) ** 2 + (u2 - p2) ** 2) ** 0.5,
+            difference + ((u1 - p1) ** 2 + (p2 - l2) ** 2) ** 0.5)
+
+
+def difference_text(first: dict[str, Any], second: dict[str, Any]) -> str:
+    """The difference in points, its interval, and each seed's difference."""
+    low, high = difference_interval(first, second)
+    seeds = ", ".join(f"{100 * (a - b):+.1f}" for a, b in
+                      zip(first["per_seed"], second["per_seed"], strict=False))
+    return (f"**{100 * (first['success'] - second['success']):+.1f} points** (95 % CI "
+            f"{100 * low:+.1f} to {100 * high:+.1f}; per seed {seeds})")
 
 
 def dry_run(seeds: list[int], minutes: float, episodes: int, base: Path, out_dir: Path,
             recipe: str, variants: list[str]) -> list[str]:
     """Check and print every command the table would run; run none."""
-    commands = [] if (base / "config.json").is_file() else [[COMPACTIONRL, "bootstrap"]]
-    commands += [eval_command(base, episodes, compaction, out_dir / f"base-{name}.json")
+    commands = ([] if (base / "config.json").is_file()
+                else [[COMPACTIONRL, "bootstrap", *config_args(recipe)]])
+    commands += [eval_command(base, episodes, compaction, out_dir / f"base-{name}.json", recipe)
                  for compaction, name in ((True, "compacted"), (False, "single"))]
     for variant in variants:
         for seed in seeds:
             run_dir = out_dir / run_name(variant, seed)
             commands += [up_command(variant, seed, minutes, out_dir, recipe),
                          eval_command(run_dir / "export", episodes, True,
-                                      run_dir / evaluation_name(True))]
+                                      run_dir / evaluation_name(True), recipe)]
             if variant == "compaction=false":
                 commands.append(eval_command(run_dir / "export", episodes, False,
-                                             run_dir / evaluation_name(False)))
+                                             run_dir / evaluation_name(False), recipe))
     for command in commands:
         check(command)
         print("  $ " + shlex.join(command), flush=True)
@@ -498,9 +661,10 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, default=300, help="evaluation episodes")
     parser.add_argument("--recipe", choices=list(RECIPES), default="today",
                         help="overrides of every variant (RECIPES); its own folder and section")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated variants to train, in that order; the table "
-                             "also shows the others whose runs are all finished")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variants to train, in that order (default: "
+                             "the recipe's, RECIPE_VARIANTS); the table also shows the "
+                             "others whose runs are all finished")
     parser.add_argument("--out", default=None,
                         help="run folders (default: runs/ablations, runs/ablations-paper)")
     parser.add_argument("--docs", default="docs", help="where results.md goes")
@@ -511,11 +675,13 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="check and print the commands the table needs; train nothing")
     args = parser.parse_args()
-    args.requested = [name.strip() for name in args.variants.split(",") if name.strip()]
-    unknown = sorted(set(args.requested) - set(VARIANTS))
+    allowed = RECIPE_VARIANTS[args.recipe]
+    args.requested = ([name.strip() for name in args.variants.split(",") if name.strip()]
+                      if args.variants is not None else list(allowed))
+    unknown = sorted(set(args.requested) - set(allowed))
     if unknown or not args.requested:
-        parser.error(f"--variants: {', '.join(unknown) or 'none given'}; "
-                     f"choose among {', '.join(VARIANTS)}")
+        parser.error(f"--variants: {', '.join(unknown) or 'none given'}; the recipe "
+                     f"{args.recipe} has {', '.join(allowed)}")
     return args
 
 
@@ -544,9 +710,9 @@ def train_missing(records: dict[str, Any], records_path: Path, args: argparse.Na
     if not records["base"]:
         records["base"] = {
             "compacted": evaluate(base, args.episodes, True, out_dir / "base-compacted.json",
-                                  log),
+                                  log, args.recipe),
             "single_window": evaluate(base, args.episodes, False, out_dir / "base-single.json",
-                                      log)}
+                                      log, args.recipe)}
         save_records(records_path, records)
     for variant in args.requested:
         for seed in seeds:
@@ -554,19 +720,20 @@ def train_missing(records: dict[str, Any], records_path: Path, args: argparse.Na
             print(f"{variant}, seed {seed}", flush=True)
             if name not in records["runs"]:
                 run_dir = train(variant, seed, args.minutes, out_dir, log, args.recipe)
-                records["runs"][name] = record_run(run_dir, variant, seed, args.episodes, log)
+                records["runs"][name] = record_run(run_dir, variant, seed, args.episodes, log,
+                                                   args.recipe)
                 save_records(records_path, records)
             recorded = records["runs"][name]
             print(f"  {recorded['learner_steps']} learner steps; compacted success "
                   f"{recorded['compacted']['success']:.1%}", flush=True)
 
 
-def tabulate(records: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+def tabulate(records: dict[str, Any], seeds: list[int], recipe: str) -> dict[str, Any]:
     """The base and every variant whose runs are all recorded, pooled over seeds."""
     results: dict[str, Any] = {
         "base": {kind: pooled([evaluation]) for kind, evaluation in records["base"].items()},
         "variants": {}}
-    for variant in VARIANTS:
+    for variant in RECIPE_VARIANTS[recipe]:
         runs = [records["runs"].get(run_name(variant, seed)) for seed in seeds]
         if None in runs:
             continue
@@ -607,7 +774,7 @@ def main() -> int:
     seeds = list(range(args.seeds))
     out_dir = Path(args.out or default_out)
     began = time.perf_counter()
-    config = load_config(None, RECIPES[args.recipe])
+    config = recipe_config(args.recipe)
     base = Path(config.run.model)
     if args.dry_run:
         commands = dry_run(seeds, args.minutes, args.episodes, base, out_dir, args.recipe,
@@ -622,9 +789,11 @@ def main() -> int:
     # another summation order), and the records hold only for that base.
     kept_base = Path(args.docs) / KEPT_BASES[args.recipe]
     digest = provide_base(base, kept_base, args.fresh,
-                          lambda: run([COMPACTIONRL, "bootstrap"], log))
+                          lambda: run([COMPACTIONRL, "bootstrap", *config_args(args.recipe)],
+                                      log))
     # Finished runs are reused only if made from this base, budget and configuration.
     settings = {"minutes": args.minutes, "episodes": args.episodes, "base": digest,
+                **({"steps": RECIPE_STEPS[args.recipe]} if args.recipe in RECIPE_STEPS else {}),
                 "environment": environment_digest(config.actors.environment.factory),
                 "config": to_toml(config)}
     records_path = Path(args.docs) / f"{stem}-runs.json"
@@ -634,7 +803,7 @@ def main() -> int:
         shutil.copytree(base, kept_base)
     claim_folder(out_dir, log, settings, args.fresh)
     train_missing(records, records_path, args, seeds, base, out_dir, log)
-    results = tabulate(records, seeds)
+    results = tabulate(records, seeds, args.recipe)
     machines = {run["machine"] for entry in results["variants"].values()
                 for run in entry["runs"]}
     results.update(
@@ -642,13 +811,17 @@ def main() -> int:
         machine="; ".join(sorted(machines or {machine()})),
         wall_minutes=(time.perf_counter() - began) / 60,
         parameters={"seeds": seeds, "minutes": args.minutes, "episodes": args.episodes,
-                    "temperature": config.actors.sampling.temperature},
+                    "temperature": config.actors.sampling.temperature,
+                    **({"steps": RECIPE_STEPS[args.recipe]} if args.recipe in RECIPE_STEPS
+                       else {}),
+                    "group_size": RECIPE_GROUPS.get(args.recipe, 1),
+                    "rollouts_per_batch": config.replay.rollouts_per_batch},
         recipe_name=args.recipe, records=records_path.name,
         recipe=asdict(config.bootstrap),
         bootstrap={key: value for key, value in
                    json.loads((base / "bootstrap.json").read_text()).items()
                    if key in ("demonstrations", "copy_accuracy", "seconds")},
-        config_toml=to_toml(load_config(None, [*RECIPES[args.recipe], "--run.seed", "0"])))
+        config_toml=to_toml(recipe_config(args.recipe, "--run.seed", "0")))
     write_results(results, Path(args.docs))
     summary = key_numbers(results)
     for key, value in summary.items():

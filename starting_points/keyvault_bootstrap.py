@@ -78,7 +78,8 @@ class KeptBase:
 #: paper-recipe table start from (its digest as docs/results-paper-runs.json
 #: records it). ``runs/base-size-range``: deploy/configs/size-range.toml's,
 #: bootstrapped on that file's range of sizes (docs/results.md, "Outside the
-#: training range").
+#: training range"). ``runs/base-retries``: deploy/configs/retries.toml's,
+#: bootstrapped on keyvault with retries (docs/results.md, "unequal compaction").
 KEPT_BASES = {
     "runs/base-model": KeptBase(
         Path(__file__).parents[1] / "docs" / "results-paper-base",
@@ -86,6 +87,9 @@ KEPT_BASES = {
     "runs/base-size-range": KeptBase(
         Path(__file__).parents[1] / "docs" / "results-size-range-base",
         "231afb61597fc39d4fe1edb8ac345b398ea683fa0c4d7416836721b8b6d02668"),
+    "runs/base-retries": KeptBase(
+        Path(__file__).parents[1] / "docs" / "results-retries-base",
+        "4d4896154c6e52082613173cde735d8b2af57fda80e6941a46bba91dcf6c36c8"),
 }
 
 

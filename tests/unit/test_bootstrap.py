@@ -162,12 +162,13 @@ def test_a_base_made_with_other_settings_is_told_apart_by_the_settings_that_diff
 
 
 #: The configurations that name a kept base: the embedded default, and the
-#: size-range recipe one switch away.
-KEPT_BASE_CONFIGURATIONS = [[], [str(Path(__file__).parents[2] / "deploy" / "configs"
-                                     / "size-range.toml")]]
+#: size-range and retries recipes one switch away.
+KEPT_BASE_CONFIGURATIONS = [[], *([str(Path(__file__).parents[2] / "deploy" / "configs" / name)]
+                                  for name in ("size-range.toml", "retries.toml"))]
 
 
-@pytest.mark.parametrize("files", KEPT_BASE_CONFIGURATIONS, ids=["default", "size-range"])
+@pytest.mark.parametrize("files", KEPT_BASE_CONFIGURATIONS,
+                         ids=["default", "size-range", "retries"])
 def test_a_kept_base_is_restored_only_whole_and_made_with_these_settings(
         files: list[str], tmp_path: Path) -> None:
     """``up`` starts a configuration that names a kept base from the

@@ -36,7 +36,7 @@ def test_success_is_pooled_over_seeds_with_their_spread(ablations) -> None:
 def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
         ablations, tmp_path: Path) -> None:
     variants = {}
-    for name in ablations.VARIANTS:
+    for name in ablations.FIRST_VARIANTS:
         entry = {"runs": [{"wall_seconds": 300.0}], "learner_steps": [40],
                  "compacted": ablations.pooled(
             [evaluation(60 if name == "full" else 20)])}
@@ -54,7 +54,7 @@ def test_the_results_page_has_every_variant_the_targets_and_the_parameters(
                "bootstrap": {"copy_accuracy": {"summary": 0.986, "answer": 1.0}}}
     ablations.write_results(results, tmp_path)
     page = (tmp_path / "results.md").read_text()
-    for name in ["base", *ablations.VARIANTS]:
+    for name in ["base", *ablations.FIRST_VARIANTS]:
         assert f"| {name} |" in page
     assert "**+50.0 points** of compacted success" in page  # full vs base
     assert "**+40.0 points**" in page  # full vs train_summary=false
@@ -162,9 +162,10 @@ def test_without_a_kept_base_the_base_is_bootstrapped(ablations, tmp_path: Path)
 
 
 def test_every_recipe_has_its_folder_section_kept_base_and_title(ablations) -> None:
-    for recipe, overrides in ablations.RECIPES.items():
-        load_config(None, overrides)  # each recipe's overrides are a valid configuration
+    for recipe in ablations.RECIPES:
+        ablations.recipe_config(recipe)  # each recipe's file and overrides are valid
         assert recipe in ablations.KEPT_BASES and recipe in ablations.RECIPE_TITLES
+        assert set(ablations.RECIPE_VARIANTS[recipe]) <= set(ablations.VARIANTS)
     outputs = list(ablations.RECIPE_OUTPUTS.values())
     assert set(ablations.RECIPE_OUTPUTS) == set(ablations.RECIPES)
     for position in range(3):  # no two recipes share a run folder, section or file
@@ -203,3 +204,72 @@ def test_the_paper_recipe_file_is_the_recipe_its_table_measured(ablations) -> No
     assert from_file.learner == measured.learner
     assert from_file.actors == measured.actors
     assert from_file.learner.advantage == "cross" and from_file.actors.group_size == 1
+
+
+def test_the_unequal_compaction_table_runs_a_step_budget_and_plays_groups(ablations) -> None:
+    """Every variant of ``--recipe retries`` trains as many steps of as many
+    rollouts from keyvault with retries, and is evaluated in groups."""
+    config = ablations.recipe_config("retries")
+    assert config.actors.environment.options["retries"] == 2
+    steps = ablations.RECIPE_STEPS["retries"]
+    for variant in ablations.RECIPE_VARIANTS["retries"]:
+        command = ablations.up_command(variant, 0, 5.0, Path("runs/x"), "retries")
+        joined = " ".join(command)
+        assert "--config deploy/configs/retries.toml" in joined
+        assert f"--learner.max_steps {steps}" in joined
+        assert "--run.max_minutes 5.0" not in joined  # time is a guard only
+        ablations.check(command)
+    evaluation_command = ablations.eval_command(Path("m"), 300, True, Path("o.json"), "retries")
+    assert evaluation_command[-2:] == ["--group-size", "4"]
+    assert "--group-size" not in ablations.eval_command(Path("m"), 300, True, Path("o"), "paper")
+
+
+def test_the_unequal_table_shows_spread_success_and_loss_weight_by_compactions(
+        ablations, tmp_path: Path) -> None:
+    def grouped(successes: int, spread: dict, by_count: dict) -> dict:
+        return {**evaluation(successes), "compaction_spread": spread,
+                "success_by_compactions": by_count}
+
+    base = ablations.pooled([grouped(10, {"0": 10, "2": 15}, {"2": {"episodes": 100,
+                                                                 "success": 0.1}})])
+    runs = [{"wall_seconds": 600.0, "loss_weight": {"2": {"weight": 0.2, "rollouts": 0.5},
+                                                     "4": {"weight": 0.8, "rollouts": 0.5}}},
+            {"wall_seconds": 600.0, "loss_weight": {"2": {"weight": 0.4, "rollouts": 0.7},
+                                                     "6": {"weight": 0.6, "rollouts": 0.3}}}]
+    full = ablations.pooled([
+        grouped(50, {"0": 20, "4": 5}, {"2": {"episodes": 60, "success": 0.5},
+                                        "4": {"episodes": 40, "success": 0.5}}),
+        grouped(30, {"2": 25}, {"2": {"episodes": 100, "success": 0.3}})])
+    assert full["compaction_spread"] == {"0": 20, "4": 5, "2": 25}
+    assert full["success_by_compactions"] == {"2": {"episodes": 160, "success": 60 / 160},
+                                              "4": {"episodes": 40, "success": 0.5}}
+    config = load_config(None, [])
+    ablations.write_results(
+        {"base": {"compacted": base},
+         "variants": {"full": {"runs": runs, "learner_steps": [120, 120], "compacted": full}},
+         "command": "python bench/ablations.py --recipe retries", "machine": "here",
+         "wall_minutes": 1.0, "recipe_name": "retries",
+         "parameters": {"seeds": [0, 1], "minutes": 5, "episodes": 100, "temperature": 1.0,
+                        "steps": 120, "group_size": 4, "rollouts_per_batch": 16},
+         "recipe": asdict(config.bootstrap), "config_toml": to_toml(config), "bootstrap": {}},
+        tmp_path)
+    page = (tmp_path / "results.md").read_text()
+    assert "120 learner steps of 16 rollouts each" in page
+    assert "each held-out task played 4 times" in page
+    assert "| base | 60.0 | 2: 10.0 (100) | - |" in page
+    assert ("| full | 60.0 | 2: 37.5 (160), 4: 50.0 (40) | 2: 30 / 60, 4: 40 / 25, 6: 30 / 15 |"
+            in page)
+    assert "Not run yet: `advantage=independent`" in page
+
+
+def test_a_claim_is_the_difference_of_two_rows_with_its_interval(ablations) -> None:
+    full = ablations.pooled([evaluation(60), evaluation(50)])
+    other = ablations.pooled([evaluation(40), evaluation(45)])
+    low, high = ablations.difference_interval(full, other)
+    assert low < full["success"] - other["success"] < high
+    assert 0 < low  # 55 % against 42.5 % of 200 episodes each
+    text = ablations.difference_text(full, other)
+    assert text.startswith("**+12.5 points** (95 % CI +") and text.endswith(
+        "per seed +20.0, +5.0)")
+    same = ablations.difference_interval(full, full)
+    assert same[0] < 0 < same[1]
