@@ -149,7 +149,7 @@ RECIPE_VARIANTS = {"today": FIRST_VARIANTS, "paper": FIRST_VARIANTS,
 #: replay.rollouts_per_batch rollouts, whatever their segments: every variant
 #: sees as many rollouts per step and as many steps), not minutes; its time
 #: budget is then a guard only.
-RECIPE_STEPS = {"retries": 120}
+RECIPE_STEPS = {"retries": 100}
 STEP_BUDGET_GUARD_MINUTES = 40.0
 #: Episodes per held-out task in a recipe's evaluation (1 unless named).
 RECIPE_GROUPS = {"retries": GRPO_GROUP_SIZE}
@@ -764,6 +764,16 @@ def key_numbers(results: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def parameters(args: argparse.Namespace, seeds: list[int], config: JobConfig
+               ) -> dict[str, Any]:
+    """How the table's runs were budgeted, seeded and evaluated."""
+    return {"seeds": seeds, "minutes": args.minutes, "episodes": args.episodes,
+            "temperature": config.actors.sampling.temperature,
+            **({"steps": RECIPE_STEPS[args.recipe]} if args.recipe in RECIPE_STEPS else {}),
+            "group_size": RECIPE_GROUPS.get(args.recipe, 1),
+            "rollouts_per_batch": config.replay.rollouts_per_batch}
+
+
 def main() -> int:
     args = parse_arguments()
     default_out, _, stem = RECIPE_OUTPUTS[args.recipe]
@@ -810,14 +820,8 @@ def main() -> int:
         command="python " + shlex.join(["bench/ablations.py", *sys.argv[1:]]),
         machine="; ".join(sorted(machines or {machine()})),
         wall_minutes=(time.perf_counter() - began) / 60,
-        parameters={"seeds": seeds, "minutes": args.minutes, "episodes": args.episodes,
-                    "temperature": config.actors.sampling.temperature,
-                    **({"steps": RECIPE_STEPS[args.recipe]} if args.recipe in RECIPE_STEPS
-                       else {}),
-                    "group_size": RECIPE_GROUPS.get(args.recipe, 1),
-                    "rollouts_per_batch": config.replay.rollouts_per_batch},
-        recipe_name=args.recipe, records=records_path.name,
-        recipe=asdict(config.bootstrap),
+        parameters=parameters(args, seeds, config), recipe_name=args.recipe,
+        records=records_path.name, recipe=asdict(config.bootstrap),
         bootstrap={key: value for key, value in
                    json.loads((base / "bootstrap.json").read_text()).items()
                    if key in ("demonstrations", "copy_accuracy", "seconds")},
