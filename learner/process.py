@@ -29,6 +29,7 @@ learner`` writes FILE: this package cannot read the run's TOML itself).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -56,6 +57,7 @@ from learner.models import Sharding, load_critic, load_policy
 from learner.peers import Peers, RankZeroPeers
 from learner.ppo import PPOTrainer
 from learner.publisher import WeightPublisher
+from learner.samples import SAMPLES_FOLDER, SampleRecorder
 from learner.settings import LearnerSettings
 from learner.tracking.base import (
     SAMPLE_COLUMNS,
@@ -90,6 +92,8 @@ class Learner:
         self.version = 0
         self.step = 0
         self.metrics = LearnerMetrics()
+        self.samples = SampleRecorder(self.run_dir / SAMPLES_FOLDER, self.config.sample_rollouts,
+                                      self.config.sample_steps)
         # a checkpoint or export may hold the loop as long as an export may take
         self.health = Health("loading the model", liveness_s=self.config.export_timeout_s)
         self.tracker: Trackers | None = None
@@ -255,7 +259,11 @@ class Learner:
             return False
         # the critic's warm-up: value-only steps; the policy, so its version, stays
         warming = self.step < self.config.critic_warmup_steps
-        metrics = self.trainer.step(batch, value_only=warming)
+        sample = (functools.partial(self.samples.record, self.step + 1, self.version)
+                  if self.rank == 0 and self.samples.rollouts and self.samples.wants(self.step + 1)
+                  else None)
+        metrics = self.trainer.step(batch, value_only=warming, sample=sample,
+                                    sampled_rollouts=self.samples.rollouts)
         self.version += 0 if warming else 1
         self.step += 1
         self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,
