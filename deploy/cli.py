@@ -337,6 +337,20 @@ def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     return status(Path(config.run.out_dir) / config.run.name)
 
 
+def _cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.viewer import write_viewer
+    from learner.samples import SAMPLES_FOLDER
+
+    run_dir = (Path(args.run) if args.run else
+               Path((config := load_config(args.config, overrides)).run.out_dir) / config.run.name)
+    if not (run_dir / SAMPLES_FOLDER).is_dir():
+        print(f"{run_dir} holds no samples/ (the learner keeps them with "
+              "learner.sample_rollouts > 0)", file=sys.stderr)
+        return 2
+    print(f"rollout viewer: {write_viewer(run_dir)}")
+    return 0
+
+
 def _cmd_dashboards_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from ops.observability import write_dashboards, write_files
 
@@ -507,6 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--run", default=None,
                         help="run folder (default: run.out_dir/run.name of the config)")
     status.set_defaults(handler=_cmd_status)
+
+    view = commands.add_parser(
+        "view", help="the rollout viewer: RUN/viewer.html, the rollouts the learner kept with "
+                     "each token's advantage, weights and lag, one page that opens offline")
+    _config_args(view)
+    view.add_argument("--run", default=None,
+                      help="run folder (default: run.out_dir/run.name of the config)")
+    view.set_defaults(handler=_cmd_view)
 
     boards = commands.add_parser("dashboards", help="Grafana dashboards generated from ops/")
     boards_sub = boards.add_subparsers(dest="action", required=True)
