@@ -344,8 +344,8 @@ def _cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = (Path(args.run) if args.run else
                Path((config := load_config(args.config, overrides)).run.out_dir) / config.run.name)
     if not (run_dir / SAMPLES_FOLDER).is_dir():
-        print(f"{run_dir} holds no samples/ (the learner keeps them with "
-              "learner.sample_rollouts > 0)", file=sys.stderr)
+        print(f"{run_dir} holds no samples/ (the learner writes them as it trains)",
+              file=sys.stderr)
         return 2
     print(f"rollout viewer: {write_viewer(run_dir)}")
     return 0

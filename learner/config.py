@@ -190,15 +190,6 @@ class LearnerConfig:
     keep_every: int = bounded(0, ge=0)
     """Also keep every checkpoint whose step is a multiple of this (0: none),
     for evaluating or resuming from points along the run."""
-    sample_rollouts: int = bounded(2, ge=0)
-    """Rollouts of each kept step written to the run folder's ``samples/``
-    with every token's advantage, importance weight, loss weight and
-    sampling version as the step used them, for the rollout viewer
-    (``compactionrl view``; 0: none). Rank 0's, spread over their compaction
-    counts."""
-    sample_steps: int = bounded(64, ge=1)
-    """At most this many steps are kept, spread from the run's start to its
-    end (learner/samples.py): a bound on ``samples/`` whatever the run's length."""
     export_every: int = bounded(0, ge=0)
     """An HF export beside every checkpoint whose step is a multiple of this,
     into ``exports/step-N`` of the run folder (0: only the final ``export``)."""

@@ -92,8 +92,7 @@ class Learner:
         self.version = 0
         self.step = 0
         self.metrics = LearnerMetrics()
-        self.samples = SampleRecorder(self.run_dir / SAMPLES_FOLDER, self.config.sample_rollouts,
-                                      self.config.sample_steps)
+        self.samples = SampleRecorder(self.run_dir / SAMPLES_FOLDER)
         # a checkpoint or export may hold the loop as long as an export may take
         self.health = Health("loading the model", liveness_s=self.config.export_timeout_s)
         self.tracker: Trackers | None = None

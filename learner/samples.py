@@ -8,7 +8,10 @@ computes them (:meth:`learner.ppo.PPOTrainer.step`), never recomputed later.
 Bounded whatever the run's length: once step T is reached, the steps kept
 are the multiples of the smallest power of two s with T // s <= ``most_steps``
 (:func:`kept_stride`), so a run keeps at most ``most_steps`` files spread from
-its start to its end (early, middle and late), each of ``rollouts`` rollouts.
+its start to its end (early, middle and late), each of ``rollouts`` rollouts
+(by default 64 steps of 2 rollouts: a few MB at the local default's size).
+Rank 0 keeps them in every run (``compactionrl view`` reads them); what it
+costs a step is bench/samples.py's.
 """
 
 from __future__ import annotations
