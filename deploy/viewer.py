@@ -28,7 +28,10 @@ from deploy.config import load_config
 from deploy.fact_survival import mentions_in
 from learner.samples import read_samples
 from ops.report import VIEWER_FILE
+from ops.timeline import TRACE_FILE, chrome_trace
 
+#: The page draws at most this many spans of the run timeline (the longest).
+PAGE_SPANS = 20_000
 #: The quantities a token can be coloured by: sample key -> label.
 QUANTITIES = {"advantage": "advantage", "is_weight": "importance weight π_prox/μ",
               "loss_weight": "loss weight c_t", "lag": "version lag",
@@ -121,8 +124,32 @@ def comparison_pair(rollouts: list[dict[str, Any]]) -> list[str]:
     return [rollouts[0]["id"], rollouts[-1]["id"]]
 
 
+def timeline_data(trace: dict[str, Any]) -> dict[str, Any]:
+    """The run timeline as the page draws it: its lanes (process and lane
+    names), the span names, and each span as [lane, name, start ms, length
+    ms] from the first span's start; the longest :data:`PAGE_SPANS` where
+    there are more (trace.json keeps them all)."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    if len(spans) > PAGE_SPANS:
+        spans = sorted(sorted(spans, key=lambda e: -e["dur"])[:PAGE_SPANS], key=lambda e: e["ts"])
+    lanes = sorted(names)
+    kinds = sorted({e["name"] for e in spans})
+    start = min((e["ts"] for e in spans), default=0)
+    return {"lanes": [f"{processes[pid]} · {names[pid, tid]}" for pid, tid in lanes],
+            "kinds": kinds, "spans": [[lanes.index((e["pid"], e["tid"])), kinds.index(e["name"]),
+                                       round((e["ts"] - start) / 1e3, 1),
+                                       round(e["dur"] / 1e3, 1)] for e in spans],
+            "shown": len(spans), "total": sum(e["ph"] == "X" for e in trace["traceEvents"])}
+
+
 def write_viewer(run_dir: Path, tokenizer: Any | None = None) -> Path:
-    """``run_dir/viewer.html``; the tokenizer is the run's export's (or its model's)."""
+    """``run_dir/viewer.html`` and ``run_dir/trace.json`` (the run timeline
+    in the Chrome trace event format); the tokenizer is the run's export's
+    (or its model's)."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -132,6 +159,9 @@ def write_viewer(run_dir: Path, tokenizer: Any | None = None) -> Path:
             source = Path(config.run.model)
         tokenizer = AutoTokenizer.from_pretrained(source)
     data = viewer_data(run_dir, tokenizer)
+    trace = chrome_trace(run_dir)
+    (run_dir / TRACE_FILE).write_text(json.dumps(trace))
+    data["timeline"] = timeline_data(trace)
     # "</" would end the script element early: JSON may write it as "<\/"
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     page = (PAGE.replace("__TITLE__", html.escape(f"rollouts of {run_dir.name}"))

@@ -68,6 +68,7 @@ from learner.tracking.base import (
     step_scalars,
 )
 from ops.metrics import Health, MetricsServer, watch_disk
+from ops.timeline import close_timeline, open_timeline, span
 from protocol import (
     Batch,
     ProtocolError,
@@ -122,6 +123,7 @@ class Learner:
                                self.config.metrics_port if first_on_node else 0,
                                self.settings.transport.metrics_address, self.health)
         if self.rank == 0:
+            open_timeline(self.run_dir, "learner")  # rank 0's steps, waits and publications
             watch_disk(self.metrics.disk_free, self.metrics.disk_size, self.run_dir)
             self.tracker = open_tracker(self.settings.tracking, self.run_dir,
                                         self.settings.run_id)
@@ -160,6 +162,7 @@ class Learner:
             if self.tracker is not None:
                 self.tracker.close()
             server.close()
+            close_timeline()
         return 0
 
     def _load_and_resume(self) -> Path:
@@ -199,13 +202,15 @@ class Learner:
             if stopping:
                 break
             if publish_now:
-                publisher.publish(self.version)
-            frame = self.collectives.broadcast_bytes(peers.next_batch(
-                batch_size, self.version, self._should_stop_waiting))
+                self._publish(publisher)
+            with span("waiting for a batch", lane="learner"):
+                frame = self.collectives.broadcast_bytes(peers.next_batch(
+                    batch_size, self.version, self._should_stop_waiting))
             if not frame:
                 continue  # stopping, or weights are wanted first
-            if not self._train(frame, peers.taken()):
-                continue
+            with span("step", lane="learner", step=self.step + 1):
+                if not self._train(frame, peers.taken()):
+                    continue
             # ask now: the replay learns the new version before any actor
             # can sample with it, assembles while we publish, and releases
             # the batch just trained in its log (after the last step: a
@@ -216,10 +221,15 @@ class Learner:
                     and self.step < self.config.max_steps):
                 # after the request: a checkpoint never holds a batch the replay
                 # would serve again to a learner resumed from it
-                self._checkpoint()
+                with span("checkpoint", lane="learner", step=self.step):
+                    self._checkpoint()
             if (self.step % self.config.publish_every == 0
                     and self.step > self.config.critic_warmup_steps):  # a version to publish
-                publisher.publish(self.version)
+                self._publish(publisher)
+
+    def _publish(self, publisher: WeightPublisher) -> None:
+        with span("publication", lane="learner", version=self.version):
+            publisher.publish(self.version)
 
     def _should_stop_waiting(self) -> bool:
         """Asked over and over while a batch is awaited: the loop is alive;

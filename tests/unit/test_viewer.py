@@ -82,7 +82,9 @@ def test_the_pair_falls_back_to_alike_tasks_then_to_the_first_and_last() -> None
 def test_the_page_opens_offline_with_its_data_inside(tmp_path: Path, tokenizer) -> None:
     run_dir = _run(tmp_path, tokenizer)
     page = write_viewer(run_dir, tokenizer).read_text()
-    assert not re.search(r"\b(src|href)\s*=|https?://|@import|url\(", page)
+    # nothing fetched: no script, style or image from elsewhere, no request
+    assert not re.search(r"\b(src|href)\s*=|@import|url\(|fetch\(|XMLHttpRequest|import\(",
+                         page)
     embedded = re.search(r'<script id="data" type="application/json">(.*?)</script>', page,
                          re.S).group(1)
     assert json.loads(embedded)["run"] == "my-run"
