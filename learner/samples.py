@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -29,8 +29,21 @@ from learner.batch import TrainBatch, TrainSequence
 from learner.config import LearnerConfig
 from learner.losses import importance_weights
 
-if TYPE_CHECKING:  # the trainer's types; it imports this module
-    from learner.ppo import Share, StartValues
+
+class Share(Protocol):
+    """What is read of the trainer's share of a minibatch (learner.ppo.Share,
+    which imports this module)."""
+
+    sequences: list[TrainSequence]
+    global_tokens: float
+    loss_weights: list[torch.Tensor]
+
+
+class StartValues(Protocol):
+    """What is read of a share's start values (learner.ppo.StartValues)."""
+
+    advantages: list[torch.Tensor] | None
+    logp_prox: list[torch.Tensor] | None
 
 #: The folder of a run that holds the samples.
 SAMPLES_FOLDER = "samples"
