@@ -26,6 +26,7 @@ from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.context import ClosedSegment, CompactionContext, CompactionFailed, Generation
 from actors.envs.base import Environment, StepResult, Task
+from ops.timeline import add_span
 from protocol import RolloutStats
 
 #: Per-turn sampling seeds are episode_seed * SEED_STRIDE + turn: reproducible
@@ -168,7 +169,9 @@ async def _summarise(summariser: GeneratingPolicy, context: CompactionContext, s
     began = time.monotonic()
     summary = await summariser.generate(context.summary_prompt(), context.summary_budget(),
                                         seed=seed, temperature=temperature)
-    tally.summary_seconds += time.monotonic() - began
+    ended = time.monotonic()
+    tally.summary_seconds += ended - began
+    add_span("summary", began, ended, tokens=len(summary.token_ids))
     tally.generated += len(summary.token_ids)
     return summary
 

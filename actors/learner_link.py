@@ -25,6 +25,7 @@ from actors.config import ActorConfig
 from actors.engine import Engine, EngineHung
 from actors.metrics import ActorMetrics
 from actors.state import Incarnation, LearnerView
+from ops.timeline import span
 from protocol import (
     NO_COMPLETE_VERSION,
     EngineInfo,
@@ -172,9 +173,10 @@ class LearnerLink:
                         await self._bounded(self.engine.join_weight_group(
                             announce.group, self.curve), bound_s, "joining a weight group")
                         self.weights.group = group
-                    times = await self._bounded(self.engine.load_weights(
-                        announce.version, announce.manifest, self.config.kv_on_update),
-                        bound_s, f"loading version {announce.version}")
+                    with span("weights load", lane="weights", version=announce.version):
+                        times = await self._bounded(self.engine.load_weights(
+                            announce.version, announce.manifest, self.config.kv_on_update),
+                            bound_s, f"loading version {announce.version}")
             except EngineHung:
                 return  # the actor stops for a restart (its engine counts as dead)
             except Exception as exc:  # a member died, a timeout: wait for the next one

@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ops.timeline import add_span
 from protocol import STALL_REASONS, EngineInfo, Error, RolloutStats
 
 log = logging.getLogger("compactionrl.actor")
@@ -41,6 +42,11 @@ class EngineMetrics(Collector):
                 renamed.add_sample(sample_name, sample.labels, sample.value, sample.timestamp,
                                    sample.exemplar)
             yield renamed
+
+
+#: A wait shorter than this is no span of the run timeline (most episodes
+#: start at once: a span each would be most of the file).
+MIN_WAIT_SPAN_S = 0.001
 
 
 class StallSeconds(Collector):
@@ -73,9 +79,12 @@ class StallSeconds(Collector):
         finally:
             # one step under the lock: a reader never sees the wait in
             # neither place, which would read as a counter going down
+            ended = time.monotonic()
             with self._lock:
                 _, began = self._waiting.pop(number)
-                self._ended[reason] += time.monotonic() - began
+                self._ended[reason] += ended - began
+            if ended - began >= MIN_WAIT_SPAN_S:
+                add_span(reason, began, ended)
 
     def totals(self) -> dict[str, float]:
         """Cumulative stall by reason, the waits under way included."""

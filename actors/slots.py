@@ -29,6 +29,7 @@ from actors.metrics import ActorMetrics
 from actors.replay_link import ReplayLink
 from actors.rollout_writer import RolloutWriter
 from actors.state import LearnerView
+from ops.timeline import set_lane, span
 
 log = logging.getLogger("compactionrl.actor")
 
@@ -109,7 +110,7 @@ class EpisodeSlots:
         finished (final segment sent) nor given up."""
 
     def start(self, count: int) -> None:
-        self.tasks = [asyncio.create_task(self._slot()) for _ in range(count)]
+        self.tasks = [asyncio.create_task(self._slot(k)) for k in range(count)]
 
     def cancel(self) -> None:
         """Cancel the episodes in flight (their engine requests are aborted),
@@ -127,7 +128,8 @@ class EpisodeSlots:
         for rollout_id in sorted(self.open_rollouts):
             await self.replay_link.send_abandon(rollout_id)
 
-    async def _slot(self) -> None:
+    async def _slot(self, number: int) -> None:
+        set_lane(f"slot {number}")  # this task's spans: its episodes and their waits
         environment = load_environment(self.config.environment.factory,
                                        self.config.environment.options)
         try:
@@ -155,7 +157,8 @@ class EpisodeSlots:
             await self.host.tell_replay()
             self.metrics.active_rollouts.inc()
             try:
-                await self._play(environment, writer, task_seed, sampling_seed)
+                with span("episode", rollout=rollout_id):
+                    await self._play(environment, writer, task_seed, sampling_seed)
             finally:
                 self.metrics.active_rollouts.dec()
         except Exception as exc:  # a turn failed (the engine's): the episode cannot go on

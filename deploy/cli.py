@@ -135,6 +135,7 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from actors.engine import quiet_vllm_logging
     from actors.process import ActorSettings, run_actor
+    from ops.timeline import close_timeline, open_timeline
 
     config = load_config(args.config, overrides)
     quiet_vllm_logging()
@@ -146,7 +147,11 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
                                                       or config.learner.control_address),
         actor=config.actors, transport=config.transport, run_seed=config.run.seed,
         index=args.index)
-    return asyncio.run(run_actor(settings))
+    open_timeline(config.run_dir(), f"actor-{settings.actor_id}")
+    try:
+        return asyncio.run(run_actor(settings))
+    finally:
+        close_timeline()
 
 
 def _cmd_replay(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -155,6 +160,7 @@ def _cmd_replay(args: argparse.Namespace, overrides: list[str]) -> int:
     import signal
     import threading
 
+    from ops.timeline import close_timeline, open_timeline
     from replay.service import ReplayService
 
     config = load_config(args.config, overrides)
@@ -168,10 +174,12 @@ def _cmd_replay(args: argparse.Namespace, overrides: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    open_timeline(config.run_dir(), "replay")
     try:
         service.serve(stop)
     finally:
         service.close()
+        close_timeline()
     return 0
 
 
@@ -185,7 +193,7 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     from protocol.weights_collective import weight_member_environment
 
     config = load_config(args.config, overrides)
-    run_dir = Path(config.run.out_dir) / config.run.name
+    run_dir = config.run_dir()
     if args.resume:  # a wrong choice is told here, not by every rank under torchrun
         try:
             select_checkpoint(run_dir / "checkpoints", args.resume)
@@ -265,7 +273,7 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
     if config.learner.nnodes > 1:
         print(f"compactionrl: the learner spans {config.learner.nnodes} nodes; up starts node "
               f"0 here. On node K of the others run: compactionrl learner --config "
-              f"{Path(config.run.out_dir) / config.run.name / 'config.toml'} "
+              f"{config.run_dir() / 'config.toml'} "
               "--learner.node_rank K", file=sys.stderr)
     prepare_model(config)
     if problems := config.model_problems():  # a model bootstrapped just now
@@ -273,7 +281,7 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
     # an environment, template or context budget that cannot run an episode,
     # told now rather than by each actor after its engine has started
     asyncio.run(check_episode_setup(config.run.model, config.actors))
-    return Up(config, Path(config.run.out_dir) / config.run.name, resume=args.resume,
+    return Up(config, config.run_dir(), resume=args.resume,
               plan=plan).run()
 
 
@@ -334,7 +342,20 @@ def _cmd_status(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.run:
         return status(Path(args.run))
     config = load_config(args.config, overrides)
-    return status(Path(config.run.out_dir) / config.run.name)
+    return status(config.run_dir())
+
+
+def _cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
+    from deploy.viewer import write_viewer
+    from learner.samples import SAMPLES_FOLDER
+
+    run_dir = Path(args.run) if args.run else load_config(args.config, overrides).run_dir()
+    if not (run_dir / SAMPLES_FOLDER).is_dir():
+        print(f"{run_dir} holds no samples/ (the learner writes them as it trains)",
+              file=sys.stderr)
+        return 2
+    print(f"rollout viewer: {write_viewer(run_dir)}")
+    return 0
 
 
 def _cmd_dashboards_export(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -507,6 +528,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--run", default=None,
                         help="run folder (default: run.out_dir/run.name of the config)")
     status.set_defaults(handler=_cmd_status)
+
+    view = commands.add_parser(
+        "view", help="the rollout viewer: RUN/viewer.html, the rollouts the learner kept with "
+                     "each token's advantage, weights and lag, one page that opens offline")
+    _config_args(view)
+    view.add_argument("--run", default=None,
+                      help="run folder (default: run.out_dir/run.name of the config)")
+    view.set_defaults(handler=_cmd_view)
 
     boards = commands.add_parser("dashboards", help="Grafana dashboards generated from ops/")
     boards_sub = boards.add_subparsers(dest="action", required=True)

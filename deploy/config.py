@@ -107,6 +107,10 @@ class JobConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
+    def run_dir(self) -> Path:
+        """The run's folder: ``run.out_dir/run.name``."""
+        return Path(self.run.out_dir) / self.run.name
+
     def observability_files(self, out: Path) -> dict[str, Any]:
         """``ops.observability.write_files``' arguments for files written in
         ``out``: this run's metrics ports, the actors' targets file its replay
@@ -260,10 +264,10 @@ def load_config(paths: ConfigPaths = None, overrides: list[str] | None = None) -
         _override(config, dotted, raw, problems)
     config.run.model = resolve_model(config.run.model)
     if not config.replay.log_path:  # the run's own: one shared by runs mixes their rollouts
-        config.replay.log_path = str(Path(config.run.out_dir) / config.run.name / "replay"
+        config.replay.log_path = str(config.run_dir() / "replay"
                                      / "segments.log")
     if not config.replay.actor_targets_path:  # what the run's prometheus.yml reads
-        config.replay.actor_targets_path = str(Path(config.run.out_dir) / config.run.name
+        config.replay.actor_targets_path = str(config.run_dir()
                                                / ACTOR_TARGETS_FILE)
     # Fields that failed to convert kept their defaults, so the coherence
     # checks still run and every problem is reported at once.

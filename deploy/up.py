@@ -144,6 +144,7 @@ class Up:
             summary = self._summary(ended=message)
             (self.run_dir / "summary.txt").write_text(
                 "\n".join(f"{k}: {v}" for k, v in summary.items()) + "\n")
+            self._write_viewer()
             write_report(self.run_dir, self.config.run.name)
             self._write_state(ended={"message": message, "exit_code": outcome,
                                      "wall_s": round(time.monotonic() - began, 1)})
@@ -284,6 +285,19 @@ class Up:
         self.history.append(snapshot)
         with self.history_path.open("a") as history:
             history.write(json.dumps(snapshot) + "\n")
+
+    def _write_viewer(self) -> None:
+        """The rollout viewer, where the learner kept samples; a viewer that
+        cannot be written is said, and the run's ending goes on."""
+        from deploy.viewer import write_viewer  # torch and transformers: only at the end
+        from learner.samples import SAMPLES_FOLDER
+
+        if not (self.run_dir / SAMPLES_FOLDER).is_dir():
+            return
+        try:
+            write_viewer(self.run_dir)
+        except Exception as exc:  # the run's results are written whatever the page does
+            print(f"rollout viewer not written: {exc!r}")
 
     def _summary(self, ended: str | None = None) -> dict[str, str]:
         if len(self.history) <= self._first:

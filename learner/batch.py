@@ -48,6 +48,9 @@ class TrainSequence:
     token_rewards: torch.Tensor | None = None
     """float64 [L]: the environment's per-step rewards (``Segment.token_rewards``);
     None where the segments carry none."""
+    versions: torch.Tensor | None = None
+    """int32 [L]: the policy version that sampled each token (-1 off sampled
+    tokens, ``Segment.versions``); what the rollout viewer shows as lag."""
 
 
 @dataclass
@@ -128,7 +131,8 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
             tokens = torch.from_numpy(segment.tokens.numpy().astype("int64"))
             mask = torch.from_numpy(segment.loss_mask.numpy().astype(bool))
             logprobs = torch.from_numpy(segment.logprobs.numpy().copy())
-            if not len(tokens) == len(mask) == len(logprobs):
+            versions = torch.from_numpy(segment.versions.numpy().astype("int32"))
+            if not len(tokens) == len(mask) == len(logprobs) == len(versions):
                 raise BatchError(f"rollout {rollout.rollout_id}: segment arrays disagree")
             if mask[:1].any():
                 raise BatchError(f"rollout {rollout.rollout_id}: a trainable first token "
@@ -142,12 +146,12 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                 step_rewards = None
             count = int(mask.sum())
             if share_prefixes and _extends(previous, segment.segment_type, tokens, mask):
-                _merge(previous, segment.segment_type, tokens, mask, logprobs, step_rewards,
-                       count)
+                _merge(previous, segment.segment_type, tokens, mask, logprobs, versions,
+                       step_rewards, count)
                 previous = None  # a sequence holds one summary at most
                 continue
             previous = TrainSequence(tokens, mask, logprobs, index, segment.segment_type, [count],
-                                step_rewards)
+                                     step_rewards, versions)
             sequences.append(previous)
         rewards.append(final.reward)
         task_ids.append(final.task_id)
@@ -160,7 +164,8 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
 
 
 def _merge(previous: TrainSequence, segment_type: str, tokens: torch.Tensor, mask: torch.Tensor,
-           logprobs: torch.Tensor, step_rewards: torch.Tensor | None, count: int) -> None:
+           logprobs: torch.Tensor, versions: torch.Tensor, step_rewards: torch.Tensor | None,
+           count: int) -> None:
     """Extend ``previous`` by the segment that continues it (its tokens
     start with ``previous``'s): the sequence is trained once, its prefix
     shared."""
@@ -168,6 +173,8 @@ def _merge(previous: TrainSequence, segment_type: str, tokens: torch.Tensor, mas
     previous.tokens = tokens
     previous.trainable = torch.cat([previous.trainable, mask[n:]])
     previous.behaviour_logprobs = torch.cat([previous.behaviour_logprobs, logprobs[n:]])
+    if previous.versions is not None:
+        previous.versions = torch.cat([previous.versions, versions[n:]])
     if step_rewards is not None or previous.token_rewards is not None:
         earlier = (previous.token_rewards if previous.token_rewards is not None
                    else torch.zeros(n, dtype=torch.float64))

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,7 @@ from learner.models import (
     token_logprobs_and_values,
     token_values,
 )
+from learner.samples import TrainedRollout, trained_rollouts
 from ops.summary import COMPACTION_BUCKETS, compaction_bucket
 
 
@@ -355,20 +357,25 @@ def segment_lambda(config: LearnerConfig, lengths: torch.Tensor) -> float | torc
             if config.lam_mode == "adaptive" else config.lam)
 
 
+def segment_factors(config: LearnerConfig, sequences: list[TrainSequence]) -> torch.Tensor:
+    """[S] (gamma*lambda)^{N_>s} of every segment of ``sequences``, in order."""
+    lengths, rollout_of = _segments(sequences)
+    return cross_trajectory_factors(lengths, rollout_of,
+                                    config.gamma * segment_lambda(config, lengths))
+
+
 def cross_factors(config: LearnerConfig, sequences: list[TrainSequence]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The factor (gamma*lambda)^{N_>s} (per-segment lambdas: their
     product) of each segment with trainable tokens, under this run's gamma
     and lambda, whatever the advantage mode applies, and whether it is a summary."""
-    lengths, rollout_of = _segments(sequences)
+    lengths, _ = _segments(sequences)
     # A sequence of two segments holds an execution segment, then its summary.
     is_summary = torch.tensor([i == len(s.segment_lengths) - 1 and s.segment_type == "summary"
                                for s in sequences for i in range(len(s.segment_lengths))],
                               dtype=torch.bool)
-    factors = cross_trajectory_factors(lengths, rollout_of,
-                                       config.gamma * segment_lambda(config, lengths))
     kept = lengths > 0
-    return factors[kept], is_summary[kept]
+    return segment_factors(config, sequences)[kept], is_summary[kept]
 
 
 def _whiten(sequences: list[TrainSequence], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -503,10 +510,13 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, batch: TrainBatch, value_only: bool = False) -> dict[str, float]:
+    def step(self, batch: TrainBatch, value_only: bool = False,
+             sample: Callable[[list[TrainedRollout]], None] | None = None,
+             sampled_rollouts: int = 2) -> dict[str, float]:
         """One PPO step on ``batch``; ``value_only`` (the critic's warm-up):
         the critic learns, the policy does not move (its losses are still
-        measured)."""
+        measured). ``sample`` is given ``sampled_rollouts`` of this rank's
+        rollouts as the loss saw them (:mod:`learner.samples`)."""
         plan = self.plan(batch)
         starts = [self.start_values(share, batch, plan.fused) for share in plan.shares]
         statistics = StepStatistics()
@@ -515,6 +525,10 @@ class PPOTrainer:
         for _ in range(plan.epochs):
             starts = [self.update(share, start, batch, statistics, value_only)
                       for share, start in zip(plan.shares, starts, strict=True)]
+        if sample is not None:
+            factors = [segment_factors(self.config, share.sequences) for share in plan.shares]
+            sample(trained_rollouts(batch, plan.shares, starts, factors, sampled_rollouts,
+                                    self.config))
         return (statistics.summed_over_ranks().metrics(plan.epochs)
                 | weight_by_compactions(plan.shares, batch.compactions))
 

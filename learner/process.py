@@ -29,6 +29,7 @@ learner`` writes FILE: this package cannot read the run's TOML itself).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -56,6 +57,7 @@ from learner.models import Sharding, load_critic, load_policy
 from learner.peers import Peers, RankZeroPeers
 from learner.ppo import PPOTrainer
 from learner.publisher import WeightPublisher
+from learner.samples import SAMPLES_FOLDER, SampleRecorder
 from learner.settings import LearnerSettings
 from learner.tracking.base import (
     SAMPLE_COLUMNS,
@@ -66,6 +68,7 @@ from learner.tracking.base import (
     step_scalars,
 )
 from ops.metrics import Health, MetricsServer, watch_disk
+from ops.timeline import close_timeline, open_timeline, span
 from protocol import (
     Batch,
     ProtocolError,
@@ -90,6 +93,7 @@ class Learner:
         self.version = 0
         self.step = 0
         self.metrics = LearnerMetrics()
+        self.samples = SampleRecorder(self.run_dir / SAMPLES_FOLDER)
         # a checkpoint or export may hold the loop as long as an export may take
         self.health = Health("loading the model", liveness_s=self.config.export_timeout_s)
         self.tracker: Trackers | None = None
@@ -119,6 +123,7 @@ class Learner:
                                self.config.metrics_port if first_on_node else 0,
                                self.settings.transport.metrics_address, self.health)
         if self.rank == 0:
+            open_timeline(self.run_dir, "learner")  # rank 0's steps, waits and publications
             watch_disk(self.metrics.disk_free, self.metrics.disk_size, self.run_dir)
             self.tracker = open_tracker(self.settings.tracking, self.run_dir,
                                         self.settings.run_id)
@@ -157,6 +162,7 @@ class Learner:
             if self.tracker is not None:
                 self.tracker.close()
             server.close()
+            close_timeline()
         return 0
 
     def _load_and_resume(self) -> Path:
@@ -196,13 +202,15 @@ class Learner:
             if stopping:
                 break
             if publish_now:
-                publisher.publish(self.version)
-            frame = self.collectives.broadcast_bytes(peers.next_batch(
-                batch_size, self.version, self._should_stop_waiting))
+                self._publish(publisher)
+            with span("waiting for a batch", lane="learner"):
+                frame = self.collectives.broadcast_bytes(peers.next_batch(
+                    batch_size, self.version, self._should_stop_waiting))
             if not frame:
                 continue  # stopping, or weights are wanted first
-            if not self._train(frame, peers.taken()):
-                continue
+            with span("step", lane="learner", step=self.step + 1):
+                if not self._train(frame, peers.taken()):
+                    continue
             # ask now: the replay learns the new version before any actor
             # can sample with it, assembles while we publish, and releases
             # the batch just trained in its log (after the last step: a
@@ -213,10 +221,15 @@ class Learner:
                     and self.step < self.config.max_steps):
                 # after the request: a checkpoint never holds a batch the replay
                 # would serve again to a learner resumed from it
-                self._checkpoint()
+                with span("checkpoint", lane="learner", step=self.step):
+                    self._checkpoint()
             if (self.step % self.config.publish_every == 0
                     and self.step > self.config.critic_warmup_steps):  # a version to publish
-                publisher.publish(self.version)
+                self._publish(publisher)
+
+    def _publish(self, publisher: WeightPublisher) -> None:
+        with span("publication", lane="learner", version=self.version):
+            publisher.publish(self.version)
 
     def _should_stop_waiting(self) -> bool:
         """Asked over and over while a batch is awaited: the loop is alive;
@@ -255,7 +268,11 @@ class Learner:
             return False
         # the critic's warm-up: value-only steps; the policy, so its version, stays
         warming = self.step < self.config.critic_warmup_steps
-        metrics = self.trainer.step(batch, value_only=warming)
+        sample = (functools.partial(self.samples.record, self.step + 1, self.version)
+                  if self.rank == 0 and self.samples.rollouts and self.samples.wants(self.step + 1)
+                  else None)
+        metrics = self.trainer.step(batch, value_only=warming, sample=sample,
+                                    sampled_rollouts=self.samples.rollouts)
         self.version += 0 if warming else 1
         self.step += 1
         self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,

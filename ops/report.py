@@ -205,6 +205,11 @@ def _shown(value: object) -> str:
     return "" if value is None else str(value)
 
 
+#: The rollout viewer's page in a run folder (``compactionrl view``), linked
+#: from the report where it is there.
+VIEWER_FILE = "viewer.html"
+
+
 def write_report(run_dir: Path, title: str) -> Path:
     """``run_dir/report.html`` from what the run folder holds."""
     history = read_history(run_dir / "metrics.jsonl")
@@ -252,6 +257,9 @@ def write_report(run_dir: Path, title: str) -> Path:
     out.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>"
                    f"{html.escape(title)}</title></head><body style='font-family:sans-serif'>"
                    f"<h1>CompactionRL run: {html.escape(title)}</h1><table>{rows}</table>"
+                   + (f"<p><a href='{VIEWER_FILE}'>Rollout viewer</a>: the rollouts the learner "
+                      "kept, token by token as the loss used them</p>"
+                      if (run_dir / VIEWER_FILE).is_file() else "")
                    + _evaluation(run_dir / "evaluation.json") + _actors(last)
                    + "".join(sections)
                    + "</body></html>")

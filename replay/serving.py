@@ -25,6 +25,7 @@ import logging
 
 import numpy as np
 
+from ops.timeline import span
 from protocol import (
     LEARNER_ID,
     BatchRequest,
@@ -169,13 +170,14 @@ class LearnerServing:
             for value in staleness:
                 metrics.staleness.observe(value)
             metrics.batches.inc()
-            frame = encode(FramedBatch(
-                **self._stamp.next(), policy_version=version,
-                rollouts=[to_rollout(e, version) for e in entries],
-                staleness=StalenessStats(
-                    min=int(staleness.min()), max=int(staleness.max()),
-                    mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
-                    p95=float(np.percentile(staleness, 95)))))
-            self.batches.served(learner, request, frame, entries, version)
-            self._trained_since_clock_moved = True
-            self.endpoint.send_frame(self._connection, frame)
+            with span("batch", lane="batches", rollouts=len(entries), version=version):
+                frame = encode(FramedBatch(
+                    **self._stamp.next(), policy_version=version,
+                    rollouts=[to_rollout(e, version) for e in entries],
+                    staleness=StalenessStats(
+                        min=int(staleness.min()), max=int(staleness.max()),
+                        mean=float(staleness.mean()), p50=float(np.percentile(staleness, 50)),
+                        p95=float(np.percentile(staleness, 95)))))
+                self.batches.served(learner, request, frame, entries, version)
+                self._trained_since_clock_moved = True
+                self.endpoint.send_frame(self._connection, frame)

@@ -95,7 +95,7 @@ async def _scenario(engine: StandInEngine) -> None:
     link = actor.replay_link
     episodes: list[int] = []
 
-    async def slot() -> None:  # an episode that runs until cancelled
+    async def slot(number: int) -> None:  # an episode that runs until cancelled
         episodes.append(len(episodes))
         actor.in_flight.begun()
         actor.slots.playing += 1
@@ -188,7 +188,7 @@ async def _heartbeat_scenario(monkeypatch, engine: StandInEngine) -> None:
         return [decode(f).active_rollouts for f in socket.sent]
 
     heartbeat = asyncio.create_task(actor._heartbeat())
-    slot = asyncio.create_task(actor.slots._slot())
+    slot = asyncio.create_task(actor.slots._slot(0))
     assert await reported() == [1]  # at the start, not an interval later
     finish.set()
     await slot
@@ -209,7 +209,7 @@ async def _broken_link_scenario(engine: StandInEngine) -> None:
     actor = make_actor("actor-b", engine, socket,
                        config=ActorConfig(shutdown_deadline_s=1.0, on_shutdown="abandon"))
 
-    async def idle_slot() -> None:
+    async def idle_slot(number: int) -> None:
         await asyncio.Event().wait()
 
     actor.slots._slot = idle_slot  # type: ignore[method-assign]

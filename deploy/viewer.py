@@ -1,0 +1,174 @@
+"""``compactionrl view``: the rollout viewer, one static page from a run folder.
+
+It shows the rollouts the learner kept (learner/samples.py: early, middle
+and late steps, each rollout's segments in order) as the loss saw them:
+every token of each segment's window, the trained ones coloured by a chosen
+quantity (the advantage, the importance weight, the loss weight, the
+version lag, the behaviour log-probability), each segment labelled with its
+type and cross factor ``(γλ)^N_>s``, the compaction point where a summary
+begins, and, for keyvault, the facts each summary kept and dropped of those
+in the window it summarised (:func:`deploy.fact_survival.mentions_in`). Two
+rollouts are shown side by side: by default the earliest and the latest
+kept rollout of the most alike tasks (the same task where the run trained
+one twice, else the same tags and compaction count).
+
+The page is one file with its data, style and script inside: it opens
+offline, from disk, with nothing fetched.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from actors.envs.keyvault import CODE_NAMES
+from deploy.config import load_config
+from deploy.fact_survival import mentions_in
+from learner.samples import read_samples
+from ops.report import VIEWER_FILE
+from ops.timeline import TRACE_FILE, chrome_trace
+
+#: The page draws at most this many spans of the run timeline (the longest).
+PAGE_SPANS = 20_000
+#: The quantities a token can be coloured by: sample key -> label.
+QUANTITIES = {"advantage": "advantage", "is_weight": "importance weight π_prox/μ",
+              "loss_weight": "loss weight c_t", "lag": "version lag",
+              "behaviour_logprob": "behaviour log-probability"}
+
+
+def _token_texts(tokenizer: Any, ids: list[int], cache: dict[int, str]) -> list[str]:
+    """Each token's own text (decoded alone: what it adds to the window)."""
+    for token in ids:
+        if token not in cache:
+            cache[token] = tokenizer.decode([token])
+    return [cache[token] for token in ids]
+
+
+def _facts(window: str, summary: str, ordered: bool) -> dict[str, list[str]]:
+    """The facts of ``window`` that ``summary`` kept and dropped, as words."""
+    before = mentions_in(window, CODE_NAMES, ordered)
+    after = mentions_in(summary, CODE_NAMES, ordered)
+
+    def words(facts: set) -> list[str]:
+        return sorted(f"{f.code} {'' if f.position is None else f.position + 1} {f.digit}"
+                      .replace("  ", " ") for f in facts)
+    return {"kept": words(before & after), "dropped": words(before - after)}
+
+
+def _sequence(trained: dict[str, Any], version: int, texts: list[str],
+              keyvault: bool, ordered: bool) -> dict[str, Any]:
+    """One sequence for the page: its token texts, the trained positions
+    with their quantities, its segments with where each one's trained
+    tokens begin, and a summary's kept and dropped facts."""
+    positions = trained["trainable"]
+    segments, first = [], 0
+    for kind, count, factor in zip(trained["segment_types"], trained["segment_lengths"],
+                                   trained["factors"], strict=True):
+        start = positions[first] if count else None
+        segment: dict[str, Any] = {"type": kind, "trained": count, "factor": factor,
+                                   "start": start}
+        if kind == "summary" and count and keyvault:
+            window = "".join(texts[:start])
+            written = "".join(texts[p] for p in positions[first:first + count])
+            segment["facts"] = _facts(window, written, ordered)
+        segments.append(segment)
+        first += count
+    return {"texts": texts, "trainable": positions, "segments": segments,
+            "values": {"advantage": trained["advantage"], "is_weight": trained["is_weight"],
+                       "loss_weight": trained["loss_weight"],
+                       "behaviour_logprob": trained["behaviour_logprob"],
+                       "lag": [version - v if v >= 0 else None for v in trained["versions"]]}}
+
+
+def viewer_data(run_dir: Path, tokenizer: Any) -> dict[str, Any]:
+    """Everything the page shows, from the run folder's samples."""
+    config = load_config([run_dir / "config.toml"]) if (run_dir / "config.toml").is_file() \
+        else load_config(None, [])
+    environment = config.actors.environment
+    keyvault = environment.factory.endswith("keyvault:KeyVault")
+    ordered = bool(environment.options.get("ordered", True))
+    cache: dict[int, str] = {}
+    rollouts = []
+    for step in read_samples(run_dir):
+        for n, rollout in enumerate(step["rollouts"]):
+            rollouts.append({
+                "id": f"{step['step']}-{n}", "step": step["step"], "version": step["version"],
+                "task_id": rollout["task_id"], "reward": rollout["reward"],
+                "success": rollout["success"], "compactions": rollout["compactions"],
+                "tags": rollout["tags"],
+                "sequences": [_sequence(s, step["version"],
+                                        _token_texts(tokenizer, s["tokens"], cache), keyvault,
+                                        ordered) for s in rollout["sequences"]]})
+    return {"run": run_dir.name, "environment": environment.factory, "quantities": QUANTITIES,
+            "rollouts": rollouts, "pair": comparison_pair(rollouts)}
+
+
+def comparison_pair(rollouts: list[dict[str, Any]]) -> list[str]:
+    """The earliest and the latest kept rollout of the most alike tasks: the
+    same task if any was kept twice, else the same tags and compaction
+    count, else simply the first and the last."""
+    if len(rollouts) < 2:
+        return [r["id"] for r in rollouts]
+    for key in (lambda r: r["task_id"],
+                lambda r: (json.dumps(r["tags"], sort_keys=True), r["compactions"])):
+        groups: dict[Any, list[dict[str, Any]]] = {}
+        for rollout in rollouts:
+            groups.setdefault(key(rollout), []).append(rollout)
+        spans = [(g[-1]["step"] - g[0]["step"], g[0]["id"], g[-1]["id"])
+                 for g in groups.values() if g[-1]["step"] > g[0]["step"]]
+        if spans:
+            _, early, late = max(spans)
+            return [early, late]
+    return [rollouts[0]["id"], rollouts[-1]["id"]]
+
+
+def timeline_data(trace: dict[str, Any]) -> dict[str, Any]:
+    """The run timeline as the page draws it: its lanes (process and lane
+    names), the span names, and each span as [lane, name, start ms, length
+    ms] from the first span's start; the longest :data:`PAGE_SPANS` where
+    there are more (trace.json keeps them all)."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    if len(spans) > PAGE_SPANS:
+        spans = sorted(sorted(spans, key=lambda e: -e["dur"])[:PAGE_SPANS], key=lambda e: e["ts"])
+    lanes = sorted(names)
+    kinds = sorted({e["name"] for e in spans})
+    start = min((e["ts"] for e in spans), default=0)
+    return {"lanes": [f"{processes[pid]} · {names[pid, tid]}" for pid, tid in lanes],
+            "kinds": kinds, "spans": [[lanes.index((e["pid"], e["tid"])), kinds.index(e["name"]),
+                                       round((e["ts"] - start) / 1e3, 1),
+                                       round(e["dur"] / 1e3, 1)] for e in spans],
+            "shown": len(spans), "total": sum(e["ph"] == "X" for e in trace["traceEvents"])}
+
+
+def write_viewer(run_dir: Path, tokenizer: Any | None = None) -> Path:
+    """``run_dir/viewer.html`` and ``run_dir/trace.json`` (the run timeline
+    in the Chrome trace event format); the tokenizer is the run's export's
+    (or its model's)."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        source = run_dir / "export"
+        if not (source / "tokenizer_config.json").is_file():
+            config = load_config([run_dir / "config.toml"])
+            source = Path(config.run.model)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    data = viewer_data(run_dir, tokenizer)
+    trace = chrome_trace(run_dir)
+    (run_dir / TRACE_FILE).write_text(json.dumps(trace))
+    data["timeline"] = timeline_data(trace)
+    # "</" would end the script element early: JSON may write it as "<\/"
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    page = (PAGE.replace("__TITLE__", html.escape(f"rollouts of {run_dir.name}"))
+            .replace("__DATA__", payload))
+    out = run_dir / VIEWER_FILE
+    out.write_text(page)
+    return out
+
+
+PAGE = (Path(__file__).with_name("viewer_page.html")).read_text()
