@@ -555,6 +555,8 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     ".venv/bin/python bench/weights.py --fanout-only --json": RunAsWritten(
         ("--quick",), ("push_seconds_by_receivers", "push_growth_per_doubling",
                        "relay_push_growth_per_doubling", "projected_push_s")),
+    ".venv/bin/python bench/samples.py --json": RunAsWritten(
+        ("--quick",), ("recording_vs_off", "bytes_per_kept_step", "kept_mb_bound")),
     ".venv/bin/python bench/checkpoint.py --json": RunAsWritten(
         ("--quick",), ("sync_save_s", "async_stall_s", "async_stall_vs_sync")),
     ".venv/bin/python bench/async.py --json": RunAsWritten(BENCH_DRY_RUN, ("commands",)),
