@@ -89,7 +89,7 @@ KEPT_BASES = {
         "231afb61597fc39d4fe1edb8ac345b398ea683fa0c4d7416836721b8b6d02668"),
     "runs/base-retries": KeptBase(
         Path(__file__).parents[1] / "docs" / "results-retries-base",
-        "4d4896154c6e52082613173cde735d8b2af57fda80e6941a46bba91dcf6c36c8"),
+        "be1ccf1a60407662b67b2ad85dc08f141856f000f4895607c5fc40c498ca753a"),
 }
 
 
