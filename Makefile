@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMETHEUS_STAMP := $(VENV)/.prometheus
+CHROMIUM_STAMP := $(VENV)/.chromium
 # The machine's pip config lists local indexes that lack some packages, and pip
 # warns once per package; this filter drops those lines and keeps real errors.
 PIP_NOISE := { grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -31,6 +32,12 @@ $(PROMETHEUS_STAMP): deploy/observability/install-prometheus.sh | $(STAMP)
 		&& touch $(PROMETHEUS_STAMP); \
 	else echo "not root: Prometheus not installed (its tests will skip)"; fi
 
+# Debian's Chromium, in which the suite opens the rollout viewer's page
+# (headless); without root its test skips, saying why.
+$(CHROMIUM_STAMP): deploy/install-chromium.sh | $(STAMP)
+	if [ "$$(id -u)" = 0 ]; then sh deploy/install-chromium.sh && touch $(CHROMIUM_STAMP); \
+	else echo "not root: Chromium not installed (the viewer's browser test will skip)"; fi
+
 # The main job: a full local training run on the embedded CPU default
 # (deploy/configs/local-cpu.toml): the checkout's kept base policy (digest
 # checked; bootstrapped only where it is missing), then replay, learner
@@ -47,7 +54,7 @@ demo: $(STAMP)
 # Two passes: the suite on two xdist workers, each on a core of its own
 # (tests/conftest.py), then the cases marked `exclusive` (wall-clock bounds
 # under a known load) alone. Both run; the target fails if either did.
-test: $(STAMP) $(PROMETHEUS_STAMP)
+test: $(STAMP) $(PROMETHEUS_STAMP) $(CHROMIUM_STAMP)
 	status=0; \
 	$(PY) -m pytest tests -n 2 --dist loadgroup --no-loadscope-reorder -m "not exclusive" \
 		|| status=$$?; \

@@ -198,6 +198,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    """The tiny model's tokenizer, one per test module."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 #: A model of Qwen2's architecture and proportions at ~20M parameters (tied
 #: embeddings, grouped KV heads, an MLP 2.7 times as wide as the model), for
 #: the learner's tests at more than the tiny model's scale.

@@ -10,6 +10,7 @@ the learner trains on them (summary segments included)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import CHROMIUM, rendered_dom
 from tests.ports import free_ports
 from tests.processes import UpOnLoopback, metric, wait_until
 
@@ -89,3 +91,15 @@ def test_a_harness_s_calls_and_its_own_compactions_are_trained(tiny_model_dir: P
     assert sum(e["recorded"]["segments"] for e in episodes) == accepted
     assert trained["summary"] > 0 and trained["execution"] > 0, trained
     assert (up.folder / "export" / "config.json").is_file()
+    # what the learner trained with, and where the run's time went, as a
+    # reader opens them: the viewer's page and the Chrome trace
+    trace = json.loads((up.folder / "trace.json").read_text())
+    spans = {(e["pid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["name"] == "process_name"}
+    assert {(processes[pid], name) for pid, name in spans} >= {("learner", "step"),
+                                                               ("replay", "batch")}
+    if CHROMIUM is not None:
+        dom = rendered_dom(up.folder / "viewer.html")
+        assert re.search(r'class="rollout" data-id="1-\d+"', dom)  # the first step's rollouts
+        assert 'class="trained"' in dom and '<rect' in dom

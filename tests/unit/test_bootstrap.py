@@ -32,13 +32,6 @@ from starting_points.keyvault_bootstrap import (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def play(tokenizer, drop: float, episodes: int = 40, ordered: bool = False):
     actors = load_config(None, []).actors
     options = {**actors.environment.options, "ordered": ordered}

@@ -47,13 +47,6 @@ class Broken(HugeObservations):
         raise RuntimeError("disk on fire")
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def play(tokenizer, environment, text: str, config: ActorConfig | None = None
          ) -> tuple[list[tuple[ClosedSegment, EpisodeResult | None]], EpisodeResult]:
     config = config or ActorConfig()

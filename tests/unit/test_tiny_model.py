@@ -5,19 +5,11 @@ from __future__ import annotations
 import unicodedata
 from pathlib import Path
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.envs.vocabulary import WORDS
 from starting_points.tiny_model import IM_END, IM_START
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def test_every_vocabulary_word_is_one_token(tokenizer) -> None:

@@ -21,13 +21,6 @@ from actors.tools import ToolCallParser
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def llama_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 

@@ -8,52 +8,16 @@ import re
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from deploy.cli import main
-from deploy.config import load_config, to_toml
 from deploy.viewer import comparison_pair, viewer_data, write_viewer
-from learner.samples import SampleRecorder, TrainedRollout, TrainedSequence
 from ops.report import write_report
-
-WINDOW = "room 3 : note : alpha seven . room 4 : note : alpha two . stop . write a summary :"
-SUMMARY = " alpha seven ."
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def _rollout(tokenizer, task: str, success: bool) -> TrainedRollout:
-    """An execution segment whose last action is trained, and the summary
-    that extends it (one sequence), as the learner keeps them."""
-    window = tokenizer.encode(WINDOW, add_special_tokens=False)
-    summary = tokenizer.encode(SUMMARY, add_special_tokens=False)
-    action = len(window) - 6  # "stop . write a summary :" stands for the request
-    trainable = [action, *range(len(window), len(window) + len(summary))]
-    n = len(trainable)
-    return TrainedRollout(task, float(success), success, 1, {"rooms": "10"}, [TrainedSequence(
-        tokens=window + summary, trainable=trainable, segment_types=["execution", "summary"],
-        segment_lengths=[1, n - 1], factors=[0.5, 1.0], advantage=[0.5, *[-0.25] * (n - 1)],
-        is_weight=[1.0] * n, loss_weight=[0.01] * n, behaviour_logprob=[-0.5] * n,
-        versions=[3, *[4] * (n - 1)])])
-
-
-def _run(tmp_path: Path, tokenizer) -> Path:
-    run_dir = tmp_path / "my-run"
-    run_dir.mkdir()
-    (run_dir / "config.toml").write_text(to_toml(load_config(None, [])))
-    recorder = SampleRecorder(run_dir / "samples")
-    recorder.record(1, 5, [_rollout(tokenizer, "keyvault-1", False)])
-    recorder.record(2, 6, [_rollout(tokenizer, "keyvault-2", False),
-                           _rollout(tokenizer, "keyvault-1", True)])
-    return run_dir
+from tests.viewer_runs import SUMMARY, WINDOW, kept_run
 
 
 def test_the_page_holds_each_kept_rollout_with_its_segments_facts_and_lags(
         tmp_path: Path, tokenizer) -> None:
-    data = viewer_data(_run(tmp_path, tokenizer), tokenizer)
+    data = viewer_data(kept_run(tmp_path, tokenizer), tokenizer)
     assert [(r["step"], r["task_id"]) for r in data["rollouts"]] == [
         (1, "keyvault-1"), (2, "keyvault-2"), (2, "keyvault-1")]
     (sequence,) = data["rollouts"][0]["sequences"]
@@ -80,7 +44,7 @@ def test_the_pair_falls_back_to_alike_tasks_then_to_the_first_and_last() -> None
 
 
 def test_the_page_opens_offline_with_its_data_inside(tmp_path: Path, tokenizer) -> None:
-    run_dir = _run(tmp_path, tokenizer)
+    run_dir = kept_run(tmp_path, tokenizer)
     page = write_viewer(run_dir, tokenizer).read_text()
     # nothing fetched: no script, style or image from elsewhere, no request
     assert not re.search(r"\b(src|href)\s*=|@import|url\(|fetch\(|XMLHttpRequest|import\(",
@@ -93,7 +57,7 @@ def test_the_page_opens_offline_with_its_data_inside(tmp_path: Path, tokenizer) 
 
 def test_view_writes_the_page_of_a_run_and_refuses_a_folder_without_samples(
         tmp_path: Path, tokenizer, tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    run_dir = _run(tmp_path, tokenizer)
+    run_dir = kept_run(tmp_path, tokenizer)
     tokenizer.save_pretrained(run_dir / "export")
     assert main(["view", "--run", str(run_dir)]) == 0
     assert (run_dir / "viewer.html").is_file()
