@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import CHROMIUM, rendered_dom
+from ops.browser import CHROMIUM, rendered_dom
 from tests.ports import free_ports
 from tests.processes import UpOnLoopback, metric, wait_until
 
