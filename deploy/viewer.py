@@ -136,7 +136,7 @@ def timeline_data(trace: dict[str, Any]) -> dict[str, Any]:
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     if len(spans) > PAGE_SPANS:
         spans = sorted(sorted(spans, key=lambda e: -e["dur"])[:PAGE_SPANS], key=lambda e: e["ts"])
-    lanes = sorted(names)
+    lanes = sorted(names)  # numbered by chrome_trace in their reading order
     kinds = sorted({e["name"] for e in spans})
     start = min((e["ts"] for e in spans), default=0)
     return {"lanes": [f"{processes[pid]} · {names[pid, tid]}" for pid, tid in lanes],

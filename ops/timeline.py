@@ -124,6 +124,11 @@ def set_lane(name: str) -> None:
     _LANE.set(name)
 
 
+def _natural(name: str) -> list[str | int]:
+    """Sorts "slot 2" before "slot 10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def chrome_trace(run_dir: Path) -> dict[str, Any]:
     """Every process's spans of the run in one Chrome trace event document:
     processes and lanes named, numbered in order of their names."""
@@ -134,9 +139,11 @@ def chrome_trace(run_dir: Path) -> dict[str, Any]:
                 event = json.loads(line)
                 if isinstance(event, dict) and {"name", "ph", "pid", "tid", "ts"} <= event.keys():
                     events.append(event)
-    processes = {name: n for n, name in enumerate(sorted({str(e["pid"]) for e in events}), 1)}
-    lanes = {key: n for n, key in enumerate(sorted({(str(e["pid"]), str(e["tid"]))
-                                                     for e in events}), 1)}
+    processes = {name: n for n, name in enumerate(
+        sorted({str(e["pid"]) for e in events}, key=_natural), 1)}
+    lanes = {key: n for n, key in enumerate(
+        sorted({(str(e["pid"]), str(e["tid"])) for e in events},
+               key=lambda key: (_natural(key[0]), _natural(key[1]))), 1)}
     named = [{"name": "process_name", "ph": "M", "pid": number, "tid": 0,
               "args": {"name": name}} for name, number in processes.items()]
     named += [{"name": "thread_name", "ph": "M", "pid": processes[process], "tid": number,

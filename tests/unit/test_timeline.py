@@ -51,6 +51,9 @@ def test_each_task_s_spans_go_on_its_lane_and_two_processes_merge(tmp_path: Path
             pass
 
     asyncio.run(both())
+    for lane in ("slot 10", "slot 2"):
+        with span("weights", lane=lane):
+            pass
     close_timeline()
     other = Timeline(tmp_path / TRACE_FOLDER / "learner.jsonl", "learner")
     other.add("step", time.monotonic() - 1.0, time.monotonic() - 0.5, "learner", step=1)
@@ -65,7 +68,8 @@ def test_each_task_s_spans_go_on_its_lane_and_two_processes_merge(tmp_path: Path
              if e["name"] == "thread_name"}
     assert set(processes) == {"actor-a/0", "learner"}
     actor = processes["actor-a/0"]
-    assert {name for pid, name in lanes if pid == actor} == {"slot 0", "slot 1", "weights"}
+    assert sorted((number, name) for (pid, name), number in lanes.items() if pid == actor) == [
+        (1, "slot 0"), (2, "slot 1"), (3, "slot 2"), (4, "slot 10"), (5, "weights")]
     spans = [e for e in events if e["ph"] == "X"]
     assert all(COMPLETE_KEYS <= e.keys() and isinstance(e["pid"], int)
                and isinstance(e["tid"], int) and e["dur"] >= 0 for e in spans)
