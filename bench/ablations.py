@@ -587,10 +587,6 @@ def key_figures(table: dict[str, Any]) -> str:
             f"`train_summary=false` {masked['summary_tokens']:.1f}. Mean reward (fraction of "
             f"digits right): base {base['mean_reward']:.3f}, full {full['mean_reward']:.3f}, "
             f"`train_summary=false` {masked['mean_reward']:.3f}."]
-    if "full" in table and "advantage=independent" in table:
-        alone = table["advantage=independent"]["compacted"]
-        lines.append(f"- Cross-trajectory GAE vs `advantage=independent`: "
-                     f"**{100 * (full['success'] - alone['success']):+.1f} points**.")
     lines += [f"- {claim}: {difference_text(table['full']['compacted'], table[other]['compacted'])}"
               for claim, other in PAPER_CLAIMS if "full" in table and other in table]
     return "\n".join(lines) + "\n\n"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -165,8 +165,10 @@ class SampleRecorder:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:07d}.json"
         partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps({"step": step, "version": version,
-                                       "rollouts": [asdict(r) for r in rollouts]}))
+        # vars, not dataclasses.asdict: asdict deep-copies every list, the
+        # most of what recording cost a step (bench/samples.py)
+        partial.write_text(json.dumps({"step": step, "version": version, "rollouts": [
+            {**vars(r), "sequences": [vars(q) for q in r.sequences]} for r in rollouts]}))
         os.replace(partial, path)
         stride = kept_stride(step, self.most_steps)
         for kept in self.folder.iterdir():
