@@ -153,7 +153,7 @@ class ShownEpisodes:
         """Each kept episode: its task, outcome and segments in order (JSON)."""
         return [{"episode": n, "task_id": result.task_id, "reward": result.reward,
                  "success": result.stats.success, "compactions": result.stats.compactions,
-                 "tags": dict(result.stats.tags),
+                 "tags": dict(result.stats.tags), "info": dict(result.stats.info),
                  "segments": [{"type": s.segment_type, "tokens": s.tokens,
                                "loss_mask": s.loss_mask, "logprobs": s.logprobs}
                               for s in self.segments[n]]}

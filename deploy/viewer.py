@@ -7,7 +7,8 @@ quantity (the advantage, the importance weight, the loss weight, the
 version lag, the behaviour log-probability), each segment labelled with its
 type and cross factor ``(γλ)^N_>s``, the compaction point where a summary
 begins, and, for keyvault, the facts each summary kept and dropped of those
-in the window it summarised (:func:`deploy.fact_survival.mentions_in`).
+in the window it summarised (:func:`deploy.fact_survival.mentions_in`), and
+for every environment the ``info`` its last step gave (``RolloutStats.info``).
 
 Two rollouts are shown side by side: where the run was evaluated (``compactionrl
 eval --out RUN/evaluation.json --baseline ...``, as ``make demo`` does), one
@@ -139,6 +140,7 @@ def viewer_data(run_dir: Path, tokenizer: Any) -> dict[str, Any]:
         return {"id": id_, "label": label, "step": step, "version": version,
                 **{key: played[key] for key in ("task_id", "reward", "success", "compactions",
                                                 "tags")},
+                "info": played.get("info", {}),  # none in samples recorded before it was
                 "sequences": [_sequence(s, version, _token_texts(tokenizer, s["tokens"], cache),
                                         keyvault, ordered) for s in sequences]}
 

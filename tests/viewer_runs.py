@@ -29,7 +29,8 @@ def kept_rollout(tokenizer: Any, task: str, success: bool) -> TrainedRollout:
     action = len(window) - 6  # "stop . write a summary :" stands for the request
     trainable = [action, *range(len(window), len(window) + len(summary))]
     n = len(trainable)
-    return TrainedRollout(task, float(success), success, 1, {"rooms": "10"}, [TrainedSequence(
+    return TrainedRollout(task, float(success), success, 1, {"rooms": "10"},
+                          {"digits_right": float(success), "attempts": 1.0}, [TrainedSequence(
         tokens=window + summary, trainable=trainable, segment_types=["execution", "summary"],
         segment_lengths=[1, n - 1], factors=[0.5, 1.0], advantage=[0.5, *[-0.25] * (n - 1)],
         is_weight=[1.0] * n, loss_weight=[0.01] * n, behaviour_logprob=[-0.5] * n,

@@ -36,6 +36,7 @@ def test_the_page_draws_rollouts_token_colours_facts_and_the_timeline(
     assert 'class="context"' in dom and "compaction: the summary the policy wrote" in dom
     assert re.search(r'class="kept">alpha 7</span>.*class="dropped">alpha 2</span>', dom)
     assert "cross factor 0.500" in dom
+    assert "the environment's info: digits_right 0 · attempts 1" in dom
     # the timeline: a lane per process and lane, a bar per span
     assert len(re.findall(r'<rect [^>]*class="span"', dom)) == 3
     assert "actor-a · slot 0" in dom and "learner · learner" in dom

@@ -32,6 +32,7 @@ def test_the_page_holds_each_kept_rollout_with_its_segments_facts_and_lags(
     assert summary["facts"] == {"kept": ["alpha 7"], "dropped": ["alpha 2"]}
     assert sequence["values"]["lag"][:2] == [2, 1]  # version 5 less 3 and 4
     assert data["pair"] == ["1-0", "2-1"]  # the same task, early and late
+    assert data["rollouts"][0]["info"] == {"digits_right": 0.0, "attempts": 1.0}
 
 
 def test_the_pair_falls_back_to_alike_tasks_then_to_the_first_and_last() -> None:
