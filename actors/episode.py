@@ -27,7 +27,7 @@ from actors.config import ActorConfig
 from actors.context import ClosedSegment, CompactionContext, CompactionFailed, Generation
 from actors.envs.base import Environment, StepResult, Task
 from ops.timeline import add_span
-from protocol import RolloutStats
+from protocol import RolloutStats, wire_info
 
 #: Per-turn sampling seeds are episode_seed * SEED_STRIDE + turn: reproducible
 #: per episode, distinct across episodes.
@@ -68,7 +68,8 @@ class EpisodeResult:
         carries), as an episode and a harness session both end."""
         stats = RolloutStats(outcome=outcome, success=success, steps=steps,
                              compactions=compactions, generated_tokens=generated_tokens,
-                             summary_tokens=summary_tokens, duration_s=duration_s, tags=tags)
+                             summary_tokens=summary_tokens, duration_s=duration_s, tags=tags,
+                             info=wire_info(info or {}))
         return cls(task_id, reward, stats, summary_seconds, observations_cut,
                    tool_call_errors or Counter(), info or {})
 

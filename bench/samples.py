@@ -58,7 +58,8 @@ def long_run(folder: Path, vocabulary: int, actor_bytes: int) -> Path:
     (run_dir / "config.toml").write_text(to_toml(load_config(None, [])))
     rng = random.Random(0)
     trained = list(range(WINDOW_TOKENS - TRAINED_TOKENS, WINDOW_TOKENS))
-    rollout = TrainedRollout("keyvault-1", 0.5, False, 3, {}, [TrainedSequence(
+    rollout = TrainedRollout("keyvault-1", 0.5, False, 3, {}, {"digits_right": 2.0},
+                             [TrainedSequence(
         tokens=[rng.randrange(vocabulary) for _ in range(WINDOW_TOKENS)], trainable=trained,
         segment_types=["execution"], segment_lengths=[TRAINED_TOKENS], factors=[0.9],
         advantage=[rng.uniform(-1, 1) for _ in trained], is_weight=[1.0] * TRAINED_TOKENS,

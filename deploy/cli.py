@@ -96,7 +96,7 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     evaluated = {model: evaluate(model, actors, args.episodes, show_progress=sys.stderr.isatty(),
                                  group_size=args.group_size)
                  for model in dict.fromkeys(models)}
-    reports = [evaluated[model] for model in models]
+    reports = [evaluated[model].report for model in models]
     for report in reports:
         print(format_report(report))
     if args.baseline:
@@ -111,9 +111,14 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         out = Path(args.out)
         out.write_text(encoded + "\n")
         if out.name == "evaluation.json" and (out.parent / "metrics.jsonl").is_file():
+            from deploy.viewer import write_held_out, write_viewer
             from ops.report import write_report
 
-            # a run folder: its report shows the evaluation from now on
+            # a run folder: its report shows the evaluation from now on, and
+            # its viewer the same held-out tasks played by each policy
+            write_held_out(out.parent, {role: (model, evaluated[model].shown) for role, model
+                                        in zip(("trained", "baseline"), models)})
+            write_viewer(out.parent)
             write_report(out.parent, out.parent.name)
     if args.json:
         print(encoded)

@@ -6,12 +6,14 @@ of a base policy's flaws), with seeds from
 :data:`actors.envs.base.EVALUATION_SEEDS_FROM` up, which no training or
 demonstration episode uses. The report: success rate with a 95 % Wilson
 interval, mean reward, compactions per episode, success by number of
-compactions, and summary length.
+compactions, and summary length. The first :data:`SHOWN_EPISODES` episodes
+are kept whole (:class:`ShownEpisodes`): evaluated into a run folder, they are
+the rollout viewer's same held-out tasks before and after training.
 
 Usage::
 
-    report = evaluate("runs/local-cpu/export", config.actors, episodes=200)
-    print(format_report(report))
+    evaluation = evaluate("runs/local-cpu/export", config.actors, episodes=200)
+    print(format_report(evaluation.report))
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig
@@ -34,6 +37,9 @@ from actors.preflight import check_episode_setup
 #: Episodes in flight on the engine at once: enough to batch the tiny
 #: model's short turns, few enough that the progress bar moves steadily.
 CONCURRENT_EPISODES = 32
+#: Held-out episodes kept whole for the rollout viewer (the first ones: the
+#: same tasks for every policy evaluated on them).
+SHOWN_EPISODES = 3
 #: z for a two-sided 95 % interval.
 Z_95 = 1.959964
 
@@ -132,18 +138,50 @@ def compaction_spread(results: list[EpisodeResult], group_size: int) -> dict[int
     return dict(sorted(spreads.items()))
 
 
+class ShownEpisodes:
+    """The segments of the first :data:`SHOWN_EPISODES` held-out episodes, as
+    ``play_held_out``'s ``keep`` is told them, and then those episodes whole."""
+
+    def __init__(self) -> None:
+        self.segments: dict[int, list[ClosedSegment]] = defaultdict(list)
+
+    def keep(self, n: int, segment: ClosedSegment) -> None:
+        if n < SHOWN_EPISODES:
+            self.segments[n].append(segment)
+
+    def episodes(self, results: list[EpisodeResult]) -> list[dict[str, Any]]:
+        """Each kept episode: its task, outcome and segments in order (JSON)."""
+        return [{"episode": n, "task_id": result.task_id, "reward": result.reward,
+                 "success": result.stats.success, "compactions": result.stats.compactions,
+                 "tags": dict(result.stats.tags), "info": dict(result.stats.info),
+                 "segments": [{"type": s.segment_type, "tokens": s.tokens,
+                               "loss_mask": s.loss_mask, "logprobs": s.logprobs}
+                              for s in self.segments[n]]}
+                for n, result in enumerate(results[:SHOWN_EPISODES])]
+
+
+@dataclass
+class Evaluation:
+    """A policy's held-out report, and the episodes kept whole."""
+
+    report: EvalReport
+    shown: list[dict[str, Any]]
+
+
 async def run_evaluation(model: str, actors: ActorConfig, episodes: int,
-                         show_progress: bool = True, group_size: int = 1) -> EvalReport:
+                         show_progress: bool = True, group_size: int = 1) -> Evaluation:
     began = time.perf_counter()
     # before the engine's slow start: the first held-out task can be played
     await check_episode_setup(model, actors, seed=EVALUATION_SEEDS_FROM)
     engine = await Engine.start(model, actors.engine, actors.sampling)
+    shown = ShownEpisodes()
     try:
         results = await play_held_out(engine, actors, episodes, show_progress,
-                                      group_size=group_size)
+                                      keep=shown.keep, group_size=group_size)
     finally:
         await engine.shutdown()
-    return summarise(model, actors, results, time.perf_counter() - began, group_size)
+    return Evaluation(summarise(model, actors, results, time.perf_counter() - began, group_size),
+                      shown.episodes(results))
 
 
 async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
@@ -184,7 +222,7 @@ async def play_held_out(engine: Engine, actors: ActorConfig, episodes: int,
 
 
 def evaluate(model: str, actors: ActorConfig, episodes: int,
-             show_progress: bool = True, group_size: int = 1) -> EvalReport:
+             show_progress: bool = True, group_size: int = 1) -> Evaluation:
     quiet_vllm_logging()
     return asyncio.run(run_evaluation(model, actors, episodes, show_progress, group_size))
 

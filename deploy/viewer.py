@@ -7,10 +7,15 @@ quantity (the advantage, the importance weight, the loss weight, the
 version lag, the behaviour log-probability), each segment labelled with its
 type and cross factor ``(γλ)^N_>s``, the compaction point where a summary
 begins, and, for keyvault, the facts each summary kept and dropped of those
-in the window it summarised (:func:`deploy.fact_survival.mentions_in`). Two
-rollouts are shown side by side: by default the earliest and the latest
-kept rollout of the most alike tasks (the same task where the run trained
-one twice, else the same tags and compaction count).
+in the window it summarised (:func:`deploy.fact_survival.mentions_in`), and
+for every environment the ``info`` its last step gave (``RolloutStats.info``).
+
+Two rollouts are shown side by side: where the run was evaluated (``compactionrl
+eval --out RUN/evaluation.json --baseline ...``, as ``make demo`` does), one
+held-out task played by the policy before training and by the trained one
+(:data:`HELD_OUT_FILE`, written by that command), since a training run never
+plays a task twice (each episode's seed is drawn from 2^31); otherwise the
+earliest and the latest kept rollout of the most alike tasks.
 
 The page is one file with its data, style and script inside: it opens
 offline, from disk, with nothing fetched.
@@ -26,10 +31,16 @@ from typing import Any
 from actors.envs.keyvault import CODE_NAMES
 from deploy.config import load_config
 from deploy.fact_survival import mentions_in
-from learner.samples import read_samples
+from learner.samples import read_samples, rounded
 from ops.report import VIEWER_FILE
 from ops.timeline import TRACE_FILE, chrome_trace
 
+#: The held-out episodes each evaluated policy played first, kept whole
+#: (deploy.evaluate.ShownEpisodes): ``{"trained" | "baseline": {"model",
+#: "episodes"}}``.
+HELD_OUT_FILE = "held_out.json"
+#: Who played a held-out episode, as the page names it.
+HELD_OUT_ROLES = {"baseline": "before training", "trained": "trained"}
 #: The page draws at most this many spans of the run timeline (the longest).
 PAGE_SPANS = 20_000
 #: The quantities a token can be coloured by: sample key -> label.
@@ -82,27 +93,106 @@ def _sequence(trained: dict[str, Any], version: int, texts: list[str],
                        "lag": [version - v if v >= 0 else None for v in trained["versions"]]}}
 
 
+def held_out_sequences(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A held-out episode's segments (deploy.evaluate.ShownEpisodes) as the
+    learner's sequences are cut: a summary segment, whose tokens begin with
+    the execution segment before it, extends that one. Only the behaviour
+    log-probability is known of their sampled tokens: nothing trained them."""
+    sequences: list[dict[str, Any]] = []
+    for segment in segments:
+        tokens, mask = segment["tokens"], segment["loss_mask"]
+        last = sequences[-1] if sequences else None
+        extends = (segment["type"] == "summary" and last is not None
+                   and last["segment_types"] == ["execution"]
+                   and tokens[:len(last["tokens"])] == last["tokens"])
+        start = len(last["tokens"]) if extends else 0
+        sampled = [p for p in range(start, len(tokens)) if mask[p]]
+        if extends:
+            sequence = last
+        else:
+            sequence = {"tokens": [], "trainable": [], "segment_types": [],
+                        "segment_lengths": [], "behaviour_logprob": []}
+            sequences.append(sequence)
+        sequence["tokens"] = tokens
+        sequence["trainable"] += sampled
+        sequence["segment_types"].append(segment["type"])
+        sequence["segment_lengths"].append(len(sampled))
+        sequence["behaviour_logprob"] += rounded([segment["logprobs"][p] for p in sampled])
+    for sequence in sequences:
+        n = len(sequence["trainable"])
+        sequence.update(factors=[None] * len(sequence["segment_types"]), advantage=[None] * n,
+                        is_weight=[None] * n, loss_weight=[None] * n, versions=[-1] * n)
+    return sequences
+
+
 def viewer_data(run_dir: Path, tokenizer: Any) -> dict[str, Any]:
-    """Everything the page shows, from the run folder's samples."""
+    """Everything the page shows, from the run folder's samples and, where
+    it was evaluated, its held-out episodes."""
     config = load_config([run_dir / "config.toml"]) if (run_dir / "config.toml").is_file() \
         else load_config(None, [])
     environment = config.actors.environment
     keyvault = environment.factory.endswith("keyvault:KeyVault")
     ordered = bool(environment.options.get("ordered", True))
     cache: dict[int, str] = {}
-    rollouts = []
-    for step in read_samples(run_dir):
-        for n, rollout in enumerate(step["rollouts"]):
-            rollouts.append({
-                "id": f"{step['step']}-{n}", "step": step["step"], "version": step["version"],
-                "task_id": rollout["task_id"], "reward": rollout["reward"],
-                "success": rollout["success"], "compactions": rollout["compactions"],
-                "tags": rollout["tags"],
-                "sequences": [_sequence(s, step["version"],
-                                        _token_texts(tokenizer, s["tokens"], cache), keyvault,
-                                        ordered) for s in rollout["sequences"]]})
+
+    def rollout(id_: str, label: str, step: int, version: int, played: dict[str, Any],
+                sequences: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": id_, "label": label, "step": step, "version": version,
+                **{key: played[key] for key in ("task_id", "reward", "success", "compactions",
+                                                "tags")},
+                "info": played.get("info", {}),  # none in samples recorded before it was
+                "sequences": [_sequence(s, version, _token_texts(tokenizer, s["tokens"], cache),
+                                        keyvault, ordered) for s in sequences]}
+
+    rollouts = [rollout(f"{step['step']}-{n}", f"step {step['step']}", step["step"],
+                        step["version"], kept, kept["sequences"])
+                for step in read_samples(run_dir) for n, kept in enumerate(step["rollouts"])]
+    last_step = max((r["step"] for r in rollouts), default=0)
+    held_out = []
+    for role, played in read_held_out(run_dir).items():
+        step = 0 if role == "baseline" else last_step
+        held_out += [rollout(f"{role}-{episode['episode']}",
+                             f"held-out episode {episode['episode']}, {HELD_OUT_ROLES[role]}",
+                             step, step, episode, held_out_sequences(episode["segments"]))
+                     for episode in played["episodes"]]
     return {"run": run_dir.name, "environment": environment.factory, "quantities": QUANTITIES,
-            "rollouts": rollouts, "pair": comparison_pair(rollouts)}
+            "rollouts": held_out + rollouts,
+            "pair": before_and_after(held_out) or comparison_pair(rollouts)}
+
+
+def write_held_out(run_dir: Path, played: dict[str, tuple[str, list[dict[str, Any]]]]) -> None:
+    """:data:`HELD_OUT_FILE`: by role, the model evaluated and the held-out
+    episodes it played first (deploy.evaluate.Evaluation.shown)."""
+    (run_dir / HELD_OUT_FILE).write_text(json.dumps(
+        {role: {"model": model, "episodes": episodes}
+         for role, (model, episodes) in played.items()}))
+
+
+def read_held_out(run_dir: Path) -> dict[str, Any]:
+    """The run's :data:`HELD_OUT_FILE` by role (none where the run was not
+    evaluated, or the file is not one ``compactionrl eval`` writes)."""
+    try:
+        played = json.loads((run_dir / HELD_OUT_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(played, dict):
+        return {}
+    return {role: played[role] for role in HELD_OUT_ROLES
+            if isinstance(played.get(role), dict)
+            and isinstance(played[role].get("episodes"), list)}
+
+
+def before_and_after(held_out: list[dict[str, Any]]) -> list[str]:
+    """One held-out episode played before training and after it: the first
+    whose outcome training changed, else the first (none without both)."""
+    by_id = {r["id"]: r for r in held_out}
+    both = [(by_id[f"baseline-{n}"], by_id[f"trained-{n}"]) for n in range(len(held_out))
+            if f"baseline-{n}" in by_id and f"trained-{n}" in by_id]
+    changed = [(before, after) for before, after in both if before["success"] != after["success"]]
+    for candidates in (changed, both):
+        if candidates:
+            return [rollout["id"] for rollout in candidates[0]]
+    return []
 
 
 def comparison_pair(rollouts: list[dict[str, Any]]) -> list[str]:

@@ -65,6 +65,8 @@ class TrainBatch:
     compactions: list[int]
     tags: list[dict[str, str]]
     """[R], the tasks' labels (``RolloutStats.tags``)."""
+    infos: list[dict[str, str | bool | float]]
+    """[R], the environments' last ``info`` (``RolloutStats.info``)."""
 
     @property
     def num_rollouts(self) -> int:
@@ -120,6 +122,7 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
     sequences: list[TrainSequence] = []
     rewards, task_ids, successes, compactions = [], [], [], []
     tags: list[dict[str, str]] = []
+    infos: list[dict[str, str | bool | float]] = []
     for index, rollout in enumerate(batch.rollouts):
         if not rollout.segments or not rollout.segments[-1].final:
             raise BatchError(f"rollout {rollout.rollout_id} has no final segment")
@@ -159,8 +162,9 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
         compactions.append(final.stats.compactions if final.stats else
                            sum(s.segment_type == "summary" for s in rollout.segments))
         tags.append(dict(final.stats.tags) if final.stats else {})
+        infos.append(dict(final.stats.info) if final.stats else {})
     return TrainBatch(sequences, torch.tensor(rewards, dtype=torch.float64), task_ids,
-                      successes, compactions, tags)
+                      successes, compactions, tags, infos)
 
 
 def _merge(previous: TrainSequence, segment_type: str, tokens: torch.Tensor, mask: torch.Tensor,

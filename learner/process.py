@@ -269,7 +269,7 @@ class Learner:
         # the critic's warm-up: value-only steps; the policy, so its version, stays
         warming = self.step < self.config.critic_warmup_steps
         sample = (functools.partial(self.samples.record, self.step + 1, self.version)
-                  if self.rank == 0 and self.samples.rollouts and self.samples.wants(self.step + 1)
+                  if self.rank == 0 and self.samples.wants(self.step + 1)
                   else None)
         metrics = self.trainer.step(batch, value_only=warming, sample=sample,
                                     sampled_rollouts=self.samples.rollouts)

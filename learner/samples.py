@@ -83,6 +83,8 @@ class TrainedRollout:
     success: bool
     compactions: int
     tags: dict[str, str]
+    info: dict[str, str | bool | float]
+    """The environment's last ``info`` (``RolloutStats.info``)."""
     sequences: list[TrainedSequence] = field(default_factory=list)
 
 
@@ -111,7 +113,8 @@ def trained_rollouts(batch: TrainBatch, shares: list[Share], starts: list[StartV
     picks = sorted({held[round(i * (len(held) - 1) / max(count - 1, 1))]
                     for i in range(min(count, len(held)))})
     kept = {r: TrainedRollout(batch.task_ids[r], float(batch.rewards[r]), batch.successes[r],
-                              batch.compactions[r], batch.tags[r]) for r in picks}
+                              batch.compactions[r], batch.tags[r], batch.infos[r])
+            for r in picks}
     for share, start, share_factors in zip(shares, starts, factors, strict=True):
         if share.global_tokens == 0:
             continue  # nothing trained: no advantages were computed

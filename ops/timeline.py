@@ -67,6 +67,8 @@ class Timeline:
                 self._left_out += 1
                 return
             self._file.write(line)
+            # every span on disk at once: `compactionrl view` of a running
+            # run, and a killed process, see all of them (a few per episode)
             self._file.flush()
             self._written += len(line)
 

@@ -40,6 +40,7 @@ from protocol.messages import (
     WeightsLoaded,
     Welcome,
     sampled_runs,
+    wire_info,
 )
 
 __all__ = [
@@ -51,4 +52,5 @@ __all__ = [
     "Rollout", "RolloutStats", "Segment", "FramedBatch", "FramedRollout", "StalenessStats",
     "Stamp", "TensorSpec",
     "WeightManifest", "WeightsAnnounce", "WeightsLoaded", "Welcome", "sampled_runs",
+    "wire_info",
 ]

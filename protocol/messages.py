@@ -15,10 +15,11 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -56,7 +57,8 @@ MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64
 MAX_CAPACITY = 65_536
 #: Most engine workers of one actor (``EngineInfo.tensor_parallel``), each a weight-group rank.
 MAX_TENSOR_PARALLEL = 1024
-#: Most labels of a rollout's ``stats.tags``, and their keys' and values' lengths.
+#: Most labels of a rollout's ``stats.tags`` (and entries of its ``stats.info``),
+#: and their keys' and text values' lengths.
 MAX_TAGS, MAX_TAG_CHARS = 64, 256
 #: Most reasons in ``Heartbeat.stall_seconds``.
 MAX_STALL_REASONS = 16
@@ -81,6 +83,9 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0, le=_FLOAT_MAX)]
 Interval = Annotated[float, msgspec.Meta(gt=0, le=_FLOAT_MAX)]
 #: An identifier: ``sender_id``, ``rollout_id``, ``task_id``, ``run_id``.
 Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+#: A key of ``stats.tags`` or ``stats.info``, and a text value of either.
+TagKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TAG_CHARS)]
+TagText = Annotated[str, msgspec.Meta(max_length=MAX_TAG_CHARS)]
 
 
 def new_token() -> bytes:
@@ -277,11 +282,14 @@ class RolloutStats(msgspec.Struct, kw_only=True, gc=False):
     """Of those, the summaries'."""
     duration_s: NonNegative
     """Wall time of the episode, seconds."""
-    tags: Annotated[dict[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TAG_CHARS)],
-                         Annotated[str, msgspec.Meta(max_length=MAX_TAG_CHARS)]],
-                    msgspec.Meta(max_length=MAX_TAGS)] = {}
+    tags: Annotated[dict[TagKey, TagText], msgspec.Meta(max_length=MAX_TAGS)] = {}
     """The task's labels (``Task.tags``: task family, difficulty, ...), which
     the learner's metrics and evaluation reports group by. May be omitted."""
+    info: Annotated[dict[TagKey, TagText | bool | Finite], msgspec.Meta(max_length=MAX_TAGS)] = {}
+    """The environment's ``info`` of the step that ended the episode (the
+    parts of its reward: KeyVault's digits right and attempts, a rubric's
+    metrics), as :func:`wire_info` flattens it; the rollout viewer shows it.
+    May be omitted."""
 
     def check(self) -> None:
         """Summary tokens are among the generated ones (``invalid``); the
@@ -289,6 +297,25 @@ class RolloutStats(msgspec.Struct, kw_only=True, gc=False):
         if self.summary_tokens > self.generated_tokens:
             raise ProtocolError(ErrorCode.INVALID, f"stats.summary_tokens {self.summary_tokens} "
                                 f"> generated_tokens {self.generated_tokens}")
+
+
+def wire_info(info: Mapping[str, Any], prefix: str = "") -> dict[str, str | bool | float]:
+    """An environment's ``info`` as ``RolloutStats.info`` carries it: nested
+    mappings flattened to dotted keys, numbers as finite floats, truth values
+    kept, anything else (a list, None, NaN) as its text; keys and texts cut to
+    :data:`MAX_TAG_CHARS`, the first :data:`MAX_TAGS` entries kept."""
+    flat: dict[str, str | bool | float] = {}
+    for key, value in info.items():
+        name = f"{prefix}{key}"[:MAX_TAG_CHARS]
+        if isinstance(value, Mapping):
+            flat.update(wire_info(value, f"{name}."))
+        elif isinstance(value, bool):
+            flat[name] = value
+        elif isinstance(value, int | float) and abs(value) <= _FLOAT_MAX:  # not NaN either
+            flat[name] = float(value)
+        else:
+            flat[name] = str(value)[:MAX_TAG_CHARS]
+    return dict(itertools.islice(((k, v) for k, v in flat.items() if k), MAX_TAGS))
 
 
 def sampled_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:

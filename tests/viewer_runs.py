@@ -1,16 +1,21 @@
 """A run folder as the rollout viewer reads it, made by hand: the config,
 the samples the learner keeps (one keyvault execution segment and the
-summary that extends it, per rollout) and a few timeline spans."""
+summary that extends it, per rollout) and a few timeline spans; and the
+held-out episodes ``compactionrl eval`` keeps whole."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
 
+from actors.config import ActorConfig
 from deploy.config import load_config, to_toml
+from deploy.evaluate import ShownEpisodes, play_held_out
 from learner.samples import SampleRecorder, TrainedRollout, TrainedSequence
 from ops.timeline import TRACE_FOLDER, Timeline
+from tests.scripted_policy import ScriptedPolicy
 
 WINDOW = "room 3 : note : alpha seven . room 4 : note : alpha two . stop . write a summary :"
 SUMMARY = " alpha seven ."
@@ -24,7 +29,8 @@ def kept_rollout(tokenizer: Any, task: str, success: bool) -> TrainedRollout:
     action = len(window) - 6  # "stop . write a summary :" stands for the request
     trainable = [action, *range(len(window), len(window) + len(summary))]
     n = len(trainable)
-    return TrainedRollout(task, float(success), success, 1, {"rooms": "10"}, [TrainedSequence(
+    return TrainedRollout(task, float(success), success, 1, {"rooms": "10"},
+                          {"digits_right": float(success), "attempts": 1.0}, [TrainedSequence(
         tokens=window + summary, trainable=trainable, segment_types=["execution", "summary"],
         segment_lengths=[1, n - 1], factors=[0.5, 1.0], advantage=[0.5, *[-0.25] * (n - 1)],
         is_weight=[1.0] * n, loss_weight=[0.01] * n, behaviour_logprob=[-0.5] * n,
@@ -50,3 +56,13 @@ def kept_run(root: Path, tokenizer: Any) -> Path:
             timeline.add(name, now + began, now + ended, lane)
         timeline.close()
     return run_dir
+
+
+def played_held_out(tokenizer: Any, text: str) -> list[dict[str, Any]]:
+    """The episodes ``compactionrl eval`` keeps whole, played by a policy
+    that says ``text`` every turn."""
+    config = ActorConfig()
+    shown = ShownEpisodes()
+    results = asyncio.run(play_held_out(ScriptedPolicy(tokenizer, text), config, 5,
+                                        show_progress=False, keep=shown.keep))
+    return shown.episodes(results)

@@ -1,8 +1,10 @@
 """The actor process against a real ZeroMQ peer speaking the protocol:
-credits, resends after a lost ack, heartbeats, and a flushing SIGTERM."""
+credits, resends after a lost ack, heartbeats, a flushing SIGTERM, and the
+run timeline it writes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ops.timeline import TRACE_FOLDER, chrome_trace
 from tests.ports import free_ports
 from tests.processes import SMALL_EPISODES, VENV_BIN, wait_until
 from tests.replay_peer import ReplayPeer
@@ -36,6 +39,8 @@ class ActorRun:
     credits_recovered: float
     probes: dict[str, str]
     """/readyz and /healthz once registered and running."""
+    run_dir: Path
+    """Where its timeline went: run.out_dir/run.name."""
 
 
 def _scrape(port: int, path: str = "/metrics") -> str:
@@ -53,13 +58,15 @@ def _resent(metrics: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def actor_run(tiny_model_dir: Path) -> ActorRun:
+def actor_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ActorRun:
     peer = ReplayPeer(credits_on_welcome=3)
     [port] = free_ports(1)
+    out_dir = tmp_path_factory.mktemp("runs")
     process = subprocess.Popen(
         [str(VENV_BIN / "compactionrl"), "actor", "--no-learner", "--replay", peer.address,
          "--actor-id", "actor-t", "--run.model", str(tiny_model_dir), *ACTOR_RUN,
-         "--actors.metrics_port", str(port)],
+         "--actors.metrics_port", str(port), "--run.out_dir", str(out_dir),
+         "--run.name", "added"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         # three credited rollouts, the first ack lost on the way
@@ -96,7 +103,7 @@ def actor_run(tiny_model_dir: Path) -> ActorRun:
             peer.pump(0.2)
         exit_code = process.wait(timeout=5)
         return ActorRun(peer, exit_code, sigterm_at, first, process.stderr.read(), metrics,
-                   credits_recovered, probes)
+                        credits_recovered, probes, out_dir / "added")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -173,3 +180,16 @@ def test_the_actor_says_at_start_how_many_episodes_windows_its_kv_cache_holds(
         actor_run: ActorRun) -> None:
     assert re.search(r"the engine's KV cache holds \d+ tokens: \d+ episodes' full windows",
                      actor_run.stderr), actor_run.stderr[-3000:]
+
+
+def test_an_added_actor_writes_every_episode_to_the_run_timeline(actor_run: ActorRun) -> None:
+    """An actor started on its own (as a user adds one to a running job)
+    writes its spans to RUN/trace/actor-<id>.jsonl, those of the episode it
+    finished after SIGTERM included, and ``compactionrl view`` merges them."""
+    lines = (actor_run.run_dir / TRACE_FOLDER / "actor-actor-t.jsonl").read_text().splitlines()
+    spans = [json.loads(line) for line in lines]
+    episodes = [s for s in spans if s["name"] == "episode"]
+    assert {s["args"]["rollout"] for s in episodes} == set(actor_run.peer.rollouts())
+    assert all(re.fullmatch(r"slot \d+", s["tid"]) and s["dur"] > 0 for s in episodes)
+    merged = chrome_trace(actor_run.run_dir)["traceEvents"]
+    assert sum(e["ph"] == "X" and e["name"] == "episode" for e in merged) == len(episodes)

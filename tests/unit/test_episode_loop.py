@@ -9,24 +9,12 @@ import pytest
 
 from actors.chat import ChatFormat
 from actors.config import ActorConfig, CompactionConfig
-from actors.context import ClosedSegment, Generation
+from actors.context import ClosedSegment
 from actors.engine import Engine
 from actors.envs.base import EnvironmentLoadError, StepResult, Task, load_environment
 from actors.envs.keyvault import KeyVault
 from actors.episode import EpisodeResult, run_episode
-
-
-class ScriptedPolicy:
-    """Says the same text every turn (summaries included)."""
-
-    def __init__(self, tokenizer, text: str) -> None:
-        self.ids = tokenizer.encode(text, add_special_tokens=False)
-        self.ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-
-    async def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None,
-                       temperature: float | None = None) -> Generation:
-        ids = self.ids[:max_tokens]
-        return Generation(ids, [-0.1] * len(ids), [3] * len(ids))
+from tests.scripted_policy import ScriptedPolicy
 
 
 class HugeObservations:

@@ -26,7 +26,7 @@ from protocol.synthetic import synthetic_batch
 def test_a_long_run_keeps_a_bounded_number_of_steps_from_its_start_to_its_end(
         tmp_path: Path) -> None:
     recorder = SampleRecorder(tmp_path / "samples", most_steps=8)
-    one = TrainedRollout("t", 1.0, True, 2, {})
+    one = TrainedRollout("t", 1.0, True, 2, {}, {})
     recorded = [step for step in range(1, 10_001) if recorder.wants(step)]
     for step in recorded:
         recorder.record(step, step, [one])
@@ -40,7 +40,7 @@ def test_a_long_run_keeps_a_bounded_number_of_steps_from_its_start_to_its_end(
 
 def test_a_step_file_cut_short_is_skipped(tmp_path: Path) -> None:
     recorder = SampleRecorder(tmp_path / "samples")
-    recorder.record(1, 1, [TrainedRollout("t", 0.0, False, 0, {})])
+    recorder.record(1, 1, [TrainedRollout("t", 0.0, False, 0, {}, {})])
     (tmp_path / "samples" / "step-0000002.json").write_text('{"step": 2, "rol')
     assert [sample["step"] for sample in read_samples(tmp_path)] == [1]
 
@@ -57,6 +57,7 @@ def test_a_step_hands_over_each_token_as_its_loss_used_it(tiny_model_dir: Path,
     policy, critic = load_policy(str(tiny_model_dir)), load_critic(str(tiny_model_dir))
     ppo = PPOTrainer(policy, critic, config)
     batch = to_train_batch(synthetic_batch(rollouts=8), train_summary=True)
+    batch.infos = [{"rollout": float(r)} for r in range(batch.num_rollouts)]
     share = ppo.plan(batch).shares[0]
     with torch.no_grad():
         starts = [(token_logprobs(policy, s.tokens[None])[0],
@@ -75,6 +76,7 @@ def test_a_step_hands_over_each_token_as_its_loss_used_it(tiny_model_dir: Path,
         for trained in rollout.sequences:
             i = by_tokens[tuple(trained.tokens)]
             sequence = share.sequences[i]
+            assert rollout.info == batch.infos[sequence.rollout]
             mask = sequence.trainable
             assert trained.trainable == mask.nonzero().flatten().tolist()
             assert len(trained.advantage) == int(mask.sum()) == sum(trained.segment_lengths)

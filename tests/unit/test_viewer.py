@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import main
-from deploy.viewer import comparison_pair, viewer_data, write_viewer
+from deploy.evaluate import SHOWN_EPISODES
+from deploy.viewer import (HELD_OUT_FILE, before_and_after, comparison_pair, viewer_data,
+                           write_held_out, write_viewer)
 from ops.report import write_report
-from tests.viewer_runs import SUMMARY, WINDOW, kept_run
+from tests.viewer_runs import SUMMARY, WINDOW, kept_run, played_held_out
 
 
 def test_the_page_holds_each_kept_rollout_with_its_segments_facts_and_lags(
@@ -30,6 +32,7 @@ def test_the_page_holds_each_kept_rollout_with_its_segments_facts_and_lags(
     assert summary["facts"] == {"kept": ["alpha 7"], "dropped": ["alpha 2"]}
     assert sequence["values"]["lag"][:2] == [2, 1]  # version 5 less 3 and 4
     assert data["pair"] == ["1-0", "2-1"]  # the same task, early and late
+    assert data["rollouts"][0]["info"] == {"digits_right": 0.0, "attempts": 1.0}
 
 
 def test_the_pair_falls_back_to_alike_tasks_then_to_the_first_and_last() -> None:
@@ -65,3 +68,51 @@ def test_view_writes_the_page_of_a_run_and_refuses_a_folder_without_samples(
     assert "holds no samples/" in capsys.readouterr().err
     assert "<a href='viewer.html'>Rollout viewer</a>" in write_report(run_dir, "x").read_text()
     assert "Rollout viewer" not in write_report(tmp_path, "y").read_text()
+
+
+def test_a_held_out_task_before_and_after_training_is_the_pair_when_the_run_was_evaluated(
+        tmp_path: Path, tokenizer) -> None:
+    run_dir = kept_run(tmp_path, tokenizer)
+    before, after = played_held_out(tokenizer, "next"), played_held_out(tokenizer, "back")
+    assert [e["episode"] for e in before] == list(range(SHOWN_EPISODES))
+    write_held_out(run_dir, {"trained": ("export", after), "baseline": ("base", before)})
+    data = viewer_data(run_dir, tokenizer)
+    assert data["pair"] == ["baseline-0", "trained-0"]  # both failed: the first
+    walked = next(r for r in data["rollouts"] if r["id"] == "baseline-0")
+    assert walked["step"] == 0 and walked["label"] == "held-out episode 0, before training"
+    assert walked["task_id"] == before[0]["task_id"] and walked["compactions"] >= 1
+    # each summary extends the execution segment it summarises, as the
+    # learner cuts sequences: one sequence per window, the summary's facts
+    segments = before[0]["segments"]
+    sequences = walked["sequences"]
+    assert len(sequences) == sum(s["type"] == "execution" for s in segments)
+    first = sequences[0]
+    assert [s["type"] for s in first["segments"]] == ["execution", "summary"]
+    assert "".join(first["texts"]) == tokenizer.decode(segments[1]["tokens"])
+    assert set(first["segments"][1]["facts"]) == {"kept", "dropped"}
+    sampled = sum(segments[0]["loss_mask"]) + sum(segments[1]["loss_mask"][
+        len(segments[0]["tokens"]):])
+    assert len(first["trainable"]) == sampled
+    # nothing trained them: only the behaviour log-probability is shown
+    assert set(first["values"]["behaviour_logprob"]) == {-0.1}
+    assert set(first["values"]["advantage"]) == {None} and first["segments"][0]["factor"] is None
+    # the learner's kept rollouts follow them
+    assert [r["id"] for r in data["rollouts"]][-3:] == ["1-0", "2-0", "2-1"]
+
+
+def test_the_held_out_pair_is_the_first_task_whose_outcome_training_changed() -> None:
+    def played(role: str, n: int, success: bool) -> dict:
+        return {"id": f"{role}-{n}", "success": success}
+
+    held_out = [played("baseline", 0, False), played("baseline", 1, False),
+                played("trained", 0, False), played("trained", 1, True)]
+    assert before_and_after(held_out) == ["baseline-1", "trained-1"]
+    assert before_and_after(held_out[:1] + held_out[2:3]) == ["baseline-0", "trained-0"]
+    assert before_and_after(held_out[:2]) == []
+
+
+def test_a_held_out_file_that_is_not_evaluations_is_left_out(tmp_path: Path, tokenizer) -> None:
+    run_dir = kept_run(tmp_path, tokenizer)
+    for text in ("not json", "[1, 2]", '{"trained": 7}', '{"trained": {}}'):
+        (run_dir / HELD_OUT_FILE).write_text(text)
+        assert viewer_data(run_dir, tokenizer)["pair"] == ["1-0", "2-1"]
