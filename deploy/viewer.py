@@ -184,15 +184,16 @@ def read_held_out(run_dir: Path) -> dict[str, Any]:
 
 def before_and_after(held_out: list[dict[str, Any]]) -> list[str]:
     """One held-out episode played before training and after it: the first
-    whose outcome training changed, else the first (none without both)."""
+    whose outcome training changed, else the first whose reward it changed
+    most (none without both)."""
     by_id = {r["id"]: r for r in held_out}
     both = [(by_id[f"baseline-{n}"], by_id[f"trained-{n}"]) for n in range(len(held_out))
             if f"baseline-{n}" in by_id and f"trained-{n}" in by_id]
-    changed = [(before, after) for before, after in both if before["success"] != after["success"]]
-    for candidates in (changed, both):
-        if candidates:
-            return [rollout["id"] for rollout in candidates[0]]
-    return []
+    if not both:
+        return []
+    before, after = max(both, key=lambda pair: (pair[0]["success"] != pair[1]["success"],
+                                                abs(pair[1]["reward"] - pair[0]["reward"])))
+    return [before["id"], after["id"]]
 
 
 def comparison_pair(rollouts: list[dict[str, Any]]) -> list[str]:

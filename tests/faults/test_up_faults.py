@@ -649,9 +649,10 @@ def test_actor_sigkilled_rejoins_with_current_weights(
 
 def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: FaultRun) -> None:
     """SIGSTOP past the liveness: the replay declares actor-0 dead and expires
-    its rollouts; after SIGCONT its old incarnation is refused, it abandons
-    what it had in flight, registers as a new incarnation and contributes
-    again; nothing of the dead incarnation is stored after its death."""
+    its rollouts; after SIGCONT its old incarnation is refused, it gives up
+    and counts what it still held (episodes in flight, segments not
+    acknowledged), registers as a new incarnation and contributes again;
+    nothing of the dead incarnation is stored after its death."""
     busy = _every_slot_busy(run)
     pid, replay_offset = busy.pid, busy.replay_offset
     _kill_group(pid, signal.SIGSTOP)
@@ -685,7 +686,15 @@ def test_frozen_actor_is_declared_dead_and_comes_back_as_a_new_incarnation(run: 
     # less those whose final segment got through just before it
     assert busy.in_flight - finished <= expired <= busy.in_flight, _replay_accounts(run)
     assert run.replay("crl_replay_rejected_messages_total", reason=ErrorCode.DEAD_INCARNATION) >= 1
-    assert run.actor("actor-0", "crl_actor_abandoned_rollouts_total") >= 1
+    # what it still held when the first refusal came is given up and counted:
+    # the episodes then in flight (none where they finished between SIGCONT
+    # and that refusal: then their segments are refused and given up) and the
+    # segments not acknowledged
+    episodes, segments = (int(n) for n in re.findall(
+        r"abandoning (\d+) episodes and (\d+) unacknowledged segments", run.log("actor-0"))[-1])
+    assert episodes <= busy.in_flight
+    assert run.actor("actor-0", "crl_actor_abandoned_rollouts_total") >= episodes
+    assert run.actor("actor-0", "crl_actor_segments_abandoned_total") >= segments
     # nothing of the dead incarnation was stored once it was declared dead
     assert not [s for s in _segments(run.segments_log(), boundary)
                 if s.sender_id == ACTOR_0 and s.incarnation == dead]

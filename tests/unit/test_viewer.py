@@ -100,15 +100,19 @@ def test_a_held_out_task_before_and_after_training_is_the_pair_when_the_run_was_
     assert [r["id"] for r in data["rollouts"]][-3:] == ["1-0", "2-0", "2-1"]
 
 
-def test_the_held_out_pair_is_the_first_task_whose_outcome_training_changed() -> None:
-    def played(role: str, n: int, success: bool) -> dict:
-        return {"id": f"{role}-{n}", "success": success}
+def test_the_held_out_pair_is_the_task_whose_outcome_then_reward_training_changed() -> None:
+    def played(role: str, n: int, success: bool, reward: float) -> dict:
+        return {"id": f"{role}-{n}", "success": success, "reward": reward}
 
-    held_out = [played("baseline", 0, False), played("baseline", 1, False),
-                played("trained", 0, False), played("trained", 1, True)]
-    assert before_and_after(held_out) == ["baseline-1", "trained-1"]
-    assert before_and_after(held_out[:1] + held_out[2:3]) == ["baseline-0", "trained-0"]
-    assert before_and_after(held_out[:2]) == []
+    before = [played("baseline", 0, False, 0.3), played("baseline", 1, False, 0.3),
+              played("baseline", 2, False, 0.3)]
+    after = [played("trained", 0, False, 0.6), played("trained", 1, True, 1.0),
+             played("trained", 2, False, 0.9)]
+    assert before_and_after(before + after) == ["baseline-1", "trained-1"]
+    # no outcome changed: the reward that changed most, the first of equals
+    assert before_and_after(before + after[:1] + after[2:]) == ["baseline-2", "trained-2"]
+    assert before_and_after(before[:1] + after[:1]) == ["baseline-0", "trained-0"]
+    assert before_and_after(before) == []
 
 
 def test_a_held_out_file_that_is_not_evaluations_is_left_out(tmp_path: Path, tokenizer) -> None:
