@@ -116,8 +116,10 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
             # a run folder: its report shows the evaluation from now on, and
             # its viewer the same held-out tasks played by each policy
-            write_held_out(out.parent, {role: (model, evaluated[model].shown) for role, model
-                                        in zip(("trained", "baseline"), models)})
+            roles = {"trained": models[0], **({"baseline": args.baseline} if args.baseline
+                                              else {})}
+            write_held_out(out.parent, {role: (model, evaluated[model].shown)
+                                        for role, model in roles.items()})
             write_viewer(out.parent)
             write_report(out.parent, out.parent.name)
     if args.json:

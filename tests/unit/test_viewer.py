@@ -11,8 +11,14 @@ import pytest
 
 from deploy.cli import main
 from deploy.evaluate import SHOWN_EPISODES
-from deploy.viewer import (HELD_OUT_FILE, before_and_after, comparison_pair, viewer_data,
-                           write_held_out, write_viewer)
+from deploy.viewer import (
+    HELD_OUT_FILE,
+    before_and_after,
+    comparison_pair,
+    viewer_data,
+    write_held_out,
+    write_viewer,
+)
 from ops.report import write_report
 from tests.viewer_runs import SUMMARY, WINDOW, kept_run, played_held_out
 
