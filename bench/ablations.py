@@ -434,7 +434,11 @@ a resumed table took less); the {len(runs)} training runs alone took
 Success (the exact answer) is pooled over seeds (Wilson interval over all
 evaluated episodes); mean reward is the fraction of digits right (the local
 default trains on partial credit);
-"per seed" lists each training seed's evaluation. `compaction=false` trains in
+"per seed" lists each training seed's evaluation. A difference of two rows has
+two 95 % intervals: over episodes (Newcombe's, from the two Wilson intervals),
+which says how sure the evaluation is of these runs, and over seeds (Student's t
+over the per-seed differences, from two seeds on), which says what another
+seed's runs may differ by. `compaction=false` trains in
 one window (an episode ends when it is full) and is evaluated both in one window
 and with compaction. The cross factor is the learner's mean over the segments it
 trained of `(γλ)^N_{{>s}}` (adaptive λ: the product of the later segments'
@@ -609,7 +613,7 @@ PAPER_CLAIMS = [("Token-level over segment normalisation (`loss_norm=segment`)",
 def difference_interval(first: dict[str, Any], second: dict[str, Any]) -> tuple[float, float]:
     """95 % interval of the difference of two pooled success rates from their
     Wilson intervals (Newcombe's hybrid score method): over episodes, not
-    seeds; the per-seed rates beside it show the seeds' spread."""
+    seeds (:func:`seed_interval` is the seeds')."""
     p1, (l1, u1) = first["success"], first["ci95"]
     p2, (l2, u2) = second["success"], second["ci95"]
     difference = p1 - p2
@@ -617,13 +621,39 @@ def difference_interval(first: dict[str, Any], second: dict[str, Any]) -> tuple[
             difference + ((u1 - p1) ** 2 + (p2 - l2) ** 2) ** 0.5)
 
 
+#: Student's t, two-sided 95 %, by degrees of freedom (a table rather than
+#: scipy, which the project does not install for two numbers).
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262}
+
+
+def seed_interval(first: dict[str, Any], second: dict[str, Any]
+                  ) -> tuple[float, float] | None:
+    """95 % t interval of the mean of the per-seed differences (both rows
+    trained at the same seeds): what a new seed's run may differ by, which
+    the pooled interval over episodes does not hold. None under two seeds,
+    or where the rows' seeds differ in number."""
+    if len(first["per_seed"]) != len(second["per_seed"]):
+        return None
+    differences = [a - b for a, b in zip(first["per_seed"], second["per_seed"], strict=True)]
+    if not 1 < len(differences) <= len(T_975) + 1:
+        return None
+    mean = statistics.fmean(differences)
+    half = T_975[len(differences) - 1] * statistics.stdev(differences) / len(differences) ** 0.5
+    return mean - half, mean + half
+
+
 def difference_text(first: dict[str, Any], second: dict[str, Any]) -> str:
-    """The difference in points, its interval, and each seed's difference."""
+    """The difference in points, its intervals over episodes and over
+    seeds, and each seed's difference."""
     low, high = difference_interval(first, second)
     seeds = ", ".join(f"{100 * (a - b):+.1f}" for a, b in
                       zip(first["per_seed"], second["per_seed"], strict=False))
-    return (f"**{100 * (first['success'] - second['success']):+.1f} points** (95 % CI "
-            f"{100 * low:+.1f} to {100 * high:+.1f}; per seed {seeds})")
+    over_seeds = seed_interval(first, second)
+    seed_text = ("" if over_seeds is None else
+                 f"; over seeds {100 * over_seeds[0]:+.1f} to {100 * over_seeds[1]:+.1f}")
+    return (f"**{100 * (first['success'] - second['success']):+.1f} points** (95 % CI over "
+            f"episodes {100 * low:+.1f} to {100 * high:+.1f}{seed_text}; per seed {seeds})")
 
 
 def dry_run(seeds: list[int], minutes: float, episodes: int, base: Path, out_dir: Path,

@@ -269,7 +269,21 @@ def test_a_claim_is_the_difference_of_two_rows_with_its_interval(ablations) -> N
     assert low < full["success"] - other["success"] < high
     assert 0 < low  # 55 % against 42.5 % of 200 episodes each
     text = ablations.difference_text(full, other)
-    assert text.startswith("**+12.5 points** (95 % CI +") and text.endswith(
-        "per seed +20.0, +5.0)")
+    assert text.startswith("**+12.5 points** (95 % CI over episodes +") and text.endswith(
+        "; over seeds -82.8 to +107.8; per seed +20.0, +5.0)")
     same = ablations.difference_interval(full, full)
     assert same[0] < 0 < same[1]
+
+
+def test_the_seeds_interval_is_students_t_over_the_paired_seed_differences(ablations) -> None:
+    full = ablations.pooled([evaluation(60), evaluation(50), evaluation(70)])
+    other = ablations.pooled([evaluation(40), evaluation(45), evaluation(50)])
+    low, high = ablations.seed_interval(full, other)
+    # differences 20, 5, 20: mean 15, sample sd sqrt(75), t(2) = 4.303
+    half = 4.303 * 75 ** 0.5 / 3 ** 0.5 / 100
+    assert (low, high) == pytest.approx((0.15 - half, 0.15 + half))
+    assert "over seeds -6.5 to +36.5" in ablations.difference_text(full, other)
+    one_seed = ablations.pooled([evaluation(60)])
+    assert ablations.seed_interval(one_seed, ablations.pooled([evaluation(40)])) is None
+    assert "over seeds" not in ablations.difference_text(one_seed,
+                                                         ablations.pooled([evaluation(40)]))
