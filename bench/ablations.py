@@ -75,6 +75,7 @@ from typing import Any
 
 from _options import BenchmarkParser  # bench/_options.py
 
+from deploy.answer_credit import measure as answer_credit
 from deploy.answer_lengths import measure as answer_lengths
 from deploy.config import JobConfig, load_config, to_toml
 from deploy.evaluate import wilson_interval
@@ -272,7 +273,16 @@ def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path,
     answers = answer_lengths(run_dir, ANSWER_WINDOW)
     record["answers"] = {key: answers[key] for key in
                          ("answers", "code_digits", "over_long_first", "over_long_last")}
+    record["answer_credit"] = credited_answers(run_dir)
     return record
+
+
+def credited_answers(run_dir: Path) -> dict[str, Any]:
+    """What the run's training gave the wrong answers of rollouts that
+    ended right, against their right ones (``deploy.answer_credit``)."""
+    credit = answer_credit(run_dir)
+    return {key: credit[key] for key in ("retried_right_rollouts", "wrong_answer_advantage",
+                                         "right_answer_advantage", "ratio")}
 
 
 def environment_digest(factory: str) -> str:
@@ -447,7 +457,7 @@ trained of `(γλ)^N_{{>s}}` (adaptive λ: the product of the later segments'
 "-" where the runs predate the counter or trained no segment of that type).
 Padded answers: the most any seed's last {ANSWER_WINDOW} trained-on final answers listed
 more digits than the codes have (`deploy.answer_lengths`; "-" for runs not checked).
-
+{CREDIT_NOTE if params.get("group_size", 1) > 1 else ""}
 {every_parameter(results, recipe, stem)}"""
     write_section(docs / "results.md", section, text)
     (docs / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -471,16 +481,28 @@ def budget_text(params: dict[str, Any]) -> str:
             f"{played}) at the sampling temperature it trains at ({params['temperature']:g}).")
 
 
+#: What the unequal table's last column is, under the table.
+CREDIT_NOTE = """Wrong / right answers: over the rollouts each run kept as trained
+(`RUN/samples`, about 100 per run) that answered wrong, walked again and then
+answered right, the mean advantage the loss gave the tokens of their wrong
+answers and of their right ones, averaged over seeds (`deploy.answer_credit`;
+"-" for runs that kept none): a ratio near 0 leaves the wrong answer alone, near
+1 or above reinforces it as much as the right one.
+"""
+
+
 def unequal_table(table: dict[str, Any], params: dict[str, Any]) -> str:
     """With groups in the evaluation: how unequally each policy's groups
     compacted, its success by compaction count, and the share of the loss
     weight its training gave rollouts by compaction count (against their
-    share of the rollouts)."""
+    share of the rollouts), and the advantage it gave the wrong answers of
+    rollouts that ended right (against their right answers')."""
     if params.get("group_size", 1) < 2:
         return ""
     rows = [f"| policy | groups of {params['group_size']} with a compaction spread >= 2 % "
             "| success % by compactions (episodes) | loss weight % / rollouts % by "
-            "compactions (training) |", "|---|---|---|---|"]
+            "compactions (training) | advantage of wrong / right answers in rollouts "
+            "answered wrong, then right (training) |", "|---|---|---|---|---|"]
     for name, entry in table.items():
         compacted = entry["compacted"]
         spread = compacted.get("compaction_spread") or {}
@@ -492,8 +514,22 @@ def unequal_table(table: dict[str, Any], params: dict[str, Any]) -> str:
         shares = ", ".join(f"{k}: {100 * v['weight']:.0f} / {100 * v['rollouts']:.0f}"
                            for k, v in weight.items()) or "-"
         rows.append(f"| {name} | {point(wide / groups) if groups else '-'} "
-                    f"| {by_count or '-'} | {shares} |")
+                    f"| {by_count or '-'} | {shares} | {credit_cell(entry.get('runs', []))} |")
     return "\n" + "\n".join(rows) + "\n"
+
+
+def credit_cell(runs: list[dict[str, Any]]) -> str:
+    """The wrong and right answers' mean advantage over the runs that
+    measured both, their ratio, and how many kept rollouts they came from."""
+    measured = [run["answer_credit"] for run in runs
+                if (run.get("answer_credit") or {}).get("ratio") is not None]
+    if not measured:
+        return "-"
+    wrong = statistics.fmean(m["wrong_answer_advantage"] for m in measured)
+    right = statistics.fmean(m["right_answer_advantage"] for m in measured)
+    rollouts = sum(m["retried_right_rollouts"] for m in measured)
+    ratio = f"{wrong / right:.2f}" if right else "-"
+    return f"{wrong:+.3f} / {right:+.3f} (ratio {ratio}; {rollouts} rollouts)"
 
 
 def mean_weights(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -750,6 +786,10 @@ def train_missing(records: dict[str, Any], records_path: Path, args: argparse.Na
                                                    args.recipe)
                 save_records(records_path, records)
             recorded = records["runs"][name]
+            if "answer_credit" not in recorded and (out_dir / name / "export").is_dir():
+                # a measure added after the run was recorded, from its folder
+                recorded["answer_credit"] = credited_answers(out_dir / name)
+                save_records(records_path, records)
             print(f"  {recorded['learner_steps']} learner steps; compacted success "
                   f"{recorded['compacted']['success']:.1%}", flush=True)
 

@@ -232,10 +232,14 @@ def test_the_unequal_table_shows_spread_success_and_loss_weight_by_compactions(
 
     base = ablations.pooled([grouped(10, {"0": 10, "2": 15}, {"2": {"episodes": 100,
                                                                  "success": 0.1}})])
+    credit = {"retried_right_rollouts": 5, "wrong_answer_advantage": 0.3,
+              "right_answer_advantage": 0.5, "ratio": 0.6}
     runs = [{"wall_seconds": 600.0, "loss_weight": {"2": {"weight": 0.2, "rollouts": 0.5},
-                                                     "4": {"weight": 0.8, "rollouts": 0.5}}},
+                                                     "4": {"weight": 0.8, "rollouts": 0.5}},
+             "answer_credit": credit},
             {"wall_seconds": 600.0, "loss_weight": {"2": {"weight": 0.4, "rollouts": 0.7},
-                                                     "6": {"weight": 0.6, "rollouts": 0.3}}}]
+                                                     "6": {"weight": 0.6, "rollouts": 0.3}},
+             "answer_credit": {**credit, "wrong_answer_advantage": 0.1}}]
     full = ablations.pooled([
         grouped(50, {"0": 20, "4": 5}, {"2": {"episodes": 60, "success": 0.5},
                                         "4": {"episodes": 40, "success": 0.5}}),
@@ -256,9 +260,10 @@ def test_the_unequal_table_shows_spread_success_and_loss_weight_by_compactions(
     page = (tmp_path / "results.md").read_text()
     assert "120 learner steps of 16 rollouts each" in page
     assert "each held-out task played 4 times" in page
-    assert "| base | 60.0 | 2: 10.0 (100) | - |" in page
-    assert ("| full | 60.0 | 2: 37.5 (160), 4: 50.0 (40) | 2: 30 / 60, 4: 40 / 25, 6: 30 / 15 |"
-            in page)
+    assert "| base | 60.0 | 2: 10.0 (100) | - | - |" in page
+    assert ("| full | 60.0 | 2: 37.5 (160), 4: 50.0 (40) | 2: 30 / 60, 4: 40 / 25, 6: 30 / 15 "
+            "| +0.200 / +0.500 (ratio 0.40; 10 rollouts) |" in page)
+    assert "`deploy.answer_credit`" in page
     assert "Not run yet: `advantage=independent`" in page
 
 

@@ -1,0 +1,100 @@
+"""What a run's training credited to the wrong answers of rollouts that ended
+right: the segment-level credit group-relative advantages lose.
+
+In KeyVault with ``retries`` a rollout may answer wrong, walk the rooms again
+and then answer right. Group-relative advantages (GRPO) give every token of
+that rollout its outcome's advantage, the wrong answer's included; a critic
+can give the wrong answer its own. This reads the rollouts a run kept as
+trained (``RUN/samples``, :mod:`learner.samples`), finds each answer among
+their sampled tokens (an action that begins with ``answer``) and the verdict
+the environment replied to it (``answer correct`` / ``answer wrong``), and
+reports, over the rollouts that ended right, the mean advantage the loss
+gave the tokens of their wrong answers and of their final right ones: a
+ratio near 0 leaves the wrong answers alone, near 1 or above reinforces
+them as much as the answer that was right.
+
+    python -m deploy.answer_credit RUN [RUN ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from learner.samples import read_samples
+from protocol import sampled_runs
+
+#: KeyVault's reply to an answer (actors/envs/keyvault.py, ``_grade``).
+VERDICT = re.compile(r"answer (correct|wrong)")
+#: Tokens after an answer within which its verdict is looked for: the
+#: turn's end, the tool's turn and the verdict.
+VERDICT_WITHIN = 16
+
+
+def graded_answers(sequence: dict, decode: Callable[[list[int]], str]
+                   ) -> Iterator[tuple[bool, list[float]]]:
+    """Each answer among a kept sequence's trained tokens whose verdict its
+    tokens hold: whether it was right, and the advantages of its tokens."""
+    tokens = sequence["tokens"]
+    trainable = set(sequence["trainable"])
+    advantage = dict(zip(sequence["trainable"], sequence["advantage"], strict=True))
+    for start, end in sampled_runs([position in trainable for position in range(len(tokens))]):
+        if not decode(tokens[start:end]).lstrip().lower().startswith("answer"):
+            continue
+        verdict = VERDICT.search(decode(tokens[end:end + VERDICT_WITHIN]).lower())
+        if verdict is not None:
+            yield verdict.group(1) == "correct", [advantage[p] for p in range(start, end)]
+
+
+def measure(run: Path) -> dict:
+    """The mean advantage of wrong and of right answer tokens in the kept
+    rollouts of ``run`` that ended right (None where it kept none)."""
+    tokenizer = AutoTokenizer.from_pretrained(run / "export")
+    wrong: list[float] = []
+    right: list[float] = []
+    retried = 0
+    for step in read_samples(run):
+        for rollout in step["rollouts"]:
+            if not rollout["success"]:
+                continue
+            answers = [answer for sequence in rollout["sequences"]
+                       for answer in graded_answers(sequence, tokenizer.decode)]
+            retried += any(not correct for correct, _ in answers)
+            for correct, advantages in answers:
+                (right if correct else wrong).extend(advantages)
+
+    def mean(values: list[float]) -> float | None:
+        return round(statistics.fmean(values), 4) if values else None
+
+    wrong_mean, right_mean = mean(wrong), mean(right)
+    return {"run": str(run), "retried_right_rollouts": retried,
+            "wrong_answer_advantage": wrong_mean, "right_answer_advantage": right_mean,
+            "ratio": (round(wrong_mean / right_mean, 3)
+                      if wrong_mean is not None and right_mean else None)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path,
+                        help="run folders (RUN/samples, RUN/export)")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    results = [measure(run) for run in args.runs]
+    for result in results:
+        print(f"{result['run']}: {result['retried_right_rollouts']} kept rollouts answered "
+              f"wrong, then right; advantage of their wrong answers "
+              f"{result['wrong_answer_advantage']}, of right answers "
+              f"{result['right_answer_advantage']} (ratio {result['ratio']})")
+    if args.json:
+        print(json.dumps({"runs": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
