@@ -713,8 +713,8 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe paper": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
-    "python bench/ablations.py --json --recipe retries --seeds 1 --variants "
-    "loss_norm=rollout,train_summary=false": RunAsWritten(BENCH_DRY_RUN, ("commands",)),
+    "python bench/ablations.py --json --recipe retries --seeds 2": RunAsWritten(
+        BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe blind-critic --variants "
     "full,advantage=independent,advantage=grpo": RunAsWritten(BENCH_DRY_RUN, ("commands",)),
     "python -m deploy.answer_lengths runs/ablations-paper-padreward/full-seed0 "
