@@ -280,9 +280,7 @@ def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path,
 def credited_answers(run_dir: Path) -> dict[str, Any]:
     """What the run's training gave the wrong answers of rollouts that
     ended right, against their right ones (``deploy.answer_credit``)."""
-    credit = answer_credit(run_dir)
-    return {key: credit[key] for key in ("retried_right_rollouts", "wrong_answer_advantage",
-                                         "right_answer_advantage", "ratio")}
+    return {key: value for key, value in answer_credit(run_dir).items() if key != "run"}
 
 
 def environment_digest(factory: str) -> str:

@@ -42,9 +42,8 @@ def graded_answers(sequence: dict, decode: Callable[[list[int]], str]
     """Each answer among a kept sequence's trained tokens whose verdict its
     tokens hold: whether it was right, and the advantages of its tokens."""
     tokens = sequence["tokens"]
-    trainable = set(sequence["trainable"])
     advantage = dict(zip(sequence["trainable"], sequence["advantage"], strict=True))
-    for start, end in sampled_runs([position in trainable for position in range(len(tokens))]):
+    for start, end in sampled_runs([position in advantage for position in range(len(tokens))]):
         if not decode(tokens[start:end]).lstrip().lower().startswith("answer"):
             continue
         verdict = VERDICT.search(decode(tokens[end:end + VERDICT_WITHIN]).lower())
