@@ -117,8 +117,8 @@ RETRIES_VARIANTS = ["full", "advantage=independent", "advantage=grpo",
 PAPER_LAMBDA = ["--learner.lam_mode", "adaptive", "--learner.lam_alpha", "1.5",
                 "--learner.gamma", "1"]
 #: Every table's ``full`` is PPO with cross-trajectory GAE, each task played
-#: once, as the tables were measured (the local default has since become
-#: GRPO, the ``advantage=grpo`` variant, on their evidence).
+#: once, as the tables were measured (pinned: the local default trained GRPO
+#: between the equal tables and the unequal one).
 CROSS = ["--learner.advantage", "cross", "--actors.group_size", "1"]
 #: Recipe name -> configuration overrides (over the local default) of every
 #: variant. "paper": the length-adaptive lambda of the paper (gamma = 1,

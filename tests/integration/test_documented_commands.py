@@ -407,17 +407,34 @@ def check_up_trains_the_paper_recipe(check: Check) -> None:
         "cross", "adaptive", 1)
 
 
-def check_up_trains_the_size_range_recipe(check: Check) -> None:
-    """The recipe's sizes, and a base it names that the checkout keeps, made
-    for exactly these settings (so ``up`` restores it instead of bootstrapping)."""
+def assert_restores_its_kept_base(config: JobConfig) -> None:
+    """A recipe's base is one the checkout keeps, made for exactly its
+    settings (so ``up`` restores it instead of bootstrapping)."""
     from starting_points.keyvault_bootstrap import KEPT_BASES, differences
 
+    kept = KEPT_BASES[config.run.model]
+    assert differences(kept.folder, config.actors, config.bootstrap) == []
+
+
+def check_up_trains_the_size_range_recipe(check: Check) -> None:
+    """The recipe's sizes, from the kept base made for it."""
     args, config = cli(check.argv())
     assert args.command == "up"
     options = config.actors.environment.options
     assert (options["rooms"], options["distractor_words"]) == ([6, 20], [2, 8])
-    kept = KEPT_BASES[config.run.model]
-    assert differences(kept.folder, config.actors, config.bootstrap) == []
+    # GRPO, as the seeds of docs/horizons-runs.json were trained
+    assert (config.learner.advantage, config.actors.group_size) == ("grpo", 4)
+    assert_restores_its_kept_base(config)
+
+
+def check_up_trains_the_unequal_tables_full(check: Check) -> None:
+    """Keyvault with retries and the paper's recipe (the unequal table's
+    ``full``, tests/unit/test_results_doc.py), from the kept base made for it."""
+    args, config = cli(check.argv())
+    assert args.command == "up"
+    assert config.actors.environment.options["retries"] == 2
+    assert (config.learner.advantage, config.learner.lam_mode) == ("cross", "adaptive")
+    assert_restores_its_kept_base(config)
 
 
 def check_up_with_my_toml(check: Check) -> None:
@@ -528,6 +545,10 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     "compactionrl up --config deploy/configs/paper-recipe.toml": Offline(
         "trains a whole run (minutes); here: the arguments parse and configure the "
         "paper's recipe over the local default", check_up_trains_the_paper_recipe),
+    "compactionrl up --config deploy/configs/retries.toml": Offline(
+        "trains a whole run (15 to 22 minutes of `up`); here: the arguments parse and "
+        "configure the unequal-compaction table's recipe, from the kept base made for it",
+        check_up_trains_the_unequal_tables_full),
     "compactionrl up --config deploy/configs/size-range.toml": Offline(
         "trains a whole run (7.4 to 8.3 minutes); here: the arguments parse and configure "
         "the size-range recipe over the local default, from the kept base made for it",
@@ -713,7 +734,7 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe paper": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
-    "python bench/ablations.py --json --recipe retries --seeds 2": RunAsWritten(
+    "python bench/ablations.py --json --recipe retries": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe blind-critic --variants "
     "full,advantage=independent,advantage=grpo": RunAsWritten(BENCH_DRY_RUN, ("commands",)),

@@ -196,14 +196,36 @@ def test_the_blind_critic_stays_at_its_zero_values_over_more_steps_than_a_table_
         assert critic(torch.randn(256, 128)).abs().max() < 1e-3
 
 
-def test_the_paper_recipe_file_is_the_recipe_its_table_measured(ablations) -> None:
+@pytest.mark.parametrize("config_file, recipe", [("paper-recipe.toml", "paper"),
+                                                 ("retries.toml", "retries")])
+def test_a_recipe_file_trains_what_its_table_measured_as_full(
+        ablations, config_file: str, recipe: str) -> None:
     """``--config deploy/configs/paper-recipe.toml`` (the README's one switch
-    from the local default's GRPO) trains what ``--recipe paper`` measured."""
-    from_file = load_config(Path(__file__).parents[2] / "deploy/configs/paper-recipe.toml")
-    measured = load_config(None, ablations.RECIPES["paper"])
+    from the local default) and ``retries.toml`` train what their tables'
+    ``full`` measured."""
+    from_file = load_config(Path(__file__).parents[2] / "deploy" / "configs" / config_file)
+    measured = ablations.recipe_config(recipe)
     assert from_file.learner == measured.learner
     assert from_file.actors == measured.actors
     assert from_file.learner.advantage == "cross" and from_file.actors.group_size == 1
+
+
+def test_the_local_default_trains_what_won_where_compaction_is_unequal(ablations) -> None:
+    """The local default's advantage and normalisation are the unequal
+    table's ``full``: it beat GRPO and segment normalisation there, where the
+    equal regime's tables found GRPO tied at the default's budget
+    (README.md, "The local default's recipe")."""
+    import json
+
+    default = load_config()
+    full = ablations.recipe_config("retries")
+    assert (default.learner.advantage, default.learner.loss_norm, default.actors.group_size) == (
+        full.learner.advantage, full.learner.loss_norm, full.actors.group_size)
+    table = json.loads((Path(__file__).parents[2] / "docs" / "results-retries.json").read_text())
+    success = {name: entry["compacted"]["success"] for name, entry in table["variants"].items()}
+    assert success["full"] > success["advantage=grpo"]
+    assert success["full"] > success["advantage=grpo_segments"]
+    assert success["full"] > success["loss_norm=segment"]
 
 
 def test_the_unequal_compaction_table_runs_a_step_budget_and_plays_groups(ablations) -> None:
