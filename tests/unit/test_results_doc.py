@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
@@ -215,8 +216,6 @@ def test_the_local_default_trains_what_won_where_compaction_is_unequal(ablations
     table's ``full``: it beat GRPO and segment normalisation there, where the
     equal regime's tables found GRPO tied at the default's budget
     (README.md, "The local default's recipe")."""
-    import json
-
     default = load_config()
     full = ablations.recipe_config("retries")
     assert (default.learner.advantage, default.learner.loss_norm, default.actors.group_size) == (
