@@ -38,7 +38,7 @@ from actors.context import Generation
 from protocol import NO_COMPLETE_VERSION, GroupInfo, WeightManifest
 from protocol.environment import environment
 from protocol.transport import CurveConfig
-from protocol.weights_collective import weight_member_environment
+from protocol.weights_collective import start_environments
 
 
 def quiet_vllm_logging() -> None:
@@ -233,7 +233,8 @@ def executor_backend(config: EngineConfig, on_cpu: bool) -> Any:
     return UniProcExecutor
 
 
-def engine_environment(config: EngineConfig, on_cpu: bool) -> dict[str, str | None]:
+def engine_environment(config: EngineConfig, on_cpu: bool,
+                       weight_timeout_s: float | None = None) -> dict[str, str | None]:
     """The environment vLLM's engine reads as it starts, on top of the
     caller's (None: unset): where its ipc socket files go
     (``VLLM_RPC_BASE_PATH``, :func:`vllm_socket_folder`; an explicit setting
@@ -245,9 +246,11 @@ def engine_environment(config: EngineConfig, on_cpu: bool) -> dict[str, str | No
     compiles nothing (``TORCH_COMPILE_DISABLE``: vLLM still compiles a few
     sampler helpers with inductor, a C++ build and a loader process per
     kernel, about 3 s of each start here, for the same tokens); explicit
-    settings of those two win. Then what a process that may join an NCCL
-    weight group starts with (the engine's worker joins it:
-    :func:`protocol.weights_collective.weight_member_environment`), and
+    settings of those two win. Then, for an engine that takes weight
+    updates (``weight_timeout_s``: the run's ``learner.weight_timeout_s``;
+    None: it never joins a weight group), what a process that may join an
+    NCCL weight group starts with (the engine's worker joins it:
+    :func:`protocol.weights_collective.start_environments`), and
     :func:`engine_process_env`'s."""
     changes: dict[str, str | None] = {}
     chosen = os.environ.get("VLLM_RPC_BASE_PATH")
@@ -261,7 +264,9 @@ def engine_environment(config: EngineConfig, on_cpu: bool) -> dict[str, str | No
             changes["OMP_WAIT_POLICY"] = "PASSIVE"
         if config.eager(on_gpu=False) and "TORCH_COMPILE_DISABLE" not in os.environ:
             changes["TORCH_COMPILE_DISABLE"] = "1"
-    return changes | weight_member_environment() | engine_process_env(config, on_cpu)
+    if weight_timeout_s is not None:
+        changes |= start_environments(weight_timeout_s).engine
+    return changes | engine_process_env(config, on_cpu)
 
 
 def engine_process_env(config: EngineConfig, on_cpu: bool) -> dict[str, str]:
@@ -282,7 +287,8 @@ def engine_process_env(config: EngineConfig, on_cpu: bool) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def engine_process_started(config: EngineConfig) -> Iterator[None]:
+def engine_process_started(config: EngineConfig,
+                           weight_timeout_s: float | None = None) -> Iterator[None]:
     """Around the call that starts vLLM's engine (``AsyncLLM``, ``LLM``):
     :func:`engine_environment` set while the engine builds its
     configuration and spawns its engine-core process (which inherits it),
@@ -290,7 +296,7 @@ def engine_process_started(config: EngineConfig) -> Iterator[None]:
     settings enter the environment, at that process's start."""
     from vllm.platforms import current_platform
 
-    with environment(engine_environment(config, current_platform.is_cpu())):
+    with environment(engine_environment(config, current_platform.is_cpu(), weight_timeout_s)):
         yield
 
 
@@ -338,11 +344,12 @@ class Engine:
 
     @classmethod
     async def start(cls, model: str, config: EngineConfig, sampling: SamplingConfig,
-                    seed_offset: int = 0, weight_transfer: bool = False) -> Engine:
+                    seed_offset: int = 0, weight_timeout_s: float | None = None) -> Engine:
         """Start the engine on a local HF-format model folder (actors never
         download: a missing folder is an error here, not a hub lookup). With
-        ``weight_transfer`` the engine accepts live weight updates over the
-        project's gloo transfer engine (:mod:`actors.weight_transfer`)."""
+        ``weight_timeout_s`` (the run's ``learner.weight_timeout_s``) the
+        engine accepts live weight updates over the project's transfer engine
+        (:mod:`actors.weight_transfer`), its process started for that deadline."""
         require_model_folder(model)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -350,8 +357,9 @@ class Engine:
         from actors.weight_transfer import BACKEND
 
         # registered in this process too: vLLM checks the backend name here
-        extra = {"weight_transfer_config": {"backend": BACKEND}} if weight_transfer else {}
-        with engine_process_started(config):
+        extra = ({"weight_transfer_config": {"backend": BACKEND}}
+                 if weight_timeout_s is not None else {})
+        with engine_process_started(config, weight_timeout_s):
             args = AsyncEngineArgs(**engine_kwargs(model, config, seed_offset), **extra)
             llm = AsyncLLM.from_engine_args(args)
         return cls(llm, sampling, model, config)

@@ -72,6 +72,7 @@ from ops.metrics import Health, MetricsServer, PortInUse, port_in_use
 from protocol import EngineInfo, Heartbeat, ProtocolError
 from protocol.endpoint import ClientEndpoint
 from protocol.transport import TransportConfig, advertised_address, connect_dealer
+from protocol.weights import GROUP_TIMEOUT_S
 
 log = logging.getLogger("compactionrl.actor")
 
@@ -102,6 +103,9 @@ class ActorSettings:
     run_seed: int = 0
     index: int = 0
     """Position among the actors of a launcher (offsets the metrics port and engine seed)."""
+    weight_timeout_s: float = GROUP_TIMEOUT_S
+    """The run's ``learner.weight_timeout_s``: the engine's process starts
+    with what its weight group's deadlines need (torch reads it once)."""
 
     @property
     def metrics_port(self) -> int:
@@ -121,7 +125,9 @@ async def run_actor(settings: ActorSettings) -> int:
         raise PortInUse(settings.metrics_port, settings.transport.metrics_address)
     engine = await Engine.start(settings.model, config.engine, config.sampling,
                                 seed_offset=settings.index,
-                                weight_transfer=settings.learner_address is not None)
+                                weight_timeout_s=(settings.weight_timeout_s
+                                                  if settings.learner_address is not None
+                                                  else None))
     kv_tokens = engine.kv_tokens()
     if shortfall := config.kv_shortfall(kv_tokens):
         log.warning("%s", shortfall)

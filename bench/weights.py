@@ -61,7 +61,13 @@ from _options import BenchmarkParser  # bench/_options.py
 from actors.config import EngineConfig, SamplingConfig
 from actors.engine import Engine, LoadTimes, quiet_vllm_logging
 from protocol import GroupInfo, WeightManifest
-from protocol.weights import WeightChannel, connect_store, host_store, manifest_of
+from protocol.weights import (
+    GROUP_TIMEOUT_S,
+    WeightChannel,
+    connect_store,
+    host_store,
+    manifest_of,
+)
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import WeightGroup
 from starting_points.tiny_model import TinyModelConfig, build_tiny_model
@@ -408,7 +414,8 @@ async def main(args: argparse.Namespace) -> dict:
                 nbytes / sum(t.numel() * t.element_size() for _, t in tensors), 3)
             flat = [("flat", torch.zeros(nbytes, dtype=torch.uint8))]
             engines = [await Engine.start(str(model), EngineConfig(dtype=ENGINE_DTYPES[label]),
-                                          SamplingConfig(), seed_offset=i, weight_transfer=True)
+                                          SamplingConfig(), seed_offset=i,
+                                          weight_timeout_s=GROUP_TIMEOUT_S)
                        for i in range(max(args.engines))]
             try:
                 for n in args.engines:

@@ -153,7 +153,7 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
         learner_address=None if args.no_learner else (args.learner
                                                       or config.learner.control_address),
         actor=config.actors, transport=config.transport, run_seed=config.run.seed,
-        index=args.index)
+        index=args.index, weight_timeout_s=config.learner.weight_timeout_s)
     open_timeline(config.run_dir(), f"actor-{settings.actor_id}")
     try:
         return asyncio.run(run_actor(settings))
@@ -197,7 +197,7 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from learner.checkpoint import CheckpointNotFound, select_checkpoint
     from learner.settings import LearnerSettings
-    from protocol.weights_collective import weight_member_environment
+    from protocol.weights_collective import start_environments
 
     config = load_config(args.config, overrides)
     run_dir = config.run_dir()
@@ -225,7 +225,7 @@ def _cmd_learner(args: argparse.Namespace, overrides: list[str]) -> int:
     # what rank 0's weight group needs from the start (torchrun passes the
     # error handling on instead of its own default)
     os.execve(command[0], command,
-              {**os.environ, **weight_member_environment(config.learner.weight_timeout_s)})
+              {**os.environ, **start_environments(config.learner.weight_timeout_s).learner})
 
 
 def torchrun_args(learner: LearnerConfig) -> list[str]:

@@ -55,6 +55,7 @@ from learner.models import engine_parameters
 from protocol import GroupInfo, WeightManifest
 from protocol.transport import TransportConfig, listen_address
 from protocol.weights import (
+    WIRE_FLOAT_DTYPES,
     TransferFailed,
     WeightChannel,
     abandon_generation,
@@ -63,6 +64,7 @@ from protocol.weights import (
     member_ranks,
 )
 from protocol.weights_backends import join_channel
+from protocol.weights_collective import member_timeout_s
 
 log = logging.getLogger("compactionrl.learner.publisher")
 
@@ -87,10 +89,11 @@ def weight_backend(configured: str, learner_backend: str) -> str:
 def wire_dtype(engine_dtype: str, trained: torch.dtype) -> torch.dtype:
     """The dtype floating-point weights travel in to an engine that runs
     ``engine_dtype`` (as it reports it: ``bfloat16``, ``float16``,
-    ``float32``); an engine that names none (``auto``, an older actor) gets the
-    learner's own."""
+    ``float32``); an engine that names none (``auto``, an older actor) or one
+    weights do not travel in gets the learner's own, so that a publication
+    has at most :data:`protocol.weights_collective.MAX_LANES` lanes."""
     dtype = getattr(torch, engine_dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else trained
+    return dtype if dtype in WIRE_FLOAT_DTYPES else trained
 
 
 @dataclass
@@ -106,21 +109,6 @@ class Lane:
     group: WeightChannel | None = None
 
 
-def member_timeout_s(weight_timeout_s: float, lanes: int) -> float:
-    """A member's bound on joining its lane's generation and on each of its
-    broadcasts. Rank 0 serves every lane from one thread, one bucket at a
-    time across them: a lane whose member stalls holds the others back for up
-    to ``weight_timeout_s`` (rank 0's own bound, then the lane is failed and
-    skipped), and so on for each such lane. A member of a healthy lane
-    waits through all of them without failing itself."""
-    return weight_timeout_s * max(1, lanes)
-
-
-#: The dtypes a gather may travel in, by index: rank 0 tells the other ranks
-#: which one with a single integer.
-GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 def gather_dtype(wire_dtypes: list[torch.dtype], trained: torch.dtype) -> torch.dtype:
     """What floating-point shards are cast to before they are gathered: the
     wire dtype of every lane where they share one (a cast commutes with the
@@ -129,7 +117,7 @@ def gather_dtype(wire_dtypes: list[torch.dtype], trained: torch.dtype) -> torch.
     or one this gather does not carry) the trained dtype, which each lane
     converts from."""
     distinct = set(wire_dtypes)
-    if len(distinct) == 1 and (shared := distinct.pop()) in GATHER_DTYPES:
+    if len(distinct) == 1 and (shared := distinct.pop()) in WIRE_FLOAT_DTYPES:
         return shared
     return trained
 
@@ -212,7 +200,7 @@ class WeightPublisher:
         if not self.agree(len(formed)):
             self.metrics.publications.labels("failed").inc()
             return False
-        cast = GATHER_DTYPES[self.agree(GATHER_DTYPES.index(
+        cast = WIRE_FLOAT_DTYPES[self.agree(WIRE_FLOAT_DTYPES.index(
             gather_dtype([lane.dtype for lane in formed], self.trained_dtype)))]
         self._gather_seconds = 0.0
         gathered = self._gathered(cast)

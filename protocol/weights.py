@@ -78,6 +78,10 @@ BUCKET_ALIGN_BYTES = 16
 #: died makes the others fail after this long instead of hanging.
 GROUP_TIMEOUT_S = 30.0
 
+#: The floating-point dtypes weights may travel in (a manifest's wire
+#: dtypes), by index: learner ranks agree on one with a single integer.
+WIRE_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 #: How often a member waiting on a broadcast asks the store whether rank 0
 #: abandoned the generation (a broadcast that completes sooner never asks).
@@ -390,7 +394,15 @@ def received_ahead(tensors: Iterator[tuple[str, torch.Tensor]], ahead: int
     try:
         while (item := queue.get()) is not end:
             if isinstance(item, BaseException):
-                raise item
+                try:
+                    raise item
+                finally:
+                    # The raised exception's traceback holds this frame: were
+                    # the frame to hold the exception too, the pair (and the
+                    # receiving frames' buckets the traceback keeps) would
+                    # wait for a full collection instead of going with the
+                    # consumer's last reference.
+                    item = None
             name, tensor = item
             yield name, hand_over(tensor)
     finally:
@@ -398,13 +410,30 @@ def received_ahead(tensors: Iterator[tuple[str, torch.Tensor]], ahead: int
         thread.join()
 
 
+def detached(exc: BaseException) -> BaseException:
+    """``exc`` with no traceback along its chain of causes and contexts:
+    what a failed publication keeps of its failure. A stored traceback keeps
+    every frame it passed through alive, among them the one that packed or
+    waited on the bucket (and, through the frame that stored it, the keeper
+    itself, a cycle only a full collection frees)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
+
+
 class BucketSender:
     """One publication into one channel, fed tensor by tensor in manifest order.
 
     Each tensor is converted to its wire dtype as it is packed (once per
     channel); a bucket is sent when its last tensor arrives, so at most one
-    bucket is held. After a failure it ignores the rest (``error`` says why),
-    so that the caller can go on feeding the other channels."""
+    bucket is held. After a failure it ignores the rest (``error`` says why,
+    without its traceback) and holds no bucket, so that the caller can go on
+    feeding the other channels and a failed lane costs no memory until the
+    publication ends."""
 
     def __init__(self, channel: WeightChannel, manifest: WeightManifest) -> None:
         self.channel = channel
@@ -438,7 +467,8 @@ class BucketSender:
                     self.channel._send_bucket(self._flat)
                     self._flat = None
         except TransferFailed as exc:
-            self.error = exc
+            self._flat = None
+            self.error = detached(exc)
             return
         if index == indices[-1]:
             self._bucket += 1
@@ -450,8 +480,10 @@ class BucketSender:
             try:
                 self.channel._finish_send()
             except TransferFailed as exc:
-                self.error = exc
+                self.error = detached(exc)
         if self.error is not None:
-            raise self.error
+            # a new exception: raising the stored one would give it a
+            # traceback through this frame, which holds the sender that holds it
+            raise TransferFailed(str(self.error)) from self.error
         if self._bucket != len(self._cuts):
             raise ValueError(f"{len(self._cuts) - self._bucket} buckets were never filled")

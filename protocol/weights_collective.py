@@ -35,6 +35,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -44,6 +45,7 @@ from protocol.messages import TensorSpec
 from protocol.weights import (
     ABANDONED_POLL_S,
     GROUP_TIMEOUT_S,
+    WIRE_FLOAT_DTYPES,
     JoinCancelled,
     TransferFailed,
     WeightChannel,
@@ -51,8 +53,11 @@ from protocol.weights import (
 )
 from protocol.weights_store import StoreClient
 
-#: The environment variables (current and legacy name) that choose what
-#: ProcessGroupNCCL does when a collective fails or times out.
+#: The names torch reads a ProcessGroupNCCL setting under, in its order
+#: of precedence (``ProcessGroupNCCL.hpp``): ``getCvarInt`` / ``getCvarBool``
+#: (``Utils.hpp``) walk the list backwards and keep the last value found, so
+#: the first name set wins and a later one is read only where it is the
+#: only one set (torch then warns that the name is deprecated).
 NCCL_ERROR_HANDLING_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
 #: ``CleanUpOnly`` in ProcessGroupNCCL.hpp: abort the failed group's
 #: communicators and leave the process running (3, ``SkipCleanUp``, and 1,
@@ -72,12 +77,22 @@ NCCL_DUMP_WAIT_MS = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
 #: How long, in whole seconds, torch waits for a non-blocking communicator
 #: to become ready before it raises (read once per process; 1800 by default).
 NCCL_INIT_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
-#: What a process that may join an NCCL weight group must start with.
-NCCL_MEMBER_REQUIRED = {**dict.fromkeys(NCCL_ERROR_HANDLING_VARIABLES, NCCL_CLEAN_UP_ONLY),
-                        NCCL_DUMP_ON_TIMEOUT: "0"}
+#: What torch must read in a process that builds an NCCL weight group: each
+#: setting's names (in torch's order of precedence) and its value.
+NCCL_MEMBER_REQUIRED: dict[tuple[str, ...], str] = {
+    NCCL_ERROR_HANDLING_VARIABLES: NCCL_CLEAN_UP_ONLY, (NCCL_DUMP_ON_TIMEOUT,): "0"}
+#: What vLLM's GPU worker removes from its own environment in
+#: ``Worker.init_device`` (``vllm/v1/worker/gpu_worker.py``), after the
+#: engine started and before any weight group is built: nothing a weight
+#: group relies on may be set under these names alone
+#: (tests/unit/test_vllm_environment.py reads the installed worker).
+VLLM_GPU_WORKER_REMOVES = ("NCCL_ASYNC_ERROR_HANDLING",)
 #: The weight group's NCCL timeout, in multiples of the project's deadline:
 #: the watchdog acts only long after :func:`wait_within` has aborted.
 NCCL_WATCHDOG_FACTOR = 10
+#: The most lanes a publication has (learner/publisher.py ``plan_lanes``):
+#: one per floating-point dtype weights travel in.
+MAX_LANES = len(WIRE_FLOAT_DTYPES)
 
 
 def nccl_watchdog_timeout_s(deadline_s: float) -> float:
@@ -85,18 +100,37 @@ def nccl_watchdog_timeout_s(deadline_s: float) -> float:
     return NCCL_WATCHDOG_FACTOR * deadline_s
 
 
-def weight_member_environment(deadline_s: float = GROUP_TIMEOUT_S) -> dict[str, str]:
+def member_timeout_s(weight_timeout_s: float, lanes: int) -> float:
+    """A member's bound on joining its lane's generation and on each of its
+    broadcasts, when rank 0's is ``weight_timeout_s``. Rank 0 serves every
+    lane from one thread, one bucket at a time across them: a lane whose
+    member stalls holds the others back for up to ``weight_timeout_s``
+    (rank 0's own bound, then the lane is failed and skipped), and so on for
+    each such lane. A member of a healthy lane waits through all of them
+    without failing itself."""
+    return weight_timeout_s * max(1, lanes)
+
+
+def torch_reads(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The value torch takes for a setting read under ``names`` (in its
+    order of precedence) from ``environ``: the first name set (None: none is)."""
+    return next((environ[name] for name in names if name in environ), None)
+
+
+def weight_member_environment(deadline_s: float) -> dict[str, str]:
     """What a process that may join an NCCL weight group with a deadline of
     ``deadline_s`` starts with, on top of its parent's (and over any setting
     of the same names). Torch reads these as each group is built (the init
     timeout once per process), so they hold for the process's other groups
     too (the learner's training group, vLLM's world group):
 
-    - error handling ``CleanUpOnly`` (both names, so neither overrides the
-      other): a failed collective aborts its own group's communicators and
-      the process goes on. In the training group a failure then surfaces as
-      an error of the next collective the step waits for, and the learner
-      exits with it, instead of the watchdog ending the process;
+    - error handling ``CleanUpOnly``, under torch's own name, which wins over
+      the legacy one whatever that says (vLLM's GPU worker removes the legacy
+      one, :data:`VLLM_GPU_WORKER_REMOVES`): a failed collective aborts its
+      own group's communicators and the process goes on. In the training
+      group a failure then surfaces as an error of the next collective the
+      step waits for, and the learner exits with it, instead of the watchdog
+      ending the process;
     - no dump on timeout: the first group's monitor never ends the process
       for another group's failure (it still ends a process whose own
       watchdog hangs);
@@ -105,21 +139,48 @@ def weight_member_environment(deadline_s: float = GROUP_TIMEOUT_S) -> dict[str, 
     - a communicator that does not become ready within ``deadline_s`` (a
       member died between the join and the first broadcast) raises, where
       the weight group creates it (:class:`WeightGroup`)."""
-    return {**NCCL_MEMBER_REQUIRED, NCCL_DUMP_WAIT_MS: "250",
-            NCCL_INIT_TIMEOUT: str(max(1, math.ceil(deadline_s)))}
+    return {NCCL_ERROR_HANDLING_VARIABLES[0]: NCCL_CLEAN_UP_ONLY, NCCL_DUMP_ON_TIMEOUT: "0",
+            NCCL_DUMP_WAIT_MS: "250", NCCL_INIT_TIMEOUT: str(max(1, math.ceil(deadline_s)))}
+
+
+@dataclass(frozen=True)
+class StartEnvironments:
+    """What each process of a run that may join a weight group starts with,
+    on top of its parent's: the one place a run's weight deadline becomes
+    the environment torch reads once per process."""
+
+    learner: dict[str, str]
+    """Every learner rank's (``compactionrl learner`` execs torchrun with it):
+    rank 0's communicators wait ``learner.weight_timeout_s``, its own bound."""
+    engine: dict[str, str]
+    """Every actor engine's (``actors/engine.py engine_environment``): a
+    member's communicator waits what a member may be announced
+    (:func:`member_timeout_s` at :data:`MAX_LANES`), since rank 0 may reach
+    its lane only after the other lanes failed."""
+
+
+def start_environments(weight_timeout_s: float) -> StartEnvironments:
+    """The environments a run whose ``learner.weight_timeout_s`` is
+    ``weight_timeout_s`` starts its processes with."""
+    return StartEnvironments(
+        learner=weight_member_environment(weight_timeout_s),
+        engine=weight_member_environment(member_timeout_s(weight_timeout_s, MAX_LANES)))
 
 
 def nccl_environment_problem(environ: Mapping[str, str]) -> str | None:
-    """Why a process started with ``environ`` must not build an NCCL weight
-    group (None: it may): a member's death would end it, now or minutes
-    later."""
-    wrong = {name: environ.get(name) for name, value in NCCL_MEMBER_REQUIRED.items()
-             if environ.get(name) != value}
+    """Why a process whose environment is now ``environ`` must not build an
+    NCCL weight group (None: it may): torch would read a setting under
+    which a member's death ends the process, now or minutes later. Asked
+    where the group is built, after the engine's own start-up changed what
+    it started with."""
+    wrong = {names[0]: torch_reads(environ, names) for names, value in NCCL_MEMBER_REQUIRED.items()
+             if torch_reads(environ, names) != value}
     if not wrong:
         return None
-    return (f"this process started with {wrong}, not {NCCL_MEMBER_REQUIRED}: a weight "
-            "group's failure could end it (docs/weights.md \"NCCL error handling\"); start it "
-            "through `compactionrl learner` / `compactionrl actor`")
+    wanted = {names[0]: value for names, value in NCCL_MEMBER_REQUIRED.items()}
+    return (f"torch reads {wrong} here, not {wanted}: a weight group's failure could end this "
+            "process (docs/weights.md \"NCCL error handling\"); start it through "
+            "`compactionrl learner` / `compactionrl actor`")
 
 
 #: Aborted groups kept referenced (:func:`retire`), each with when it may go:

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from protocol.transport import CurveConfig, generate_keys
+from protocol.weights import GROUP_TIMEOUT_S
 from tests.ports import xdist_share
 
 T = TypeVar("T")
@@ -278,7 +279,7 @@ def live_engine(tiny_model_dir: Path, engine_loop: LoopThread):
 
     quiet_vllm_logging()
     engine = engine_loop.run(Engine.start(str(tiny_model_dir), EngineConfig(dtype="float32"),
-                                          ActorConfig().sampling, weight_transfer=True))
+                                          ActorConfig().sampling, weight_timeout_s=GROUP_TIMEOUT_S))
     yield engine
     engine_loop.run(engine.shutdown())
 

@@ -22,7 +22,7 @@ from actors.engine import Engine
 from deploy.model_check import reference_logprobs
 from deploy.sample import FLOAT32_LOGPROB_TOLERANCE
 from protocol import NO_COMPLETE_VERSION
-from protocol.weights import manifest_of
+from protocol.weights import GROUP_TIMEOUT_S, manifest_of
 from tests.weight_sender import PROMPTS, WeightSender
 
 pytestmark = pytest.mark.slow
@@ -168,7 +168,7 @@ def test_a_tensor_parallel_engine_receives_on_a_rank_per_worker(
     core = min(os.sched_getaffinity(0))
     config = EngineConfig(dtype="float32", tensor_parallel=2, cpu_threads_bind=f"{core}|{core}")
     live = engine_loop.run(Engine.start(str(tiny_model_dir), config, ActorConfig().sampling,
-                                        weight_transfer=True))
+                                        weight_timeout_s=GROUP_TIMEOUT_S))
     try:
         before = [engine_loop.run(_greedy(live, p)) for p in PROMPTS]
         learner = WeightSender(workers=2)
