@@ -12,9 +12,11 @@ from __future__ import annotations
 import gc
 import math
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,14 +27,21 @@ from protocol.weights import JOIN_POLL_S, WeightChannel, connect_store, host_sto
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
     GLOO_RELEASE_GRACE_S,
+    MAX_LANES,
     NCCL_CLEAN_UP_ONLY,
     NCCL_DUMP_ON_TIMEOUT,
     NCCL_ERROR_HANDLING_VARIABLES,
+    NCCL_INIT_TIMEOUT,
+    NCCL_MEMBER_REQUIRED,
+    VLLM_GPU_WORKER_REMOVES,
+    member_timeout_s,
     nccl_environment_problem,
     nccl_watchdog_timeout_s,
     release,
     releases_on_abort,
     retire,
+    start_environments,
+    torch_reads,
     wait_within,
     weight_member_environment,
 )
@@ -57,24 +66,85 @@ def test_nccl_s_watchdog_acts_only_long_after_the_project_s_deadline() -> None:
 
 
 def test_a_weight_member_starts_with_clean_up_only_error_handling_and_no_dump_on_timeout() -> None:
-    started = weight_member_environment()
-    assert [started[name] for name in NCCL_ERROR_HANDLING_VARIABLES] == [NCCL_CLEAN_UP_ONLY] * 2
+    started = weight_member_environment(30.0)
+    assert torch_reads(started, NCCL_ERROR_HANDLING_VARIABLES) == NCCL_CLEAN_UP_ONLY
     assert started[NCCL_DUMP_ON_TIMEOUT] == "0"
     assert nccl_environment_problem({**os.environ, **started}) is None
 
 
+def test_torch_takes_a_setting_from_the_first_of_its_names_that_is_set() -> None:
+    names = NCCL_ERROR_HANDLING_VARIABLES
+    assert torch_reads({names[1]: "1"}, names) == "1"  # the legacy name, alone
+    assert torch_reads({names[1]: "1", names[0]: "2"}, names) == "2"
+    assert torch_reads({}, names) is None
+
+
+@pytest.mark.parametrize("parent", [
+    {},
+    {"NCCL_ASYNC_ERROR_HANDLING": "1"},  # set by Ray; torch reads the current name first
+    {"NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+])
+def test_an_engine_may_build_the_group_after_vllm_s_gpu_worker_removed_what_it_removes(
+        parent: dict[str, str]) -> None:
+    """vLLM's GPU worker removes ``NCCL_ASYNC_ERROR_HANDLING`` as it starts
+    (tests/unit/test_vllm_environment.py pins the name to its source): what
+    an engine started with must hold without it."""
+    environ = {**parent, **start_environments(30.0).engine}
+    for name in VLLM_GPU_WORKER_REMOVES:
+        environ.pop(name, None)
+    assert nccl_environment_problem(environ) is None
+
+
 @pytest.mark.parametrize("changed", [
     # torch's defaults: a timeout arms the process-wide dump, and the first group's abort
-    dict.fromkeys(weight_member_environment()),
+    dict.fromkeys(weight_member_environment(30.0)),
     {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},  # torchrun's default for its ranks
+    {"TORCH_NCCL_ASYNC_ERROR_HANDLING": None, "NCCL_ASYNC_ERROR_HANDLING": "3"},
     {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"},
 ])
 def test_an_nccl_weight_group_refuses_to_form_in_a_process_a_member_s_death_could_end(
         changed: dict[str, str | None]) -> None:
-    started = {name: value for name, value in {**weight_member_environment(), **changed}.items()
+    started = {name: value for name, value in {**weight_member_environment(30.0),
+                                                **changed}.items()
                if value is not None}
     problem = nccl_environment_problem(started)
     assert problem is not None and "compactionrl learner" in problem
+
+
+def test_each_process_starts_with_the_run_s_weight_deadline() -> None:
+    """The learner's ranks wait their own deadline for a communicator; an
+    engine waits what it may be announced, rank 0 reaching its lane after
+    every other lane failed (120 s: the k8s run)."""
+    started = start_environments(120.0)
+    assert started.learner[NCCL_INIT_TIMEOUT] == "120"
+    assert int(started.engine[NCCL_INIT_TIMEOUT]) >= member_timeout_s(120.0, MAX_LANES)
+    assert int(start_environments(0.2).learner[NCCL_INIT_TIMEOUT]) >= 1  # whole seconds
+
+
+def _torch_c10d_header(name: str) -> str:
+    return (Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d" / name).read_text()
+
+
+@pytest.mark.parametrize("names", list(NCCL_MEMBER_REQUIRED))
+def test_the_names_torch_reads_each_setting_under_are_torch_s_own(names: tuple[str, ...]) -> None:
+    """The installed torch's list for the setting, in its order."""
+    declared = re.search(rf"std::vector<std::string> {names[0]} = \{{([^}}]*)\}}",
+                         _torch_c10d_header("ProcessGroupNCCL.hpp"))
+    assert declared is not None, f"ProcessGroupNCCL.hpp no longer declares {names[0]}"
+    assert tuple(re.findall(r'"(\w+)"', declared.group(1))) == names
+
+
+@pytest.mark.parametrize("reader", ["getCvarInt", "getCvarBool"])
+def test_torch_keeps_the_first_name_set_of_a_setting(reader: str) -> None:
+    """``torch_reads``'s rule, in the installed torch's ``Utils.hpp``: the
+    names are walked from the last to the first, each one set overwriting
+    the value, so the first name set is the one that stays."""
+    utils = _torch_c10d_header("Utils.hpp")
+    body = utils[utils.index(f"inline {'int' if reader == 'getCvarInt' else 'bool'} {reader}("):]
+    body = body[:body.index("\n}\n")]
+    assert re.search(r"for \(ssize_t i = static_cast<ssize_t>\(env\.size\(\)\) - 1; i >= 0; i--\)",
+                     body), f"{reader} no longer walks the names from the last to the first"
+    assert "ret = " in body and "return ret;" in body and "break" not in body
 
 
 def test_a_broadcast_s_deadline_counts_from_when_it_was_enqueued() -> None:

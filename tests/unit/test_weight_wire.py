@@ -10,6 +10,8 @@ import dataclasses
 import multiprocessing
 import threading
 import time
+import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,7 +19,6 @@ import torch
 from learner.members import Member
 from learner.publisher import (
     gather_dtype,
-    member_timeout_s,
     plan_lanes,
     reason_to_give_up,
     weight_backend,
@@ -26,6 +27,7 @@ from learner.publisher import (
 from protocol import EngineInfo, WeightManifest
 from protocol.weights import (
     TransferFailed,
+    WeightChannel,
     abandon_generation,
     connect_store,
     host_store,
@@ -36,6 +38,8 @@ from protocol.weights import (
     worker_rank,
 )
 from protocol.weights_backends import join_channel
+from protocol.weights_collective import MAX_LANES, member_timeout_s
+from tests.collector import collector_disabled, python_holders
 from tests.ports import free_ports
 
 #: The tests whose members are processes joining groups (~25 s in all) are
@@ -217,23 +221,115 @@ def test_a_member_stops_joining_once_the_sender_abandons_the_generation(backend:
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_a_member_that_stalls_fails_the_sender_within_its_timeout(backend: str) -> None:
     """The member joins, then never takes a bucket: the sender's publication
-    raises TransferFailed after its timeout instead of hanging."""
+    raises TransferFailed after its timeout instead of hanging, and (on
+    gloo, whose buckets are the sender's own: ipc stages them in buffers it
+    reuses) nothing of Python's keeps the failed bucket alive: gloo's
+    pending operation holds it until the retired group's own timeout
+    (protocol/weights_collective.py ``retire``), NCCL's not past the abort."""
     [port] = free_ports(1)
     store = host_store(port, timeout_s=60)
-    big = [("w", torch.zeros(4 << 20))]  # 16 MB: more than any socket buffer holds
+    # 16 MB: more than any socket buffer holds, in one bucket of two tensors
+    big = [("w", torch.zeros(2 << 20)), ("v", torch.zeros(2 << 20))]
     process, _ = _start_member(port, backend, None, 60)
     try:
         # the join waits for the member's process to start (seconds of imports
         # on a busy machine); the deadline under test is the publication's
         sender = join_channel(store, 1, 2, 0, backend, 60)
         sender.timeout_s = 2.0
+        buckets = _recording_buckets(sender)
         began = time.monotonic()
-        with pytest.raises(TransferFailed):
-            sender.send(manifest_of(big, 0), (t for _, t in big))
+        with collector_disabled(), pytest.raises(TransferFailed):
+            sender.send(manifest_of(big, 32 << 20), (t for _, t in big))
         assert time.monotonic() - began < 10
+        assert len(buckets) == 1
+        if backend == "gloo" and (bucket := buckets[0]()) is not None:
+            assert not python_holders(bucket), "a failed publication still holds its bucket"
     finally:
         process.kill()
         process.join(timeout=30)
+
+
+def _recording_buckets(channel: WeightChannel) -> list[weakref.ref]:
+    """Weak references to each bucket ``channel`` packs from now on."""
+    made: list[weakref.ref] = []
+    allocate = channel._bucket_buffer
+
+    def recorded(nbytes: int) -> torch.Tensor:
+        flat = allocate(nbytes)
+        made.append(weakref.ref(flat))
+        return flat
+
+    channel._bucket_buffer = recorded
+    return made
+
+
+class FailingChannel(WeightChannel):
+    """A channel whose second bucket fails the way a broadcast does: the
+    failure is raised, with a cause, from a frame that holds the bucket."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def _send_bucket(self, flat: torch.Tensor) -> None:
+        self.sent += 1
+        if self.sent == 2:
+            in_flight = flat  # noqa: F841 - the frame holds it, as a pending broadcast's does
+            try:
+                raise RuntimeError("connection reset by peer")
+            except RuntimeError as exc:
+                raise TransferFailed("generation 1: connection reset by peer") from exc
+
+    def _receive_bucket(self, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        pass
+
+
+def test_a_failed_publication_holds_no_bucket_without_the_collector() -> None:
+    """Rank 0 may fail publications again and again under churn: once a
+    lane failed, its sender keeps neither the bucket nor a traceback whose
+    frames hold one (a cycle through the sender only a full collection
+    frees), while the publication goes on to the other lanes."""
+    tensors = [(f"t{i}", torch.full((1 << 16,), float(i))) for i in range(6)]
+    manifest = manifest_of(tensors, 2 * (1 << 18))  # two tensors a bucket
+    channel = FailingChannel()
+    buckets = _recording_buckets(channel)
+    with collector_disabled():
+        sender = channel.sender(manifest)
+        for index, (_, tensor) in enumerate(tensors):
+            sender.add(index, tensor)
+        assert sender.error is not None and channel.sent == 2
+        assert len(buckets) == 2 and all(bucket() is None for bucket in buckets)
+        with pytest.raises(TransferFailed, match="connection reset") as raised:
+            sender.finish()
+        assert raised.value.__cause__ is sender.error
+        del raised
+        assert all(bucket() is None for bucket in buckets)
+
+
+def test_a_receiving_failure_holds_no_bucket_once_the_consumer_drops_it() -> None:
+    """The engine's loader catches the failure of a tensor received ahead
+    and goes on to the next generation: nothing but the exception it
+    dropped held the bucket the receiving frames had."""
+    received: list[weakref.ref] = []
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        flat = torch.zeros(1 << 20, dtype=torch.uint8)
+        received.append(weakref.ref(flat))
+        yield "t0", flat[:16]
+        raise TransferFailed("member died")
+
+    def load() -> None:  # as vLLM's loader, the tensors it loaded going with its frame
+        for _name, _tensor in received_ahead(tensors(), 2):
+            pass
+
+    with collector_disabled():
+        with pytest.raises(TransferFailed, match="member died"):
+            load()
+        assert received and received[0]() is None
 
 
 def test_received_ahead_keeps_order_and_raises_where_the_consumer_reaches_it() -> None:
@@ -274,6 +370,16 @@ def test_the_weight_backend_follows_the_config_or_the_learner() -> None:
         weight_backend("nccl", "gloo")
     assert weight_backend("ipc", "nccl") == "ipc"  # CUDA IPC on the learner's GPU
     assert weight_backend("ipc", "gloo") == "ipc"  # shared memory on its host
+
+
+def test_a_publication_has_at_most_max_lanes_lanes_whatever_its_engines_run() -> None:
+    """An engine's communicator deadline is fixed at its start from
+    ``MAX_LANES`` (protocol/weights_collective.py ``start_environments``):
+    no fleet may plan more lanes than that."""
+    dtypes = ["float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "int8", "auto", "x"]
+    lanes = plan_lanes([_member(f"a{i}", dtype) for i, dtype in enumerate(dtypes)],
+                       torch.float32)
+    assert len(lanes) == MAX_LANES
 
 
 def test_a_lane_s_member_waits_through_every_other_lane_s_failure() -> None:
