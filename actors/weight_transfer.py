@@ -88,23 +88,37 @@ def _engine_class() -> type:
     )
 
     from protocol.transport import CurveConfig, TransportConfig
-    from protocol.weights import connect_store, worker_rank
+    from protocol.weights import WeightChannel, connect_store, worker_rank
     from protocol.weights_backends import join_channel
+    from protocol.weights_store import StoreClient
 
     class BroadcastWeightTransferEngine(WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
         init_info_cls = GroupInitInfo
         update_info_cls = ManifestUpdateInfo
         supports_draft_weight_update = False
 
+        group: WeightChannel | None = None
+        store: StoreClient | None = None
+
         def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
-            self.group = None  # leave the previous generation first
-            store = connect_store(init_info.master_addr, init_info.master_port,
-                                  init_info.timeout_s,
-                                  TransportConfig(curve=CurveConfig(**init_info.curve)))
+            self.leave()  # the previous generation first
+            self.store = connect_store(init_info.master_addr, init_info.master_port,
+                                       init_info.timeout_s,
+                                       TransportConfig(curve=CurveConfig(**init_info.curve)))
             # every worker of a tensor-parallel engine holds a rank of its own
             rank = worker_rank(init_info.rank, self.parallel_config.rank)
-            self.group = join_channel(store, init_info.generation, init_info.world_size,
+            self.group = join_channel(self.store, init_info.generation, init_info.world_size,
                                       rank, init_info.backend, init_info.timeout_s)
+
+        def leave(self) -> None:
+            """Drop the generation joined last and close its store's
+            connection: a failed NCCL generation's group is kept for the
+            process's life (protocol/weights_collective.py ``retire``), and
+            with it this store, which must not keep a socket each."""
+            self.group = None
+            if self.store is not None:
+                self.store.close()
+                self.store = None
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)
@@ -137,7 +151,7 @@ def _engine_class() -> type:
             _repack_tied_lm_head(self.model, self.model_config)
 
         def shutdown(self) -> None:
-            self.group = None
+            self.leave()
 
     return BroadcastWeightTransferEngine
 

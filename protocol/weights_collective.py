@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -188,6 +189,8 @@ def nccl_environment_problem(environ: Mapping[str, str]) -> str | None:
 RETIRED_GROUPS: list[tuple[object, float]] = []
 #: A retired gloo group goes this long after its own timeout.
 GLOO_RELEASE_GRACE_S = 5.0
+#: The most an abort holds its caller up (:func:`abort_in_background`).
+ABORT_WAIT_S = 1.0
 
 
 def retire(group: object, backend: str, timeout_s: float) -> None:
@@ -211,14 +214,48 @@ def retire(group: object, backend: str, timeout_s: float) -> None:
       generation, for the rest of that timeout (15 s of 30). Kept until
       then, and a few seconds more.
 
-    Groups whose time has come are released here, by the next failure."""
+    Groups whose time has come are released here, by the next failure, or
+    when they are counted (:func:`retired_groups`)."""
+    retired_groups()  # releases those whose time has come
     now = time.monotonic()
-    RETIRED_GROUPS[:] = [(kept, until) for kept, until in RETIRED_GROUPS if until > now]
     if not any(kept is group for kept, _ in RETIRED_GROUPS):
         if backend == "nccl":
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
         until = math.inf if backend == "nccl" else now + timeout_s + GLOO_RELEASE_GRACE_S
         RETIRED_GROUPS.append((group, until))
+
+
+def retired_groups() -> int:
+    """How many aborted groups this process holds (:func:`retire`), once
+    those whose time has come are released: every NCCL group that ever
+    failed here, for the process's life (docs/weights.md "What a failure
+    leaves behind")."""
+    now = time.monotonic()
+    RETIRED_GROUPS[:] = [(kept, until) for kept, until in RETIRED_GROUPS if until > now]
+    return len(RETIRED_GROUPS)
+
+
+def abort_in_background(group: dist.ProcessGroup, backend: str, pending: dist.Work | None,
+                        wait_s: float = ABORT_WAIT_S) -> None:
+    """Abort ``group`` and release what the broadcast ``pending`` at the
+    abort keeps (:func:`releases_on_abort`), in a thread of its own that the
+    caller waits on for ``wait_s`` at most: ``ncclCommAbort`` may stall, up
+    to the group's own timeout (:func:`nccl_watchdog_timeout_s`), and the
+    caller is learner rank 0 between two optimiser steps, or an engine's
+    worker whose loader must fail its load. A stalled abort goes on alone;
+    the group is kept either way (:func:`retire`)."""
+
+    def abort() -> None:
+        try:
+            group.abort()
+        except RuntimeError:
+            pass
+        if pending is not None and releases_on_abort(backend):
+            release(pending)
+
+    aborting = threading.Thread(target=abort, name="weights-abort", daemon=True)
+    aborting.start()
+    aborting.join(wait_s)
 
 
 def releases_on_abort(backend: str) -> bool:
@@ -351,10 +388,5 @@ class WeightGroup(WeightChannel):
 
     def abort(self) -> None:
         pending, self._pending = self._pending, None
-        try:
-            self._group.abort()
-        except RuntimeError:
-            pass
-        if pending is not None and releases_on_abort(self.backend):
-            release(pending[0])
         retire(self._group, self.backend, self.timeout_s)
+        abort_in_background(self._group, self.backend, None if pending is None else pending[0])

@@ -279,8 +279,11 @@ class StoreClient(dist.Store):
         return view
 
     def close(self) -> None:
+        """Close the connection (a view leaves it to its root): every later
+        call raises ``DistStoreError``, as a store that does not answer does."""
         if self._root is None:
-            self._socket.close(linger=0)
+            with self._lock:
+                self._socket.close(linger=0)
 
     def _call(self, op: str, *arguments: object, wait_s: float = 0.0,
               reply_s: float | None = None) -> object:
@@ -289,6 +292,9 @@ class StoreClient(dist.Store):
         it (default: ``REPLY_GRACE_S``, or the client's timeout if shorter)."""
         grace = min(REPLY_GRACE_S, self.timeout_s) if reply_s is None else reply_s
         with self._lock:
+            if self._socket.closed:  # a retired group's C++ side may still call
+                raise dist.DistStoreError(f"the weight store client of {self.address} is "
+                                          "closed (its generation was left)")
             request_id = next(self._ids)
             deadline = time.monotonic() + wait_s + grace
             late = dist.DistStoreError(f"the weight store at {self.address} did not answer "

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,11 +22,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from protocol.transport import TransportConfig
 from protocol.weights import JOIN_POLL_S, WeightChannel, connect_store, host_store
 from protocol.weights_backends import join_channel
 from protocol.weights_collective import (
+    ABORT_WAIT_S,
     GLOO_RELEASE_GRACE_S,
     MAX_LANES,
     NCCL_CLEAN_UP_ONLY,
@@ -34,12 +37,14 @@ from protocol.weights_collective import (
     NCCL_INIT_TIMEOUT,
     NCCL_MEMBER_REQUIRED,
     VLLM_GPU_WORKER_REMOVES,
+    WeightGroup,
     member_timeout_s,
     nccl_environment_problem,
     nccl_watchdog_timeout_s,
     release,
     releases_on_abort,
     retire,
+    retired_groups,
     start_environments,
     torch_reads,
     wait_within,
@@ -322,4 +327,56 @@ def test_an_abort_lets_go_of_the_pending_broadcast_and_releases_it_where_the_bac
         del sender, member
     finally:
         clients[1].close()
+        store.close()
+
+
+class StalledAbort:
+    """A group whose abort stalls, as ``ncclCommAbort`` may, up to the
+    group's own timeout (ten times the deadline)."""
+
+    def __init__(self) -> None:
+        self.unstalled = threading.Event()
+
+    def abort(self) -> None:
+        self.unstalled.wait(60.0)
+
+
+def test_an_abort_that_stalls_holds_its_caller_up_for_at_most_the_abort_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 aborts a failed lane between two optimiser steps: the abort
+    goes on alone after ``ABORT_WAIT_S``, the group kept meanwhile."""
+    monkeypatch.setattr("protocol.weights_collective.RETIRED_GROUPS", kept := [])
+    stalled = StalledAbort()
+    channel = WeightGroup.__new__(WeightGroup)
+    channel._group, channel.backend, channel.timeout_s, channel._pending = (
+        stalled, "gloo", 1.0, None)
+    began = time.monotonic()
+    channel.abort()
+    assert time.monotonic() - began < ABORT_WAIT_S + 1.0
+    assert [group for group, _ in kept] == [stalled] and retired_groups() == 1
+    assert any(t.name == "weights-abort" for t in threading.enumerate())  # still stalled
+    stalled.unstalled.set()
+
+
+def test_retired_groups_are_counted_until_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("protocol.weights_collective.RETIRED_GROUPS", kept := [])
+    retire(object(), "gloo", -GLOO_RELEASE_GRACE_S)  # its pending operation already timed out
+    assert len(kept) == 1 and retired_groups() == 0 and not kept
+
+
+def test_a_closed_store_client_fails_each_call_as_a_store_that_does_not_answer() -> None:
+    """A retired NCCL group keeps its member's store client, closed when the
+    member leaves the generation: anything that still calls it gets the
+    error a store raises, not a socket's."""
+    store = host_store(0, timeout_s=5)
+    client = connect_store("127.0.0.1", store.port, 5)
+    try:
+        view = client.prefixed("weights/1")
+        view.set("join/1", "1")
+        client.close()
+        with pytest.raises(dist.DistStoreError, match="closed"):
+            view.set("join/1", "1")
+        with pytest.raises(dist.DistStoreError, match="closed"):
+            client.check(["join/1"])
+    finally:
         store.close()
