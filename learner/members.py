@@ -13,17 +13,41 @@ Usage::
         table.by_id[member.actor_id] = member
     table.publishable()
     table.publication_wanted(version)
-    table.delivered(members, version)   # or table.broken(members)
+    table.delivered(members, version)   # or table.broken(members), table.failed(members)
+
+A member that fails generations (it never joins, or the broadcast of a lane
+it alone holds fails) is left out of publications for a while, twice as
+long after each failure in a row, and for the rest of its incarnation after
+``MEMBER_FAILURES_ALLOWED`` of them: rank 0 waits ``learner.weight_timeout_s``
+for each of its failures, so what it costs the learner is bounded in all,
+``MEMBER_FAILURES_ALLOWED`` x the deadline per incarnation, not per
+publication (docs/weights.md "A member that never joins").
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 from protocol import NO_COMPLETE_VERSION, EngineInfo, WeightsAnnounce
+
+#: Failed generations in a row after which a member is left out for the
+#: rest of its incarnation.
+MEMBER_FAILURES_ALLOWED = 5
+#: How long a member is left out after its first failure in a row (each
+#: next one doubles it).
+EXCLUSION_BACKOFF_S = 10.0
+
+
+def exclusion_s(failures: int) -> float:
+    """How long a member is left out after its ``failures``-th failed
+    generation in a row: a backoff, then for good (inf)."""
+    if failures >= MEMBER_FAILURES_ALLOWED:
+        return math.inf
+    return EXCLUSION_BACKOFF_S * 2 ** (failures - 1)
 
 
 @dataclass
@@ -51,6 +75,12 @@ class Member:
     """When its last message arrived (``time.monotonic``)."""
     broken_at: float | None = None
     """When a broadcast to it failed midway, until it is heard from again."""
+    failures: int = 0
+    """Generations it failed in a row (:meth:`MemberTable.failed`); a
+    publication that reaches it resets them."""
+    excluded_until: float = 0.0
+    """Publications leave it out until then (``time.monotonic``; inf: for
+    the rest of its incarnation), whatever it says meanwhile."""
 
     @property
     def suspect(self) -> bool:
@@ -71,19 +101,28 @@ class MemberTable:
 
     def publishable(self) -> list[Member]:
         """The members a publication goes to, in a stable order (their
-        broadcast ranks follow it): every live member but the suspects."""
+        broadcast ranks follow it): every live member but the suspects and
+        those left out after failures."""
         with self.lock:
-            return sorted((m for m in self.by_id.values() if not m.suspect),
-                          key=lambda m: m.actor_id)
+            return sorted(self._served(), key=lambda m: m.actor_id)
+
+    def _served(self) -> list[Member]:
+        """The caller holds the lock."""
+        now = time.monotonic()
+        return [m for m in self.by_id.values() if not m.suspect and m.excluded_until <= now]
+
+    def excluded(self) -> int:
+        """How many members publications leave out now after failures."""
+        now = time.monotonic()
+        with self.lock:
+            return sum(m.excluded_until > now for m in self.by_id.values())
 
     def publication_wanted(self, version: int) -> bool:
         """Whether a member needs weights now: its weights are a mix (a load
         failed midway: its engine waits, paused), or older than the staleness
         bound (it cannot contribute), or a late joiner asks for them at once."""
         with self.lock:
-            for member in self.by_id.values():
-                if member.suspect:
-                    continue
+            for member in self._served():
                 if member.version == NO_COMPLETE_VERSION:
                     return True
                 behind = version - member.version
@@ -99,6 +138,7 @@ class MemberTable:
             for member in self.current(members):
                 member.version = max(member.version, version)
                 member.broken_at = None
+                member.failures = 0
 
     def broken(self, members: list[Member]) -> None:
         """A broadcast to ``members`` failed midway: their engines hold a mix
@@ -111,6 +151,19 @@ class MemberTable:
             for member in self.current(members):
                 member.version = NO_COMPLETE_VERSION
                 member.broken_at = now
+
+    def failed(self, members: list[Member]) -> list[Member]:
+        """A generation failed because of ``members`` (they never joined, or
+        the broadcast of a lane they alone held failed): each is left out
+        for :func:`exclusion_s` of its failures in a row. Returns those
+        left out for the rest of their incarnation by this failure."""
+        now = time.monotonic()
+        with self.lock:
+            current = self.current(members)
+            for member in current:
+                member.failures += 1
+                member.excluded_until = now + exclusion_s(member.failures)
+            return [m for m in current if m.failures == MEMBER_FAILURES_ALLOWED]
 
     def current(self, members: list[Member]) -> list[Member]:
         """The registered members of these incarnations (a lane keeps the

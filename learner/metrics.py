@@ -78,6 +78,17 @@ class LearnerMetrics:
             self.publications.labels(result)
         self.published_version = Gauge("crl_learner_published_version",
                                        "Version of the last successful publication", registry=r)
+        self.member_exclusions = Counter(
+            "crl_learner_member_exclusions",
+            "Times a member was left out of publications after a generation it made fail "
+            "(it never joined, or its lane's broadcast failed)", registry=r)
+        self.members_excluded = Gauge(
+            "crl_learner_members_excluded",
+            "Members that publications leave out now after failed generations", registry=r)
+        self.retired_weight_groups = Gauge(
+            "crl_learner_weight_groups_retired",
+            "Aborted weight groups rank 0 still holds (an NCCL one for the process's life)",
+            registry=r)
         self.members = Gauge("crl_learner_weight_members",
                              "Actors registered for weight broadcasts", registry=r)
         self.disk_free = Gauge("crl_learner_disk_free_bytes",

@@ -62,9 +62,10 @@ from protocol.weights import (
     host_store,
     manifest_of,
     member_ranks,
+    ranks_not_joined,
 )
 from protocol.weights_backends import join_channel
-from protocol.weights_collective import member_timeout_s
+from protocol.weights_collective import member_timeout_s, retired_groups
 
 log = logging.getLogger("compactionrl.learner.publisher")
 
@@ -107,6 +108,11 @@ class Lane:
     world_size: int
     generation: int = 0
     group: WeightChannel | None = None
+
+    def ranks(self, index: int) -> range:
+        """The group ranks of ``members[index]`` (one per engine worker)."""
+        return range(self.bases[index],
+                     self.bases[index] + max(1, self.members[index].engine.tensor_parallel))
 
 
 def gather_dtype(wire_dtypes: list[torch.dtype], trained: torch.dtype) -> torch.dtype:
@@ -224,11 +230,15 @@ class WeightPublisher:
                 lane.group = None
                 abandon_generation(self.store, lane.generation)
                 self.control.table.broken(lane.members)  # the next step boundary publishes again
+                if len(lane.members) == 1:  # the one member it can be put down to
+                    self._left_out(lane.members, lane.generation)
         # a broadcast has completed at every receiver when its wait returns
         seconds = self.metrics.weight_sync_seconds
         seconds.labels("gather").observe(self._gather_seconds)
         seconds.labels("broadcast").observe(time.perf_counter() - began - self._gather_seconds)
         self.control.table.delivered(reached, version)
+        self.metrics.members_excluded.set(self.control.table.excluded())
+        self.metrics.retired_weight_groups.set(retired_groups())
         if len(reached) < len(members):
             self.lane_key = ()  # the next publication forms new generations
             self.metrics.publications.labels("failed").inc()
@@ -272,11 +282,29 @@ class WeightPublisher:
                 except RuntimeError as exc:  # a member never joined
                     log.warning("group generation %d did not form: %s", lane.generation, exc)
                     lane.group = None
+                    self._left_out([member for index, member in enumerate(lane.members)
+                                    if ranks_not_joined(self.store, lane.generation,
+                                                        lane.ranks(index))], lane.generation)
                     abandon_generation(self.store, lane.generation)
         formed = [lane for lane in self.lanes if lane.group is not None]
         if len(formed) < len(self.lanes):
             self.lane_key = ()
         return formed
+
+    def _left_out(self, members: list[Member], generation: int) -> None:
+        """``members`` made ``generation`` fail: publications leave them out
+        for a while (learner/members.py ``exclusion_s``), for good after
+        too many failures in a row."""
+        if not members:
+            return
+        for_good = self.control.table.failed(members)
+        self.metrics.member_exclusions.inc(len(members))
+        log.warning("generation %d failed because of %s: left out of publications for a "
+                    "while", generation, ", ".join(m.actor_id for m in members))
+        for member in for_good:
+            log.error("%s (incarnation %d) failed %d generations in a row: left out of "
+                      "publications until it restarts", member.actor_id, member.incarnation,
+                      member.failures)
 
     def _give_up(self, lane: Lane) -> str | None:
         return reason_to_give_up(lane, self.control.members(), self.stopping())

@@ -189,6 +189,24 @@ def generation_store(store: StoreClient, generation: int) -> StoreClient:
     return store.prefixed(f"weights/{generation}")
 
 
+def join_key(rank: int) -> str:
+    """The key ``rank`` sets in its generation's store as it joins."""
+    return f"join/{rank}"
+
+
+def ranks_not_joined(store: StoreClient, generation: int, ranks: Iterable[int]) -> list[int]:
+    """Rank 0, once ``generation`` did not form (before it abandons it):
+    which of ``ranks`` never joined, so that the failure is put down to the
+    members that caused it, not to those that came. Never raises: none, if
+    the store cannot say."""
+    view = generation_store(store, generation)
+    try:
+        return [rank for rank in ranks if not view.check([join_key(rank)])]
+    except RuntimeError as exc:  # DistStoreError
+        log.warning("could not tell who never joined generation %d: %s", generation, exc)
+        return []
+
+
 def abandon_generation(store: StoreClient, generation: int) -> None:
     """Rank 0, once ``generation`` failed (a member never joined, or a
     broadcast failed): the members still joining or receiving fail at once
@@ -227,8 +245,8 @@ class WeightChannel(ABC):
         member left, or when it stops, rather than wait out the deadline).
         Before the first collective: NCCL creates its communicator inside
         it, with no deadline of ours."""
-        self._store.set(f"join/{self.rank}", "1")
-        keys = [f"join/{r}" for r in range(self.world_size)]
+        self._store.set(join_key(self.rank), "1")
+        keys = [join_key(r) for r in range(self.world_size)]
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
