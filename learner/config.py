@@ -218,6 +218,15 @@ class LearnerConfig:
     weight_timeout_s: float = bounded(30.0, gt=0)
     """Bound on forming a broadcast group and on each broadcast: a dead actor
     fails that publication after this long, never hangs the learner."""
+    member_backoff_s: float = bounded(10.0, gt=0)
+    """How long publications leave out a member that made a weight
+    generation fail (it never joined, or a lane it alone held failed),
+    doubled with each next failure in a row; a publication that reaches it
+    forgives them (learner/members.py)."""
+    member_failures_allowed: int = bounded(5, ge=1)
+    """Failed generations in a row after which a member is left out until
+    it restarts: each costs rank 0 up to ``weight_timeout_s``, so a member
+    that never joins costs at most this many deadlines per incarnation."""
     publish_every: int = bounded(1, ge=1)
     """Optimiser steps between weight publications (at most the replay's
     max_staleness + 1, or actors generate stale tokens before each one)."""

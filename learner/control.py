@@ -38,7 +38,7 @@ from typing import Literal
 import msgspec
 import zmq
 
-from learner.members import Member, MemberTable
+from learner.members import ExclusionPolicy, Member, MemberTable
 from learner.metrics import LearnerMetrics
 from ops.files import atomic_write_text
 from protocol import (
@@ -70,17 +70,19 @@ _instances = itertools.count()
 class ControlPlane:
     def __init__(self, address: str, transport: TransportConfig, run_id: str,
                  max_staleness: int, late_joiner: Literal["immediate", "next_publication"],
-                 metrics: LearnerMetrics, announced_record: Path | None = None) -> None:
+                 metrics: LearnerMetrics, announced_record: Path | None = None,
+                 exclusion: ExclusionPolicy | None = None) -> None:
         """``announced_record``: a file that keeps the newest version ever
         announced in this run, written before the announcement: a learner
         restarted from an older checkpoint reads it and labels its weights
-        above every version an actor may hold."""
+        above every version an actor may hold. ``exclusion``: how members
+        that make generations fail are left out (learner/members.py)."""
         self.run_id = run_id
         self.metrics = metrics
         self.transport = transport
         self.version = 0
         """The learner's policy version, set by the training thread."""
-        self.table = MemberTable(max_staleness, late_joiner)
+        self.table = MemberTable(max_staleness, late_joiner, exclusion)
         self._members = self.table.by_id
         self._record = announced_record
         self._announced = (json.loads(announced_record.read_text())["version"]

@@ -18,10 +18,10 @@ Usage::
 A member that fails generations (it never joins, or the broadcast of a lane
 it alone holds fails) is left out of publications for a while, twice as
 long after each failure in a row, and for the rest of its incarnation after
-``MEMBER_FAILURES_ALLOWED`` of them: rank 0 waits ``learner.weight_timeout_s``
-for each of its failures, so what it costs the learner is bounded in all,
-``MEMBER_FAILURES_ALLOWED`` x the deadline per incarnation, not per
-publication (docs/weights.md "A member that never joins").
+``learner.member_failures_allowed`` of them (:class:`ExclusionPolicy`): rank
+0 waits ``learner.weight_timeout_s`` for each of its failures, so what it
+costs the learner is bounded in all, that many deadlines per incarnation,
+not per publication (docs/weights.md "A member that never joins").
 """
 
 from __future__ import annotations
@@ -34,20 +34,23 @@ from typing import Literal
 
 from protocol import NO_COMPLETE_VERSION, EngineInfo, WeightsAnnounce
 
-#: Failed generations in a row after which a member is left out for the
-#: rest of its incarnation.
-MEMBER_FAILURES_ALLOWED = 5
-#: How long a member is left out after its first failure in a row (each
-#: next one doubles it).
-EXCLUSION_BACKOFF_S = 10.0
 
+@dataclass(frozen=True)
+class ExclusionPolicy:
+    """How long publications leave out a member that made generations fail
+    (``learner.member_backoff_s``, ``learner.member_failures_allowed``)."""
 
-def exclusion_s(failures: int) -> float:
-    """How long a member is left out after its ``failures``-th failed
-    generation in a row: a backoff, then for good (inf)."""
-    if failures >= MEMBER_FAILURES_ALLOWED:
-        return math.inf
-    return EXCLUSION_BACKOFF_S * 2 ** (failures - 1)
+    backoff_s: float = 10.0
+    """Left out this long after its first failure in a row; each next one doubles it."""
+    failures_allowed: int = 5
+    """Failures in a row after which it is left out for the rest of its incarnation."""
+
+    def exclusion_s(self, failures: int) -> float:
+        """How long a member is left out after its ``failures``-th failed
+        generation in a row: a backoff, then for good (inf)."""
+        if failures >= self.failures_allowed:
+            return math.inf
+        return self.backoff_s * 2 ** (failures - 1)
 
 
 @dataclass
@@ -92,9 +95,11 @@ class Member:
 
 class MemberTable:
     def __init__(self, max_staleness: int,
-                 late_joiner: Literal["immediate", "next_publication"]) -> None:
+                 late_joiner: Literal["immediate", "next_publication"],
+                 exclusion: ExclusionPolicy | None = None) -> None:
         self.max_staleness = max_staleness
         self.late_joiner = late_joiner
+        self.exclusion = exclusion or ExclusionPolicy()
         self.by_id: dict[str, Member] = {}
         """The registered members, by actor id."""
         self.lock = threading.Lock()
@@ -155,15 +160,15 @@ class MemberTable:
     def failed(self, members: list[Member]) -> list[Member]:
         """A generation failed because of ``members`` (they never joined, or
         the broadcast of a lane they alone held failed): each is left out
-        for :func:`exclusion_s` of its failures in a row. Returns those
-        left out for the rest of their incarnation by this failure."""
+        for :meth:`ExclusionPolicy.exclusion_s` of its failures in a row.
+        Returns those left out for the rest of their incarnation by this failure."""
         now = time.monotonic()
         with self.lock:
             current = self.current(members)
             for member in current:
                 member.failures += 1
-                member.excluded_until = now + exclusion_s(member.failures)
-            return [m for m in current if m.failures == MEMBER_FAILURES_ALLOWED]
+                member.excluded_until = now + self.exclusion.exclusion_s(member.failures)
+            return [m for m in current if m.failures == self.exclusion.failures_allowed]
 
     def current(self, members: list[Member]) -> list[Member]:
         """The registered members of these incarnations (a lane keeps the

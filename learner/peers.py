@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from learner.control import ControlPlane
+from learner.members import ExclusionPolicy
 from learner.metrics import LearnerMetrics
 from learner.replay_client import ReplayClient
 from learner.settings import LearnerSettings
@@ -84,7 +85,9 @@ class RankZeroPeers(Peers):
         self.control = ControlPlane(listen_address(config.control_bind, config.control_address),
                                     self.settings.transport,
                                     self.settings.run_id, welcome.max_staleness,
-                                    config.late_joiner, self.metrics, self.announced_record)
+                                    config.late_joiner, self.metrics, self.announced_record,
+                                    ExclusionPolicy(config.member_backoff_s,
+                                                    config.member_failures_allowed))
         return welcome.rollouts_per_batch
 
     def starting_version(self, restored: int) -> int:

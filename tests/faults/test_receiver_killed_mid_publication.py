@@ -19,10 +19,12 @@ import contextlib
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -59,11 +61,11 @@ def _tails(logs: dict[str, Path]) -> Callable[[], str]:
 
 
 def _learner(transport: str, control: str, replay: ReplayThread, model: Path, out: Path,
-             log: Path) -> Background:
+             log: Path, *extra: str) -> Background:
     """A one-rank learner publishing every step in buckets of 64 KiB, whose
     weight deadline is ``TIMEOUT_S``; a dead receiver leaves its membership
     5 s after its last heartbeat (the generations formed meanwhile are given
-    up then)."""
+    up then). ``extra``: more options."""
     [store] = free_ports(1)
     return Background(
         ["learner", "--run.model", str(model), "--run.out_dir", str(out),
@@ -76,7 +78,8 @@ def _learner(transport: str, control: str, replay: ReplayThread, model: Path, ou
          "--learner.weight_bucket_bytes", str(64 * 1024),  # several buckets
          "--learner.weight_timeout_s", str(TIMEOUT_S),
          "--learner.weight_transport", transport,
-         "--transport.heartbeat_interval_s", "0.5", "--transport.heartbeat_liveness", "10"],
+         "--transport.heartbeat_interval_s", "0.5", "--transport.heartbeat_liveness", "10",
+         *extra],
         log)
 
 
@@ -85,7 +88,7 @@ class Publishing:
     replay fed once they registered (silent for long, the replay would have
     declared them dead); each process's output in a log of its name."""
 
-    def __init__(self, transport: str, model: Path, out: Path) -> None:
+    def __init__(self, transport: str, model: Path, out: Path, *extra: str) -> None:
         [self.control] = loopback_addresses(1)
         self.out = out
         self.replay = ReplayThread.on_loopback(rollouts_per_batch=2, max_staleness=20,
@@ -95,7 +98,7 @@ class Publishing:
         self.processes: list[subprocess.Popen] = []
         self.tails = _tails(self.logs)
         self.learner = _learner(transport, self.control, self.replay, model, out,
-                                self.logs["learner"])
+                                self.logs["learner"], *extra)
 
     def receiver(self, name: str, *extra: str) -> subprocess.Popen:
         """Receiver ``name`` started, once registered with the learner."""
@@ -140,8 +143,8 @@ class Publishing:
 
 
 @contextlib.contextmanager
-def publishing(transport: str, model: Path, out: Path) -> Iterator[Publishing]:
-    run = Publishing(transport, model, out)
+def publishing(transport: str, model: Path, out: Path, *extra: str) -> Iterator[Publishing]:
+    run = Publishing(transport, model, out, *extra)
     try:
         yield run
     finally:
@@ -241,3 +244,44 @@ def test_a_lane_whose_member_holds_its_join_back_leaves_the_other_lane_its_weigh
         assert "failed" not in survivor.split("received ")[0], survivor
         assert "float32" in survivor
         assert run.learner_lives()
+
+
+#: The learner's lines about its steps, with their times (learner/__main__.py's format).
+STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ step (\d+):", re.MULTILINE)
+FAILURES_ALLOWED = 3
+
+
+def test_a_member_that_heartbeats_but_never_joins_costs_a_bounded_number_of_deadlines(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An actor that keeps its heartbeats and never joins (every GPU engine
+    before issue 73): behind, it wants every publication, and each waited
+    out the deadline for it, so the learner trained nothing. Now it is left
+    out after each failed generation, for a backoff, then for good: the
+    learner waits on it ``learner.member_failures_allowed`` deadlines at
+    most in all, and every other step goes at the usual rate while the
+    healthy actor gets its weights."""
+    steps = 20
+    with publishing("gloo", tiny_model_dir, tmp_path, "--learner.max_steps", str(steps),
+                    "--learner.member_backoff_s", "0.5",
+                    "--learner.member_failures_allowed", str(FAILURES_ALLOWED)) as run:
+        run.receiver("healthy")
+        run.receiver("silent", "--never-join")
+        run.feed()
+        run.wait_for("learner", f"step {steps}:", 60 + FAILURES_ALLOWED * TIMEOUT_S * 2,
+                     f"the learner's step {steps}")
+        learner = run.log("learner")
+        tries = len(re.findall(r"group generation \d+ did not form", learner))
+        assert 1 <= tries <= FAILURES_ALLOWED, learner[-3000:]
+        times = [datetime.strptime(at, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                 for at, _ in STEP.findall(learner)]
+        gaps = sorted(later - earlier for earlier, later in zip(times, times[1:], strict=False))
+        usual = statistics.median(gaps)
+        # a step that waited on the silent member waited its deadline; no other did
+        waited = [gap for gap in gaps if gap > TIMEOUT_S]
+        assert len(waited) <= tries, (gaps, learner[-3000:])
+        assert "received " in run.log("healthy") and run.learner_lives()
+        if tries == FAILURES_ALLOWED:
+            assert "until it restarts" in learner
+        print(f"\n[measured] {steps} steps with a member that never joins: {tries} failed "
+              f"generations (deadline {TIMEOUT_S} s), median step gap {usual:.2f} s, "
+              f"{len(waited)} gaps over the deadline, slowest {gaps[-1]:.1f} s")

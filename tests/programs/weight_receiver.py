@@ -6,10 +6,12 @@ that version: a receiver dying in the middle of a bucketed broadcast; with
 ``--die-after-join``, once it has joined its first group generation, before
 its first broadcast; with ``--stall-join``, it waits ``STALL_S``
 (heartbeating on, as an actor whose engine is stuck does) before it joins
-its first group generation: a member that holds its lane's join back.
+its first group generation: a member that holds its lane's join back; with
+``--never-join``, it heartbeats and never joins any (an engine that refuses
+every group, as every GPU engine did before issue 73).
 
     python -m tests.programs.weight_receiver --control ADDR --actor-id ID
-        [--dtype bfloat16] [--die-in VERSION | --die-after-join | --stall-join]
+        [--dtype bfloat16] [--die-in VERSION | --die-after-join | --stall-join | --never-join]
 
 Prints one line per publication: ``received VERSION TENSORS DTYPES``.
 """
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--die-in", type=int, default=None)
     parser.add_argument("--die-after-join", action="store_true")
     parser.add_argument("--stall-join", action="store_true")
+    parser.add_argument("--never-join", action="store_true")
     args = parser.parse_args()
     client = ControlClient(zmq.Context(), args.control, args.actor_id)
     engine = EngineInfo(device="cpu", dtype=args.dtype, tensor_parallel=1, model="receiver")
@@ -60,6 +63,7 @@ def main() -> None:
     last_beat = 0.0
 
     def heartbeat() -> None:
+        """(Also asked by a join whether to give it up: never.)"""
         nonlocal last_beat
         if time.monotonic() - last_beat > HEARTBEAT_S:
             client.send(Heartbeat, active_rollouts=0, stall_seconds={}, credit_ledger=0,
@@ -79,6 +83,9 @@ def main() -> None:
             continue
         if not isinstance(message, WeightsAnnounce):
             continue
+        if args.never_join:
+            print(f"not joining for version {message.version}", flush=True)
+            continue
         info = message.group
         began = time.perf_counter()
         try:
@@ -89,9 +96,11 @@ def main() -> None:
                     while time.monotonic() < stall_until:
                         heartbeat()
                         time.sleep(0.1)
+                # heartbeating while it joins, as an actor does while its engine joins
                 group = join_channel(connect_store(info.master_addr, info.master_port,
                                                    info.timeout_s), info.generation,
-                                     info.world_size, info.rank, info.backend, info.timeout_s)
+                                     info.world_size, info.rank, info.backend, info.timeout_s,
+                                     heartbeat)
                 joined, joins = info.generation, joins + 1
                 if args.die_after_join and joins == 1:
                     print(f"dying after the join of version {message.version}", flush=True)

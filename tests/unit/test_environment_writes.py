@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.environ_writes import Aliases, writes
+
 ROOT = Path(__file__).resolve().parents[2]
 #: The project's code (its tests may set up their own processes' environments).
 PACKAGES = ("actors", "replay", "learner", "protocol", "deploy", "ops", "bench",
@@ -24,12 +26,6 @@ WRITERS = {
 USERS = {
     "actors/engine.py:engine_process_started": "vLLM's engine process starts meanwhile",
 }
-WRITING_METHODS = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__"}
-
-
-def _is_environ(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "environ"
-            and isinstance(node.value, ast.Name) and node.value.id == "os")
 
 
 def _places(kind: str) -> dict[str, int]:
@@ -41,26 +37,15 @@ def _places(kind: str) -> dict[str, int]:
             if kind == "use" and "from protocol.environment import environment" not in text:
                 continue  # another function of that name
             tree = ast.parse(text, str(path))
+            aliases = Aliases.of(tree)
             for function in ast.walk(tree):
                 if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
                 for node in ast.walk(function):
-                    if kind == "write" and _writes(node) or kind == "use" and _uses(node):
+                    if kind == "write" and writes(node, aliases) or kind == "use" and _uses(node):
                         key = f"{path.relative_to(ROOT)}:{function.name}"
                         found[key] = found.get(key, 0) + 1
     return found
-
-
-def _writes(node: ast.AST) -> bool:
-    if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
-        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
-        return any(isinstance(t, ast.Subscript) and _is_environ(t.value) for t in targets)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if _is_environ(node.func.value) and node.func.attr in WRITING_METHODS:
-            return True
-        return (isinstance(node.func.value, ast.Name) and node.func.value.id == "os"
-                and node.func.attr in ("putenv", "unsetenv"))
-    return False
 
 
 def _uses(node: ast.AST) -> bool:

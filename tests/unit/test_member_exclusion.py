@@ -9,13 +9,7 @@ import math
 
 import pytest
 
-from learner.members import (
-    EXCLUSION_BACKOFF_S,
-    MEMBER_FAILURES_ALLOWED,
-    Member,
-    MemberTable,
-    exclusion_s,
-)
+from learner.members import ExclusionPolicy, Member, MemberTable
 from protocol import EngineInfo
 from protocol.weights import (
     abandon_generation,
@@ -24,6 +18,8 @@ from protocol.weights import (
     join_key,
     ranks_not_joined,
 )
+
+POLICY = ExclusionPolicy()
 
 
 def _table(*actor_ids: str) -> MemberTable:
@@ -44,8 +40,8 @@ class Clock:
 
 
 def test_the_backoff_doubles_then_leaves_the_member_out_for_good() -> None:
-    waits = [exclusion_s(failures) for failures in range(1, MEMBER_FAILURES_ALLOWED + 1)]
-    assert waits[0] == EXCLUSION_BACKOFF_S
+    waits = [POLICY.exclusion_s(failures) for failures in range(1, POLICY.failures_allowed + 1)]
+    assert waits[0] == POLICY.backoff_s
     assert all(later == 2 * earlier for earlier, later in zip(waits[:-2], waits[1:-1], strict=True))
     assert waits[-1] == math.inf
 
@@ -61,7 +57,7 @@ def test_a_member_that_failed_is_neither_published_to_nor_wanting_until_its_back
     table.failed([table.by_id["silent"]])
     assert [m.actor_id for m in table.publishable()] == ["healthy"]
     assert not table.publication_wanted(3) and table.excluded() == 1
-    clock.now += EXCLUSION_BACKOFF_S
+    clock.now += POLICY.backoff_s
     assert [m.actor_id for m in table.publishable()] == ["healthy", "silent"]
     assert table.publication_wanted(3) and table.excluded() == 0
 
@@ -69,7 +65,7 @@ def test_a_member_that_failed_is_neither_published_to_nor_wanting_until_its_back
 def test_a_member_failing_every_generation_costs_a_bounded_number_of_tries(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """However long the run, a member that never joins is tried
-    ``MEMBER_FAILURES_ALLOWED`` times in its incarnation, each costing rank 0
+    ``learner.member_failures_allowed`` times in its incarnation, each costing rank 0
     one deadline; a new incarnation (the actor restarted) is tried afresh."""
     clock = Clock(monkeypatch)
     table = _table("silent")
@@ -79,7 +75,7 @@ def test_a_member_failing_every_generation_costs_a_bounded_number_of_tries(
         if table.publishable():
             tries += 1
             for_good += table.failed(table.publishable())
-    assert tries == MEMBER_FAILURES_ALLOWED
+    assert tries == POLICY.failures_allowed
     assert [m.actor_id for m in for_good] == ["silent"]
     restarted = _table("silent").by_id["silent"]
     restarted.incarnation = 2
@@ -92,7 +88,7 @@ def test_a_publication_that_reaches_a_member_forgives_its_failures(
     clock = Clock(monkeypatch)
     table = _table("slow")
     member = table.by_id["slow"]
-    for _ in range(MEMBER_FAILURES_ALLOWED - 1):
+    for _ in range(POLICY.failures_allowed - 1):
         table.failed([member])
         clock.now += 3600.0
     table.delivered([member], 4)
