@@ -234,6 +234,12 @@ def alerts(thresholds: AlertThresholds) -> tuple[Alert, ...]:
               "sum(increase(crl_learner_weight_publications_total[15m]))", "> 0.5", "10m",
               "Most weight publications of the last 15 minutes failed: actors generate with "
               "old weights"),
+        # A member left out after failed generations (learner/members.py)
+        # is back within minutes unless it keeps failing; past its last
+        # backoff it is out until it restarts, and generates with old weights.
+        Alert("CompactionRLMembersExcluded", "max(crl_learner_members_excluded)", "> 0", "10m",
+              "An actor's engine keeps failing to join or load weight groups: it is left "
+              "out of publications (docs/weights.md \"A member that never joins\")"),
         Alert("CompactionRLRolloutsExpiring",
               _or_zero('sum(rate(crl_replay_dropped_total{reason="expired"}[10m]))'), "> 0",
               "15m", "Rollouts expire in the replay: actors die or stall mid-episode"),

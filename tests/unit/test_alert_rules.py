@@ -59,6 +59,7 @@ HEALTHY = {
     'crl_learner_weight_publications_total{result="ok"}': "0+1x40",
     'crl_learner_weight_publications_total{result="failed"}': "0x20 1x19",
     'crl_replay_dropped_total{reason="expired"}': "0x40",
+    "crl_learner_members_excluded": "0x40",
     'crl_replay_dropped_total{reason="abandoned"}': "0x20 3x19",
     'crl_learner_disk_free_bytes{job="learner", instance="l:9102"}': "50x40",
     'crl_learner_disk_size_bytes{job="learner", instance="l:9102"}': "100x40",
@@ -113,6 +114,11 @@ CASES = [
     ("CompactionRLWeightPublicationsFailing", {
         'crl_learner_weight_publications_total{result="failed"}': "0x5 1x5 2x5 3x5 4x20",
         'crl_learner_weight_publications_total{result="ok"}': "0+1x40"}, "30m", []),
+    ("CompactionRLMembersExcluded", {"crl_learner_members_excluded": "0 1x20"}, "15m",
+     [expect("CompactionRLMembersExcluded")]),
+    # left out for its backoff, then back: a failure now and then
+    ("CompactionRLMembersExcluded", {"crl_learner_members_excluded": "0 1 1 0 0 1 0x20"},
+     "15m", []),
     ("CompactionRLRolloutsExpiring", {'crl_replay_dropped_total{reason="expired"}': "0+1x40"},
      "30m", [expect("CompactionRLRolloutsExpiring")]),
     ("CompactionRLDiskFilling", {
