@@ -31,6 +31,10 @@ from typing import Any
 import torch
 
 from protocol.messages import TensorSpec, WeightManifest
+from protocol.transport import CurveConfig, TransportConfig
+from protocol.weights import WeightChannel, connect_store, worker_rank
+from protocol.weights_backends import join_channel
+from protocol.weights_store import StoreClient
 
 BACKEND = "compactionrl"
 
@@ -80,6 +84,37 @@ def _repack_tied_lm_head(model: Any, model_config: Any) -> None:
         method.process_weights_after_loading(lm_head)
 
 
+class GenerationMember:
+    """The group generation an engine's worker joined last, and the store
+    connection it joined through (its half of the transfer engine that
+    needs no vLLM)."""
+
+    group: WeightChannel | None = None
+    store: StoreClient | None = None
+    parallel_config: Any
+    """vLLM's, set by the transfer engine's constructor."""
+
+    def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
+        self.leave()  # the previous generation first
+        self.store = connect_store(init_info.master_addr, init_info.master_port,
+                                   init_info.timeout_s,
+                                   TransportConfig(curve=CurveConfig(**init_info.curve)))
+        # every worker of a tensor-parallel engine holds a rank of its own
+        rank = worker_rank(init_info.rank, self.parallel_config.rank)
+        self.group = join_channel(self.store, init_info.generation, init_info.world_size,
+                                  rank, init_info.backend, init_info.timeout_s)
+
+    def leave(self) -> None:
+        """Drop the generation joined last and close its store's connection:
+        a failed NCCL generation's group is kept for the process's life
+        (protocol/weights_collective.py ``retire``), and with it this store,
+        which must not keep a socket each."""
+        self.group = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
 def _engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.model_executor.model_loader.reload import (
@@ -87,38 +122,11 @@ def _engine_class() -> type:
         initialize_layerwise_reload,
     )
 
-    from protocol.transport import CurveConfig, TransportConfig
-    from protocol.weights import WeightChannel, connect_store, worker_rank
-    from protocol.weights_backends import join_channel
-    from protocol.weights_store import StoreClient
-
-    class BroadcastWeightTransferEngine(WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
+    class BroadcastWeightTransferEngine(GenerationMember,
+                                        WeightTransferEngine[GroupInitInfo, ManifestUpdateInfo]):
         init_info_cls = GroupInitInfo
         update_info_cls = ManifestUpdateInfo
         supports_draft_weight_update = False
-
-        group: WeightChannel | None = None
-        store: StoreClient | None = None
-
-        def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
-            self.leave()  # the previous generation first
-            self.store = connect_store(init_info.master_addr, init_info.master_port,
-                                       init_info.timeout_s,
-                                       TransportConfig(curve=CurveConfig(**init_info.curve)))
-            # every worker of a tensor-parallel engine holds a rank of its own
-            rank = worker_rank(init_info.rank, self.parallel_config.rank)
-            self.group = join_channel(self.store, init_info.generation, init_info.world_size,
-                                      rank, init_info.backend, init_info.timeout_s)
-
-        def leave(self) -> None:
-            """Drop the generation joined last and close its store's
-            connection: a failed NCCL generation's group is kept for the
-            process's life (protocol/weights_collective.py ``retire``), and
-            with it this store, which must not keep a socket each."""
-            self.group = None
-            if self.store is not None:
-                self.store.close()
-                self.store = None
 
         def start_weight_update(self) -> None:
             initialize_layerwise_reload(self.model)

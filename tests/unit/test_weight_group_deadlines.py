@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from actors.weight_transfer import GenerationMember, GroupInitInfo
 from protocol.transport import TransportConfig
 from protocol.weights import JOIN_POLL_S, WeightChannel, connect_store, host_store
 from protocol.weights_backends import join_channel
@@ -378,5 +379,29 @@ def test_a_closed_store_client_fails_each_call_as_a_store_that_does_not_answer()
             view.set("join/1", "1")
         with pytest.raises(dist.DistStoreError, match="closed"):
             client.check(["join/1"])
+    finally:
+        store.close()
+
+
+def test_an_engine_s_worker_closes_the_store_of_each_generation_it_leaves() -> None:
+    """A failed NCCL generation's group keeps the store it was built on for
+    the process's life; the connection under it goes when the worker joins
+    the next generation (or shuts down), not with the group."""
+    store = host_store(0, timeout_s=10)
+    worker = GenerationMember()
+    worker.parallel_config = SimpleNamespace(rank=0)
+    joined: list[StoreClient] = []
+    try:
+        for generation in (1, 2):
+            info = GroupInitInfo(master_addr="127.0.0.1", master_port=store.port, world_size=2,
+                                 rank=1, generation=generation, timeout_s=10.0)
+            with ThreadPoolExecutor(1) as pool:
+                sender = pool.submit(join_channel, store, generation, 2, 0, "gloo", 10.0)
+                worker.init_transfer_engine(info)
+                sender.result()
+            joined.append(worker.store)
+        assert [client._socket.closed for client in joined] == [True, False]
+        worker.leave()
+        assert joined[1]._socket.closed and worker.group is None
     finally:
         store.close()
