@@ -37,15 +37,23 @@ It measures, on GPU 0, the project's transfer first:
 3. **The project's weight group** (``weight_group``,
    bench/gpu_parts/weight_group.py): member processes of a weight group
    (protocol/weights_collective.py), each with a first group of its own
-   that is never aborted, in three trials: a receiver killed in the middle
-   of a publication, with the fix and as before it (``before_fix``: the
-   members' first groups keep torch's dump on timeout), whose sender and
-   survivor must still answer past the first group's monitor
-   (``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` lowered to 30 s); five publications
-   failed on both sides with a broadcast in flight, the GPU memory each
-   process keeps after them within one bucket; a receiver killed between
-   its join and the first broadcast, the sender failing within its deadline.
-   That module's docstring says how.
+   that is never aborted, rank 0 started as a learner rank and the others
+   as engines' workers (``start_environments``; on CUDA then without what
+   vLLM's GPU worker removes, ``VLLM_GPU_WORKER_REMOVES``), in four trials:
+   a receiver killed in the middle of a publication, with the fix and as
+   before issue 62's (``before_fix``: the members' first groups keep
+   torch's dump on timeout), whose sender and survivor must still answer
+   past the first group's monitor (``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``
+   lowered to 30 s); five publications of 988 MB in 256 MiB buckets failed
+   on both sides with a broadcast in flight, in processes that never
+   collect garbage, the buffers still alive and the GPU memory each keeps
+   after them within one bucket; a receiver killed between its join and the
+   first broadcast, the sender failing within its deadline; a run deadline
+   of 36 s with rank 0 reaching the member's lane 36 s after the join,
+   within the member's deadline (72 s), with the fix (the publication must
+   arrive intact) and, at once, as before it (the engine's 30 s init
+   timeout; the check that required both error-handling names). That
+   module's docstring says how.
 4. **A push by CUDA IPC** (``ipc_push``) between two processes, as vLLM's
    ``ipc`` weight-transfer engine does it: the sender holds the weights on
    the GPU and, per push, exports one IPC handle per tensor
@@ -107,9 +115,11 @@ forked from a fork server that imported torch and the project's protocol
 once (and never touches CUDA).
 
 On the GPU machine, after installing the carried wheels (docs/deploy.md), one
-command (273 s of its own on an H200 with the default ``--budget-s`` of 270,
-measured on 2026-12-04, docs/weights.md "Run on an H200"; 7B's push peaks at
-about 32 GB)::
+command (273 s of its own on an H200 with ``--budget-s 270``, measured on
+2026-12-04, docs/weights.md "Run on an H200", with fewer weight group
+trials; 7B's push peaks at about 32 GB; the weight group's trials now take
+about 4 minutes of their own and the whole about 8 with the default
+``--budget-s`` of 450, estimates: docs/weights.md "The GPU check")::
 
     python bench/gpu_check.py --json --out gpu_check
 
@@ -243,7 +253,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--learner-steps", type=int,
                         help="timed PPO steps after a warm-up "
                              f"(default {GPU_PLAN.steps}; dry run {DRY_RUN_PLAN.steps})")
-    parser.add_argument("--budget-s", type=float, default=270.0,
+    parser.add_argument("--budget-s", type=float, default=450.0,
                         help="learner work that would start after this many seconds from "
                              "the start is skipped (recorded as skipped)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS / 1e12,

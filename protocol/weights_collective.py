@@ -14,15 +14,19 @@ stays healthy.
 NCCL's own watchdog must never act first, and no other group may end the
 process for the weight group's failure (docs/weights.md "NCCL error
 handling"). Torch reads both from the environment as each group is built,
-so every process that may join a weight group starts with
-:func:`weight_member_environment` (the learner's ranks through
-``compactionrl learner``, each engine through ``actors/engine.py``), and an
-NCCL weight group refuses to form in a process without it
-(:func:`nccl_environment_problem`). Its timeout is far above the project's
-deadline (:func:`nccl_watchdog_timeout_s`). Every member joins through the
-store first (``WeightChannel._join``), with our deadline; the NCCL
-communicator is then created without blocking, and the first broadcast
-waits for it at most the process's init timeout, the deadline. An aborted NCCL
+so every process that may join a weight group starts with what
+:func:`start_environments` says for the run's deadline (the learner's
+ranks through ``compactionrl learner``, each engine through
+``actors/engine.py``), and an NCCL weight group refuses to form in a
+process where torch would read anything else
+(:func:`nccl_environment_problem`, asked where the group is built, after
+vLLM's GPU worker removed what it removes). Its timeout is far above the
+project's deadline (:func:`nccl_watchdog_timeout_s`). Every member joins
+through the store first (``WeightChannel._join``), with our deadline; the
+NCCL communicator is then created without blocking, and the first
+broadcast waits for it at most the process's init timeout: rank 0's
+deadline on the learner, the longest a member may be announced on an
+engine (:func:`member_timeout_s` at :data:`MAX_LANES`). An aborted NCCL
 group is never destroyed, an aborted gloo group not before its pending
 operation timed out (:func:`retire`): either destructor joins a thread that
 may still be waiting.

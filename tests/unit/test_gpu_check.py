@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -151,18 +153,74 @@ def test_dry_run_sender_survives_a_receiver_killed_mid_broadcast_and_reaches_the
 
 
 @pytest.mark.slow
-def test_dry_run_fails_publications_on_both_sides_and_then_delivers_intact(
-        dry_run: tuple[dict, Path]) -> None:
+def test_dry_run_fails_publications_on_both_sides_and_keeps_no_bucket_without_the_collector(
+        weight_group: ModuleType, dry_run: tuple[dict, Path]) -> None:
     """Each failed round leaves a broadcast in flight on both sides (the
     sender's times out on a stalled receiver, the receiver's on the
-    abandoned generation); the publication after them arrives whole. The
-    memory it keeps is measured on a GPU only."""
+    abandoned generation); the publication after them arrives whole. Both
+    processes never collect garbage: the broadcast buffers still alive after
+    the failures are at most one bucket more than before (a bucket kept per
+    failure would be two). GPU memory is measured on a GPU only."""
     report, _ = dry_run
     failed = report["weight_group"]["failed_publications"]
+    plan = weight_group.DRY_RUN_PLAN
     assert failed["error"] is None and failed["every_round_failed_on_both"] is True, failed
+    assert failed["rounds"] == plan.rounds >= 2
     assert "did not complete by its deadline" in failed["first_failures"]["sender"]
     assert failed["warm_and_final_intact"] and failed["final_checksums_match"]
-    assert failed["retained_bytes"] == {"sender": None, "receiver": None}
+    assert failed["bucket_bytes"] == plan.memory_bucket_bytes
+    assert failed["publication_bytes"] > 3 * failed["bucket_bytes"]  # a bucket in flight
+    assert failed["within_one_bucket"] is True
+    for kept in failed["retained"].values():
+        assert kept["buffers"] <= 1 and kept["buffer_bytes"] <= failed["bucket_bytes"]
+        assert kept["allocated_bytes"] is None
+    assert failed["collections"] == {"sender": 0, "receiver": 0}
+    assert failed["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_dry_run_a_late_rank_0_reaches_a_member_whose_deadline_is_longer(
+        weight_group: ModuleType, dry_run: tuple[dict, Path]) -> None:
+    """Rank 0 starts to broadcast ``late_s`` after the join, within the
+    member's announced deadline: the publication arrives intact. The member
+    started as an engine (start_environments' init timeout); on gloo the
+    variants before the fixes deliver too (no NCCL init timeout, no
+    environment check, no GPU worker), and only rank 0's outcome with the
+    fix is waited for."""
+    from protocol.weights_collective import (
+        MAX_LANES,
+        NCCL_INIT_TIMEOUT,
+        member_timeout_s,
+        start_environments,
+    )
+
+    report, _ = dry_run
+    unequal = report["weight_group"]["unequal_deadlines"]
+    plan = weight_group.DRY_RUN_PLAN
+    assert unequal["error"] is None, unequal
+    deadline = plan.unequal_deadline_s
+    assert (unequal["weight_timeout_s"], unequal["late_s"]) == (deadline, plan.late_s)
+    assert unequal["member_deadline_s"] == member_timeout_s(deadline,
+                                                            weight_group.UNEQUAL_LANES)
+    assert unequal["init_timeout_before_s"] == 30
+    fixed = unequal["fixed"]
+    assert fixed["member"] == fixed["sender"] == "ok" and fixed["publication_intact"] is True
+    assert fixed["rank0_late_s"] >= plan.late_s
+    assert plan.late_s / 2 < fixed["member_waited_s"] < unequal["member_deadline_s"]
+    assert fixed["nccl_check"] is None
+    engine = start_environments(deadline).engine
+    assert fixed["member_environment"][NCCL_INIT_TIMEOUT] == engine[NCCL_INIT_TIMEOUT]
+    assert float(engine[NCCL_INIT_TIMEOUT]) == member_timeout_s(deadline, MAX_LANES) > (
+        unequal["member_deadline_s"])
+    assert fixed["member_environment"]["NCCL_ASYNC_ERROR_HANDLING"] is None
+    before = unequal["init_timeout_before"]
+    assert before["member_environment"][NCCL_INIT_TIMEOUT] == "30"
+    old = unequal["environment_before"]
+    assert old["member_environment"]["NCCL_ASYNC_ERROR_HANDLING"] == "2"  # no GPU worker here
+    for variant in (before, old):
+        assert variant["member"] == "ok" and variant["nccl_check"] is None
+        assert "sender" not in variant and "publication_intact" not in variant
+    assert unequal["seconds"] > plan.late_s
 
 
 @pytest.mark.slow
@@ -176,23 +234,62 @@ def test_dry_run_a_receiver_dead_after_its_join_fails_the_sender_within_its_dead
     assert joined["sender_alive"] is True
 
 
-def test_a_member_starts_with_the_weight_member_environment_or_as_before_the_fix(
+def test_members_start_as_a_run_starts_them_and_as_before_each_fix(
         weight_group: ModuleType) -> None:
+    """Rank 0 starts as a learner rank, the members as engines; on CUDA a
+    member then holds what vLLM's GPU worker leaves: the project's check
+    accepts that, the check before f0952a3 refused it (the GPU check would
+    have failed on that code). Before issue 62's fix: no dump setting, no
+    check. The unequal deadlines' plan puts rank 0 past the engines' init
+    timeout before, within the member's deadline."""
     from protocol.weights_collective import (
         NCCL_DUMP_ON_TIMEOUT,
+        NCCL_INIT_TIMEOUT,
+        VLLM_GPU_WORKER_REMOVES,
+        member_timeout_s,
         nccl_environment_problem,
-        weight_member_environment,
+        start_environments,
     )
 
-    fixed = weight_group.member_environment(True, 10.0)
-    before = weight_group.member_environment(False, 10.0)
-    assert weight_member_environment(10.0).items() <= fixed.items()
-    assert nccl_environment_problem(fixed) is None
-    assert NCCL_DUMP_ON_TIMEOUT not in before and nccl_environment_problem(before)
-    for started in (fixed, before):
-        assert started["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == str(
+    def on_cuda(start: Any) -> dict[str, str]:
+        """What the member holds once started on CUDA (group_member's removal)."""
+        return {name: value for name, value in start.environment.items()
+                if not (start.engine and name in VLLM_GPU_WORKER_REMOVES)}
+
+    learner, engine = weight_group.starts("fixed", 36.0)
+    now = start_environments(36.0)
+    assert now.learner.items() <= learner.environment.items()
+    assert now.engine.items() <= engine.environment.items()
+    assert (learner.engine, engine.engine, learner.check, engine.check) == (
+        False, True, "project", "project")
+    assert learner.collector and engine.collector
+    for start in (learner, engine):
+        assert nccl_environment_problem(on_cuda(start)) is None
+        assert start.environment["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == str(
             weight_group.HEARTBEAT_TIMEOUT_S)
-    assert weight_group.GPU_PLAN.window_s > weight_group.HEARTBEAT_TIMEOUT_S
+    old_learner, old_engine = weight_group.starts("environment_before", 36.0)
+    check = weight_group.CHECKS[old_engine.check]
+    assert check is weight_group.problem_before_f0952a3
+    assert check(old_learner.environment) is None and check(old_engine.environment) is None
+    assert check(on_cuda(old_learner)) is None  # a learner rank has no GPU worker
+    assert "NCCL_ASYNC_ERROR_HANDLING" in check(on_cuda(old_engine))
+    assert old_engine.environment[NCCL_INIT_TIMEOUT] == "30"
+    _, late = weight_group.starts("init_timeout_before", 36.0)
+    assert late.environment[NCCL_INIT_TIMEOUT] == "30"
+    assert nccl_environment_problem(on_cuda(late)) is None
+    for start in weight_group.starts("before_fix", 10.0):
+        assert start.check == "none" and NCCL_DUMP_ON_TIMEOUT not in start.environment
+        assert weight_group.CHECKS[start.check](on_cuda(start)) is None
+        assert nccl_environment_problem(start.environment)
+    assert weight_group.role_starts({"a": 0, "b": 1}, "fixed", 10.0, collector=False) == {
+        "a": replace(weight_group.starts("fixed", 10.0)[0], collector=False),
+        "b": replace(weight_group.starts("fixed", 10.0)[1], collector=False)}
+    plan, before = weight_group.GPU_PLAN, weight_group.ENGINE_INIT_TIMEOUT_BEFORE_S
+    assert plan.window_s > weight_group.HEARTBEAT_TIMEOUT_S
+    assert plan.unequal_deadline_s > before and before + 5 <= plan.late_s
+    assert plan.late_s + 5 <= member_timeout_s(plan.unequal_deadline_s,
+                                               weight_group.UNEQUAL_LANES)
+    assert plan.rounds == 5 and plan.memory_bucket_bytes >= 256 << 20
 
 
 def test_without_pyzmq_the_transfer_parts_say_so_and_count_as_intact(
@@ -222,9 +319,11 @@ def test_a_dead_sender_or_a_differing_checksum_fails_the_check(gpu_check: Module
                                 "alive_after_window": {"sender": True, "survivor": True}},
             "before_fix": {"skipped": "gloo"},
             "failed_publications": {"error": None, "every_round_failed_on_both": True,
-                                    "within_one_bucket": True, "final_checksums_match": True},
+                                    "within_one_bucket": True, "final_checksums_match": True,
+                                    "collections": {"sender": 0, "receiver": 0}},
             "killed_after_join": {"error": None, "sender_alive": True, "failed_within_s": 3.0,
-                                  "deadline_s": 10.0}}
+                                  "deadline_s": 10.0},
+            "unequal_deadlines": {"error": None, "fixed": {"publication_intact": True}}}
     intact = {"project_ipc": {"error": None, "checksums_match": True},
               "receive_ahead_streams": None, "weight_group": held}
     assert gpu_check.transfers_intact(intact) is True
@@ -233,7 +332,10 @@ def test_a_dead_sender_or_a_differing_checksum_fails_the_check(gpu_check: Module
               ("receiver_killed", "alive_after_window", {"sender": False, "survivor": True}),
               ("failed_publications", "within_one_bucket", False),
               ("killed_after_join", "failed_within_s", 30.0),
-              ("killed_after_join", "sender_alive", False)]
+              ("failed_publications", "collections", {"sender": 1, "receiver": 0}),
+              ("killed_after_join", "sender_alive", False),
+              ("unequal_deadlines", "fixed", {"publication_intact": False}),
+              ("unequal_deadlines", "error", "TimeoutError")]
     for trial, key, value in broken:
         group = {**held, trial: {**held[trial], key: value}}
         assert gpu_check.transfers_intact({**intact, "weight_group": group}) is False, key
