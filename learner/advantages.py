@@ -66,6 +66,7 @@ def advantages_and_returns(
     lam: float | torch.Tensor,
     token_rewards: torch.Tensor | None = None,
     segments_per_rollout: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [T], returns [T]) of the trainable tokens of some of a
     batch's rollouts (a rank's share), concatenated segment by segment, each
@@ -76,7 +77,8 @@ def advantages_and_returns(
     final rewards only); the returns are the local returns whatever the mode.
     ``lam``: one lambda, or [S] one per segment (:func:`adaptive_lambdas`);
     ``segments_per_rollout`` [R], the batch's segments of each rollout
-    (``"grpo_segments"`` only)."""
+    (``"grpo_segments"`` only); ``factors`` [S], the segments'
+    :func:`cross_trajectory_factors` where the caller has them already."""
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"mode must be one of {', '.join(ADVANTAGE_MODES)}, not {mode!r}")
     rollouts, local = torch.unique_consecutive(segment_rollout, return_inverse=True)
@@ -84,7 +86,7 @@ def advantages_and_returns(
         raise ValueError("each rollout's segments must be consecutive")
     advantages, returns = cross_trajectory_gae(
         values, segment_lengths, local, rewards[rollouts], gamma, lam,
-        "independent" if mode == "independent" else "cross", token_rewards)
+        "independent" if mode == "independent" else "cross", token_rewards, factors)
     if mode in ("grpo", "grpo_segments"):
         counts = segments_per_rollout if mode == "grpo_segments" else None
         per_rollout = group_relative(rewards, task_ids, counts)[segment_rollout]
@@ -150,13 +152,15 @@ def cross_trajectory_gae(
     lam: float | torch.Tensor,
     mode: str = "cross",
     token_rewards: torch.Tensor | None = None,
-    segments_per_rollout: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [T], returns [T]) for trainable tokens concatenated rollout
     by rollout, segment by segment. ``segment_lengths`` [S] counts trainable
     tokens per segment (0 allowed), ``segment_rollout`` [S] is non-decreasing
     in 0..R-1, ``rewards`` [R] the final rewards, ``lam`` one lambda or [S]
-    one per segment. Computed in float64 and returned in ``values``' dtype."""
+    one per segment; ``factors`` [S], :func:`cross_trajectory_factors` of
+    these segments if the caller has them. Computed in float64 and returned
+    in ``values``' dtype."""
     if mode not in ("cross", "independent"):
         raise ValueError(f"mode must be 'cross' or 'independent', not {mode!r}")
     if int(segment_lengths.sum()) != len(values):
@@ -190,7 +194,8 @@ def cross_trajectory_gae(
     returns = local + v
 
     if mode == "cross":
-        factors = cross_trajectory_factors(lengths, segment_rollout, gamma_lam)
+        if factors is None:
+            factors = cross_trajectory_factors(lengths, segment_rollout, gamma_lam)
         advantages = local * torch.repeat_interleave(factors, lengths)
     else:
         advantages = local

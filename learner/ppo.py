@@ -18,12 +18,16 @@
    :class:`StepStatistics`.
 
 The step is planned before it starts (:class:`StepPlan`: shares,
-micro-batches, global counts, epochs, fused or not). In a fused step (one
-minibatch) what step 2 computes is left out of :class:`StartValues` (log
-pi_prox, and with one micro-batch the old values) and the first update
-returns it complete from its own forward passes, which run at the step's
-start weights. The loss of a pass is :func:`minibatch_losses`, in the
-paper's order.
+micro-batches, global counts, epochs, fused or not). Each share's advantage
+side is computed once, where its old values are (:func:`share_values`):
+advantages, returns, each segment's cross-trajectory factor and whether it
+is a summary, which the loss, the step's statistics and the sampled
+rollouts read. In a fused step (one minibatch) the first update takes from
+its own passes, which run at the step's start weights, what the step's
+start would otherwise compute (log pi_prox, and with one micro-batch the old
+values) and returns the share's :class:`StartValues`, complete. The losses
+of a pass and their backward are :meth:`PPOTrainer._losses`, in the paper's
+order.
 
 The critic is a model of its own (each model has its loss and optimizer) or,
 with ``critic = "value_head"``, a head on the policy: one pass gives log-
@@ -47,9 +51,11 @@ Usage::
 
     # the same step, spelled out:
     plan = trainer.plan(train_batch)
-    starts = [trainer.start_values(share, train_batch, plan.fused) for share in plan.shares]
-    for _ in range(plan.epochs):
-        starts = [trainer.update(share, start, train_batch, statistics)
+    known = [trainer.start_values(share, train_batch, plan.fused) for share in plan.shares]
+    starts = [trainer.update(share, *start, train_batch, statistics)
+              for share, start in zip(plan.shares, known)]
+    for _ in range(plan.epochs - 1):
+        starts = [trainer.update(share, start.logp_prox, start.values, train_batch, statistics)
                   for share, start in zip(plan.shares, starts)]
 """
 
@@ -58,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -70,6 +76,7 @@ from learner.advantages import (
     cross_trajectory_factors,
 )
 from learner.batch import TrainBatch, TrainSequence, microbatches
+from learner.collectives import all_reduce_floats, world
 from learner.config import LearnerConfig, memory_switches
 from learner.losses import (
     explained_variance,
@@ -118,16 +125,32 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class StartValues:
-    """What the step's start weights give a share, per sequence [L]: log
-    pi_prox, the old values, and the advantages and returns from them. A
-    field is None only in a fused step, until its first update returns them
-    complete from its own passes."""
+class ShareValues:
+    """A share's old values (the critic's at the step's start weights) and
+    its advantage side, computed once from them (:func:`share_values`)."""
 
-    logp_prox: list[torch.Tensor] | None
-    old_values: list[torch.Tensor] | None
-    advantages: list[torch.Tensor] | None
-    returns: list[torch.Tensor] | None
+    old_values: list[torch.Tensor]
+    """Per sequence, [L]."""
+    advantages: list[torch.Tensor]
+    """Per sequence, [L] (zero off its trainable tokens; whitened where configured)."""
+    returns: list[torch.Tensor]
+    """Per sequence, [L]: the value targets."""
+    factors: torch.Tensor
+    """[S] float64 (gamma*lambda)^{N_>s} of every segment, in order, under the
+    run's gamma and lambda, whatever the advantage mode applies."""
+    is_summary: torch.Tensor
+    """[S] bool: the segment is a summary."""
+    trained: torch.Tensor
+    """[S] bool: the segment has trainable tokens."""
+
+
+@dataclass(frozen=True)
+class StartValues:
+    """What the step's start weights give a share: per sequence [L] log
+    pi_prox, and its :class:`ShareValues`."""
+
+    logp_prox: list[torch.Tensor]
+    values: ShareValues
 
 
 @dataclass(frozen=True)
@@ -153,32 +176,6 @@ class Losses:
     value: torch.Tensor
     policy_stats: dict[str, torch.Tensor]
     value_stats: dict[str, torch.Tensor]
-
-
-def minibatch_losses(logp: torch.Tensor | None, values: torch.Tensor | None, rows: Rows,
-                     config: LearnerConfig, global_tokens: float) -> Losses:
-    """The loss of one pass over a minibatch's tokens, in the paper's order
-    (docs/design.md §2.4), for the sides evaluated (a critic model's pass
-    takes the values, then the policy, to free its activations first):
-
-    1. ratios pi_theta / pi_prox, and importance weights min(pi_prox / mu, is_cap);
-    2. the advantages, fixed at the step's start;
-    3. the clipped policy loss, each token weighted by its c_t
-       (``loss_norm``: 1/|M| over every rank, or per segment);
-    4. the clipped value loss against the returns, over the same |M|.
-    """
-    zero = torch.zeros((), device=rows.trainable.device)
-    policy, policy_stats = zero, {}
-    if logp is not None:
-        prox = logp.detach() if rows.prox is None else rows.prox
-        policy, policy_stats = policy_loss(
-            logp, prox, rows.behaviour, rows.advantages, rows.weights,
-            config.clip_low, config.clip_high, config.is_cap, config.is_mode)
-    value, value_stats = zero, {}
-    if values is not None:
-        value, value_stats = value_loss(values, rows.old_values, rows.returns,
-                                        rows.trainable / global_tokens, config.value_clip)
-    return Losses(policy, value, policy_stats, value_stats)
 
 
 @dataclass
@@ -210,6 +207,10 @@ class StepStatistics:
     execution_segments: float = 0.0
     updates: int = 0
     policy_grad_norm: float = 0.0
+    loss_weights: list[float] = field(default_factory=lambda: [0.0] * len(COMPACTION_BUCKETS))
+    """The loss weights c_t of the rollouts in each compaction bucket
+    (:data:`ops.summary.COMPACTION_BUCKETS`), summed over the step's
+    minibatches: :meth:`add_loss_weights`."""
 
     #: Fields that are the same on every rank: not summed over ranks.
     RANK_INVARIANT = ("updates", "policy_grad_norm")
@@ -226,18 +227,29 @@ class StepStatistics:
         for name, total in moments.items():
             setattr(self, name, getattr(self, name) + total)
 
-    def add_factors(self, factors: torch.Tensor, is_summary: torch.Tensor) -> None:
-        """The cross-trajectory factors of the step's segments with trainable
-        tokens (``factors`` [S]; ``is_summary`` [S] bool), summed by segment type."""
+    def add_share(self, share: Share, values: ShareValues, compactions: list[int]) -> None:
+        """What a step reports of one share, once: the cross-trajectory
+        factors of its segments with trainable tokens, summed by segment
+        type, and its loss weights by compaction bucket (each minibatch's
+        sum to 1 over the ranks: what the loss normalisation gives rollouts
+        that compacted more, docs/learner.md "Loss weight by compaction count")."""
+        factors = values.factors[values.trained]
+        is_summary = values.is_summary[values.trained]
         self.summary_factor_sum += float(factors[is_summary].sum())
         self.summary_segments += int(is_summary.sum())
         self.execution_factor_sum += float(factors[~is_summary].sum())
         self.execution_segments += int((~is_summary).sum())
+        for sequence, weights in zip(share.sequences, share.loss_weights, strict=True):
+            bucket = compaction_bucket(compactions[sequence.rollout])
+            self.loss_weights[COMPACTION_BUCKETS.index(bucket)] += float(weights.sum())
 
     def summed_over_ranks(self) -> StepStatistics:
-        names = [f.name for f in dataclasses.fields(self) if f.name not in self.RANK_INVARIANT]
-        totals = _all_reduce([getattr(self, name) for name in names])
-        return dataclasses.replace(self, **dict(zip(names, totals, strict=True)))
+        """One all-reduce for every sum of the step."""
+        names = [f.name for f in dataclasses.fields(self)
+                 if f.name not in (*self.RANK_INVARIANT, "loss_weights")]
+        totals = all_reduce_floats([getattr(self, name) for name in names] + self.loss_weights)
+        return dataclasses.replace(self, **dict(zip(names, totals, strict=False)),
+                                   loss_weights=totals[len(names):])
 
     def metrics(self, epochs: int) -> dict[str, float]:
         """Per update (losses, gradient norm), per token (the rest), the
@@ -259,22 +271,9 @@ class StepStatistics:
             **{f"advantages/{name}": getattr(self, name)
                for name in ("summary_factor_sum", "summary_segments", "execution_factor_sum",
                             "execution_segments")},
+            **{f"loss_weight/{bucket}": total
+               for bucket, total in zip(COMPACTION_BUCKETS, self.loss_weights, strict=True)},
         }
-
-
-def weight_by_compactions(shares: list[Share], compactions: list[int]) -> dict[str, float]:
-    """``loss_weight/<bucket>``: the loss weights c_t of the rollouts in each
-    compaction bucket (:data:`ops.summary.COMPACTION_BUCKETS`), summed over the
-    minibatches and the ranks; each minibatch's sum to 1. What the loss
-    normalisation gives rollouts that compacted more (docs/learner.md, "Loss
-    weight by compaction count")."""
-    totals = [0.0] * len(COMPACTION_BUCKETS)
-    for share in shares:
-        for sequence, weights in zip(share.sequences, share.loss_weights, strict=True):
-            bucket = compaction_bucket(compactions[sequence.rollout])
-            totals[COMPACTION_BUCKETS.index(bucket)] += float(weights.sum())
-    return {f"loss_weight/{bucket}": total
-            for bucket, total in zip(COMPACTION_BUCKETS, _all_reduce(totals), strict=True)}
 
 
 def _segments(sequences: list[TrainSequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,46 +284,38 @@ def _segments(sequences: list[TrainSequence]) -> tuple[torch.Tensor, torch.Tenso
                          dtype=torch.long))
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _collective_device() -> torch.device:
-    """NCCL reduces only tensors on the GPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
-    if _world()[1] > 1:
-        dist.all_reduce(tensor, op)
-    return tensor.tolist()
-
-
 # -------------------------------------------------------------------- advantages
 
 
-def sequence_advantages(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence],
-                        values: list[torch.Tensor]
-                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per sequence, [L] advantages and returns (zero off the trainable
-    tokens). Whitening is collective: every rank calls this, an empty share too."""
-    advantages, returns = _gae(config, batch, sequences, values) if sequences else ([], [])
+def share_values(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence],
+                 old_values: list[torch.Tensor]) -> ShareValues:
+    """A share's advantage side from its ``old_values`` (per sequence [L]),
+    computed once: the advantage mode's advantages and returns over the
+    trainable tokens (learner.advantages), laid back into each sequence, and
+    each segment's factor. Whitening is collective: every rank calls this,
+    an empty share too."""
+    lengths, rollout_of = _segments(sequences)
+    lam = (adaptive_lambdas(lengths, config.lam_alpha) if config.lam_mode == "adaptive"
+           else config.lam)
+    factors = cross_trajectory_factors(lengths, rollout_of, config.gamma * lam)
+    advantages, returns = (_gae(config, batch, sequences, old_values, lengths, rollout_of, lam,
+                                factors) if sequences else ([], []))
     if config.whiten_advantages:
         advantages = _whiten(sequences, advantages)
-    return advantages, returns
+    # A sequence of two segments holds an execution segment, then its summary.
+    is_summary = torch.tensor([i == len(s.segment_lengths) - 1 and s.segment_type == "summary"
+                               for s in sequences for i in range(len(s.segment_lengths))],
+                              dtype=torch.bool)
+    return ShareValues(old_values, advantages, returns, factors, is_summary, lengths > 0)
 
 
 def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence],
-         values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+         values: list[torch.Tensor], lengths: torch.Tensor, rollout_of: torch.Tensor,
+         lam: float | torch.Tensor, factors: torch.Tensor
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The advantage mode's advantages and returns over the sequences'
-    trainable tokens (learner.advantages), laid back into each sequence."""
+    trainable tokens, laid back into each sequence."""
     flat_values = torch.cat([v[s.trainable] for s, v in zip(sequences, values, strict=True)])
-    lengths, rollout_of = _segments(sequences)
     step_rewards = (torch.cat([s.token_rewards[s.trainable] if s.token_rewards is not None
                                else torch.zeros(int(s.trainable.sum()), dtype=torch.float64)
                                for s in sequences])
@@ -336,8 +327,7 @@ def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence
             segments_per_rollout[sequence.rollout] += len(sequence.segment_lengths)
     flat_adv, flat_ret = advantages_and_returns(
         config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
-        batch.task_ids, config.gamma, segment_lambda(config, lengths), step_rewards,
-        segments_per_rollout)
+        batch.task_ids, config.gamma, lam, step_rewards, segments_per_rollout, factors)
     advantages, returns, offset = [], [], 0
     for sequence in sequences:
         n = sum(sequence.segment_lengths)
@@ -351,39 +341,12 @@ def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence
     return advantages, returns
 
 
-def segment_lambda(config: LearnerConfig, lengths: torch.Tensor) -> float | torch.Tensor:
-    """GAE's lambda: the configured one, or [S] one per segment of these lengths."""
-    return (adaptive_lambdas(lengths, config.lam_alpha)
-            if config.lam_mode == "adaptive" else config.lam)
-
-
-def segment_factors(config: LearnerConfig, sequences: list[TrainSequence]) -> torch.Tensor:
-    """[S] (gamma*lambda)^{N_>s} of every segment of ``sequences``, in order."""
-    lengths, rollout_of = _segments(sequences)
-    return cross_trajectory_factors(lengths, rollout_of,
-                                    config.gamma * segment_lambda(config, lengths))
-
-
-def cross_factors(config: LearnerConfig, sequences: list[TrainSequence]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factor (gamma*lambda)^{N_>s} (per-segment lambdas: their
-    product) of each segment with trainable tokens, under this run's gamma
-    and lambda, whatever the advantage mode applies, and whether it is a summary."""
-    lengths, _ = _segments(sequences)
-    # A sequence of two segments holds an execution segment, then its summary.
-    is_summary = torch.tensor([i == len(s.segment_lengths) - 1 and s.segment_type == "summary"
-                               for s in sequences for i in range(len(s.segment_lengths))],
-                              dtype=torch.bool)
-    kept = lengths > 0
-    return segment_factors(config, sequences)[kept], is_summary[kept]
-
-
 def _whiten(sequences: list[TrainSequence], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
     """The trainable tokens' advantages less their mean over every rank,
     over their standard deviation."""
     picked = [a[s.trainable].double() for s, a in zip(sequences, advantages, strict=True)]
     flat = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.float64)
-    count, total, squares = _all_reduce([len(flat), flat.sum().item(),
+    count, total, squares = all_reduce_floats([len(flat), flat.sum().item(),
                                          (flat ** 2).sum().item()])
     mean = total / max(count, 1)
     std = max((squares / max(count, 1) - mean ** 2), 0.0) ** 0.5 + 1e-8
@@ -409,7 +372,7 @@ class PPOTrainer:
         else:
             self.policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
             self.critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr)
-        self.rank, self.world_size = _world()
+        self.rank, self.world_size = world()
         self.device = next(policy.parameters()).device
         """Where the models compute; batches are built on the CPU and moved here."""
         self.chunk_tokens, self.microbatch_tokens = memory_switches(
@@ -440,7 +403,7 @@ class PPOTrainer:
         local_tokens = sum(rollout_tokens.values())
         local_segments = sum(n > 0 for s in sequences for n in s.segment_lengths)
         local_rollouts = sum(n > 0 for n in rollout_tokens.values())
-        global_tokens, global_segments, global_rollouts = _all_reduce(
+        global_tokens, global_segments, global_rollouts = all_reduce_floats(
             [local_tokens, local_segments, local_rollouts])
         weights = []
         for sequence in sequences:
@@ -461,16 +424,18 @@ class PPOTrainer:
             # One pass on every rank: the ranks need not agree on a grouping.
             return [list(range(len(sequences)))]
         groups = microbatches([len(s.tokens) for s in sequences], budget)
-        count = int(_all_reduce([len(groups)], dist.ReduceOp.MAX)[0])
+        count = int(all_reduce_floats([len(groups)], dist.ReduceOp.MAX)[0])
         return groups + [[] for _ in range(count - len(groups))]
 
     @torch.no_grad()
-    def start_values(self, share: Share, batch: TrainBatch, fused: bool) -> StartValues:
-        """What the step's start weights give ``share``: everything, or in a
-        ``fused`` step only what its first update cannot take from its own
-        passes: the old values (and advantages) when the share takes several
-        micro-batches, since the advantages need every old value before the
-        first value loss (a value head's pass gives log pi_prox with them)."""
+    def start_values(self, share: Share, batch: TrainBatch, fused: bool
+                     ) -> tuple[list[torch.Tensor] | None, ShareValues | None]:
+        """What the step's start weights give ``share`` before any update:
+        (log pi_prox, its :class:`ShareValues`), each None where a ``fused``
+        step's first update takes it from its own passes instead. The old
+        values are taken here when the share takes several micro-batches,
+        since the advantages need every old value before the first value
+        loss (a value head's pass gives log pi_prox with them)."""
         want_values = not fused or len(share.groups) > 1
         want_prox = not fused or (want_values and self.critic is None)
         logp, values = [], []
@@ -480,18 +445,9 @@ class PPOTrainer:
             logp.append(group_logp)
             values.append(group_values)
         prox = _unpad(share.sequences, share.groups, logp) if want_prox else None
-        if not want_values:
-            return StartValues(prox, None, None, None)
-        return self._with_old_values(prox, share, batch,
-                                     _unpad(share.sequences, share.groups, values))
-
-    def _with_old_values(self, prox: list[torch.Tensor] | None, share: Share, batch: TrainBatch,
-                         values: list[torch.Tensor]) -> StartValues:
-        """Start values with ``values`` as the old values, and the advantages
-        and returns from them (on the CPU: small, sequential per rollout;
-        collective when whitened, so every rank calls it, an empty share too)."""
-        advantages, returns = sequence_advantages(self.config, batch, share.sequences, values)
-        return StartValues(prox, values, advantages, returns)
+        return prox, (share_values(self.config, batch, share.sequences,
+                                   _unpad(share.sequences, share.groups, values))
+                      if want_values else None)
 
     def _evaluate(self, ids: torch.Tensor, logp: bool, values: bool
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -518,77 +474,100 @@ class PPOTrainer:
         measured). ``sample`` is given ``sampled_rollouts`` of this rank's
         rollouts as the loss saw them (:mod:`learner.samples`)."""
         plan = self.plan(batch)
-        starts = [self.start_values(share, batch, plan.fused) for share in plan.shares]
+        known = [self.start_values(share, batch, plan.fused) for share in plan.shares]
         statistics = StepStatistics()
-        for share in plan.shares:
-            statistics.add_factors(*cross_factors(self.config, share.sequences))
-        for _ in range(plan.epochs):
-            starts = [self.update(share, start, batch, statistics, value_only)
-                      for share, start in zip(plan.shares, starts, strict=True)]
+        starts = [self.update(share, *start, batch, statistics, value_only)
+                  for share, start in zip(plan.shares, known, strict=True)]
+        for share, start in zip(plan.shares, starts, strict=True):
+            if start is not None:
+                statistics.add_share(share, start.values, batch.compactions)
+        for _ in range(plan.epochs - 1):
+            starts = [None if start is None else self.update(
+                share, start.logp_prox, start.values, batch, statistics, value_only)
+                for share, start in zip(plan.shares, starts, strict=True)]
         if sample is not None:
-            factors = [segment_factors(self.config, share.sequences) for share in plan.shares]
-            sample(trained_rollouts(batch, plan.shares, starts, factors, sampled_rollouts,
-                                    self.config))
-        return (statistics.summed_over_ranks().metrics(plan.epochs)
-                | weight_by_compactions(plan.shares, batch.compactions))
+            sample(trained_rollouts(batch, plan.shares, starts, sampled_rollouts, self.config))
+        return statistics.summed_over_ranks().metrics(plan.epochs)
 
-    def update(self, share: Share, start: StartValues, batch: TrainBatch,
-               statistics: StepStatistics, value_only: bool = False) -> StartValues:
+    def update(self, share: Share, prox: list[torch.Tensor] | None,
+               values: ShareValues | None, batch: TrainBatch, statistics: StepStatistics,
+               value_only: bool = False) -> StartValues | None:
         """One optimizer step on ``share``: a training pass per micro-batch,
-        then one step of every optimizer. Returns the start values complete
-        (a fused step's first update takes what is missing from its passes)."""
+        then one step of every optimizer. ``prox`` and ``values`` None: a
+        fused step's first update, whose passes run at the step's start
+        weights, takes them from its passes. Returns the share's start values,
+        complete; None when its minibatch has no trainable tokens on any rank
+        (nothing to train, nor to report)."""
         if share.global_tokens == 0:
-            return start
+            return None
         logps = []
         for group in share.groups:
-            start, logp = self._train_pass(share, start, group, batch, statistics, value_only)
+            values, logp = self._train_pass(share, prox, values, group, batch, statistics,
+                                            value_only)
             logps.append(logp)
-        if start.logp_prox is None:  # the passes ran at the step's start weights
-            start = dataclasses.replace(start, logp_prox=_unpad(share.sequences, share.groups,
-                                                                logps))
         self._step_optimizers(statistics, value_only)
-        return start
+        return StartValues(_unpad(share.sequences, share.groups, logps) if prox is None
+                           else prox, values)
 
-    def _train_pass(self, share: Share, start: StartValues, group: list[int], batch: TrainBatch,
+    def _train_pass(self, share: Share, prox: list[torch.Tensor] | None,
+                    values: ShareValues | None, group: list[int], batch: TrainBatch,
                     statistics: StepStatistics, value_only: bool
-                    ) -> tuple[StartValues, torch.Tensor]:
-        """Forward and backward over one micro-batch; returns the start values
-        (with the old values of this pass when it is a fused step's first, of
-        one micro-batch) and its log-probabilities, detached. A value head: one forward gives
-        both, one backward takes the policy loss plus ``value_loss_coef``
-        times the value loss (in the warm-up that alone). A critic model: its
-        forward and backward first (its activations are freed before the
-        policy's forward), then the policy's (only measured in the warm-up).
-        FSDP averages gradients over ranks: scaling each loss by the world
-        size makes that average the sum the global token count normalises."""
+                    ) -> tuple[ShareValues, torch.Tensor]:
+        """Forward and backward over one micro-batch; returns the share's
+        values (computed from this pass's when it is a fused step's first, of
+        one micro-batch) and the pass's log-probabilities, detached."""
         ids = self._ids(share.sequences, group)
-        head = self.critic is None
-        logp, values = self._evaluate(ids, head, True)
-        if start.old_values is None:  # one micro-batch: this pass's values are the old ones
-            start = self._with_old_values(start.logp_prox, share, batch, _unpad(
-                share.sequences, share.groups, [values.detach()]))
-        rows = self._rows(share, start, group, ids)
-        losses = minibatch_losses(logp, values, rows, self.config, share.global_tokens)
-        if head:
-            coef = self.config.value_loss_coef
-            loss = coef * losses.value if value_only else losses.policy + coef * losses.value
-            (loss * self.world_size).backward()
-        else:
-            (losses.value * self.world_size).backward()
-            with torch.no_grad() if value_only else contextlib.nullcontext():
-                logp, _ = self._evaluate(ids, True, False)
-            policy_losses = minibatch_losses(logp, None, rows, self.config, share.global_tokens)
-            losses = dataclasses.replace(losses, policy=policy_losses.policy,
-                                         policy_stats=policy_losses.policy_stats)
-            if not value_only:
-                (losses.policy * self.world_size).backward()
+        logp, new_values = self._evaluate(ids, self.critic is None, True)
+        if values is None:  # one micro-batch: this pass's values are the old ones
+            values = share_values(self.config, batch, share.sequences,
+                                  _unpad(share.sequences, share.groups, [new_values.detach()]))
+        rows = self._rows(share, prox, values, group, ids)
+        logp, losses = self._losses(ids, logp, new_values, rows, share.global_tokens, value_only)
         statistics.add_pass(float(rows.trainable.sum()), losses.policy, losses.value,
                             losses.policy_stats, losses.value_stats,
                             residual_moments(rows.returns, rows.old_values, rows.trainable))
-        return start, logp.detach()
+        return values, logp.detach()
 
-    def _rows(self, share: Share, start: StartValues, group: list[int], ids: torch.Tensor
-              ) -> Rows:
+    def _losses(self, ids: torch.Tensor, logp: torch.Tensor | None, values: torch.Tensor,
+                rows: Rows, global_tokens: float, value_only: bool
+                ) -> tuple[torch.Tensor, Losses]:
+        """A pass's losses and their backward, in the paper's order
+        (docs/design.md §2.4):
+
+        1. ratios pi_theta / pi_prox, and importance weights min(pi_prox / mu, is_cap);
+        2. the advantages, fixed at the step's start;
+        3. the clipped policy loss, each token weighted by its c_t
+           (``loss_norm``: 1/|M| over every rank, or per segment);
+        4. the clipped value loss against the returns, over the same |M|.
+
+        A value head (``logp`` from the same pass): one backward of the
+        policy loss plus ``value_loss_coef`` times the value loss (in the
+        warm-up that alone). A critic model: the value loss's backward first,
+        so that the critic's activations are freed before the policy's
+        forward, then the policy loss's (only measured in the warm-up). FSDP
+        averages gradients over ranks: scaling each loss by the world size
+        makes that average the sum the global token count normalises.
+        Returns the policy's log-probabilities and the losses."""
+        value, value_stats = value_loss(values, rows.old_values, rows.returns,
+                                        rows.trainable / global_tokens, self.config.value_clip)
+        if self.critic is not None:
+            (value * self.world_size).backward()
+            with torch.no_grad() if value_only else contextlib.nullcontext():
+                logp, _ = self._evaluate(ids, True, False)
+        prox = logp.detach() if rows.prox is None else rows.prox
+        policy, policy_stats = policy_loss(
+            logp, prox, rows.behaviour, rows.advantages, rows.weights, self.config.clip_low,
+            self.config.clip_high, self.config.is_cap, self.config.is_mode)
+        coef = self.config.value_loss_coef
+        if self.critic is None:
+            total = coef * value if value_only else policy + coef * value
+            (total * self.world_size).backward()
+        elif not value_only:
+            (policy * self.world_size).backward()
+        return logp, Losses(policy, value, policy_stats, value_stats)
+
+    def _rows(self, share: Share, prox: list[torch.Tensor] | None, values: ShareValues,
+              group: list[int], ids: torch.Tensor) -> Rows:
         """The micro-batch's rows, padded to its ids."""
 
         def stacked(per_sequence: list[torch.Tensor]) -> torch.Tensor:
@@ -596,9 +575,10 @@ class PPOTrainer:
 
         return Rows(trainable=stacked([s.trainable for s in share.sequences]),
                     behaviour=stacked([s.behaviour_logprobs for s in share.sequences]),
-                    prox=None if start.logp_prox is None else stacked(start.logp_prox),
-                    advantages=stacked(start.advantages), old_values=stacked(start.old_values),
-                    returns=stacked(start.returns), weights=stacked(share.loss_weights))
+                    prox=None if prox is None else stacked(prox),
+                    advantages=stacked(values.advantages),
+                    old_values=stacked(values.old_values), returns=stacked(values.returns),
+                    weights=stacked(share.loss_weights))
 
     def _step_optimizers(self, statistics: StepStatistics, value_only: bool) -> None:
         """Clip the gradients and step every optimizer. In a value head's

@@ -39,11 +39,18 @@ class Share(Protocol):
     loss_weights: list[torch.Tensor]
 
 
+class ShareValues(Protocol):
+    """What is read of a share's advantage side (learner.ppo.ShareValues)."""
+
+    advantages: list[torch.Tensor]
+    factors: torch.Tensor
+
+
 class StartValues(Protocol):
     """What is read of a share's start values (learner.ppo.StartValues)."""
 
-    advantages: list[torch.Tensor] | None
-    logp_prox: list[torch.Tensor] | None
+    logp_prox: list[torch.Tensor]
+    values: ShareValues
 
 #: The folder of a run that holds the samples.
 SAMPLES_FOLDER = "samples"
@@ -102,11 +109,10 @@ def rounded(values: list[float]) -> list[float]:
     return [float(f"{value:.4g}") for value in values]
 
 
-def trained_rollouts(batch: TrainBatch, shares: list[Share], starts: list[StartValues],
-                     factors: list[torch.Tensor], count: int, config: LearnerConfig
-                     ) -> list[TrainedRollout]:
+def trained_rollouts(batch: TrainBatch, shares: list[Share], starts: list[StartValues | None],
+                     count: int, config: LearnerConfig) -> list[TrainedRollout]:
     """``count`` of a rank's rollouts (of ``shares``, with the step's
-    ``starts`` and each share's segment ``factors``), spread over their
+    ``starts``: None for a share with nothing trained), spread over their
     compaction counts from fewest to most, each token as the loss used it."""
     held = sorted({s.rollout for share in shares for s in share.sequences},
                   key=lambda r: (batch.compactions[r], r))
@@ -115,16 +121,17 @@ def trained_rollouts(batch: TrainBatch, shares: list[Share], starts: list[StartV
     kept = {r: TrainedRollout(batch.task_ids[r], float(batch.rewards[r]), batch.successes[r],
                               batch.compactions[r], batch.tags[r], batch.infos[r])
             for r in picks}
-    for share, start, share_factors in zip(shares, starts, factors, strict=True):
-        if share.global_tokens == 0:
+    for share, start in zip(shares, starts, strict=True):
+        if start is None:
             continue  # nothing trained: no advantages were computed
         first = 0
         for i, sequence in enumerate(share.sequences):
             segments = len(sequence.segment_lengths)
             if sequence.rollout in kept:
                 kept[sequence.rollout].sequences.append(trained_sequence(
-                    sequence, share.loss_weights[i], start.advantages[i], start.logp_prox[i],
-                    share_factors[first:first + segments].tolist(), config))
+                    sequence, share.loss_weights[i], start.values.advantages[i],
+                    start.logp_prox[i], start.values.factors[first:first + segments].tolist(),
+                    config))
             first += segments
     return [kept[r] for r in picks]
 

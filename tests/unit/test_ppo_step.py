@@ -22,7 +22,7 @@ from learner.models import (
     token_logprobs_and_values,
     token_values,
 )
-from learner.ppo import PPOTrainer, StepStatistics, weight_by_compactions
+from learner.ppo import PPOTrainer, StepStatistics
 from protocol import Batch, Rollout
 from protocol.synthetic import synthetic_batch
 from tests.tolerances import logprob_tolerance, rounding_tolerance
@@ -89,10 +89,11 @@ def test_one_minibatch_takes_prox_and_old_values_from_its_first_update(tiny_mode
     # the general path: no-gradient forward passes at the step's start first
     reference = plain_sgd(trainer(tiny_model_dir, ppo_epochs=2, critic=critic))
     [share] = reference.plan(batch).shares
-    start = reference.start_values(share, batch, fused=False)
+    prox, values = reference.start_values(share, batch, fused=False)
     statistics = StepStatistics()
     for _ in range(2):
-        start = reference.update(share, start, batch, statistics)
+        start = reference.update(share, prox, values, batch, statistics)
+        prox, values = start.logp_prox, start.values
     # The two paths may differ by rounding only (a forward pass with or without
     # autograd can pick other kernels on another CPU). Each gradient element is
     # a sum over token positions of terms bounded by the clipped gradient norm;
@@ -432,7 +433,8 @@ def test_the_loss_weight_by_compaction_count_is_what_the_normalisation_gives(
     batch = to_train_batch(synthetic_batch(rollouts=8), train_summary=True)
     assert set(batch.compactions) == {0, 1}
     shares = ppo.plan(batch).shares
-    weights = weight_by_compactions(shares, batch.compactions)
+    weights = {name: value for name, value in ppo.step(batch).items()
+               if name.startswith("loss_weight/")}
     assert sum(weights.values()) == pytest.approx(len(shares))
     assert weights["loss_weight/2"] == weights["loss_weight/8+"] == 0.0
     expected = 0.0
@@ -468,5 +470,42 @@ def test_the_trainer_s_state_is_built_once_and_never_filled_in_later() -> None:
         if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
         and target.value.id == "self"]
     assert assigned_late == []
-    for planned in (ppo.StepPlan, ppo.Share, ppo.StartValues, ppo.Rows, ppo.Losses):
+    for planned in (ppo.StepPlan, ppo.Share, ppo.StartValues, ppo.ShareValues, ppo.Rows,
+                    ppo.Losses):
         assert dataclasses.fields(planned) and planned.__dataclass_params__.frozen, planned
+
+
+@pytest.mark.parametrize("minibatches, epochs", [(1, 2), (2, 2)])
+def test_a_share_s_advantage_side_is_computed_once_a_step(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, minibatches: int,
+        epochs: int) -> None:
+    """The segments' layout, their cross-trajectory factors and the
+    advantages are computed once per share, where its old values are, and
+    read by the loss, the statistics and the sampled rollouts; the step's
+    sums take one all-reduce."""
+    from learner import advantages, ppo
+
+    calls: dict[str, int] = {}
+
+    def counted(module: object, name: str) -> None:
+        original = getattr(module, name)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("_segments", "share_values", "cross_trajectory_factors", "all_reduce_floats"):
+        counted(ppo, name)
+    counted(advantages, "cross_trajectory_factors")  # GAE's own, were it not given them
+    trainer_ = trainer(tiny_model_dir, minibatches=minibatches, ppo_epochs=epochs)
+    batch = to_train_batch(synthetic_batch(rollouts=8), train_summary=True)
+    shares = len(trainer_.plan(batch).shares)
+    calls.clear()
+    trainer_.step(batch, sample=lambda rollouts: None)
+    assert calls["_segments"] == calls["share_values"] == shares
+    assert calls["cross_trajectory_factors"] == shares
+    # planning's global counts (one per share) and the step's sums (one: the
+    # loss weights by compaction count among them); not whitened here
+    assert calls["all_reduce_floats"] == shares + 1

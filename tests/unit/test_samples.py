@@ -13,7 +13,7 @@ from learner.batch import to_train_batch
 from learner.config import LearnerConfig
 from learner.losses import importance_weights
 from learner.models import load_critic, load_policy, token_logprobs, token_values
-from learner.ppo import PPOTrainer, sequence_advantages
+from learner.ppo import PPOTrainer, share_values
 from learner.samples import (
     SampleRecorder,
     TrainedRollout,
@@ -62,7 +62,8 @@ def test_a_step_hands_over_each_token_as_its_loss_used_it(tiny_model_dir: Path,
     with torch.no_grad():
         starts = [(token_logprobs(policy, s.tokens[None])[0],
                    token_values(critic, s.tokens[None])[0]) for s in share.sequences]
-    advantages, _ = sequence_advantages(config, batch, share.sequences, [v for _, v in starts])
+    advantages = share_values(config, batch, share.sequences,
+                              [v for _, v in starts]).advantages
     kept: list[list[TrainedRollout]] = []
     ppo.step(batch, sample=kept.append, sampled_rollouts=3)
     (rollouts,) = kept

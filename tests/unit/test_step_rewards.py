@@ -16,7 +16,7 @@ from actors.config import CompactionConfig
 from actors.context import CompactionContext, Generation, TurnTokens
 from learner.batch import to_train_batch
 from learner.config import LearnerConfig
-from learner.ppo import sequence_advantages
+from learner.ppo import share_values
 from protocol import Array, ErrorCode, ProtocolError
 from protocol.synthetic import synthetic_batch
 from protocol.validation import check_segment_content
@@ -96,8 +96,8 @@ def test_gae_adds_a_step_reward_to_the_advantages_up_to_its_token() -> None:
     shaped = to_train_batch(shaped_batch, train_summary=True)
     values = [torch.linspace(-0.5, 0.5, len(s.tokens), dtype=torch.float64)
               for s in plain.sequences]
-    before, _ = sequence_advantages(config, plain, plain.sequences, values)
-    after, _ = sequence_advantages(config, shaped, shaped.sequences, values)
+    before = share_values(config, plain, plain.sequences, values).advantages
+    after = share_values(config, shaped, shaped.sequences, values).advantages
     for index, (sequence, old, new) in enumerate(zip(plain.sequences, before, after,
                                                      strict=True)):
         difference = (new - old).double()
