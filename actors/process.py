@@ -65,8 +65,9 @@ from actors.metrics import ActorMetrics
 from actors.preflight import check_episode_setup
 from actors.recording_endpoint import RecordingEndpoint, serve_until
 from actors.replay_link import ReplayLink
+from actors.rollout_writer import InFlight
 from actors.session_rollouts import SessionRollouts
-from actors.slots import EpisodeSlots, InFlight
+from actors.slots import EpisodeSlots
 from actors.state import Incarnation, LearnerView
 from ops.metrics import Health, MetricsServer, PortInUse, port_in_use
 from protocol import EngineInfo, Heartbeat, ProtocolError

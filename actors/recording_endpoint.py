@@ -52,7 +52,7 @@ from actors.config import ActorConfig
 from actors.context import Generation
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
-from actors.rollout_writer import RolloutWriter, SegmentSender
+from actors.rollout_writer import Rollout
 from actors.sessions import SessionRecord
 from protocol.codec import TOO_DEEP, nests_deeper
 
@@ -94,16 +94,13 @@ class SessionHost(Protocol):
     @property
     def policy(self) -> StreamingPolicy: ...
 
-    async def open_rollout(self) -> str:
-        """Spend a credit for a new rollout and return its id; raise
-        :class:`EndpointError` (429) when none may start now."""
+    async def open_rollout(self) -> Rollout:
+        """A new rollout, on a credit spent for it and begun, which the
+        session writes its segments with; raise :class:`EndpointError`
+        (429) when none may start now."""
 
-    async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
-        """The rollout ended; ``abandoned``: without a reward (the replay drops it)."""
-
-    @property
-    def segments(self) -> SegmentSender:
-        """Where a session's rollout goes (the actor's replay link)."""
+    async def close_rollout(self, rollout: Rollout, abandoned: bool) -> None:
+        """The session ended; ``abandoned``: without a reward (the replay drops it)."""
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -148,13 +145,13 @@ def turn_key(message: dict[str, Any]) -> str:
 
 @dataclass
 class Session:
-    """One harness session: its recorder, the completions it was returned,
-    and the segments it has closed (sent, or the newest held back)."""
+    """One harness session: its recorder, its rollout (the segments it has
+    closed, sent or the newest held back), and the completions it was returned."""
 
     record: SessionRecord
-    task_id: str
-    writer: RolloutWriter
-    """The session's rollout on its way to the replay."""
+    rollout: Rollout
+    """The session's rollout, from the credit it spent to its last segment
+    or its abandonment: the host opened it, and closes it as the session ends."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     recorded: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
     """Completions as returned (:func:`turn_key`) -> the ids the policy sampled."""
@@ -279,10 +276,9 @@ class RecordingEndpoint:
             if session_id in self.ended:
                 raise EndpointError(409, "session_ended", f"session {session_id!r} has ended: "
                                     "a new episode needs a new session id")
-            rollout_id = await self.host.open_rollout()
-            task_id = request.headers.get("X-Task-Id") or session_id
-            session = Session(SessionRecord(session_id, rollout_id), task_id=task_id,
-                              writer=RolloutWriter(self.host.segments, rollout_id, task_id))
+            rollout = await self.host.open_rollout()
+            rollout.task_id = request.headers.get("X-Task-Id") or session_id
+            session = Session(SessionRecord(session_id, rollout.rollout_id), rollout)
             self.sessions[session_id] = session
         async with session.lock:
             if session.ended:
@@ -333,7 +329,7 @@ class RecordingEndpoint:
             session.recorded.popitem(last=False)
         session.previous, session.previous_key = messages, key
         rebuilds = session.record.rebuilds
-        await session.writer.add(session.record.record(prompt, generation, summary))
+        await session.rollout.add(session.record.record(prompt, generation, summary))
         self.host.metrics.endpoint_rebuilds.inc(session.record.rebuilds - rebuilds)
         self.host.metrics.endpoint_calls.labels("summary" if summary else "execution").inc()
         if response is not None:
@@ -354,24 +350,24 @@ class RecordingEndpoint:
                 raise EndpointError(409, "session_ended", f"session {session_id!r} has ended")
             record = session.record
             last = record.finish()
-            writer = session.writer
-            if last is None and writer.empty:
+            rollout = session.rollout
+            if last is None and rollout.empty:
                 await self._end(session_id, "abandoned")
                 raise EndpointError(409, "nothing_sampled", f"session {session_id!r} has no "
                                     "completion to reward: it is abandoned")
             result = EpisodeResult.of(
-                session.task_id, "done", body.reward,
+                rollout.task_id, "done", body.reward,
                 body.reward >= 1.0 if body.success is None else body.success,
                 steps=record.calls - record.summaries, compactions=record.summaries,
                 generated_tokens=record.generated_tokens, summary_tokens=record.summary_tokens,
                 duration_s=time.monotonic() - record.started, tags=body.tags,
                 summary_seconds=session.summary_seconds)
-            await writer.finish(last, result)
+            await rollout.finish(last, result)
             self.host.metrics.episode_finished(body.reward, result.stats,
                                                session.summary_seconds, 0, {})
             await self._end(session_id, "rewarded")
         return web.json_response({"session": session_id, "rollout_id": record.rollout_id,
-                                  "segments": session.writer.sent, "calls": record.calls,
+                                  "segments": session.rollout.sent, "calls": record.calls,
                                   "summaries": record.summaries, "rebuilds": record.rebuilds})
 
     async def _abandon(self, request: web.Request) -> web.Response:
@@ -402,7 +398,7 @@ class RecordingEndpoint:
             while len(self.ended) > ENDED_SESSIONS_KEPT:
                 self.ended.popitem(last=False)
         self.host.metrics.endpoint_sessions.labels(how).inc()
-        await self.host.close_rollout(session.record.rollout_id, abandoned=how == "abandoned")
+        await self.host.close_rollout(session.rollout, abandoned=how == "abandoned")
 
     def _asks_summary(self, messages: list[dict[str, Any]]) -> bool:
         marker = self.config.summary_prompt

@@ -1,9 +1,10 @@
 """The rollouts of harness sessions, as the recording endpoint opens and
 closes them (its :class:`~actors.recording_endpoint.SessionHost`): a session
 starts like one of the actor's own episodes, with weights fresh enough and a
-credit, or is refused (429: the harness retries); it counts in flight, the
-replay is told at once, and a session that ends without a reward gives its
-rollout up."""
+credit, or is refused (429: the harness retries); its rollout then lives as
+an episode's does (:class:`actors.rollout_writer.Rollout`), the session
+writing its segments with it, and a session that ends without a reward gives
+it up."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from actors.chat import ChatFormat
 from actors.config import ActorConfig
 from actors.engine import Engine
 from actors.recording_endpoint import EndpointError
-from actors.replay_link import ReplayLink
+from actors.rollout_writer import Rollout
 from actors.slots import EpisodeHost
 
 
@@ -26,35 +27,31 @@ class SessionRollouts:
         self.host = host
         self.metrics = host.metrics
 
-    @property
-    def segments(self) -> ReplayLink:
-        """Where a session's rollout goes (its :class:`RolloutWriter`)."""
-        return self.host.replay_link
-
-    async def open_rollout(self) -> str:
-        """A session's rollout, started like an episode: with weights fresh
+    async def open_rollout(self) -> Rollout:
+        """A session's rollout, begun like an episode's: with weights fresh
         enough and a credit, or refused (429, the harness retries)."""
-        host, credits = self.host, self.host.replay_link.credits
-        if host.stopping.is_set():
+        if self.host.stopping.is_set():
             raise EndpointError(503, "stopping", "the actor is stopping")
-        if not host.weights_fresh():
+        if not self.host.weights_fresh():
             raise EndpointError(429, "weights_behind", "the actor's weights are more than "
                                 "max_staleness versions behind the learner's: retry shortly")
-        if not credits.spend():
+        rollout = Rollout.take(self.host)
+        if rollout is None:
             raise EndpointError(429, "no_credit", "no rollout credit is free: retry shortly")
-        self.metrics.credits_held.set(credits.credits)
-        host.in_flight.begun()
-        self.metrics.active_rollouts.inc()
-        await host.tell_replay()
-        return host.in_flight.next_rollout()[1]
+        try:
+            await rollout.begin()
+        except BaseException:
+            # Cancelled (the harness went away) or failed while the replay was
+            # told: no session holds the rollout to close it, so it is given
+            # up here, its place in flight and its credit returned.
+            await self.close_rollout(rollout, abandoned=True)
+            raise
+        return rollout
 
-    async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
+    async def close_rollout(self, rollout: Rollout, abandoned: bool) -> None:
         """A session ended; ``abandoned``: without a reward, so the replay
-        drops the rollout and returns its credit. A rollout of an incarnation
-        already declared dead is not told: the replay expired it."""
-        self.host.in_flight.finished()
-        self.metrics.active_rollouts.dec()
+        drops the rollout and returns its credit."""
+        rollout.land()
         if abandoned:
             self.metrics.abandoned_rollouts.inc()
-            if self.host.in_flight.ours(rollout_id):
-                await self.host.replay_link.send_abandon(rollout_id)
+            await rollout.abandon()

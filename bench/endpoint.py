@@ -45,38 +45,32 @@ from actors.engine import Engine, quiet_vllm_logging
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.recording_endpoint import RecordingEndpoint
+from actors.rollout_writer import Rollout
 
 
 class BenchHost:
     """An actor that always has a credit and keeps, of the segments it is
     sent, each call's request: the tokens before each run of sampled tokens
     (its prompt) and the run's length; and when the first session opened
-    and the last one closed."""
+    and the last one closed. It is its rollouts' replay link too."""
 
     def __init__(self, engine: Engine, config: ActorConfig) -> None:
         self.config = config
         self.chat = ChatFormat(engine.tokenizer, config.compaction, config.environment)
         self.metrics = ActorMetrics()
         self.policy = engine
+        self.replay_link = self
         self.rollouts = 0
         self.requests: dict[str, list[tuple[list[int], int]]] = {}
         self.first_open = self.last_close = 0.0
 
-    async def open_rollout(self) -> str:
+    async def open_rollout(self) -> Rollout:
         self.rollouts += 1
         self.first_open = self.first_open or time.perf_counter()
-        return f"bench-{self.rollouts}"
+        return Rollout(self, self.rollouts, f"bench-{self.rollouts}")
 
-    async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
+    async def close_rollout(self, rollout: Rollout, abandoned: bool) -> None:
         self.last_close = time.perf_counter()
-
-    @property
-    def segments(self) -> BenchHost:
-        """Where the sessions' rollouts go: this host, which keeps their requests."""
-        return self
-
-    async def send_abandon(self, rollout_id: str) -> None:
-        """Never called: a session's abandon goes through :meth:`close_rollout`."""
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: ClosedSegment, result: EpisodeResult | None) -> None:

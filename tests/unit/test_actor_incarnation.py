@@ -171,16 +171,12 @@ async def _heartbeat_scenario(monkeypatch, engine: StandInEngine) -> None:
     socket = ScriptedSocket()
     actor = make_actor("actor-h", engine, socket, TransportConfig(heartbeat_interval_s=3600.0))
     monkeypatch.setattr("actors.slots.load_environment", lambda *_: _Environment())
-    credits = iter([True])
+    actor.replay_link.credits.grant(ledger=1, credits_total=1, credits=1)  # one episode
     finish = asyncio.Event()
-
-    async def take_credit() -> bool:
-        return next(credits, False)
 
     async def play(*_: object) -> None:
         await finish.wait()
 
-    actor.slots._take_credit = take_credit  # type: ignore[method-assign]
     actor.slots._play = play  # type: ignore[method-assign]
 
     async def reported() -> list[int]:
@@ -191,8 +187,9 @@ async def _heartbeat_scenario(monkeypatch, engine: StandInEngine) -> None:
     slot = asyncio.create_task(actor.slots._slot(0))
     assert await reported() == [1]  # at the start, not an interval later
     finish.set()
-    await slot
     assert await reported() == [1, 0]
+    actor.stopping.set()  # the slot waits for another credit until the actor stops
+    await slot
     heartbeat.cancel()
     await asyncio.gather(heartbeat, return_exceptions=True)
 

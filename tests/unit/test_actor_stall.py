@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.config import ActorConfig
 from actors.metrics import ActorMetrics
-from actors.slots import EpisodeSlots, InFlight
+from actors.rollout_writer import InFlight
+from actors.slots import EpisodeSlots
 from actors.state import CreditAccount, LearnerView
 
 #: Slots waiting, and for how long before the scrape.

@@ -21,6 +21,7 @@ from actors.context import ClosedSegment, Generation
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.recording_endpoint import MAX_BODY_NESTING, EndpointError, RecordingEndpoint
+from actors.rollout_writer import Rollout
 from tests.guides import guide_block
 
 CALL = {"name": "bash", "arguments": {"command": "ls"}}
@@ -49,28 +50,25 @@ class ScriptedPolicy:
 
 
 class Host:
-    """The actor's side: credits, and the segments it would send."""
+    """The actor's side: credits, the rollouts it opens and closes, and the
+    segments they would send (it is their replay link too)."""
 
     def __init__(self, chat: ChatFormat, config: ActorConfig, credits: int) -> None:
         self.config, self.chat, self.metrics = config, chat, ActorMetrics()
         self.policy = ScriptedPolicy(chat)
         self.credits = credits
+        self.replay_link = self
         self.sent: list[tuple[str, int, ClosedSegment, EpisodeResult | None]] = []
         self.closed: list[tuple[str, bool]] = []
 
-    async def open_rollout(self) -> str:
+    async def open_rollout(self) -> Rollout:
         if not self.credits:
             raise EndpointError(429, "no_credit", "no rollout credit is free")
         self.credits -= 1
-        return f"rollout-{len(self.closed)}-{self.credits}"
+        return Rollout(self, len(self.closed), f"rollout-{len(self.closed)}-{self.credits}")
 
-    async def close_rollout(self, rollout_id: str, abandoned: bool) -> None:
-        self.closed.append((rollout_id, abandoned))
-
-    @property
-    def segments(self) -> Host:
-        """Where the sessions' rollouts go: this fake, which keeps them."""
-        return self
+    async def close_rollout(self, rollout: Rollout, abandoned: bool) -> None:
+        self.closed.append((rollout.rollout_id, abandoned))
 
     async def send_segment(self, rollout_id: str, task_id: str, index: int,
                            segment: ClosedSegment, result: EpisodeResult | None) -> None:
@@ -168,6 +166,7 @@ def test_a_session_becomes_execution_and_summary_segments_with_the_reward_on_the
     assert last.tokens[:len(host.policy.prompts[3])] == host.policy.prompts[3]
     result = host.sent[-1][3]
     assert result is not None and result.reward == 1.0 and result.stats.success
+    assert result.task_id == "s1"  # no X-Task-Id: the session's id names its task
     assert (result.stats.steps, result.stats.compactions) == (3, 1)
     assert host.sent[0][3] is None and host.closed == [(host.sent[0][0], False)]
 
