@@ -1,2 +1,3 @@
 """Actor processes: a vLLM engine, compaction-enabled agent episodes against
-environments, segments pushed to the replay. Depends on ``protocol`` only."""
+environments, segments pushed to the replay. Depends on ``protocol`` and
+``ops`` only (tests/unit/test_package_layers.py)."""

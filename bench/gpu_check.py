@@ -4,15 +4,16 @@ GPU, whether NCCL accepts two ranks on the same GPU, and what the learner's
 PPO step costs on one GPU.
 
 The GPU machine it is written for has torch with CUDA and none of this
-project's dependencies. Parts 4 to 7 are standard library and torch only:
-their models are written here, not imported from transformers, and the
-learner part imports the learner's own torch-only modules from this
-checkout (its chunked log-softmax and its PPO losses). Parts 1 to 3
-run the project's ``protocol`` package from the checkout (``PYTHONPATH``
-names the checkout's root where the project is not installed), which needs
-pyzmq and msgspec: they are carried to the machine as wheels (docs/deploy.md,
-"The GPU check"); without them those parts report ``skipped: pyzmq/msgspec
-not installed`` and the rest runs.
+project's dependencies. Parts 4 to 6 are standard library and torch only,
+their models written here, not imported from transformers; the learner part
+(7) runs the learner's own sharding, log-probabilities and PPO step
+(``learner.models``, ``learner.ppo.PPOTrainer``) on such a model. Parts 1
+to 3 and 7 run the project's packages from the checkout (``PYTHONPATH``
+names the checkout's root where the project is not installed), which need
+pyzmq and msgspec (the transfer) and numpy and prometheus-client (the
+learner's package): they are carried to the machine as wheels
+(docs/deploy.md, "The GPU check"); without them those parts say which is
+missing and skip, and the rest runs.
 
 It measures, on GPU 0, the project's transfer first:
 
@@ -97,8 +98,9 @@ It measures, on GPU 0, the project's transfer first:
      of v are 2*2*hidden*seq/2 per layer forward, three times that with
      backward); with a value head, one body: 6*(N_policy + hidden + 1) +
      6*layers*hidden*seq.
-   - HFU, hardware FLOPs per token: the model FLOPs plus what the switches
-     compute again in backward: with per-layer checkpointing, every layer's
+   - HFU, hardware FLOPs per token: the model FLOPs plus what the step
+     computes again: the old values' forward where the step takes several
+     micro-batches (``old_values_forward``); with per-layer checkpointing, every layer's
      forward once more, 2*N_layers + 2*layers*hidden*seq per body (N_layers:
      the decoder layers' parameters); with the chunked log-softmax, the
      output layer's logits once more, 2*vocab*hidden.

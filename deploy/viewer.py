@@ -28,9 +28,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from actors.envs.keyvault import CODE_NAMES
 from deploy.config import load_config
 from deploy.fact_survival import mentions_in
+from learner.batch import shares_prefix
 from learner.samples import read_samples, rounded
 from ops.report import VIEWER_FILE
 from ops.timeline import TRACE_FILE, chrome_trace
@@ -93,31 +96,33 @@ def _sequence(trained: dict[str, Any], version: int, texts: list[str],
                        "lag": [version - v if v >= 0 else None for v in trained["versions"]]}}
 
 
-def held_out_sequences(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def held_out_sequences(segments: list[dict[str, Any]], share_prefixes: bool
+                       ) -> list[dict[str, Any]]:
     """A held-out episode's segments (deploy.evaluate.ShownEpisodes) as the
-    learner's sequences are cut: a summary segment, whose tokens begin with
-    the execution segment before it, extends that one. Only the behaviour
-    log-probability is known of their sampled tokens: nothing trained them."""
+    learner's sequences are cut (:func:`learner.batch.shares_prefix`, under
+    the run's ``share_prefixes``): a summary segment that extends the
+    execution segment before it goes into that one's sequence. Only the
+    behaviour log-probability is known of their sampled tokens: nothing
+    trained them."""
     sequences: list[dict[str, Any]] = []
+    previous: torch.Tensor | None = None  # the last sequence's tokens
     for segment in segments:
-        tokens, mask = segment["tokens"], segment["loss_mask"]
-        last = sequences[-1] if sequences else None
-        extends = (segment["type"] == "summary" and last is not None
-                   and last["segment_types"] == ["execution"]
-                   and tokens[:len(last["tokens"])] == last["tokens"])
-        start = len(last["tokens"]) if extends else 0
-        sampled = [p for p in range(start, len(tokens)) if mask[p]]
-        if extends:
-            sequence = last
-        else:
-            sequence = {"tokens": [], "trainable": [], "segment_types": [],
-                        "segment_lengths": [], "behaviour_logprob": []}
-            sequences.append(sequence)
-        sequence["tokens"] = tokens
+        tokens = torch.tensor(segment["tokens"], dtype=torch.int64)
+        mask = torch.tensor(segment["loss_mask"], dtype=torch.bool)
+        extends = (share_prefixes and previous is not None and shares_prefix(
+            sequences[-1]["segment_types"][-1], previous, segment["type"], tokens, mask))
+        start = len(previous) if extends else 0
+        sampled = [p for p in range(start, len(tokens)) if segment["loss_mask"][p]]
+        if not extends:
+            sequences.append({"tokens": [], "trainable": [], "segment_types": [],
+                              "segment_lengths": [], "behaviour_logprob": []})
+        sequence = sequences[-1]
+        sequence["tokens"] = segment["tokens"]
         sequence["trainable"] += sampled
         sequence["segment_types"].append(segment["type"])
         sequence["segment_lengths"].append(len(sampled))
         sequence["behaviour_logprob"] += rounded([segment["logprobs"][p] for p in sampled])
+        previous = tokens
     for sequence in sequences:
         n = len(sequence["trainable"])
         sequence.update(factors=[None] * len(sequence["segment_types"]), advantage=[None] * n,
@@ -153,7 +158,8 @@ def viewer_data(run_dir: Path, tokenizer: Any) -> dict[str, Any]:
         step = 0 if role == "baseline" else last_step
         held_out += [rollout(f"{role}-{episode['episode']}",
                              f"held-out episode {episode['episode']}, {HELD_OUT_ROLES[role]}",
-                             step, step, episode, held_out_sequences(episode["segments"]))
+                             step, step, episode,
+                             held_out_sequences(episode["segments"], config.learner.share_prefixes))
                      for episode in played["episodes"]]
     return {"run": run_dir.name, "environment": environment.factory, "quantities": QUANTITIES,
             "rollouts": held_out + rollouts,

@@ -148,7 +148,8 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                 mask = torch.zeros_like(mask)
                 step_rewards = None
             count = int(mask.sum())
-            if share_prefixes and _extends(previous, segment.segment_type, tokens, mask):
+            if share_prefixes and previous is not None and shares_prefix(
+                    previous.segment_type, previous.tokens, segment.segment_type, tokens, mask):
                 _merge(previous, segment.segment_type, tokens, mask, logprobs, versions,
                        step_rewards, count)
                 previous = None  # a sequence holds one summary at most
@@ -189,11 +190,16 @@ def _merge(previous: TrainSequence, segment_type: str, tokens: torch.Tensor, mas
     previous.segment_lengths.append(count)
 
 
-def _extends(previous: TrainSequence | None, segment_type: str, tokens: torch.Tensor,
-             mask: torch.Tensor) -> bool:
-    """Whether a summary segment's prompt is the execution sequence before it."""
-    if previous is None or segment_type != "summary" or previous.segment_type != "execution":
+def shares_prefix(previous_type: str, previous_tokens: torch.Tensor, segment_type: str,
+                  tokens: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether a segment (``tokens``, its loss ``mask``) goes into the
+    sequence before it (``previous_type``, ``previous_tokens``) under
+    ``share_prefixes``: a summary segment whose prompt is that execution
+    sequence, whole, with tokens after it. None of the prompt may be in the
+    loss, since the merged sequence keeps the earlier sequence's mask there.
+    The rollout viewer (deploy/viewer.py) cuts held-out episodes by it too."""
+    if previous_type != "execution" or segment_type != "summary":
         return False
-    n = len(previous.tokens)
+    n = len(previous_tokens)
     return (len(tokens) > n and not mask[:n].any()
-            and torch.equal(tokens[:n], previous.tokens))
+            and torch.equal(tokens[:n], previous_tokens))

@@ -98,7 +98,7 @@ def load_policy(path: str, dtype: torch.dtype = torch.float32,
         family_of(policy)  # refused here, before any training, if unknown
         if value_head:
             _add_value_head(policy)
-        return _with_policy_methods(policy)
+        return with_policy_methods(policy)
     policy = _policy_on_meta(path, dtype, trust_remote_code)
     if value_head:
         with torch.device("meta"):
@@ -129,11 +129,14 @@ def load_critic(path: str, dtype: torch.dtype = torch.float32,
     return _load_shards(critic, path, sharding)
 
 
-#: Methods every policy gets (see :func:`_with_policy_methods`).
+#: Methods every policy gets (see :func:`with_policy_methods`).
 POLICY_METHODS = ("chunked_token_logprobs", "logprobs_and_values")
 
 
-def _with_policy_methods(policy: nn.Module) -> nn.Module:
+def with_policy_methods(policy: nn.Module) -> nn.Module:
+    """``policy`` with the :data:`POLICY_METHODS` the learner's log-probabilities
+    call. Public for a causal LM of a known family built other than by
+    transformers (bench/gpu_parts/learner_part.py's plain-torch Qwen2)."""
     # methods of the model, so that shard() can have FSDP2 gather the
     # parameters for them as it does for forward
     policy.chunked_token_logprobs = MethodType(_chunked_token_logprobs, policy)
@@ -153,7 +156,7 @@ def _policy_on_meta(path: str, dtype: torch.dtype, trust_remote_code: bool) -> n
     family_of(policy)  # refused here, before any memory is given to it, if unknown
     # the mode from_pretrained leaves a model in, as the unsharded load does
     # (the trainer never switches it: PPO trains the policy it sampled with)
-    return _with_policy_methods(policy.eval())
+    return with_policy_methods(policy.eval())
 
 
 def _load_shards(model: nn.Module, path: str, sharding: Sharding) -> nn.Module:

@@ -11,9 +11,8 @@ from pathlib import Path
 from learner.control import ControlPlane
 from learner.members import ExclusionPolicy
 from learner.metrics import LearnerMetrics
-from learner.replay_client import ReplayClient
+from learner.replay_client import ReplayClient, TakenBatch
 from learner.settings import LearnerSettings
-from protocol import Batch
 from protocol.transport import listen_address
 
 
@@ -51,13 +50,11 @@ class Peers:
     def request(self, size: int, version: int) -> None:
         """Ask the replay for the next batch (unless a request is outstanding)."""
 
-    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
-        """The next Batch frame, or b"" once ``stopping()`` or weights are wanted."""
-        return b""
-
-    def taken(self) -> Batch | None:
-        """The batch :meth:`next_batch` returned last, already decoded (rank 0
-        decodes it once; the others decode the bytes they are broadcast)."""
+    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]
+                   ) -> TakenBatch | None:
+        """The next batch (its frame, and the batch decoded once), or None
+        once ``stopping()`` or weights are wanted. None on the other ranks:
+        they decode the frame rank 0 broadcasts them."""
         return None
 
     def close(self) -> None:
@@ -100,12 +97,10 @@ class RankZeroPeers(Peers):
     def request(self, size: int, version: int) -> None:
         self.link.request(size, version)
 
-    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]) -> bytes:
+    def next_batch(self, size: int, version: int, stopping: Callable[[], bool]
+                   ) -> TakenBatch | None:
         return self.link.next_batch(
             size, version, lambda: stopping() or self.control.table.publication_wanted(version))
-
-    def taken(self) -> Batch | None:
-        return self.link.taken
 
     def close(self) -> None:
         self.link.close()

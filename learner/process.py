@@ -204,12 +204,12 @@ class Learner:
             if publish_now:
                 self._publish(publisher)
             with span("waiting for a batch", lane="learner"):
-                frame = self.collectives.broadcast_bytes(peers.next_batch(
-                    batch_size, self.version, self._should_stop_waiting))
+                taken = peers.next_batch(batch_size, self.version, self._should_stop_waiting)
+                frame = self.collectives.broadcast_bytes(b"" if taken is None else taken.frame)
             if not frame:
                 continue  # stopping, or weights are wanted first
             with span("step", lane="learner", step=self.step + 1):
-                if not self._train(frame, peers.taken()):
+                if not self._train(frame, None if taken is None else taken.batch):
                     continue
             # ask now: the replay learns the new version before any actor
             # can sample with it, assembles while we publish, and releases

@@ -25,7 +25,7 @@ Usage::
 
     client = ReplayClient(address, transport, timeout_s, counters)
     welcome = client.hello()
-    frame = client.next_batch(size, version, interrupted)   # b"" once interrupted()
+    taken = client.next_batch(size, version, interrupted)   # None once interrupted()
     client.close()
 """
 
@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -102,6 +103,19 @@ class ReplayClientCounters:
     """Frames from the replay the client could not take, by ``reason``."""
 
 
+@dataclass(frozen=True)
+class TakenBatch:
+    """A batch the learner takes: the frame the other ranks are broadcast,
+    and the batch it holds, decoded once (rank 0 need not decode it again)."""
+
+    frame: bytes
+    batch: Batch
+
+
+#: The kind of reply a wait is for.
+Reply = TypeVar("Reply", bound=Message)
+
+
 class ReplayClient:
     def __init__(self, address: str, transport: TransportConfig, timeout_s: float,
                  counters: ReplayClientCounters) -> None:
@@ -117,29 +131,23 @@ class ReplayClient:
         """The outstanding ``batch_request`` (its batch not yet received), as sent."""
         self.disconnected_since: float | None = time.monotonic()
         """Since when no connection is up (None: one is)."""
-        self._frame = b""
-        """The frame :meth:`_next` read last."""
-        self.taken: Batch | None = None
-        """The batch :meth:`next_batch` returned last, decoded (its frame's
-        reader need not decode it again)."""
         self._last_batch: tuple[int, int] | None = None
         """(incarnation, seq) of the last batch taken: a resend of it is dropped."""
         self._taken: OrderedDict[str, None] = OrderedDict()
         """Rollout ids taken, newest last (``TAKEN_ROLLOUTS_MEMORY`` of them)."""
-        self._received: Message | None = None
-        """The reply :meth:`_next` read (a handler puts it here)."""
-        self._handlers = {LearnerWelcome: self._keep, Batch: self._keep, Error: self._refused}
+        self._handlers = {LearnerWelcome: self._awaited, Batch: self._awaited,
+                          Error: self._refused}
 
     def hello(self) -> LearnerWelcome:
         """Register; :class:`ReplayUnreachable` after ``timeout_s`` without an answer."""
         self.socket.send(encode(LearnerHello(**self.stamp.next())))
         deadline = time.monotonic() + self.timeout_s
-        while (message := self._next(LearnerWelcome)) is None:
+        while (reply := self._next(LearnerWelcome)) is None:
             if time.monotonic() > deadline:
                 raise ReplayUnreachable(f"the replay did not answer hello within "
                                         f"{self.timeout_s:g} s (learner.replay_timeout_s)")
         self._reconnected()  # the first connection is not a reconnection
-        return message
+        return reply[0]
 
     def request(self, size: int, version: int) -> None:
         """Send a ``batch_request`` unless one is outstanding."""
@@ -148,9 +156,10 @@ class ReplayClient:
                                                      policy_version=version))
             self.socket.send(self.request_frame)
 
-    def next_batch(self, size: int, version: int, interrupted: Callable[[], bool]) -> bytes:
-        """The next batch's frame, or b"" once ``interrupted()`` (the request
-        stays outstanding: its batch is the next one taken)."""
+    def next_batch(self, size: int, version: int, interrupted: Callable[[], bool]
+                   ) -> TakenBatch | None:
+        """The next batch, or None once ``interrupted()`` (the request stays
+        outstanding: its batch is the next one taken)."""
         self.request(size, version)
         began = time.perf_counter()
         try:
@@ -160,13 +169,13 @@ class ReplayClient:
                     log.info("reconnected to the replay: asking for the batch again")
                     self.socket.send(self.request_frame)
                 self._give_up_if_disconnected()
-                batch = self._next(Batch)
-                if batch is None:
+                reply = self._next(Batch)
+                if reply is None:
                     continue
-                if (frame := self._fresh(batch, self._frame)) is not None:
-                    return frame
+                if (taken := self._fresh(*reply)) is not None:
+                    return taken
                 self.request(size, version)  # nothing new in it: ask again
-            return b""
+            return None
         finally:
             self.counters.idle_seconds.inc(time.perf_counter() - began)
 
@@ -176,20 +185,22 @@ class ReplayClient:
         self.socket.close(linger=CLOSE_LINGER_MS)
         self.context.term()
 
-    def _next(self, kind: type[Message]) -> Message | None:
-        """The next reply within one wait slice if it is of ``kind`` (its
-        frame in ``_frame``), or None: other kinds are not awaited now."""
-        self._received = None
-        if self.socket.poll(WAIT_SLICE_MS, zmq.POLLIN):
-            self._frame = self.socket.recv()
-            read_reply(self._frame, self.max_bytes, self._handlers, self._dropped)
-        return self._received if isinstance(self._received, kind) else None
+    def _next(self, kind: type[Reply]) -> tuple[Reply, bytes] | None:
+        """The next reply within one wait slice and its frame, if it is of
+        ``kind``; None otherwise: other kinds are not awaited now."""
+        if not self.socket.poll(WAIT_SLICE_MS, zmq.POLLIN):
+            return None
+        frame = self.socket.recv()
+        message = read_reply(frame, self.max_bytes, self._handlers, self._dropped)
+        return (message, frame) if isinstance(message, kind) else None
 
-    def _keep(self, message: Message) -> None:
-        self._received = message
+    def _awaited(self, message: Message) -> None:
+        """A welcome or a batch: in the table so that it is taken, and
+        handled where it is awaited (:meth:`_next` returns it)."""
 
-    def _fresh(self, batch: Batch, frame: bytes) -> bytes | None:
-        """``frame`` without the rollouts taken before (None: nothing new)."""
+    def _fresh(self, batch: Batch, frame: bytes) -> TakenBatch | None:
+        """The batch in ``frame`` without the rollouts taken before (None:
+        nothing new)."""
         if (batch.incarnation, batch.seq) == self._last_batch:
             self.counters.duplicate_batches.inc()
             log.info("dropped a batch taken before (resent after a reconnect)")
@@ -208,10 +219,9 @@ class ReplayClient:
         if not fresh:
             return None
         if len(fresh) == len(batch.rollouts):
-            self.taken = batch
-            return frame
-        self.taken = msgspec.structs.replace(batch, rollouts=fresh)
-        return encode(self.taken)
+            return TakenBatch(frame, batch)
+        batch = msgspec.structs.replace(batch, rollouts=fresh)
+        return TakenBatch(encode(batch), batch)
 
     def _refused(self, error: Error) -> None:
         if error.code == ErrorCode.STALE_INCARNATION:

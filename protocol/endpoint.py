@@ -157,23 +157,26 @@ Dropped = Callable[[ProtocolError], None]
 
 
 def read_reply(frame: bytes | memoryview, max_message_bytes: int,
-               handlers: Mapping[type[Message], Callable[[Any], None]], dropped: Dropped) -> None:
+               handlers: Mapping[type[Message], Callable[[Any], None]],
+               dropped: Dropped) -> Message | None:
     """The client rule for one frame, for every client of the project (the
     actors' asyncio links, the learner's replay client): decode it once and
     hand it to the handler of its type; a frame that does not decode, or of
     a type the table lacks, is told to ``dropped`` (a client never answers a
-    reply)."""
+    reply). Returns the message handled (None: dropped), so that a client
+    that waits for a reply takes it from here, not from a handler's state."""
     try:
         message = decode(frame, max_message_bytes)
     except ProtocolError as exc:
         dropped(exc)
-        return
+        return None
     handler = handlers.get(type(message))
     if handler is None:
         dropped(ProtocolError(ErrorCode.UNEXPECTED, f"{type(message).__name__} is not for "
                               "this link", ref_seq=message.seq))
-    else:
-        handler(message)
+        return None
+    handler(message)
+    return message
 
 
 class ClientEndpoint:

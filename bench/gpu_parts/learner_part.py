@@ -1,14 +1,17 @@
-"""Part 6 of the GPU check: Qwen2-shaped policies and critics written in
-plain torch, a PPO step under FSDP2 on one rank with the learner's own
-chunked log-softmax and losses, its time, memory, MFU and HFU."""
+"""Part 6 of the GPU check: Qwen2-shaped policies written in plain torch,
+and the learner's own PPO step over them (:class:`learner.ppo.PPOTrainer`,
+its critic :class:`learner.models.Critic` around the same body), sharded by
+the learner's :func:`learner.models.shard` on a process group of one rank:
+its time, memory, MFU and HFU."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import math
 import tempfile
 import time
+from collections import namedtuple
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
@@ -18,31 +21,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
+# The learner's own sharding, log-probabilities and PPO step, from the
+# checkout (installed, or PYTHONPATH=.): what the learner part times is what
+# the learner runs, not a copy that can drift (copies did: one returned one
+# log-probability fewer per row, one backpropagated both losses at once where
+# the learner frees the critic's activations before the policy's forward).
+# They bring the learner package's own dependencies (numpy and msgspec for
+# protocol, prometheus_client for ops), which a GPU machine with torch alone
+# lacks unless they are carried as wheels (docs/deploy.md, "The GPU check").
 try:
-    from torch.distributed.fsdp import (
-        MixedPrecisionPolicy,
-        fully_shard,
-        register_fsdp_forward_method,
-    )
-except ImportError:  # torch before 2.6, which the GPU machine may have, names FSDP2 so
-    from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
-        MixedPrecisionPolicy,
-        fully_shard,
-        register_fsdp_forward_method,
-    )
-
-# The learner's own kernel and losses, torch only (learner/chunked_logprobs.py,
-# learner/losses.py), from the checkout (installed, or PYTHONPATH=.): what the
-# learner part times is what the learner runs, not a copy that can drift.
-try:
-    from learner.chunked_logprobs import ChunkedLogprobs
-    from learner.losses import policy_loss, value_loss
+    from learner.batch import TrainBatch, TrainSequence
+    from learner.config import LearnerConfig
+    from learner.families import FAMILIES
+    from learner.models import Critic, shard, token_logprobs, with_policy_methods
+    from learner.ppo import PPOTrainer
 except ModuleNotFoundError as missing:
+    _package = (missing.name or "").partition(".")[0]
     LEARNER_UNAVAILABLE: str | None = (
         f"skipped: the project's learner package is not importable ({missing}); run from the "
-        "checkout's root with PYTHONPATH=.")
+        "checkout's root with PYTHONPATH=." if _package in ("learner", "protocol", "ops")
+        else f"skipped: {_package}, which the learner package needs, is not installed "
+             f"({missing}); carry it as a wheel (docs/deploy.md, \"The GPU check\")")
 else:
     LEARNER_UNAVAILABLE = None
 
@@ -65,7 +65,6 @@ ROPE_THETA = 1_000_000.0  # Qwen2.5's config.json
 RMS_EPS = 1e-6  # idem
 INIT_STD = 0.02  # idem (initializer_range)
 POLICY_LR, CRITIC_LR = 1e-6, 5e-6  # deploy/configs/gpu-*.toml
-MAX_GRAD_NORM = 1.0  # learner.max_grad_norm's default
 SEED = 1234
 
 SWITCHES = ("checkpointing", "chunked_logprobs", "microbatches")
@@ -85,10 +84,14 @@ FLOP_FORMULA = (
     "is a lookup, not a matmul; attention causal: a token's q.k and weighted sum of v span "
     "seq/2 positions on average, 2*2*hidden*seq/2 per layer forward, three times that with "
     "backward); with a value head, one body: 6*(N_policy + hidden + 1) + 6*layers*hidden*seq. "
-    "Hardware FLOPs (HFU): the model FLOPs plus what the switches compute again in backward: "
+    "Hardware FLOPs (HFU): the model FLOPs plus what the switches compute again: "
     "with checkpointing, every layer's forward once more, 2*N_layers + 2*layers*hidden*seq per "
     "body (N_layers: the decoder layers' parameters); with chunked_logprobs, the output "
-    "layer's logits once more, 2*vocab*hidden")
+    "layer's logits once more, 2*vocab*hidden; with microbatches (several passes), the "
+    "forward that gives the old values before them (the advantages need every old value "
+    "before the first value loss: learner/ppo.py), the critic's 2*(N_critic - vocab*hidden) "
+    "+ 2*layers*hidden*seq, or with a value head the policy's and its head's "
+    "2*(N_policy + hidden + 1) + 2*layers*hidden*seq")
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+#: What the bodies and the causal LM return, as transformers' outputs are
+#: read (``.last_hidden_state``, ``.logits``); named tuples, so that FSDP2
+#: finds the tensors in them to hook for backward.
+BodyOutput = namedtuple("BodyOutput", "last_hidden_state")
+CausalLMOutput = namedtuple("CausalLMOutput", "logits")
+
+
 class Body(nn.Module):
     """Qwen2's transformer body: embeddings, decoder layers, final norm."""
 
@@ -195,17 +205,23 @@ class Body(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.layers))
         self.norm = RMSNorm(shape.hidden)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(ids)
-        cos, sin = rotary(ids.shape[1], self.head_dim, x.dtype, x.device)
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> BodyOutput:
+        """Called as the learner calls transformers' bodies; ``use_cache`` is
+        accepted for that and means nothing here (there is no cache)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary(input_ids.shape[1], self.head_dim, x.dtype, x.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.norm(x)
+        return BodyOutput(self.norm(x))
 
 
-class Policy(nn.Module):
+class Qwen2ForCausalLM(nn.Module):
     """A tied Qwen2 causal LM, its parameters under transformers' names (so
-    ``manifest`` lists them): the output layer is the embedding. With
+    ``manifest`` lists them): the output layer is the embedding. Named as
+    transformers' class, which is how learner/families.py knows its family
+    (body ``model``, layers ``model.layers``), and with the learner's policy
+    methods (:func:`learner.models.with_policy_methods`), so that the
+    learner's functions take it as they take a loaded policy. With
     ``value_head``, a scalar head on its body as well (the learner's
     ``critic = "value_head"``)."""
 
@@ -214,45 +230,24 @@ class Policy(nn.Module):
         self.model = Body(shape)
         if value_head:
             self.value_head = nn.Linear(shape.hidden, 1)
+        with_policy_methods(self)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.model(ids), self.model.embed_tokens.weight)
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
 
-    def chunked_token_logprobs(self, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-        """[B, L - 1] log-probability of tokens 1.. of ``ids``, the output layer
-        applied ``chunk`` positions at a time (as the learner's)."""
-        return self._logprobs(self.model(ids), ids, chunk)
-
-    def logprobs_and_values(self, ids: torch.Tensor, chunk: int
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, L - 1] log-probabilities (in chunks, or all logits at once with
-        ``chunk`` 0) and [B, L] values, from one pass through the body."""
-        hidden = self.model(ids)
-        return self._logprobs(hidden, ids, chunk), self.value_head(hidden)[..., 0].clone()
-
-    def _logprobs(self, hidden: torch.Tensor, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-        hidden, weight = hidden[:, :-1], self.model.embed_tokens.weight
-        if not chunk:
-            logits = F.linear(hidden, weight).float()
-            return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-        return ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, ids[:, 1:],
-                                     chunk)
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> CausalLMOutput:
+        hidden = self.model(input_ids=input_ids, use_cache=use_cache).last_hidden_state
+        return CausalLMOutput(F.linear(hidden, self.model.embed_tokens.weight))
 
 
-class Critic(nn.Module):
-    """The policy's body (its own copy) with a scalar head, as the learner's."""
-
-    def __init__(self, shape: Qwen2Shape) -> None:
-        super().__init__()
-        self.body = Body(shape)
-        self.head = nn.Linear(shape.hidden, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # a fresh tensor, not a view: FSDP2 hooks the module's output for backward
-        return self.head(self.body(ids)).squeeze(-1).clone()
+def critic_model(shape: Qwen2Shape) -> Critic:
+    """The learner's critic: a body of the policy's shape (its own copy) with
+    a scalar head."""
+    qwen2 = next(family for family in FAMILIES if family.name == "qwen2")
+    return Critic(Body(shape), shape.hidden, qwen2)
 
 
-def build(kind: type[Policy] | type[Critic], shape: Qwen2Shape, device: str,
+def build(kind: Callable[..., nn.Module], shape: Qwen2Shape, device: str,
           **options: bool) -> nn.Module:
     """Random float32 weights (the learner's master copy), allocated once on
     ``device``. The same seed for both kinds: the critic's body starts as the
@@ -272,80 +267,42 @@ def build(kind: type[Policy] | type[Critic], shape: Qwen2Shape, device: str,
     return model
 
 
-def shard(model: nn.Module, checkpointing: bool) -> nn.Module:
-    """As learner.models.shard: checkpoint each layer's forward (wrapped in
-    place, before sharding), then FSDP2 with each layer a unit of its own and
-    bf16 compute over float32 parameters, gradients reduced in float32."""
-    body = model.model if isinstance(model, Policy) else model.body
-    if checkpointing:
-        for layer in body.layers:
-            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in body.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    if isinstance(model, Policy):  # FSDP2 gathers the tied output layer for them too
-        for method in ("chunked_token_logprobs", "logprobs_and_values"):
-            register_fsdp_forward_method(model, method)
-    return model
+def learner_config(switches: frozenset[str], chunk_tokens: int, length: int) -> LearnerConfig:
+    """The learner's settings for a switch set: deploy/configs/gpu-*.toml's
+    learning rates, the critic a model or a value head, and the memory
+    switches as the learner reads them; "microbatches" is a token budget
+    of one sequence, so that each goes through the models alone."""
+    return LearnerConfig(
+        lr=POLICY_LR, critic_lr=CRITIC_LR,
+        critic="value_head" if "value_head" in switches else "model",
+        activation_checkpointing="on" if "checkpointing" in switches else "off",
+        logprob_chunk_tokens=chunk_tokens if "chunked_logprobs" in switches else 0,
+        max_tokens_per_microbatch=length if "microbatches" in switches else 0)
 
 
-def token_logprobs(policy: nn.Module, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """[B, L - 1] log-probability of tokens 1.. of ``ids``; with ``chunk_tokens``,
-    float32 logits exist for that many positions at a time."""
-    if chunk_tokens:
-        return policy.chunked_token_logprobs(ids, chunk_tokens)
-    logits = policy(ids)[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+def random_ids(shape: Qwen2Shape, sequences: int, length: int,
+               generator: torch.Generator) -> torch.Tensor:
+    """[sequences, length] token ids drawn at random."""
+    return torch.randint(shape.vocab, (sequences, length), generator=generator)
 
 
-def random_batch(shape: Qwen2Shape, sequences: int, length: int, device: str,
-                 seed: int) -> dict[str, torch.Tensor]:
-    """Token ids drawn at random, old log-probabilities near the uniform
-    distribution's (ratios near 1, some clipped), random advantages, returns
-    and old values."""
+def random_batch(shape: Qwen2Shape, sequences: int, length: int, seed: int) -> TrainBatch:
+    """Random token ids, each sequence a rollout of one execution segment
+    trained on every token after the first, with behaviour log-probabilities
+    near the uniform distribution's (importance weights near 1, some capped)
+    and a random reward."""
     generator = torch.Generator().manual_seed(seed)
-    per_token = (sequences, length - 1)
-    batch = {
-        "ids": torch.randint(shape.vocab, (sequences, length), generator=generator),
-        "old_logprobs": -math.log(shape.vocab) + 0.1 * torch.randn(per_token,
-                                                                   generator=generator),
-        "advantages": torch.randn(per_token, generator=generator),
-        "returns": torch.randn(per_token, generator=generator),
-        "old_values": torch.randn(per_token, generator=generator),
-    }
-    return {key: value.to(device) for key, value in batch.items()}
-
-
-def ppo_step(policy: nn.Module, critic: nn.Module | None,
-             optimizers: list[torch.optim.Optimizer], batch: dict[str, torch.Tensor],
-             switches: frozenset[str], chunk_tokens: int) -> None:
-    """One optimizer step of both models (or of the policy and its value
-    head, ``critic`` None) over the batch: clipped-ratio policy loss and
-    value loss, each divided by the step's token count (as the learner
-    divides by |M|, so passes add up to the whole batch's gradient)."""
-    ids = batch["ids"]
-    per_pass = 1 if "microbatches" in switches else len(ids)
-    chunk = chunk_tokens if "chunked_logprobs" in switches else 0
-    weights = torch.full_like(batch["advantages"], 1.0 / batch["advantages"].numel())
-    for start in range(0, len(ids), per_pass):
-        rows = slice(start, start + per_pass)
-        if critic is None:
-            logp, values = policy.logprobs_and_values(ids[rows], chunk)
-        else:
-            logp, values = token_logprobs(policy, ids[rows], chunk), critic(ids[rows])
-        values = values[:, :-1].float()  # V of the state before each token
-        old = batch["old_logprobs"][rows]  # pi_prox and mu alike: importance weights of 1
-        p_loss, _ = policy_loss(logp, old, old, batch["advantages"][rows], weights[rows])
-        v_loss, _ = value_loss(values, batch["old_values"][rows], batch["returns"][rows],
-                               weights[rows])
-        (p_loss + v_loss).backward()
-    for model in (policy, critic):
-        if model is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-    for optimizer in optimizers:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    ids = random_ids(shape, sequences, length, generator)
+    trainable = torch.arange(length) > 0
+    behaviour = -math.log(shape.vocab) + 0.1 * torch.randn(sequences, length,
+                                                            generator=generator)
+    rows = [TrainSequence(tokens, trainable.clone(), torch.where(trainable, logprobs, 0.0),
+                          rollout, "execution", [length - 1])
+            for rollout, (tokens, logprobs) in enumerate(zip(ids, behaviour, strict=True))]
+    return TrainBatch(rows, torch.rand(sequences, generator=generator, dtype=torch.float64),
+                      [f"task-{n}" for n in range(sequences)], [False] * sequences,
+                      [0] * sequences, [{} for _ in range(sequences)],
+                      [{} for _ in range(sequences)])
 
 
 def flop_count(shape: Qwen2Shape, lengths: tuple[int, ...]) -> dict[str, Any]:
@@ -362,9 +319,14 @@ def flop_count(shape: Qwen2Shape, lengths: tuple[int, ...]) -> dict[str, Any]:
     # per layer and token, forward: q.k over seq/2 positions on average
     # (causal) and the weighted sum of v, 2*hidden*seq/2 FLOPs each; backward
     # twice that
-    attention = {length: 6 * shape.layers * shape.hidden * length for length in lengths}
-    checkpointing = {str(length): 2 * n_layers + 2 * shape.layers * shape.hidden * length
-                     for length in lengths}
+    attention_forward = {length: 2 * shape.layers * shape.hidden * length for length in lengths}
+    attention = {length: 3 * forward for length, forward in attention_forward.items()}
+    checkpointing = {str(length): 2 * n_layers + attention_forward[length] for length in lengths}
+    old_values = {
+        "critic": {str(length): 2 * (n_critic - shape.vocab * shape.hidden) + forward
+                   for length, forward in attention_forward.items()},
+        "value_head": {str(length): 2 * (n_policy + shape.hidden + 1) + forward
+                       for length, forward in attention_forward.items()}}
     return {"formula": FLOP_FORMULA, "n_policy": n_policy, "n_critic": n_critic,
             "n_layers": n_layers, "dense_per_token": dense,
             "attention_per_token_per_model": {str(k): v for k, v in attention.items()},
@@ -372,7 +334,8 @@ def flop_count(shape: Qwen2Shape, lengths: tuple[int, ...]) -> dict[str, Any]:
             "per_token_value_head": {str(k): dense_value_head + v
                                      for k, v in attention.items()},
             "recomputed_per_token": {"checkpointing_per_body": checkpointing,
-                                     "chunked_logprobs": 2 * shape.vocab * shape.hidden}}
+                                     "chunked_logprobs": 2 * shape.vocab * shape.hidden,
+                                     "old_values_forward": old_values}}
 
 
 def flops_per_token(flops: dict[str, Any], length: int,
@@ -387,6 +350,11 @@ def flops_per_token(flops: dict[str, Any], length: int,
         hardware += (1 if value_head else 2) * recomputed["checkpointing_per_body"][seq]
     if "chunked_logprobs" in switches:
         hardware += recomputed["chunked_logprobs"]
+    # Both plans take two sequences a step: this switch makes two passes, and
+    # the old values need a forward of their own before them.
+    if "microbatches" in switches:
+        hardware += recomputed["old_values_forward"][
+            "value_head" if value_head else "critic"][seq]
     return {"model": model, "hardware": hardware}
 
 
@@ -409,14 +377,17 @@ def precision_and_export(name: str, shape: Qwen2Shape, device: str, plan: Learne
     """The policy's log-probabilities on random tokens with float32 parameters
     and compute, then the same module sharded with bf16 compute (the
     learner's); then every parameter gathered whole (``full_tensor``), cast
-    to bf16 as the engines load it, and written with ``torch.save``."""
-    policy = build(Policy, shape, device)
-    ids = random_batch(shape, plan.precision_sequences, plan.lengths[0], device, SEED)["ids"]
+    to bf16 as the engines load it, and written with ``torch.save``. The
+    errors are over tokens 1.. of each sequence: the learner's log-probability
+    of token 0 is a 0 it sets, not one the model computes."""
+    policy = build(Qwen2ForCausalLM, shape, device)
+    ids = random_ids(shape, plan.precision_sequences, plan.lengths[0],
+                     torch.Generator().manual_seed(SEED)).to(device)
     with torch.no_grad():
-        reference = token_logprobs(policy, ids, 0)
-        shard(policy, checkpointing=False)
-        bf16 = token_logprobs(policy, ids, 0)
-        chunked = token_logprobs(policy, ids, plan.chunk_tokens)
+        reference = token_logprobs(policy, ids, 0)[:, 1:]
+        shard(policy, bf16=True)
+        bf16 = token_logprobs(policy, ids, 0)[:, 1:]
+        chunked = token_logprobs(policy, ids, plan.chunk_tokens)[:, 1:]
         error = (bf16 - reference).abs()
         result: dict[str, Any] = {
             "logprob_error": {
@@ -446,28 +417,25 @@ def precision_and_export(name: str, shape: Qwen2Shape, device: str, plan: Learne
 
 def run_case(shape: Qwen2Shape, length: int, switches: frozenset[str], plan: LearnerPlan,
              device: str) -> dict[str, Any]:
-    """Fresh models and optimizers (so that the peak is this case's alone),
-    one warm-up step (it also allocates AdamW's state), then ``plan.steps``."""
-    checkpointing = "checkpointing" in switches
-    if "value_head" in switches:  # one model, the head at the critic's rate
-        policy = shard(build(Policy, shape, device, value_head=True), checkpointing)
-        critic = None
-        named = list(policy.named_parameters())
-        optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW([
-            {"params": [p for n, p in named if not n.startswith("value_head.")]},
-            {"params": [p for n, p in named if n.startswith("value_head.")], "lr": CRITIC_LR},
-        ], lr=POLICY_LR)]
-    else:
-        policy = shard(build(Policy, shape, device), checkpointing)
-        critic = shard(build(Critic, shape, device), checkpointing)
-        optimizers = [torch.optim.AdamW(policy.parameters(), lr=POLICY_LR),
-                      torch.optim.AdamW(critic.parameters(), lr=CRITIC_LR)]
-    batch = random_batch(shape, plan.sequences, length, device, SEED + length)
+    """Fresh models and the learner's trainer with its optimizers (so that
+    the peak is this case's alone), one warm-up step (it also allocates
+    AdamW's state), then ``plan.steps``, each :meth:`PPOTrainer.step` whole:
+    its passes in the learner's order, its advantages and its statistics."""
+    config = learner_config(switches, plan.chunk_tokens, length)
+
+    def sharded(model: nn.Module) -> nn.Module:
+        return shard(model, bf16=True, activation_checkpointing=config.activation_checkpointing)
+
+    value_head = config.critic == "value_head"
+    policy = sharded(build(Qwen2ForCausalLM, shape, device, value_head=value_head))
+    critic = None if value_head else sharded(build(critic_model, shape, device))
+    trainer = PPOTrainer(policy, critic, config)
+    batch = random_batch(shape, plan.sequences, length, SEED + length)
     times = []
     for _ in range(plan.steps + 1):
         synchronize(device)
         start = time.perf_counter()
-        ppo_step(policy, critic, optimizers, batch, switches, plan.chunk_tokens)
+        trainer.step(batch)
         synchronize(device)
         times.append(time.perf_counter() - start)
     return {"outcome": "ok", "step_seconds": median(times[1:]), "warmup_seconds": times[0],

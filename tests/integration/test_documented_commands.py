@@ -385,7 +385,8 @@ def check_carried_wheels(check: Check) -> None:
     """The GPU check's wheels are pinned at the versions of the project's environment."""
     pinned = dict(word.split("==") for word in shlex.split(check.documented.shell)
                   if "==" in word)
-    assert pinned == {name: version(name) for name in ("pyzmq", "msgspec")}, pinned
+    assert pinned == {name: version(name) for name in ("pyzmq", "msgspec", "numpy",
+                                                       "prometheus-client")}, pinned
 
 
 def check_carried_wheels_installed(check: Check) -> None:

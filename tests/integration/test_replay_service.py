@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import zmq
 
+from learner.replay_client import ReplayClient
 from protocol import (
     PROTOCOL_VERSION,
     Abandon,
@@ -533,6 +534,20 @@ def test_a_batch_lost_with_the_learner_s_connection_is_served_again(replay: Repl
         proxy.close()
 
 
+
+def taken_rollouts(link: ReplayClient, version: int) -> list[str]:
+    """The rollout ids of the next batch the learner's link takes (within
+    60 s), the same in the frame the other ranks are broadcast as in the
+    batch rank 0 trains."""
+    deadline = time.monotonic() + 60.0
+    batch = link.next_batch(2, version, lambda: time.monotonic() > deadline)
+    assert batch is not None, f"no batch for version {version} within 60 s"
+    broadcast = decode(batch.frame)
+    assert isinstance(broadcast, Batch)
+    rollouts = sorted(r.rollout_id for r in batch.batch.rollouts)
+    assert sorted(r.rollout_id for r in broadcast.rollouts) == rollouts
+    return rollouts
+
 def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
         replay: ReplayThread, tmp_path: Path) -> None:
     """Rank 0's link to the replay, through a proxy that cuts it: a batch lost
@@ -544,12 +559,7 @@ def test_the_learner_s_link_takes_each_batch_once_across_connection_drops(
     taken: list[list[str]] = []
 
     def take(version: int) -> None:
-        deadline = time.monotonic() + 60.0
-        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline)
-        assert frame, f"no batch for version {version} within 60 s"
-        batch = decode(frame)
-        assert isinstance(batch, Batch)
-        taken.append(sorted(r.rollout_id for r in batch.rollouts))
+        taken.append(taken_rollouts(link, version))
 
     try:
         assert link.hello().rollouts_per_batch == 2
@@ -808,12 +818,7 @@ def test_a_batch_taken_before_the_replay_died_is_trained_once(tmp_path: Path) ->
     taken: list[list[str]] = []
 
     def take(version: int) -> None:
-        deadline = time.monotonic() + 60.0
-        frame = link.next_batch(2, version, lambda: time.monotonic() > deadline)
-        assert frame, f"no batch for version {version} within 60 s"
-        batch = decode(frame)
-        assert isinstance(batch, Batch)
-        taken.append(sorted(r.rollout_id for r in batch.rollouts))
+        taken.append(taken_rollouts(link, version))
 
     try:
         link.hello()

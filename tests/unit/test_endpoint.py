@@ -23,7 +23,13 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.endpoint import MESSAGES_PER_PASS, ClientEndpoint, Received, ServerEndpoint
+from protocol.endpoint import (
+    MESSAGES_PER_PASS,
+    ClientEndpoint,
+    Received,
+    ServerEndpoint,
+    read_reply,
+)
 from tests.hostile_frames import nested_under_a_key
 
 
@@ -188,3 +194,19 @@ async def _client_scenario() -> None:
 
 def test_a_client_registers_until_welcomed_and_drops_what_it_cannot_take() -> None:
     asyncio.run(asyncio.wait_for(_client_scenario(), 60))
+
+
+def test_a_read_reply_is_returned_once_handled_and_nothing_for_a_dropped_frame() -> None:
+    """A client waiting for a reply takes it from the read, not from a
+    handler's state: the message its handler was given, or None."""
+    stamp = Stamp("server", 1)
+    error = Error(**stamp.next(), code=ErrorCode.FULL, text="full", ref_seq=3)
+    handled: list[Error] = []
+    dropped: list[ProtocolError] = []
+    assert read_reply(encode(error), 1 << 20, {Error: handled.append}, dropped.append) == error
+    assert handled == [error]
+    unexpected = encode(BatchRequest(**stamp.next(), size=1, policy_version=0))
+    for frame in (b"\xc1", unexpected):
+        assert read_reply(frame, 1 << 20, {Error: handled.append}, dropped.append) is None
+    assert [d.code for d in dropped] == [ErrorCode.MALFORMED, ErrorCode.UNEXPECTED]
+    assert handled == [error]

@@ -347,12 +347,14 @@ def test_a_dead_sender_or_a_differing_checksum_fails_the_check(gpu_check: Module
 def test_learner_models_have_the_published_shapes(common: ModuleType,
                                                   learner_part: ModuleType) -> None:
     """The policy written in the script has, name for name, the shapes of the
-    manifest (so its parameter count is Hugging Face's); the critic is the
-    same body plus a scalar head. Built on the meta device: nothing allocated."""
+    manifest (so its parameter count is Hugging Face's); the critic, the
+    learner's, is the same body plus a scalar head. Built on the meta device:
+    nothing allocated."""
     for name in learner_part.LEARNER_MODELS:
         shape = common.MODELS[name]
         with torch.device("meta"):
-            policy, critic = learner_part.Policy(shape), learner_part.Critic(shape)
+            policy = learner_part.Qwen2ForCausalLM(shape)
+            critic = learner_part.critic_model(shape)
         expected = dict(common.manifest(shape))
         assert {k: tuple(p.shape) for k, p in policy.named_parameters()} == expected
         assert {k: tuple(p.shape) for k, p in critic.named_parameters()} == {
@@ -392,57 +394,84 @@ def test_hardware_flops_add_what_the_switches_compute_again(common: ModuleType,
                                                             learner_part: ModuleType) -> None:
     """HFU's count: checkpointing runs every layer's forward again (the
     layers' matmuls and causal attention, per body), the chunked log-softmax
-    the output layer; MFU's count is the same whatever the switches."""
+    the output layer, and micro-batches a forward for the old values before
+    the passes (the critic's, or the policy's with its value head); MFU's
+    count is the same whatever the switches."""
     shape = common.MODELS["qwen2.5-0.5b"]
     flops = learner_part.flop_count(shape, (2048,))
     model, model_value_head = flops["per_token"]["2048"], flops["per_token_value_head"]["2048"]
-    layer_forward = 2 * flops["n_layers"] + 2 * shape.layers * shape.hidden * 2048
+    attention_forward = 2 * shape.layers * shape.hidden * 2048
+    layer_forward = 2 * flops["n_layers"] + attention_forward
     output_layer = 2 * shape.vocab * shape.hidden
+    critic_forward = 2 * (flops["n_critic"] - shape.vocab * shape.hidden) + attention_forward
+    value_head_forward = 2 * (flops["n_policy"] + shape.hidden + 1) + attention_forward
     expected = {
         frozenset(): (model, model),
-        frozenset({"microbatches"}): (model, model),
+        frozenset({"microbatches"}): (model, model + critic_forward),
         frozenset({"checkpointing"}): (model, model + 2 * layer_forward),
         frozenset({"chunked_logprobs"}): (model, model + output_layer),
-        frozenset(learner_part.SWITCHES): (model, model + 2 * layer_forward + output_layer),
+        frozenset(learner_part.SWITCHES): (
+            model, model + 2 * layer_forward + output_layer + critic_forward),
         learner_part.SWITCH_SETS["all_value_head"]: (
-            model_value_head, model_value_head + layer_forward + output_layer),
+            model_value_head,
+            model_value_head + layer_forward + output_layer + value_head_forward),
     }
     for switches, (model_flops, hardware_flops) in expected.items():
         assert learner_part.flops_per_token(flops, 2048, switches) == {
             "model": model_flops, "hardware": hardware_flops}, switches
     assert "2*N_layers + 2*layers*hidden*seq" in flops["formula"]
     assert "2*vocab*hidden" in flops["formula"]
+    assert "2*(N_critic - vocab*hidden) + 2*layers*hidden*seq" in flops["formula"]
 
 
-def test_chunked_logprobs_match_the_whole_pass(learner_part: ModuleType) -> None:
-    """The script's copy of the learner's chunked log-softmax: the same
-    values and gradients as log_softmax over whole logits (float32)."""
+def test_the_learner_s_log_probabilities_take_the_script_s_model_with_and_without_chunks(
+        learner_part: ModuleType) -> None:
+    """The plain-torch policy answers the learner's log-probability function
+    as a loaded policy does: [B, L] rows, 0 at token 0, the same values and
+    gradients whether the output layer runs in chunks or at once."""
     shape = learner_part.DRY_RUN_LEARNER_SHAPE
     ids = torch.randint(shape.vocab, (2, 37), generator=torch.Generator().manual_seed(0))
     results = []
     for chunk in (0, 16):
-        policy = learner_part.build(learner_part.Policy, shape, "cpu")
+        policy = learner_part.build(learner_part.Qwen2ForCausalLM, shape, "cpu")
         logprobs = learner_part.token_logprobs(policy, ids, chunk)
         logprobs.sum().backward()
         results.append((logprobs.detach(), [p.grad for p in policy.parameters()]))
     (whole, whole_grads), (chunked, chunked_grads) = results
-    assert whole.shape == (2, 36)
+    assert whole.shape == (2, 37) and not whole[:, 0].any()
     torch.testing.assert_close(chunked, whole)
     for chunked_grad, whole_grad in zip(chunked_grads, whole_grads, strict=True):
         torch.testing.assert_close(chunked_grad, whole_grad)
 
 
-def test_the_learner_part_runs_the_learner_s_own_kernel_and_losses(learner_part: ModuleType
-                                                                   ) -> None:
-    """The script imports the learner's torch-only modules from the checkout
-    instead of keeping copies that drift (one did: it summed the output
-    layer's bf16 gradient in bf16, the learner in float32)."""
-    from learner import chunked_logprobs, losses
+def test_the_learner_part_runs_the_learner_s_own_sharding_log_probabilities_and_step(
+        learner_part: ModuleType) -> None:
+    """The script imports the learner's functions from the checkout instead
+    of keeping copies that drift (they did: the output layer's bf16 gradient
+    summed in bf16, one log-probability fewer per row, both losses
+    backpropagated together where the learner frees the critic's
+    activations before the policy's forward)."""
+    from learner import models, ppo
 
-    assert learner_part.ChunkedLogprobs is chunked_logprobs.ChunkedLogprobs
-    assert learner_part.policy_loss is losses.policy_loss
-    assert learner_part.value_loss is losses.value_loss
+    assert learner_part.shard is models.shard
+    assert learner_part.token_logprobs is models.token_logprobs
+    assert learner_part.Critic is models.Critic
+    assert learner_part.PPOTrainer is ppo.PPOTrainer
 
+
+
+def test_without_a_learner_dependency_the_learner_part_says_which_to_carry() -> None:
+    """The GPU machine without a wheel the learner package needs (here
+    prometheus_client, which learner/ppo.py reaches through ops): the part
+    is skipped, naming the missing package."""
+    result = run_command([sys.executable, "-c", (
+        "import sys; sys.modules['prometheus_client'] = None; "
+        f"sys.path.insert(0, {str(SCRIPT.parent)!r}); "
+        "from gpu_parts.learner_part import LEARNER_UNAVAILABLE; print(LEARNER_UNAVAILABLE)")],
+        timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.startswith(
+        "skipped: prometheus_client, which the learner package needs, is not installed")
 
 @pytest.mark.slow
 def test_dry_run_learner_part(common: ModuleType, learner_part: ModuleType,

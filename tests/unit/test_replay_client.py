@@ -25,6 +25,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.synthetic import synthetic_batch
 from protocol.transport import TransportConfig
 from tests.ports import loopback_addresses
 from tests.processes import ReplayProcess
@@ -96,6 +97,23 @@ def test_the_client_gives_up_when_the_replay_stays_gone(fake: FakeReplay) -> Non
     finally:
         client.close()
 
+
+
+def test_the_client_returns_the_batch_it_takes_with_the_frame_it_came_in(
+        fake: FakeReplay) -> None:
+    client, _ = replay_client(fake.address, TIMEOUT_S, TRANSPORT)
+    served = synthetic_batch(rollouts=2)
+    try:
+        client.request(2, 0)
+        assert isinstance(fake.answer(lambda _: served), BatchRequest)
+        taken = client.next_batch(2, 0, lambda: False)
+        assert taken is not None and taken.frame == encode(served)
+        assert [r.rollout_id for r in taken.batch.rollouts] == ["r0", "r1"]
+        # interrupted before a batch came: none, and the request it sent stays outstanding
+        assert client.next_batch(2, 0, lambda: True) is None
+        assert client.request_frame is not None
+    finally:
+        client.close()
 
 @pytest.mark.parametrize(("code", "raised"), [(ErrorCode.INVALID, ReplayRefused),
                                               (ErrorCode.STALE_INCARNATION, LearnerReplaced)])

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deploy.cli import main
@@ -15,11 +16,15 @@ from deploy.viewer import (
     HELD_OUT_FILE,
     before_and_after,
     comparison_pair,
+    held_out_sequences,
     viewer_data,
     write_held_out,
     write_viewer,
 )
+from learner.batch import to_train_batch
 from ops.report import write_report
+from protocol import Batch, Rollout, Segment, StalenessStats
+from protocol.arrays import Array
 from tests.viewer_runs import SUMMARY, WINDOW, kept_run, played_held_out
 
 
@@ -126,3 +131,36 @@ def test_a_held_out_file_that_is_not_evaluations_is_left_out(tmp_path: Path, tok
     for text in ("not json", "[1, 2]", '{"trained": 7}', '{"trained": {}}'):
         (run_dir / HELD_OUT_FILE).write_text(text)
         assert viewer_data(run_dir, tokenizer)["pair"] == ["1-0", "2-1"]
+
+
+def test_held_out_episodes_are_cut_into_sequences_as_the_learner_cuts_them() -> None:
+    # (type, tokens, sampled positions): a summary that only repeats its
+    # window, one whose window holds a sampled token, and one that extends
+    # its window cleanly; the first two stay apart in the learner, as they
+    # now do in the viewer.
+    window = list(range(3, 13))
+    played = [("execution", window, [8, 9]), ("summary", window, []),
+              ("execution", window, [7, 8]), ("summary", window + [40, 41], [5, 10, 11]),
+              ("execution", window, [9]), ("summary", window + [50, 51], [10, 11]),
+              ("execution", window, [6])]
+    shown = [{"type": kind, "tokens": tokens,
+              "loss_mask": [p in sampled for p in range(len(tokens))],
+              "logprobs": [-0.5] * len(tokens)} for kind, tokens, sampled in played]
+    segments = [Segment(
+        sender_id="a", incarnation=0, seq=n, sent_at=0.0, rollout_id="r", task_id="t", index=n,
+        segment_type=e["type"], tokens=Array.from_numpy(np.array(e["tokens"], np.int32)),
+        loss_mask=Array.from_numpy(np.array(e["loss_mask"], np.uint8)),
+        logprobs=Array.from_numpy(np.array(e["logprobs"], np.float32)),
+        versions=Array.from_numpy(np.zeros(len(e["tokens"]), np.int32)),
+        final=n == len(shown) - 1, reward=1.0 if n == len(shown) - 1 else None)
+        for n, e in enumerate(shown)]
+    wire = Batch(sender_id="replay", incarnation=0, seq=0, sent_at=0.0, policy_version=0,
+                 rollouts=[Rollout(rollout_id="r", staleness=0, segments=segments)],
+                 staleness=StalenessStats(min=0, max=0, mean=0, p50=0, p95=0))
+    for share_prefixes, count in ((True, 6), (False, 7)):
+        learner = [(s.tokens.tolist(), s.trainable.nonzero().flatten().tolist(),
+                    s.segment_lengths)
+                   for s in to_train_batch(wire, True, share_prefixes).sequences]
+        viewer = [(s["tokens"], s["trainable"], s["segment_lengths"])
+                  for s in held_out_sequences(shown, share_prefixes)]
+        assert viewer == learner and len(viewer) == count
