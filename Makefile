@@ -18,6 +18,7 @@ PIP_NOISE := { grep -v "is ignored: it is neither a file nor a directory" || tru
 # ("operator torchvision::nms does not exist"). vLLM's text path does not need
 # them, so they are removed (tests/integration/test_environment.py checks).
 $(STAMP): pyproject.toml
+	rm -rf compactionrl.egg-info  # an older build's metadata would hide new entry points
 	$(PYTHON) -m venv $(VENV)
 	set -o pipefail; $(PY) -m pip install --quiet --upgrade pip 2>&1 | $(PIP_NOISE)
 	set -o pipefail; $(PY) -m pip install --quiet -e '.[cpu,dev,envs,tracking]' 2>&1 | $(PIP_NOISE)
@@ -63,16 +64,17 @@ test: $(STAMP) $(PROMETHEUS_STAMP) $(CHROMIUM_STAMP)
 
 # The quick tier for the inner loop, at most 3 minutes on 2 cores after the
 # install: ruff, the unit tests (the protocol's and the codec's among them)
-# and the documented commands' classification. It starts no vLLM engine (the
-# pass fails if one started: tests/conftest.py counts them) and no `up`;
+# but those that train the tiny model for steps (`trains`), and the
+# documented commands' classification. It starts no vLLM engine (the pass
+# fails if one started: tests/conftest.py counts them) and no `up`;
 # `make test` stays the gate.
 CLASSIFICATION := $(addprefix tests/integration/test_documented_commands.py::test_,\
 	every_documented_command_is_classified no_command_outside_a_shell_block \
 	paths_named_in_the_docs_exist the_command_table_is_read)
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -m "not slow and not exclusive" \
-		--max-engines 0 tests/unit $(CLASSIFICATION)
+	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder \
+		-m "not slow and not exclusive and not trains" --max-engines 0 tests/unit $(CLASSIFICATION)
 
 bench: $(STAMP)
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done

@@ -286,12 +286,6 @@ def engine_process_env(config: EngineConfig, on_cpu: bool) -> dict[str, str]:
             "OMP_PLACES": "{" + ",".join(map(str, cores)) + "}"}
 
 
-#: A file each engine start appends a line to where this is set: whoever
-#: starts many processes that start engines (the suite: tests/conftest.py)
-#: counts them, across every process, instead of estimating.
-ENGINE_STARTS_RECORD = "COMPACTIONRL_ENGINE_STARTS"
-
-
 @contextlib.contextmanager
 def engine_process_started(config: EngineConfig,
                            weight_timeout_s: float | None = None) -> Iterator[None]:
@@ -299,15 +293,9 @@ def engine_process_started(config: EngineConfig,
     :func:`engine_environment` set while the engine builds its
     configuration and spawns its engine-core process (which inherits it),
     and the caller's own settings restored after: the one place the engine's
-    settings enter the environment, at that process's start. Every engine
-    the project starts passes here, and is recorded where
-    :data:`ENGINE_STARTS_RECORD` says."""
+    settings enter the environment, at that process's start."""
     from vllm.platforms import current_platform
 
-    if record := os.environ.get(ENGINE_STARTS_RECORD):
-        # one short append: atomic beside other processes' (O_APPEND)
-        with open(record, "a") as starts:
-            starts.write(f"{os.getpid()}\n")
     with environment(engine_environment(config, current_platform.is_cpu(), weight_timeout_s)):
         yield
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
-from actors.engine import ENGINE_STARTS_RECORD
+from ops.engine_starts import ENGINE_STARTS_RECORD
 from protocol.transport import CurveConfig, generate_keys
 from protocol.weights import GROUP_TIMEOUT_S
 from tests.ports import xdist_share
@@ -68,9 +68,9 @@ def _reference_loop_s() -> float:
     return time.perf_counter() - began
 
 
-#: The file every engine start of this pass appends to (actors/engine.py
-#: ``ENGINE_STARTS_RECORD``), made by the controller (or a run without
-#: workers) and inherited by every process the pass starts.
+#: The file every engine start of this pass appends to (ops/engine_starts.py),
+#: made by the controller (or a run without workers) and inherited by every
+#: process the pass starts.
 ENGINE_STARTS: list[Path] = []
 
 
@@ -123,12 +123,13 @@ def _start_rank(item: pytest.Item) -> int:
     rank; ``make test`` passes ``--no-loadscope-reorder`` so xdist hands out
     groups in this order): the long groups first, the session engines' group
     (a dozen engine tests in a row) before all, the many short unit tests
-    (those not marked ``slow``) last, where they fill whichever worker is
+    (those marked neither ``slow`` nor ``trains``) last, where they fill whichever worker is
     done first. Otherwise a two-minute module handed out last keeps one
     worker busy while the other idles."""
     if SESSION_ENGINES.intersection(getattr(item, "fixturenames", ())):
         return 0
-    short = item.nodeid.startswith("tests/unit/") and item.get_closest_marker("slow") is None
+    short = (item.nodeid.startswith("tests/unit/") and item.get_closest_marker("slow") is None
+             and item.get_closest_marker("trains") is None)
     return 2 if short else 1
 
 

@@ -266,7 +266,7 @@ def check_make_check(check: Check) -> None:
     commands = make_dry_run("check")
     assert commands[0].endswith("ruff check ."), commands
     assert all(word in commands[1] for word in (
-        "tests/unit", '-m "not slow and not exclusive"', "--max-engines 0",
+        "tests/unit", '-m "not slow and not exclusive and not trains"', "--max-engines 0",
         "test_documented_commands.py::test_every_documented_command_is_classified")), commands
 
 
@@ -667,7 +667,8 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
     # docs/deploy.md: the GPU check's wheels, for a machine without the project
     "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
     "--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "
-    "--platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 msgspec==0.23.0": Offline(
+    "--platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 msgspec==0.23.0 numpy==2.3.5 "
+    "prometheus-client==0.26.0": Offline(
         "downloads from PyPI; here: the pins are the project's environment's versions",
         check_carried_wheels),
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "

@@ -31,6 +31,10 @@ from starting_points.keyvault_bootstrap import (
     training_sequences,
 )
 
+#: Each trains the tiny model for steps (seconds to a minute): make check leaves
+#: them to make test.
+pytestmark = pytest.mark.trains
+
 
 def play(tokenizer, drop: float, episodes: int = 40, ordered: bool = False):
     actors = load_config(None, []).actors

@@ -34,6 +34,10 @@ from learner.models import engine_parameters, is_value_head, load_critic, load_p
 from learner.ppo import PPOTrainer
 from protocol.synthetic import synthetic_batch
 
+#: Each trains the tiny model for steps (seconds to a minute): make check leaves
+#: them to make test.
+pytestmark = pytest.mark.trains
+
 
 def fresh(model: Path, critic: str = "model") -> PPOTrainer:
     torch.manual_seed(0)

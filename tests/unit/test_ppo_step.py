@@ -28,6 +28,10 @@ from protocol.synthetic import synthetic_batch
 from tests.tolerances import logprob_tolerance, rounding_tolerance
 from tests.trainers import plain_sgd, trained_modules
 
+#: Each trains the tiny model for steps (seconds to a minute): make check leaves
+#: them to make test.
+pytestmark = pytest.mark.trains
+
 
 def trainer(model_dir: Path, dtype: torch.dtype = torch.float32, **changes) -> PPOTrainer:
     """A trainer on the model in ``model_dir``, its critic a model of its

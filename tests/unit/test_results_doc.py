@@ -173,6 +173,7 @@ def test_every_recipe_has_its_folder_section_kept_base_and_title(ablations) -> N
         assert len({output[position] for output in outputs}) == len(outputs)
 
 
+@pytest.mark.trains  # twenty steps of the tiny model
 def test_the_blind_critic_stays_at_its_zero_values_over_more_steps_than_a_table_makes(
         ablations) -> None:
     """The critic's optimiser as the learner builds it (AdamW at critic_lr) on
