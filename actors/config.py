@@ -330,6 +330,11 @@ class ActorConfig:
         if "{task}" not in c.resume_template or "{summary}" not in c.resume_template:
             problems.append(f"{section}.compaction.resume_template must contain {{task}} and "
                             "{summary}")
+        if self.group_size > self.concurrent_episodes:
+            problems.append(f"{section}.group_size = {self.group_size} exceeds "
+                            f"{section}.concurrent_episodes = {self.concurrent_episodes}: the "
+                            "replay grants a group's credits together, so an actor must be able "
+                            "to run a whole group at once")
         env = self.environment
         if ":" not in env.factory:
             problems.append(f"{section}.environment.factory = {env.factory!r}: expected "

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from actors.config import CompactionConfig
-from protocol import Array, RolloutStats, Segment
+from protocol import Array, GroupTag, RolloutStats, Segment
 
 #: A step needs at least this many tokens for the action itself beyond its
 #: header and footer; fewer means the window is full.
@@ -109,11 +109,12 @@ class ClosedSegment:
     rewards: list[float] = field(default_factory=list)
     """Per-step rewards, each on the last token of the action that earned it."""
 
-    def to_message(self, header: dict[str, Any], rollout_id: str, task_id: str, index: int,
-                   reward: float | None = None, stats: RolloutStats | None = None) -> Segment:
+    def to_message(self, header: dict[str, Any], rollout_id: str, task_id: str,
+                   group: GroupTag | None, index: int, reward: float | None = None,
+                   stats: RolloutStats | None = None) -> Segment:
         """The wire message; ``reward`` (and ``stats``) make it the rollout's final one."""
         return Segment(
-            **header, rollout_id=rollout_id, task_id=task_id, index=index,
+            **header, rollout_id=rollout_id, task_id=task_id, group=group, index=index,
             segment_type=self.segment_type,
             tokens=Array.from_numpy(np.asarray(self.tokens, dtype=np.int32)),
             loss_mask=Array.from_numpy(np.asarray(self.loss_mask, dtype=np.uint8)),

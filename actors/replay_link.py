@@ -33,6 +33,7 @@ from protocol import (
     Error,
     ErrorCode,
     Goodbye,
+    GroupTag,
     Hello,
     Message,
     ProtocolError,
@@ -87,27 +88,30 @@ class ReplayLink:
     def hello(self) -> Hello:
         return Hello(**self.incarnation.header(), engine=self.engine_info,
                      capacity=self.config.concurrent_episodes, token=self.incarnation.token,
-                     metrics_address=self.metrics_address)
+                     metrics_address=self.metrics_address, group_size=self.config.group_size)
 
     async def leave(self) -> None:
         """Say goodbye, the incarnation's last message: the replay gives its
         unfinished rollouts up and its credits to the other actors at once."""
         await self.link.send(Goodbye(**self.incarnation.header()))
 
-    async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
+    async def send_segment(self, rollout_id: str, task_id: str, group: GroupTag | None,
+                           index: int, segment: ClosedSegment, result: EpisodeResult | None
+                           ) -> None:
         """Send a closed segment (``result``: the episode's, with the final one)."""
         header = self.incarnation.header()
-        message = segment.to_message(header, rollout_id, task_id, index,
+        message = segment.to_message(header, rollout_id, task_id, group, index,
                                      None if result is None else result.reward,
                                      None if result is None else result.stats)
         self.metrics.segments_sent.inc()
         await self._send_kept(header["seq"], encode(message))
 
-    async def send_abandon(self, rollout_id: str) -> None:
-        """Tell the replay a rollout is given up: it drops it and returns its credit."""
+    async def send_abandon(self, rollout_id: str, group: GroupTag | None) -> None:
+        """Tell the replay a rollout (of ``group``) is given up: it drops it
+        and returns its credit."""
         header = self.incarnation.header()
-        await self._send_kept(header["seq"], encode(Abandon(**header, rollout_id=rollout_id)))
+        await self._send_kept(header["seq"], encode(Abandon(**header, rollout_id=rollout_id,
+                                                            group=group)))
 
     async def _send_kept(self, seq: int, frame: bytes) -> None:
         """Send a frame the replay acknowledges by seq, kept and resent until it does."""

@@ -35,13 +35,15 @@ from actors.context import ClosedSegment
 from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.replay_link import ReplayLink
+from protocol import GroupTag
 
 
 class SegmentSender(Protocol):
     """Where a rollout's segments go (:class:`actors.replay_link.ReplayLink`)."""
 
-    async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: ClosedSegment, result: EpisodeResult | None) -> None: ...
+    async def send_segment(self, rollout_id: str, task_id: str, group: GroupTag | None,
+                           index: int, segment: ClosedSegment, result: EpisodeResult | None
+                           ) -> None: ...
 
 
 class InFlight:
@@ -95,6 +97,8 @@ class RolloutWriter:
         self.sender = sender
         self.rollout_id = rollout_id
         self.task_id = task_id
+        self.group: GroupTag | None = None
+        """The group it belongs to (its actor's episodes with ``group_size`` > 1)."""
         self.sent = 0
         """Segments sent so far (the next one's index)."""
         self.held: ClosedSegment | None = None
@@ -132,7 +136,8 @@ class RolloutWriter:
             await self.finish(segment, result)
 
     async def _send(self, segment: ClosedSegment, result: EpisodeResult | None) -> None:
-        await self.sender.send_segment(self.rollout_id, self.task_id, self.sent, segment, result)
+        await self.sender.send_segment(self.rollout_id, self.task_id, self.group, self.sent,
+                                       segment, result)
         self.sent += 1
 
 
@@ -176,4 +181,4 @@ class Rollout(RolloutWriter):
         credit. One of an incarnation already declared dead is not told:
         the replay expired it."""
         if self.host.in_flight.ours(self.rollout_id):
-            await self.host.replay_link.send_abandon(self.rollout_id)
+            await self.host.replay_link.send_abandon(self.rollout_id, self.group)

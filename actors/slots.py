@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
+from collections.abc import Iterator
 from typing import Protocol
 
 from actors.chat import ChatFormat
@@ -26,6 +28,7 @@ from actors.episode import run_episode
 from actors.rollout_writer import Rollout, RolloutHost
 from actors.state import LearnerView
 from ops.timeline import set_lane, span
+from protocol import GroupTag
 
 log = logging.getLogger("compactionrl.actor")
 
@@ -76,6 +79,8 @@ class EpisodeSlots:
         self.open_rollouts: dict[str, Rollout] = {}
         """The rollouts of this incarnation's own episodes begun and not yet
         finished (final segment sent) nor given up, by id."""
+        self._counting: tuple[int, Iterator[int]] = -1, itertools.count()
+        """(incarnation, the count of its own episodes)."""
 
     def start(self, count: int) -> None:
         self.tasks = [asyncio.create_task(self._slot(k)) for k in range(count)]
@@ -110,10 +115,14 @@ class EpisodeSlots:
     async def _episode(self, environment: Environment, rollout: Rollout) -> bool:
         """One episode, its rollout finished or given up; False once the engine
         is dead (the slot ends)."""
+        size = self.config.group_size
+        group = self._episode_number() // size
+        if size > 1:
+            rollout.group = GroupTag(id=f"group-{group}", size=size)
         task_seed, sampling_seed = (
             training_seed(self.run_seed, self.in_flight.actor_id, self.in_flight.incarnation,
                           number)
-            for number in (rollout.number // self.config.group_size, rollout.number))
+            for number in (group, rollout.number))
         self.playing += 1
         self.open_rollouts[rollout.rollout_id] = rollout
         try:
@@ -132,6 +141,14 @@ class EpisodeSlots:
             self.playing -= 1
             rollout.land()
         return True
+
+    def _episode_number(self) -> int:
+        """The episode's number among the incarnation's own, from 0: groups
+        are consecutive episodes (a harness session's rollout takes no
+        number here, so it splits no group)."""
+        if self._counting[0] != self.in_flight.incarnation:
+            self._counting = self.in_flight.incarnation, itertools.count()
+        return next(self._counting[1])
 
     async def _take_credit(self) -> Rollout | None:
         """Wait for weights fresh enough and a credit, and spend it on a new

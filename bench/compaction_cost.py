@@ -79,9 +79,9 @@ def as_batch(segments: dict[int, list[ClosedSegment]], results: list[EpisodeResu
     rollouts = []
     for n, result in enumerate(results):
         kept = [s for s in segments[n] if keep_summaries or s.segment_type != "summary"]
-        messages = [s.to_message(stamp.next(), f"episode-{n}", result.task_id, i)
+        messages = [s.to_message(stamp.next(), f"episode-{n}", result.task_id, None, i)
                     for i, s in enumerate(kept[:-1])]
-        messages.append(kept[-1].to_message(stamp.next(), f"episode-{n}", result.task_id,
+        messages.append(kept[-1].to_message(stamp.next(), f"episode-{n}", result.task_id, None,
                                             len(kept) - 1, result.reward, result.stats))
         rollouts.append(Rollout(rollout_id=f"episode-{n}", staleness=0, segments=messages))
     return Batch(**stamp.next(), policy_version=0, rollouts=rollouts,

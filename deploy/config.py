@@ -155,6 +155,11 @@ class JobConfig:
             problems.append(f"learner.advantage = \"{self.learner.advantage}\" needs groups of "
                             "episodes on the same task: set actors.group_size >= 2 (every "
                             "advantage would be 0)")
+        if self.replay.rollouts_per_batch % self.actors.group_size:
+            problems.append(f"replay.rollouts_per_batch = {self.replay.rollouts_per_batch} is not "
+                            f"a multiple of actors.group_size = {self.actors.group_size}: the "
+                            "replay serves groups whole, so a batch would hold more rollouts "
+                            "than B (docs/replay.md, \"Groups\")")
         problems += self._shared_ports()
         problems += static_device_problems(self.learner, self.actors)
         problems += self.model_problems()

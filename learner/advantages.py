@@ -21,10 +21,12 @@ which is the fixed-lambda form when every lambda_j is the same.
 ``mode="independent"`` skips that discount (the ablation). Value targets are
 the local returns A_loc + V. ``"grpo"`` (the ablation without a critic's
 credit) gives every token of a rollout (R - mean) / (std + eps) over the
-rollouts of its task in the batch, each rollout counted once.
+rollouts of its group in the batch (the replay serves a group whole:
+docs/replay.md, "Groups"), each rollout counted once.
 ``"grpo_segments"`` takes the group's mean and std over its segments
 instead, each carrying its rollout's reward, so that a rollout that
-compacted k times counts k + 1 times in them: GRPO as frameworks that train
+compacted k times counts 2k + 1 times in them (its k + 1 execution
+segments and k summaries): GRPO as frameworks that train
 each segment as a sample run it (the bias the paper names).
 :func:`advantages_and_returns` is the one entry point for the four.
 """
@@ -61,7 +63,7 @@ def advantages_and_returns(
     segment_lengths: torch.Tensor,
     segment_rollout: torch.Tensor,
     rewards: torch.Tensor,
-    task_ids: Sequence[str],
+    groups: Sequence[str],
     gamma: float,
     lam: float | torch.Tensor,
     token_rewards: torch.Tensor | None = None,
@@ -71,7 +73,7 @@ def advantages_and_returns(
     """(advantages [T], returns [T]) of the trainable tokens of some of a
     batch's rollouts (a rank's share), concatenated segment by segment, each
     rollout's segments together. ``segment_rollout`` [S] indexes the batch's
-    ``rewards`` [R] and ``task_ids`` [R] (grpo's groups span the whole batch);
+    ``rewards`` [R] and ``groups`` [R] (grpo's groups span the whole batch);
     ``token_rewards`` [T], the environment's per-step rewards on the trainable
     tokens, join the final reward in GAE's per-token rewards (grpo compares
     final rewards only); the returns are the local returns whatever the mode.
@@ -89,22 +91,22 @@ def advantages_and_returns(
         "independent" if mode == "independent" else "cross", token_rewards, factors)
     if mode in ("grpo", "grpo_segments"):
         counts = segments_per_rollout if mode == "grpo_segments" else None
-        per_rollout = group_relative(rewards, task_ids, counts)[segment_rollout]
+        per_rollout = group_relative(rewards, groups, counts)[segment_rollout]
         advantages = torch.repeat_interleave(per_rollout, segment_lengths.long()).to(
             advantages.dtype)
     return advantages, returns
 
 
-def group_relative(rewards: torch.Tensor, task_ids: Sequence[str],
+def group_relative(rewards: torch.Tensor, groups: Sequence[str],
                    counts: torch.Tensor | None = None) -> torch.Tensor:
-    """[R] (R - mean) / (std + eps) over the rollouts of each one's task,
-    each rollout counted ``counts[r]`` times in its group's mean and std
-    (None: once)."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for index, task in enumerate(task_ids):
-        groups[task].append(index)
+    """[R] (R - mean) / (std + eps) over the rollouts of each one's group
+    (``groups[r]``), each rollout counted ``counts[r]`` times in its group's
+    mean and std (None: once)."""
+    members_of: dict[str, list[int]] = defaultdict(list)
+    for index, name in enumerate(groups):
+        members_of[name].append(index)
     result = torch.zeros(len(rewards), dtype=torch.float64)
-    for members in groups.values():
+    for members in members_of.values():
         group = rewards[members].double()
         weight = (torch.ones(len(members), dtype=torch.float64) if counts is None
                   else counts[members].double())

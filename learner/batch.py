@@ -15,6 +15,7 @@ ranks see the same minibatches.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -60,17 +61,34 @@ class TrainBatch:
     rewards: torch.Tensor
     """float64 [R]"""
     task_ids: list[str]
-    """[R], for group-relative advantages."""
+    """[R], the tasks played."""
     successes: list[bool]
     compactions: list[int]
     tags: list[dict[str, str]]
     """[R], the tasks' labels (``RolloutStats.tags``)."""
     infos: list[dict[str, str | bool | float]]
     """[R], the environments' last ``info`` (``RolloutStats.info``)."""
+    groups: list[str]
+    """[R], whom group-relative advantages compare each rollout with: the
+    rollouts of its ``Segment.group`` (one actor incarnation's), or, without
+    one, of its task."""
+    group_sizes: list[int]
+    """[R], G of each rollout's group (``GroupTag.size``); 0 without one."""
 
     @property
     def num_rollouts(self) -> int:
         return len(self.rewards)
+
+    def grouped_rollouts(self) -> dict[bool, int]:
+        """Rollouts with a group, by whether all G of their group are in the
+        batch: what ``advantage = grpo`` assumes of each group."""
+        present = Counter(group for group, size in zip(self.groups, self.group_sizes, strict=True)
+                          if size)
+        counts = {True: 0, False: 0}
+        for group, size in zip(self.groups, self.group_sizes, strict=True):
+            if size:
+                counts[present[group] == size] += 1
+        return counts
 
     def rollout_tokens(self) -> list[int]:
         counts = [0] * self.num_rollouts
@@ -123,6 +141,8 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
     rewards, task_ids, successes, compactions = [], [], [], []
     tags: list[dict[str, str]] = []
     infos: list[dict[str, str | bool | float]] = []
+    groups: list[str] = []
+    group_sizes: list[int] = []
     for index, rollout in enumerate(batch.rollouts):
         if not rollout.segments or not rollout.segments[-1].final:
             raise BatchError(f"rollout {rollout.rollout_id} has no final segment")
@@ -164,8 +184,12 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                            sum(s.segment_type == "summary" for s in rollout.segments))
         tags.append(dict(final.stats.tags) if final.stats else {})
         infos.append(dict(final.stats.info) if final.stats else {})
+        tag = final.group
+        groups.append(repr(("task", final.task_id) if tag is None
+                           else ("group", final.sender_id, final.incarnation, tag.id)))
+        group_sizes.append(0 if tag is None else tag.size)
     return TrainBatch(sequences, torch.tensor(rewards, dtype=torch.float64), task_ids,
-                      successes, compactions, tags, infos)
+                      successes, compactions, tags, infos, groups, group_sizes)
 
 
 def _merge(previous: TrainSequence, segment_type: str, tokens: torch.Tensor, mask: torch.Tensor,

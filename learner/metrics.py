@@ -117,6 +117,12 @@ class LearnerMetrics:
         for bucket in COMPACTION_BUCKETS:  # from 0: a share over buckets sees every one
             self.loss_weight.labels(bucket)
             self.trained_rollouts.labels(bucket)
+        self.group_rollouts = Counter(
+            "crl_learner_group_rollouts", "Rollouts trained on that belong to a group "
+            "(Segment.group), by whether all G of their group were in the same batch: "
+            "group-relative advantages assume they were", ["complete"], registry=r)
+        for complete in ("true", "false"):
+            self.group_rollouts.labels(complete)
         self.trained_segments = Counter(
             "crl_learner_trained_segments", "Segments with trainable tokens trained on, by type",
             ["segment_type"], registry=r)
@@ -140,7 +146,10 @@ class LearnerMetrics:
 
     def record(self, metrics: dict[str, float], rewards: list[float], successes: list[bool],
                compactions: list[int], seconds: float, version: int, step: int,
-               tags: list[dict[str, str]] | None = None) -> None:
+               tags: list[dict[str, str]] | None = None,
+               grouped: dict[bool, int] | None = None) -> None:
+        """One step's figures; ``grouped``: its rollouts with a group, by
+        whether their whole group was in the batch (``TrainBatch.grouped_rollouts``)."""
         self.step_seconds.observe(seconds)
         self.tokens.inc(metrics.get("tokens", 0.0))
         self.resumed(version, step)
@@ -157,6 +166,8 @@ class LearnerMetrics:
             self.rollout_reward.observe(reward)
             self.rollout_compactions.observe(count)
             self.trained_rollouts.labels(compaction_bucket(count)).inc()
+        for complete, count in (grouped or {}).items():
+            self.group_rollouts.labels(str(complete).lower()).inc(count)
         for bucket in COMPACTION_BUCKETS:
             self.loss_weight.labels(bucket).inc(metrics.get(f"loss_weight/{bucket}", 0.0))
         for label, chosen in (("true", [s for s, c in zip(successes, compactions, strict=True)

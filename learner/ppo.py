@@ -327,7 +327,7 @@ def _gae(config: LearnerConfig, batch: TrainBatch, sequences: list[TrainSequence
             segments_per_rollout[sequence.rollout] += len(sequence.segment_lengths)
     flat_adv, flat_ret = advantages_and_returns(
         config.advantage, flat_values.double(), lengths, rollout_of, batch.rewards,
-        batch.task_ids, config.gamma, lam, step_rewards, segments_per_rollout, factors)
+        batch.groups, config.gamma, lam, step_rewards, segments_per_rollout, factors)
     advantages, returns, offset = [], [], 0
     for sequence in sequences:
         n = sum(sequence.segment_lengths)

@@ -277,7 +277,7 @@ class Learner:
         self.step += 1
         self.metrics.record(metrics, batch.rewards.tolist(), batch.successes,
                             batch.compactions, time.perf_counter() - began, self.version,
-                            self.step, batch.tags)
+                            self.step, batch.tags, batch.grouped_rollouts())
         if self.tracker is not None:
             self._track(message, batch, metrics)
         if self.rank == 0:

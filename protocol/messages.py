@@ -38,7 +38,9 @@ from protocol.errors import ErrorCode, ProtocolError
 #: after its ``Hello`` (clients set no routing id).
 #: 7: ``Goodbye`` (an incarnation ending cleanly leaves at once, not after its
 #: heartbeats stop); ``Hello`` carries the actor's metrics address.
-PROTOCOL_VERSION = 7
+#: 8: rollouts have groups (``Segment.group``, ``Abandon.group``, ``Hello.group_size``):
+#: the replay serves a group's rollouts together and grants credits in whole groups.
+PROTOCOL_VERSION = 8
 
 #: The ``sender_id`` of the learner (its rank 0), the one client the
 #: replay's learner socket serves.
@@ -55,6 +57,9 @@ MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64
 #: Most episodes one actor runs at once (``Hello.capacity``, ``Heartbeat.active_rollouts``):
 #: the replay shares credits by capacity, and one peer's word must not outweigh a fleet's.
 MAX_CAPACITY = 65_536
+#: Most rollouts in one group (``Hello.group_size``, ``GroupTag.size``): at most the actor's
+#: capacity, since the replay grants a group's credits together.
+MAX_GROUP_SIZE = 1024
 #: Most engine workers of one actor (``EngineInfo.tensor_parallel``), each a weight-group rank.
 MAX_TENSOR_PARALLEL = 1024
 #: Most labels of a rollout's ``stats.tags`` (and entries of its ``stats.info``),
@@ -193,11 +198,18 @@ class Hello(Message, tag="hello"):
     """``host:port`` of the actor's Prometheus ``/metrics``, as the replay's side of the
     network reaches it (at most 256 characters, port 1 to 65535): the replay lists it for
     Prometheus's file-based discovery while the incarnation is registered. Empty: none."""
+    group_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_GROUP_SIZE)] = 1
+    """G: rollouts the actor starts in each of its groups (``Segment.group``), at most its
+    ``capacity``: the replay grants its credits in multiples of G, so that every group it
+    starts can finish (docs/replay.md, "Groups")."""
 
     def validate(self) -> None:
         if self.sender_id == LEARNER_ID:
             raise ProtocolError(ErrorCode.IDENTITY, f"sender_id {LEARNER_ID!r} is the learner's: "
                                 "no actor registers under it")
+        if self.group_size > self.capacity:
+            raise ProtocolError(ErrorCode.INVALID, f"group_size {self.group_size} > capacity "
+                                f"{self.capacity}: a group's credits are granted together")
         if self.metrics_address and not valid_host_port(self.metrics_address):
             raise ProtocolError(ErrorCode.INVALID, f"metrics_address "
                                 f"{self.metrics_address[:64]!r} is not host:port")
@@ -330,6 +342,17 @@ def sampled_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+class GroupTag(msgspec.Struct, kw_only=True, gc=False):
+    """The group a rollout belongs to (``advantage = grpo`` compares a group's rewards): the
+    rollouts of one actor incarnation that carry the same ``id``."""
+
+    id: Identifier
+    """1 to 256 characters, unique within the actor incarnation."""
+    size: Annotated[int, msgspec.Meta(ge=1, le=MAX_GROUP_SIZE)]
+    """G, the rollouts the actor starts in the group: its ``Hello.group_size`` (``invalid``
+    otherwise)."""
+
+
 class Segment(Message, tag="segment"):
     """actor -> replay: one execution window or one summary (docs/design.md §2.2).
 
@@ -344,7 +367,7 @@ class Segment(Message, tag="segment"):
     incarnation whose segment of it came first: another's segment or abandon of it is refused
     (``owner``)."""
     task_id: Identifier
-    """The task the episode plays: the rollouts of one task are a group (``advantage = grpo``)."""
+    """The task the episode plays."""
     index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SEGMENTS)]
     """Position of the segment in its rollout, in [0, 2^31)."""
     segment_type: SegmentType
@@ -371,6 +394,10 @@ class Segment(Message, tag="segment"):
     """float32 [T], per-step rewards the environment gave, each on the last sampled token of the
     action that earned it (0 elsewhere; never on a token with loss_mask 0). Omitted or nil: none.
     The learner adds them to GAE's per-token rewards beside the final reward."""
+    group: GroupTag | None = None
+    """The rollout's group, the same on every segment of it (``invalid`` otherwise): the replay
+    serves a group's rollouts in one batch (docs/replay.md, "Groups"). Omitted or nil: a group
+    of its own."""
 
     def validate(self) -> None:
         """Structure only (O(1), no pass over the data); the contents are
@@ -418,6 +445,9 @@ class Abandon(Message, tag="abandon"):
 
     rollout_id: Identifier
     """The rollout given up, as in its segments."""
+    group: GroupTag | None = None
+    """Its group, as its segments would carry it: a member given up before its first segment
+    arrived still settles its group. Omitted or nil: none."""
 
 
 class Goodbye(Message, tag="goodbye"):

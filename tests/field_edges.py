@@ -36,6 +36,7 @@ from protocol import (
     BatchRequest,
     Error,
     GroupInfo,
+    GroupTag,
     Heartbeat,
     LearnerWelcome,
     MemberWelcome,
@@ -50,7 +51,7 @@ from protocol import (
     WeightsLoaded,
     Welcome,
 )
-from protocol.messages import new_token
+from protocol.messages import MAX_CAPACITY, new_token
 from protocol.synthetic import synthetic_hello, synthetic_segment
 
 #: The header's fields: probed on their own (every kind shares them).
@@ -83,11 +84,14 @@ def valid_message(kind: type[Message], stamp: Stamp) -> Message:
                          tags={"family": "probe"})
     segment = msgspec.structs.replace(
         segment, **header, segment_type="execution", stats=stats,
-        token_rewards=Array.from_numpy(np.zeros(4, np.float32)))
+        token_rewards=Array.from_numpy(np.zeros(4, np.float32)),
+        group=GroupTag(id="probe-group", size=1))
     facts = {"run_id": "probe", "policy_version": 0}
     return {
+        # its capacity at the top, so that any group size fits in it
         "hello": lambda: msgspec.structs.replace(synthetic_hello(stamp, token=new_token()),
-                                                 **header, metrics_address="127.0.0.1:9"),
+                                                 **header, metrics_address="127.0.0.1:9",
+                                                 capacity=MAX_CAPACITY),
         "welcome": lambda: Welcome(
             **header, **facts, heartbeat_interval_s=1.0, heartbeat_liveness=3,
             max_staleness=1, rollouts_per_batch=2, credits=0, credit_ledger=1,
@@ -95,7 +99,8 @@ def valid_message(kind: type[Message], stamp: Stamp) -> Message:
         "member_welcome": lambda: MemberWelcome(**header, **facts, heartbeat_interval_s=1.0,
                                                 heartbeat_liveness=3),
         "segment": lambda: segment,
-        "abandon": lambda: Abandon(**header, rollout_id=f"probe-{next(_unique)}"),
+        "abandon": lambda: Abandon(**header, rollout_id=f"probe-{next(_unique)}",
+                                   group=GroupTag(id="probe-group", size=1)),
         "goodbye": lambda: kind(**header),
         "ack": lambda: Ack(**header, stored_seqs=[0], credits=0, policy_version=0,
                            credit_ledger=1, credits_total=0),

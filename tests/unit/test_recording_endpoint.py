@@ -22,6 +22,7 @@ from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.recording_endpoint import MAX_BODY_NESTING, EndpointError, RecordingEndpoint
 from actors.rollout_writer import Rollout
+from protocol import GroupTag
 from tests.guides import guide_block
 
 CALL = {"name": "bash", "arguments": {"command": "ls"}}
@@ -70,11 +71,12 @@ class Host:
     async def close_rollout(self, rollout: Rollout, abandoned: bool) -> None:
         self.closed.append((rollout.rollout_id, abandoned))
 
-    async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
+    async def send_segment(self, rollout_id: str, task_id: str, group: GroupTag | None,
+                           index: int, segment: ClosedSegment, result: EpisodeResult | None
+                           ) -> None:
         self.sent.append((rollout_id, index, segment, result))
 
-    async def send_abandon(self, rollout_id: str) -> None:
+    async def send_abandon(self, rollout_id: str, group: GroupTag | None) -> None:
         raise AssertionError("a session's abandon goes through close_rollout")
 
     def errors(self, reason: str) -> float:

@@ -20,6 +20,7 @@ from actors.rollout_writer import InFlight, Rollout, RolloutWriter
 from actors.session_rollouts import SessionRollouts
 from actors.slots import EpisodeSlots
 from actors.state import CreditAccount, LearnerView
+from protocol import GroupTag
 
 
 class Sender:
@@ -30,11 +31,12 @@ class Sender:
         self.sent: list[tuple[str, str, int, str, EpisodeResult | None]] = []
         self.abandoned: list[str] = []
 
-    async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
+    async def send_segment(self, rollout_id: str, task_id: str, group: GroupTag | None,
+                           index: int, segment: ClosedSegment, result: EpisodeResult | None
+                           ) -> None:
         self.sent.append((rollout_id, task_id, index, segment.segment_type, result))
 
-    async def send_abandon(self, rollout_id: str) -> None:
+    async def send_abandon(self, rollout_id: str, group: GroupTag | None) -> None:
         self.abandoned.append(rollout_id)
 
 
