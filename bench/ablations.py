@@ -98,9 +98,10 @@ VARIANTS: dict[str, list[str]] = {
     "advantage=grpo": ["--learner.advantage", "grpo",
                        "--actors.group_size", str(GRPO_GROUP_SIZE)],
     "compaction=false": ["--actors.compaction.enabled", "false"],
-    # GRPO with the group statistics over segments, a rollout counted once per
-    # segment (as frameworks that train segments as samples do), and the loss
-    # normalised per rollout: docs/learner.md.
+    # GRPO with the group statistics over segments, a rollout that compacted
+    # k times counted once per segment, 2k + 1 times (as frameworks that train
+    # segments as samples do), under the token normalisation of every other
+    # variant: docs/learner.md.
     "advantage=grpo_segments": ["--learner.advantage", "grpo_segments",
                                 "--actors.group_size", str(GRPO_GROUP_SIZE)],
     "loss_norm=rollout": ["--learner.loss_norm", "rollout"],
@@ -248,9 +249,11 @@ def train(variant: str, seed: int, minutes: float, out_dir: Path, log: Path, rec
     run_dir = out_dir / run_name(variant, seed)
     if not all((run_dir / name).is_file() for name in ("export/config.json", "wall_seconds")):
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short: start it over
-        began = time.perf_counter()
+        began, clean = time.perf_counter(), tree_clean()
         run(up_command(variant, seed, minutes, out_dir, recipe), log)
         (run_dir / "wall_seconds").write_text(f"{time.perf_counter() - began:.1f}\n")
+        # the code it trained with is the commit's only if nothing changed meanwhile
+        (run_dir / "tree_clean").write_text(json.dumps(clean and tree_clean()) + "\n")
     return run_dir
 
 
@@ -265,6 +268,11 @@ def record_run(run_dir: Path, variant: str, seed: int, episodes: int, log: Path,
         "wall_seconds": float((run_dir / "wall_seconds").read_text()),
         "cross_factor": cross_factors(last),
         "loss_weight": weight_by_compactions(last),
+        "tree_clean": (json.loads((run_dir / "tree_clean").read_text())
+                       if (run_dir / "tree_clean").is_file() else None),
+        "stale_rollouts": last.get("stale_rollouts"),
+        "group_rollouts": {"complete": last.get("group_rollouts_complete"),
+                           "broken": last.get("group_rollouts_broken")},
         "compacted": evaluate(export, episodes, True, run_dir / evaluation_name(True), log,
                               recipe)}
     if variant == "compaction=false":
@@ -290,6 +298,13 @@ def environment_digest(factory: str) -> str:
     if spec is None or spec.origin is None:
         raise SystemExit(f"environment factory {factory!r}: no such module")
     return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+
+
+def tree_clean() -> bool | None:
+    """Whether the checkout's tracked files are as committed (None outside git)."""
+    found = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True, check=False)
+    return None if found.returncode else not found.stdout.strip()
 
 
 def commit() -> str | None:
@@ -500,7 +515,8 @@ def unequal_table(table: dict[str, Any], params: dict[str, Any]) -> str:
     rows = [f"| policy | groups of {params['group_size']} with a compaction spread >= 2 % "
             "| success % by compactions (episodes) | loss weight % / rollouts % by "
             "compactions (training) | advantage of wrong / right answers in rollouts "
-            "answered wrong, then right (training) |", "|---|---|---|---|---|"]
+            "answered wrong, then right (training) | grouped rollouts trained with their "
+            "whole group % (training) |", "|---|---|---|---|---|---|"]
     for name, entry in table.items():
         compacted = entry["compacted"]
         spread = compacted.get("compaction_spread") or {}
@@ -512,8 +528,20 @@ def unequal_table(table: dict[str, Any], params: dict[str, Any]) -> str:
         shares = ", ".join(f"{k}: {100 * v['weight']:.0f} / {100 * v['rollouts']:.0f}"
                            for k, v in weight.items()) or "-"
         rows.append(f"| {name} | {point(wide / groups) if groups else '-'} "
-                    f"| {by_count or '-'} | {shares} | {credit_cell(entry.get('runs', []))} |")
+                    f"| {by_count or '-'} | {shares} | {credit_cell(entry.get('runs', []))} "
+                    f"| {whole_group_cell(entry.get('runs', []))} |")
     return "\n" + "\n".join(rows) + "\n"
+
+
+def whole_group_cell(runs: list[dict[str, Any]]) -> str:
+    """The share of the grouped rollouts trained that had their whole group
+    in their batch, over the runs that counted them (``crl_learner_group_rollouts_total``;
+    "-": none did, or none trained in groups)."""
+    counted = [run["group_rollouts"] for run in runs
+               if (run.get("group_rollouts") or {}).get("complete") is not None]
+    complete = sum(c["complete"] for c in counted)
+    total = complete + sum(c["broken"] or 0 for c in counted)
+    return point(complete / total) if total else "-"
 
 
 def credit_cell(runs: list[dict[str, Any]]) -> str:

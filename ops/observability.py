@@ -104,6 +104,11 @@ DASHBOARDS: dict[str, tuple[Panel, ...]] = {
                                   f"crl_learner_is_truncated_fraction{{{RUN}}}"),
                                  ("explained variance",
                                   f"crl_learner_explained_variance{{{RUN}}}"))),
+        Panel("Grouped rollouts trained with their whole group (advantage = grpo)", (
+            ("learner", f'sum(rate(crl_learner_group_rollouts_total{{{RUN}, complete="true"}}'
+                        f"{RANGE})) / sum(rate(crl_learner_group_rollouts_total{{{RUN}}}"
+                        f"{RANGE}))"),),
+              "percentunit"),
         Panel("Policy version", (("learner", f"crl_learner_policy_version{{{RUN}}}"),
                                  ("published", f"crl_learner_published_version{{{RUN}}}"),
                                  ("actors (min)", f"min(crl_actor_policy_version{{{ACTORS}}})"))),

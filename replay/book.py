@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ops.metrics import watch_disk
-from protocol import Abandon, ProtocolError, Segment, decode
+from protocol import Abandon, GroupTag, ProtocolError, Segment, decode
 from protocol.transport import TransportConfig
 from protocol.validation import check_segment_content
 from replay.buffer import Owner, RolloutBuffer, RolloutEntry
@@ -145,13 +145,15 @@ class RolloutBook:
         for entry in self.buffer.stale(self.learner_version):
             self.drop(entry.rollout_id, "stale")
 
-    def drop(self, rollout_id: str, reason: str, owner: Owner | None = None) -> None:
+    def drop(self, rollout_id: str, reason: str, owner: Owner | None = None,
+             group: GroupTag | None = None) -> None:
         """Drop a rollout, counted, and free its place. With ``owner`` the
-        rollout may have nothing stored yet (its first segment was refused):
-        it is dropped all the same, its id and owner remembered (its later
-        segments are late, not a rollout that could never complete) and the
-        credit its actor spent on it returned."""
-        entry = self.buffer.remove(rollout_id, owner)
+        rollout may have nothing stored yet (its first segment was refused,
+        or its actor gave it up first): it is dropped all the same, its id
+        and owner remembered (its later segments are late, not a rollout that
+        could never complete), the credit its actor spent on it returned, and
+        ``group``, its group if it said, counts it settled."""
+        entry = self.buffer.remove(rollout_id, owner, group)
         if entry is None:
             if owner is not None:
                 self.metrics.dropped.labels(reason).inc()
@@ -196,6 +198,7 @@ class RolloutBook:
         """Drop the pending rollouts that waited past ``rollout_timeout_s``."""
         for entry in self.buffer.expired(now, set()):
             self.drop(entry.rollout_id, "expired")
+        self.buffer.groups.sweep(now)
 
     def sync_and_compact(self, unconfirmed_frames: Iterable[bytes | memoryview]) -> None:
         """The periodic log work: an interval fsync, and a background

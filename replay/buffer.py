@@ -11,22 +11,25 @@ A rollout belongs to the actor incarnation that sent its first segment (its
 *owner*, remembered also once it is served or dropped): only the owner's
 segments and abandon may touch it (the replay refuses the others).
 
-Serving order (``serve_order``): ``fifo`` serves the rollouts that became
-ready first; ``freshest`` serves those with the newest oldest-token version
-first (least stale), ``oldest`` those with the oldest first (nearest the
-bound), ties by readiness.
+Rollouts are served by groups, whole (replay/groups.py: a rollout without a
+group is one of its own), and dropped stale by groups. Serving order
+(``serve_order``) among the servable groups: ``fifo`` serves the groups that
+became servable first; ``freshest`` those whose oldest token has the newest
+version (least stale), ``oldest`` those with the oldest (nearest the bound),
+ties by readiness; groups served to a learner that died come first.
 """
 
 from __future__ import annotations
 
-import heapq
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
-from protocol import FramedRollout, Segment
+from protocol import FramedRollout, GroupTag, Segment
+from replay.groups import Group, GroupKey, RolloutGroups, group_key
 
 #: Remember this many served or dropped rollout ids, so late resends of
 #: their segments are recognised instead of starting a ghost rollout.
@@ -73,6 +76,9 @@ class RolloutEntry:
     """Oldest policy version among its segments' trainable tokens (None: none
     trainable), kept as segments arrive: staleness reads it for every ready
     rollout on every learner request."""
+    group: GroupKey | None = None
+    """The group it is served with (its first segment's ``group``)."""
+    group_size: int = 1
 
     @property
     def owner(self) -> Owner:
@@ -94,7 +100,7 @@ class RolloutEntry:
         return 0 if oldest is None else max(0, learner_version - oldest)
 
 
-AddResult = Literal["stored", "late", "conflict"]
+AddResult = Literal["stored", "late", "conflict", "late_member"]
 
 
 class RolloutBuffer:
@@ -112,19 +118,33 @@ class RolloutBuffer:
         ``max_buffer_bytes`` bounds."""
         self._released: OrderedDict[str, Owner | None] = OrderedDict()
         """Served or dropped rollout ids, oldest first, with their owners."""
+        self.groups = RolloutGroups(rollout_timeout_s)
 
     def add(self, segment: Segment, frame: bytes | memoryview, now: float,
             min_version: int | None) -> AddResult:
         """Store a segment whose oldest trainable version is ``min_version``
         (from the content check). ``late``: its rollout was already served or dropped.
-        ``conflict``: another segment already holds this index, or a second
-        final segment arrived: the rollout is inconsistent (the caller drops it)."""
+        ``conflict``: another segment already holds this index, a second
+        final segment arrived, or its group differs from the rollout's first
+        segment's: the rollout is inconsistent (the caller drops it).
+        ``late_member``: the first segment of a rollout whose group was
+        already served or dropped, or whose actor is gone (the caller drops it)."""
         if self.settled(segment.rollout_id):
             return "late"
+        tag = segment.group
         entry = self.pending.get(segment.rollout_id)
         if entry is None:
+            key = group_key((segment.sender_id, segment.incarnation),
+                            None if tag is None else tag.id, segment.rollout_id)
+            size = 1 if tag is None else tag.size
+            if self.groups.join(key, size, segment.rollout_id, now) is None:
+                return "late_member"
             entry = self.pending[segment.rollout_id] = RolloutEntry(
-                segment.rollout_id, segment.sender_id, segment.incarnation, now)
+                segment.rollout_id, segment.sender_id, segment.incarnation, now,
+                group=key, group_size=size)
+        if (entry.group[3], entry.group[2], entry.group_size) != (
+                (False, segment.rollout_id, 1) if tag is None else (True, tag.id, tag.size)):
+            return "conflict"
         if segment.index in entry.segments or (
                 segment.final and entry.final_index is not None) or (
                 entry.final_index is not None and segment.index > entry.final_index) or (
@@ -159,13 +179,26 @@ class RolloutBuffer:
         del self.pending[rollout_id]
         entry.ready_at = now
         self.ready[rollout_id] = entry
+        self.groups.ready(entry.group, entry)
         return entry
 
-    def remove(self, rollout_id: str, owner: Owner | None = None) -> RolloutEntry | None:
+    def remove(self, rollout_id: str, owner: Owner | None = None,
+               group: GroupTag | None = None) -> RolloutEntry | None:
         """Drop a rollout wherever it is, remembering its id and owner, also
         when none of its segments is stored (``owner`` is then the actor
-        whose first segment was refused): its later segments are then late,
-        not the start of a rollout that could never complete."""
+        whose first segment was refused or that gave it up, ``group`` its
+        group if it said): its later segments are then late, not the start
+        of a rollout that could never complete; its group counts it settled."""
+        entry = self._discard(rollout_id, owner)
+        if entry is not None:
+            self.groups.left(entry.group, entry.group_size, rollout_id, time.monotonic())
+        elif owner is not None and group is not None:
+            self.groups.left(group_key(owner, group.id, rollout_id), group.size, rollout_id,
+                             time.monotonic())
+        return entry
+
+    def _discard(self, rollout_id: str, owner: Owner | None = None) -> RolloutEntry | None:
+        """Forget a rollout's segments (served or dropped), remembering its id."""
         entry = self.pending.pop(rollout_id, None) or self.ready.pop(rollout_id, None)
         if entry is not None:
             self.nbytes -= entry.held_bytes
@@ -174,12 +207,13 @@ class RolloutBuffer:
         return entry
 
     def restore(self, entries: list[RolloutEntry]) -> None:
-        """Put rollouts taken by ``take`` back, first in serving order: their
-        batch never reached a learner that survived."""
+        """Put rollouts taken by ``take`` back, their groups whole and first
+        in serving order: their batch never reached a learner that survived."""
         for entry in entries:
             self._released.pop(entry.rollout_id, None)
             self.nbytes += entry.held_bytes
         self.ready = {entry.rollout_id: entry for entry in entries} | self.ready
+        self.groups.reopen(entries)
 
     def _remember(self, rollout_id: str, owner: Owner | None) -> None:
         self._released[rollout_id] = owner
@@ -194,25 +228,35 @@ class RolloutBuffer:
                 or now - e.first_seen > self.rollout_timeout_s]
 
     def stale(self, learner_version: int) -> list[RolloutEntry]:
-        """Ready rollouts beyond the staleness bound (not yet removed)."""
-        return [e for e in self.ready.values()
-                if e.staleness(learner_version) > self.max_staleness]
+        """The members, ready and pending, of the groups beyond the staleness
+        bound; the groups are closed (the caller drops the members)."""
+        members = []
+        for group in self.groups.stale(learner_version, self.max_staleness):
+            self.groups.close(group)
+            members += [*group.ready.values(), *(self.pending[r] for r in group.pending)]
+        return members
 
-    def take(self, size: int, learner_version: int) -> list[RolloutEntry]:
-        """Remove and return ``size`` ready rollouts in serving order (the
-        caller has dropped stale ones first). Empty if fewer are ready."""
-        if len(self.ready) < size:
+    def take(self, size: int, learner_version: int, now: float) -> list[Group]:
+        """Remove and return whole servable groups in serving order, the
+        fewest that hold ``size`` rollouts or more (the caller has dropped
+        stale ones first). Empty if the servable groups hold fewer."""
+        def order(group: Group) -> tuple[bool, int, float]:
+            oldest = 0 if self.serve_order == "fifo" else group.oldest_version(learner_version)
+            return (not group.served_before,
+                    -oldest if self.serve_order == "freshest" else oldest, group.ready_since())
+        chosen, count = [], 0
+        for group in sorted(self.groups.servable(now), key=order):
+            if count >= size:
+                break
+            chosen.append(group)
+            count += len(group.ready)
+        if count < size:
             return []
-        if self.serve_order == "fifo":
-            chosen = list(self.ready)[:size]
-        else:
-            def version(entry: RolloutEntry) -> int:
-                return entry.min_version if entry.min_version is not None else learner_version
-            pick = heapq.nlargest if self.serve_order == "freshest" else heapq.nsmallest
-            sign = -1 if self.serve_order == "freshest" else 1  # ties: the first ready first
-            chosen = [e.rollout_id for e in pick(
-                size, self.ready.values(), key=lambda e: (version(e), sign * e.ready_at))]
-        return [self.remove(rollout_id) for rollout_id in chosen]
+        for group in chosen:
+            self.groups.close(group)
+            for rollout_id in group.ready:
+                self._discard(rollout_id)
+        return chosen
 
     def live_frames(self) -> list[bytes | memoryview]:
         """Frames of every stored segment (what log compaction keeps)."""

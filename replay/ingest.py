@@ -124,6 +124,9 @@ class ActorIngest:
         hello = message if isinstance(message, Hello) else None
         refusal = self.registry.refusal(identity, message.sender_id, message.incarnation,
                                         None if hello is None else hello.token)
+        if hello is not None and hello.group_size > self.book.config.rollouts_per_batch:
+            refusal = (ErrorCode.INVALID, f"group_size {hello.group_size} > rollouts_per_batch "
+                       f"{self.book.config.rollouts_per_batch}: a batch holds whole groups")
         if refusal is not None:  # a refused incarnation's rollouts are gone: none counts twice
             self.endpoint.refuse(received, *refusal)
             return
@@ -131,7 +134,8 @@ class ActorIngest:
             self.registry.seen(identity)
         else:
             replaced, displaced = self.registry.register(
-                identity, hello.sender_id, hello.incarnation, hello.token, hello.capacity)
+                identity, hello.sender_id, hello.incarnation, hello.token, hello.capacity,
+                hello.group_size)
             if replaced is not None:  # restarted before its old incarnation fell silent
                 self._actor_gone(replaced)
             if displaced is not None:  # it reconnected: the old connection hears why it ends
@@ -175,6 +179,7 @@ class ActorIngest:
             self._acks[identity].append(segment.seq)
             return
         try:
+            self._check_group(identity, segment)
             oldest = check_segment_content(segment, vocab_size=book.vocab_size,
                                            oldest_version=0,
                                            newest_version=book.learner_version + VERSION_AHEAD)
@@ -194,6 +199,11 @@ class ActorIngest:
                                  "replay buffer at its memory bound: rollout dropped")
             return
         result = book.buffer.add(segment, frame, self._now, oldest)
+        if result == "late_member":  # its group was served or dropped: it would train alone
+            book.drop(segment.rollout_id, "late_member", owner_of(segment))
+            book.seen.add(key)
+            self._acks[identity].append(segment.seq)
+            return
         if result == "conflict":
             book.drop(segment.rollout_id, "invalid")
             self.endpoint.refuse(received, ErrorCode.INVALID,
@@ -223,7 +233,7 @@ class ActorIngest:
             return
         self.book.seen.add(key)
         if not self.book.buffer.settled(abandon.rollout_id):
-            self.book.drop(abandon.rollout_id, "abandoned", owner_of(abandon))
+            self.book.drop(abandon.rollout_id, "abandoned", owner_of(abandon), abandon.group)
 
     def _on_goodbye(self, received: Received) -> None:
         """The incarnation ends cleanly: what it left unfinished is given up
@@ -232,6 +242,14 @@ class ActorIngest:
         if peer is not None:
             log.info("actor %s (incarnation %d) said goodbye", peer.actor_id, peer.incarnation)
             self._actor_gone(peer, "abandoned")
+
+    def _check_group(self, identity: bytes, segment: Segment) -> None:
+        """A segment's group has the size its actor declared (``Hello.group_size``):
+        the credits were granted for groups of that size."""
+        declared = self.registry.peers[identity].group_size
+        if segment.group is not None and segment.group.size != declared:
+            raise ProtocolError(ErrorCode.INVALID, f"group size {segment.group.size} is not the "
+                                f"{declared} the actor's hello declared")
 
     def _refused_stranger(self, received: Received, rollout_id: str) -> bool:
         """Refuse (``owner``) a segment or abandon of a rollout that another
@@ -252,22 +270,24 @@ class ActorIngest:
         answers. ``only``: grant just that actor's share (its ``Welcome``);
         the others' stay available for the pass's end. Returns the grants
         by connection."""
-        book = self.book
-        available = book.pacer.available(book.buffer.nbytes, len(book.buffer.ready))
+        book, peers = self.book, self.registry.peers
+        largest_group = max((peer.group_size for peer in peers.values()), default=1)
+        available = book.pacer.available(book.buffer.nbytes, len(book.buffer.ready),
+                                         largest_group)
         if not available:
             return {}
-        peers = self.registry.peers
         connection = {peer.actor_id: identity for identity, peer in peers.items()}
+        unit = {peer.actor_id: peer.group_size for peer in peers.values()}
         shares = fair_shares(available, {
-            peer.actor_id: (peer.capacity, book.pacer.outstanding.get(peer.actor_id, 0))
-            for peer in peers.values()})
+            peer.actor_id: (peer.capacity, book.pacer.outstanding.get(peer.actor_id, 0),
+                            peer.group_size) for peer in peers.values()})
         granted: dict[bytes, int] = {}
         for actor_id, share in shares.items():
             identity = connection[actor_id]
             if only not in (None, identity):
                 continue
             granted[identity] = book.pacer.grant(actor_id, share, book.buffer.nbytes,
-                                                 len(book.buffer.ready))
+                                                 len(book.buffer.ready), unit[actor_id])
             book.metrics.credits_granted.inc(granted[identity])
             self.fleet.granted(actor_id, granted[identity])
         return granted
@@ -315,6 +335,7 @@ class ActorIngest:
                  "%d in flight at its last report, %d credits outstanding)", actor_id,
                  incarnation, len(expired) + unseen, len(expired), unseen, active_rollouts,
                  outstanding)
+        book.buffer.groups.owner_gone((actor_id, incarnation))
         book.pacer.forget(actor_id)
         book.seen.forget(actor_id, incarnation)
         self.fleet.left(peer)

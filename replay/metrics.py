@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-DROP_REASONS = ("stale", "expired", "full", "invalid", "abandoned")
+DROP_REASONS = ("stale", "expired", "full", "invalid", "abandoned", "late_member")
 SEGMENT_RESULTS = ("accepted", "duplicate", "rejected")
 #: What becomes of a complete rollout: trained (its batch arrived), or dropped.
 FINISHED_FATES = ("trained", "stale")
@@ -52,6 +52,15 @@ class ReplayMetrics:
                                   registry=r)
         self.log_bytes = Gauge("crl_replay_log_bytes", "Size of the durable log", registry=r)
         self.batches = Counter("crl_replay_batches", "Batches served", registry=r)
+        self.groups_served = Counter(
+            "crl_replay_groups_served",
+            "Groups of rollouts (Segment.group) served, by whether all G of the group were: "
+            "an incomplete one lost members (abandoned, expired, its actor gone)",
+            ["complete"], registry=r)
+        self.group_rollouts_served = Counter(
+            "crl_replay_group_rollouts_served",
+            "Rollouts of groups served, by whether their group was complete", ["complete"],
+            registry=r)
         self.batches_resent = Counter(
             "crl_replay_batches_resent",
             "Batches served again: the learner asked again after a reconnect", registry=r)
@@ -73,6 +82,9 @@ class ReplayMetrics:
             registry=r)
         for result in SEGMENT_RESULTS:
             self.segments.labels(result)
+        for complete in ("true", "false"):
+            self.groups_served.labels(complete)
+            self.group_rollouts_served.labels(complete)
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         for fate in FINISHED_FATES:

@@ -27,9 +27,16 @@ Semantics (Reverb-style rate limiting, in rollouts):
   which actors registered. An actor that returns its rollouts sooner holds
   fewer credits when the next ones free up, and so gets more of them: shares
   follow what actors return as well as what they declare.
+- Groups: an actor whose rollouts come in groups of G (``Hello.group_size``)
+  gets its credits in multiples of G, so that every group it starts can
+  finish without waiting for a credit (the replay serves groups whole, and a
+  group waiting for a credit that only a served batch frees would wait
+  forever at S = 0).
 - No deadlock: whenever the learner waits (it asked, fewer than B are ready)
   and nothing is running, at least one credit is available: ``(S + v + 1) * B - accepted >=
-  (S + 1) * B - ready >= S * B + 1 >= 1``, and the memory rule yields to it.
+  (S + 1) * B - ready >= S * B + 1 >= 1``, and the memory rule yields to it. With
+  groups of G dividing B the ready rollouts are whole groups, ``ready <= B - G``, so at
+  least G are, a whole group (``floor``).
 
 Usage::
 
@@ -85,19 +92,22 @@ class CreditPacer:
             return INITIAL_ROLLOUT_BYTES
         return max(1, self._bytes_seen // self._rollouts_seen)
 
-    def available(self, buffer_bytes: int, ready: int) -> int:
-        """Credits that may be granted now, to anyone."""
+    def available(self, buffer_bytes: int, ready: int, floor: int = 1) -> int:
+        """Credits that may be granted now, to anyone; the memory rule yields
+        ``floor`` (one group) to a waiting learner when nothing runs."""
         by_staleness = ((self.max_staleness + 1) * self.batch + self.rollouts_trained
                         - self.accepted - self.running)
         free = self.max_buffer_bytes - buffer_bytes
         by_memory = free // self.estimated_rollout_bytes - self.running
         if ready < self.batch and self.running == 0 and free > 0:
-            by_memory = max(by_memory, 1)  # never starve a waiting learner
+            by_memory = max(by_memory, floor)  # never starve a waiting learner
         return max(0, min(by_staleness, by_memory))
 
-    def grant(self, actor: str, wanted: int, buffer_bytes: int, ready: int) -> int:
-        """Grant up to ``wanted`` credits to ``actor``; returns how many."""
-        granted = max(0, min(wanted, self.available(buffer_bytes, ready)))
+    def grant(self, actor: str, wanted: int, buffer_bytes: int, ready: int, unit: int = 1
+              ) -> int:
+        """Grant up to ``wanted`` credits to ``actor``, a multiple of its
+        ``unit`` (its group size); returns how many."""
+        granted = max(0, min(wanted, self.available(buffer_bytes, ready, unit))) // unit * unit
         if granted:
             self.outstanding[actor] = self.outstanding.get(actor, 0) + granted
             self.running += granted
@@ -153,21 +163,24 @@ class CreditPacer:
         self._ledgers.pop(actor, None)
 
 
-def fair_shares(available: int, actors: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+def fair_shares(available: int, actors: Mapping[str, tuple[int, int, int]]) -> dict[str, int]:
     """Split ``available`` credits among ``actors`` (actor -> ``(capacity,
-    outstanding)``) by water-filling: one at a time, each to the actor with
-    the lowest ``(outstanding + given) / capacity`` that still has room; ties
-    go to the actor holding fewer credits, then by id, so the split does not
-    depend on the order of ``actors``. Returns only the actors given some."""
-    heap = [(outstanding / capacity, outstanding, actor, capacity)
-            for actor, (capacity, outstanding) in actors.items()
-            if 0 <= outstanding < capacity]
+    outstanding, unit)``) by water-filling: one unit (the actor's group size)
+    at a time, each to the actor with the lowest ``(outstanding + given) /
+    capacity`` that still has room for it; ties go to the actor holding fewer
+    credits, then by id, so the split does not depend on the order of
+    ``actors``. Returns only the actors given some."""
+    heap = [(outstanding / capacity, outstanding, actor, capacity, unit)
+            for actor, (capacity, outstanding, unit) in actors.items()
+            if 0 <= outstanding and outstanding + unit <= capacity]
     heapq.heapify(heap)
     given: dict[str, int] = {}
     while available > 0 and heap:
-        _, held, actor, capacity = heapq.heappop(heap)
-        given[actor] = given.get(actor, 0) + 1
-        available -= 1
-        if held + 1 < capacity:
-            heapq.heappush(heap, ((held + 1) / capacity, held + 1, actor, capacity))
+        _, held, actor, capacity, unit = heapq.heappop(heap)
+        if unit > available:
+            continue  # a whole group does not fit: the others may still get theirs
+        given[actor] = given.get(actor, 0) + unit
+        available -= unit
+        if held + 2 * unit <= capacity:
+            heapq.heappush(heap, ((held + unit) / capacity, held + unit, actor, capacity, unit))
     return given

@@ -67,6 +67,8 @@ class Peer:
     token: bytes
     """From its first ``Hello``: a ``Hello`` on another connection must carry it to move it."""
     capacity: int
+    group_size: int = 1
+    """G of its groups (``Hello.group_size``): its credits come in multiples of it."""
     active_rollouts: int = 0
     """In flight at its last heartbeat, including rollouts not yet seen here."""
     stall_reported: dict[str, float] = field(default_factory=dict)
@@ -129,7 +131,7 @@ class ActorRegistry:
         return None
 
     def register(self, identity: bytes, actor_id: str, incarnation: int, token: bytes,
-                 capacity: int) -> Registration:
+                 capacity: int, group_size: int = 1) -> Registration:
         """Record a ``Hello`` that :meth:`refusal` let through, seen now: the
         connection speaks for this incarnation from now on."""
         bound = self.connection.get(actor_id)
@@ -142,6 +144,7 @@ class ActorRegistry:
         same = previous is not None and previous.incarnation == incarnation
         peer = previous if same else Peer(actor_id, incarnation, token, capacity)
         peer.capacity = max(1, capacity)
+        peer.group_size = group_size
         self.peers[identity] = peer
         self.liveness.seen(identity)
         return Registration(replaced=None if same else previous,

@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -162,9 +163,15 @@ class LearnerServing:
         while (waiting := self.batches.waiting()) is not None:
             learner, request = waiting
             version = book.learner_version
-            entries = book.buffer.take(request.size, version)
-            if not entries:
+            groups = book.buffer.take(request.size, version, time.monotonic())
+            if not groups:
                 return
+            entries = [entry for group in groups for entry in group.ready.values()]
+            for group in groups:
+                if group.key[3]:  # a group of its own is no group
+                    metrics.groups_served.labels(str(group.complete).lower()).inc()
+                    metrics.group_rollouts_served.labels(str(group.complete).lower()).inc(
+                        len(group.ready))
             book.pacer.consumed(len(entries))
             staleness = np.array([e.staleness(version) for e in entries])
             for value in staleness:

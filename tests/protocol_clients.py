@@ -17,6 +17,7 @@ from protocol import (
     Batch,
     BatchRequest,
     Error,
+    GroupTag,
     Heartbeat,
     Hello,
     Message,
@@ -51,15 +52,17 @@ class ActorClient:
     def __init__(self, context: zmq.Context, address: str, actor_id: str = "actor-x",
                  incarnation: int = 1, capacity: int = 4,
                  transport: TransportConfig | None = None,
-                 routing_id: bytes | None = None, metrics_address: str = "") -> None:
+                 routing_id: bytes | None = None, metrics_address: str = "",
+                 group_size: int = 1) -> None:
         """``routing_id``: one the socket presents (default: none, as the project's);
-        ``metrics_address``: its hello's."""
+        ``metrics_address`` and ``group_size``: its hello's."""
         self.socket = dealer(context, address, transport, routing_id)
         self.stamp = Stamp(actor_id, incarnation)
         self.token = new_token()
         """Its incarnation's: a hello with it moves the incarnation to a new connection."""
         self.capacity = capacity
         self.metrics_address = metrics_address
+        self.group_size = group_size
         self.credits = 0
         """To spend: a test starts a rollout by taking one."""
         self.credit_ledger = 0
@@ -75,7 +78,8 @@ class ActorClient:
 
     def hello(self) -> None:
         self.send(msgspec.structs.replace(synthetic_hello(self.stamp, self.capacity, self.token),
-                                          metrics_address=self.metrics_address))
+                                          metrics_address=self.metrics_address,
+                                          group_size=self.group_size))
 
     def heartbeat(self, active_rollouts: int = 0,
                   stall_seconds: dict[str, float] | None = None) -> None:
@@ -87,14 +91,19 @@ class ActorClient:
         self.socket.send(encode(message))
 
     def push_rollout(self, segments: int = 3, version: int = 0,
-                     tokens: int | list[int] = 64) -> str:
+                     tokens: int | list[int] = 64, group: str | None = None,
+                     final: bool = True) -> str:
         """Send a rollout's segments in order; ``tokens`` is each one's length,
-        or a list of lengths (one segment each, overriding ``segments``)."""
+        or a list of lengths (one segment each, overriding ``segments``);
+        ``group``: the id of its group (of ``group_size``); ``final`` False:
+        the last segment sent is not its last (the rollout stays pending)."""
         rollout_id = f"{self.stamp.sender_id}-{self.stamp.incarnation}-{next(self._rollouts)}"
         lengths = tokens if isinstance(tokens, list) else [tokens] * segments
+        tag = None if group is None else GroupTag(id=group, size=self.group_size)
         for index, length in enumerate(lengths):
-            self.send_kept(synthetic_segment(self.stamp, rollout_id, index,
-                                             index == len(lengths) - 1, version, length))
+            segment = synthetic_segment(self.stamp, rollout_id, index,
+                                        final and index == len(lengths) - 1, version, length)
+            self.send_kept(msgspec.structs.replace(segment, group=tag))
         return rollout_id
 
     def send_kept(self, segment: Segment) -> None:

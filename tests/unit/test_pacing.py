@@ -143,31 +143,49 @@ def test_fresh_pacer_grants_exactly_the_window(batch: int, staleness: int) -> No
 
 @given(st.integers(0, 60), st.dictionaries(
     st.text("abcdef", min_size=1, max_size=3),
-    st.tuples(st.integers(1, 16), st.integers(0, 16)), max_size=6))
+    st.tuples(st.integers(1, 16), st.integers(0, 16), st.sampled_from([1, 1, 2, 4])),
+    max_size=6))
 def test_shares_fill_the_emptiest_actor_first_within_each_capacity(
-        available: int, actors: dict[str, tuple[int, int]]) -> None:
-    """Water-filling: no credit is left over while an actor has room, none
-    exceeds an actor's room, and no actor given a credit held more of its
-    capacity than one left with room (max-min fair, weighted by capacity)."""
+        available: int, actors: dict[str, tuple[int, int, int]]) -> None:
+    """Water-filling in whole groups: each actor's share is a multiple of
+    its group size and within its room; no group that fits is left over
+    while an actor has room for one; and no actor given a group held more of
+    its capacity than one left with room (max-min fair, weighted by capacity)."""
     shares = fair_shares(available, actors)
-    room = {actor: max(0, capacity - outstanding)
-            for actor, (capacity, outstanding) in actors.items()}
-    assert sum(shares.values()) == min(available, sum(room.values()))
-    assert all(0 < shares[actor] <= room[actor] for actor in shares)
+    room = {actor: max(0, capacity - outstanding) // unit * unit
+            for actor, (capacity, outstanding, unit) in actors.items()}
+    assert all(0 < shares[actor] <= room[actor] and shares[actor] % actors[actor][2] == 0
+               for actor in shares)
+    left = available - sum(shares.values())
+    assert all(shares.get(actor, 0) == room[actor] or actors[actor][2] > left
+               for actor in actors)
     filled = {actor: (outstanding + shares.get(actor, 0)) / capacity
-              for actor, (capacity, outstanding) in actors.items()}
+              for actor, (capacity, outstanding, _) in actors.items()}
     for actor, share in shares.items():
-        capacity, outstanding = actors[actor]
-        before_last = (outstanding + share - 1) / capacity
+        capacity, outstanding, unit = actors[actor]
+        before_last = (outstanding + share - unit) / capacity
         for other in actors:
-            if other != actor and shares.get(other, 0) < room[other]:
+            if (other != actor and shares.get(other, 0) < room[other]
+                    and actors[other][2] == unit):
                 assert before_last <= filled[other] + 1e-12, (actor, other)
 
 
 def test_shares_follow_capacity_and_not_the_order_actors_are_listed() -> None:
-    first = fair_shares(8, {"early": (4, 0), "late": (4, 0)})
-    second = fair_shares(8, {"late": (4, 0), "early": (4, 0)})
+    first = fair_shares(8, {"early": (4, 0, 1), "late": (4, 0, 1)})
+    second = fair_shares(8, {"late": (4, 0, 1), "early": (4, 0, 1)})
     assert first == second == {"early": 4, "late": 4}
-    assert fair_shares(6, {"big": (8, 0), "small": (4, 0)}) == {"big": 4, "small": 2}
+    assert fair_shares(6, {"big": (8, 0, 1), "small": (4, 0, 1)}) == {"big": 4, "small": 2}
     # an actor still holding credits (slower to return them) gets fewer new ones
-    assert fair_shares(4, {"fast": (4, 0), "slow": (4, 2)}) == {"fast": 3, "slow": 1}
+    assert fair_shares(4, {"fast": (4, 0, 1), "slow": (4, 2, 1)}) == {"fast": 3, "slow": 1}
+
+
+def test_an_actor_with_groups_gets_its_credits_a_whole_group_at_a_time() -> None:
+    """Groups of 4 are granted whole (a group short of a credit would wait
+    for a batch that waits for it): 6 credits give one group and leave 2 for
+    an actor without groups; the pacer rounds a grant down to whole groups."""
+    assert fair_shares(6, {"grouped": (8, 0, 4), "single": (8, 0, 1)}) == {
+        "grouped": 4, "single": 2}
+    assert fair_shares(3, {"grouped": (8, 0, 4)}) == {}
+    assert fair_shares(8, {"grouped": (8, 5, 4)}) == {}  # no room for a whole group
+    pacer = CreditPacer(rollouts_per_batch=4, max_staleness=0, max_buffer_bytes=1 << 30)
+    assert pacer.grant("grouped", 6, 0, 0, unit=4) == 4

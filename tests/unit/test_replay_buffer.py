@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocol import Array, Segment, encode
+from protocol import Array, GroupTag, Segment, encode
 from protocol.validation import check_segment_content
 from replay.buffer import SEGMENT_OVERHEAD_BYTES, RolloutBuffer, to_rollout
 
@@ -13,7 +13,8 @@ _seq = iter(range(10**9))
 
 
 def segment(rollout: str, index: int, final: bool = False, version: int = 5,
-            actor: str = "a", incarnation: int = 1, n: int = 4) -> Segment:
+            actor: str = "a", incarnation: int = 1, n: int = 4, group: str | None = None,
+            size: int = 4) -> Segment:
     def array(values, dtype):
         return Array.from_numpy(np.asarray(values, dtype=dtype))
 
@@ -22,7 +23,8 @@ def segment(rollout: str, index: int, final: bool = False, version: int = 5,
                    tokens=array(range(n), "int32"), loss_mask=array([0, 1] * (n // 2), "uint8"),
                    logprobs=array([0.0, -1.0] * (n // 2), "float32"),
                    versions=array([-1, version] * (n // 2), "int32"), final=final,
-                   reward=1.0 if final else None)
+                   reward=1.0 if final else None,
+                   group=None if group is None else GroupTag(id=group, size=size))
 
 
 def add(buffer: RolloutBuffer, seg: Segment, now: float = 0.0) -> str:
@@ -30,6 +32,13 @@ def add(buffer: RolloutBuffer, seg: Segment, now: float = 0.0) -> str:
     result = buffer.add(seg, encode(seg), now, oldest)
     buffer.promote(seg.rollout_id, now)
     return result
+
+
+def served(buffer: RolloutBuffer, size: int, learner_version: int, now: float = 10.0
+           ) -> list[str]:
+    """The ids of the rollouts ``take`` serves, group by group."""
+    return [rollout_id for group in buffer.take(size, learner_version, now)
+            for rollout_id in group.ready]
 
 
 def buffer(**changes) -> RolloutBuffer:
@@ -67,8 +76,7 @@ def test_conflicting_segments_are_reported(second) -> None:
 def test_served_rollouts_are_not_revived_by_late_segments() -> None:
     b = buffer()
     add(b, segment("r", 0, final=True))
-    [entry] = b.take(1, learner_version=5)
-    assert entry.rollout_id == "r" and b.nbytes == 0
+    assert served(b, 1, learner_version=5) == ["r"] and b.nbytes == 0
     assert add(b, segment("r", 0, final=True)) == "late"
     assert not b.pending and not b.ready
 
@@ -100,8 +108,8 @@ def test_fifo_freshest_and_oldest_orders() -> None:
         add(b, segment("a", 0, final=True, version=1), now=1.0)
         add(b, segment("b", 0, final=True, version=3), now=2.0)
         add(b, segment("c", 0, final=True, version=4), now=3.0)
-        assert [e.rollout_id for e in b.take(2, learner_version=4)] == expected
-        assert b.take(2, learner_version=4) == []  # only one left
+        assert served(b, 2, learner_version=4) == expected
+        assert served(b, 2, learner_version=4) == []  # only one left
 
 
 def test_oldest_order_breaks_ties_by_readiness_and_skips_the_fresher() -> None:
@@ -109,4 +117,92 @@ def test_oldest_order_breaks_ties_by_readiness_and_skips_the_fresher() -> None:
     add(b, segment("fresh", 0, final=True, version=4), now=1.0)
     add(b, segment("old-late", 0, final=True, version=2), now=3.0)
     add(b, segment("old-early", 0, final=True, version=2), now=2.0)
-    assert [e.rollout_id for e in b.take(2, learner_version=4)] == ["old-early", "old-late"]
+    assert served(b, 2, learner_version=4) == ["old-early", "old-late"]
+
+
+def finish(b: RolloutBuffer, rollout: str, group: str, now: float = 0.0, **fields) -> None:
+    """A one-segment member of ``group`` (of 4), complete."""
+    add(b, segment(rollout, 0, final=True, group=group, **fields), now)
+
+
+def test_a_group_is_served_only_whole_even_when_enough_rollouts_are_ready() -> None:
+    b = buffer()
+    for member in ("g0", "g1", "g2"):
+        finish(b, f"{member}", "g")
+    add(b, segment("g3", 0, group="g"))            # the fourth is under way
+    for member in range(4):
+        finish(b, f"h{member}", "h")
+    assert served(b, 4, learner_version=5) == ["h0", "h1", "h2", "h3"]
+    assert served(b, 4, learner_version=5) == []   # 3 ready, but their group is not
+    add(b, segment("g3", 1, final=True, group="g"))
+    assert served(b, 4, learner_version=5) == ["g0", "g1", "g2", "g3"]
+
+
+def test_a_batch_takes_the_fewest_whole_groups_that_fill_it() -> None:
+    b = buffer()
+    for group in ("x", "y", "z"):
+        for member in range(4):
+            finish(b, f"{group}{member}", group)
+    taken = b.take(8, learner_version=5, now=10.0)
+    assert [g.key[2] for g in taken] == ["x", "y"] and all(g.complete for g in taken)
+
+
+def test_a_group_that_lost_a_member_is_served_with_the_rest_once_they_are_settled() -> None:
+    b = buffer()
+    for member in range(3):
+        finish(b, f"g{member}", "g")
+    add(b, segment("g3", 0, group="g"))
+    assert served(b, 3, learner_version=5) == []
+    b.remove("g3")                                  # abandoned, say
+    [group] = b.take(3, learner_version=5, now=10.0)
+    assert list(group.ready) == ["g0", "g1", "g2"] and not group.complete
+
+
+def test_a_member_given_up_before_its_first_segment_still_settles_its_group() -> None:
+    b = buffer()
+    for member in range(3):
+        finish(b, f"g{member}", "g")
+    b.remove("g3", owner=("a", 1), group=GroupTag(id="g", size=4))
+    assert served(b, 3, learner_version=5) == ["g0", "g1", "g2"]
+
+
+def test_a_group_whose_actor_is_gone_or_that_waited_past_the_timeout_is_served_as_it_is() -> None:
+    b = buffer(rollout_timeout_s=60.0)
+    finish(b, "a0", "g", actor="a")
+    finish(b, "b0", "g", actor="b", now=30.0)      # another actor's group of the same name
+    assert served(b, 1, learner_version=5, now=59.0) == []
+    b.groups.owner_gone(("a", 1))
+    assert served(b, 1, learner_version=5, now=59.0) == ["a0"]
+    assert served(b, 1, learner_version=5, now=89.0) == []
+    assert served(b, 1, learner_version=5, now=91.0) == ["b0"]
+
+
+def test_a_stale_group_is_dropped_whole_and_its_late_members_are_refused() -> None:
+    b = buffer(max_staleness=2)
+    finish(b, "g0", "g", version=3)
+    finish(b, "g1", "g", version=5)
+    add(b, segment("g2", 0, group="g", version=5))
+    assert b.stale(5) == []
+    assert sorted(e.rollout_id for e in b.stale(6)) == ["g0", "g1", "g2"]
+    for rollout_id in ("g0", "g1", "g2"):
+        b.remove(rollout_id)
+    assert add(b, segment("g3", 0, group="g")) == "late_member"
+    assert not b.groups.open
+
+
+def test_a_groups_segments_must_agree_on_its_group() -> None:
+    b = buffer()
+    add(b, segment("r", 0, group="g"))
+    assert add(b, segment("r", 1, group="other")) == "conflict"
+    assert add(b, segment("r", 1, final=True)) == "conflict"
+    assert add(b, segment("r", 1, group="g", size=2)) == "conflict"
+
+
+def test_groups_served_to_a_learner_that_died_come_back_whole_and_first() -> None:
+    b = buffer()
+    for group in ("x", "y"):
+        for member in range(4):
+            finish(b, f"{group}{member}", group)
+    [first] = b.take(4, learner_version=5, now=10.0)
+    b.restore(list(first.ready.values()))
+    assert served(b, 4, learner_version=5) == ["x0", "x1", "x2", "x3"]
