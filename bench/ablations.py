@@ -494,13 +494,21 @@ def budget_text(params: dict[str, Any]) -> str:
             f"{played}) at the sampling temperature it trains at ({params['temperature']:g}).")
 
 
-#: What the unequal table's last column is, under the table.
+#: What the unequal table's last columns are, under the table.
 CREDIT_NOTE = """Wrong / right answers: over the rollouts each run kept as trained
 (`RUN/samples`, about 100 per run) that answered wrong, walked again and then
 answered right, the mean advantage the loss gave the tokens of their wrong
-answers and of their right ones, averaged over seeds (`deploy.answer_credit`;
-"-" for runs that kept none): a ratio near 0 leaves the wrong answer alone, near
-1 or above reinforces it as much as the right one.
+answers and of their right ones, both from those rollouts, averaged over seeds
+(`deploy.answer_credit`; "-" for runs that kept none): a ratio near 0 leaves the
+wrong answer alone, 1 reinforces it as much as the right one (GRPO's one
+advantage per rollout gives 1 by construction). † Measured before that was
+fixed: the right answers came from every successful rollout, first-try
+successes included, so the ratio compared hard-task recoveries with easy
+first-try successes, not the two answers of one rollout. Grouped rollouts
+trained with their whole group: the share, over the runs that counted it
+(`crl_learner_group_rollouts_total`), of the trained rollouts with a group whose
+G members were all in the same batch, which group-relative advantages assume
+("-": not counted, the runs predate the counter, or no groups).
 """
 
 
@@ -555,7 +563,8 @@ def credit_cell(runs: list[dict[str, Any]]) -> str:
     right = statistics.fmean(m["right_answer_advantage"] for m in measured)
     rollouts = sum(m["retried_right_rollouts"] for m in measured)
     ratio = f"{wrong / right:.2f}" if right else "-"
-    return f"{wrong:+.3f} / {right:+.3f} (ratio {ratio}; {rollouts} rollouts)"
+    before_fix = "" if all("first_try_right_advantage" in m for m in measured) else " †"
+    return f"{wrong:+.3f} / {right:+.3f} (ratio {ratio}; {rollouts} rollouts){before_fix}"
 
 
 def mean_weights(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -8,10 +8,12 @@ can give the wrong answer its own. This reads the rollouts a run kept as
 trained (``RUN/samples``, :mod:`learner.samples`), finds each answer among
 their sampled tokens (an action that begins with ``answer``) and the verdict
 the environment replied to it (``answer correct`` / ``answer wrong``), and
-reports, over the rollouts that ended right, the mean advantage the loss
-gave the tokens of their wrong answers and of their final right ones: a
-ratio near 0 leaves the wrong answers alone, near 1 or above reinforces
-them as much as the answer that was right.
+reports, over the rollouts that answered wrong and then right, the mean
+advantage the loss gave the tokens of their wrong answers and of their
+right ones, both from the same rollouts: a ratio near 0 leaves the wrong
+answers alone, 1 reinforces them as much as the answer that was right (what
+one advantage per rollout, GRPO's, gives by construction). Apart, the right
+answers of the rollouts that were right at the first try.
 
     python -m deploy.answer_credit RUN [RUN ...] [--json]
 """
@@ -52,11 +54,14 @@ def graded_answers(sequence: dict, decode: Callable[[list[int]], str]
 
 
 def measure(run: Path) -> dict:
-    """The mean advantage of wrong and of right answer tokens in the kept
-    rollouts of ``run`` that ended right (None where it kept none)."""
+    """The mean advantage of the wrong and of the right answers' tokens in
+    the kept rollouts of ``run`` that answered wrong, then right, and of the
+    right answers' tokens in those right at the first try (None where it
+    kept none)."""
     tokenizer = AutoTokenizer.from_pretrained(run / "export")
     wrong: list[float] = []
     right: list[float] = []
+    first_try: list[float] = []
     retried = 0
     for step in read_samples(run):
         for rollout in step["rollouts"]:
@@ -64,7 +69,10 @@ def measure(run: Path) -> dict:
                 continue
             answers = [answer for sequence in rollout["sequences"]
                        for answer in graded_answers(sequence, tokenizer.decode)]
-            retried += any(not correct for correct, _ in answers)
+            if all(correct for correct, _ in answers):
+                first_try.extend(a for _, advantages in answers for a in advantages)
+                continue
+            retried += 1
             for correct, advantages in answers:
                 (right if correct else wrong).extend(advantages)
 
@@ -74,6 +82,7 @@ def measure(run: Path) -> dict:
     wrong_mean, right_mean = mean(wrong), mean(right)
     return {"run": str(run), "retried_right_rollouts": retried,
             "wrong_answer_advantage": wrong_mean, "right_answer_advantage": right_mean,
+            "first_try_right_advantage": mean(first_try),
             "ratio": (round(wrong_mean / right_mean, 3)
                       if wrong_mean is not None and right_mean else None)}
 
@@ -89,7 +98,8 @@ def main() -> int:
         print(f"{result['run']}: {result['retried_right_rollouts']} kept rollouts answered "
               f"wrong, then right; advantage of their wrong answers "
               f"{result['wrong_answer_advantage']}, of right answers "
-              f"{result['right_answer_advantage']} (ratio {result['ratio']})")
+              f"{result['right_answer_advantage']} (ratio {result['ratio']}); right answers "
+              f"at the first try {result['first_try_right_advantage']}")
     if args.json:
         print(json.dumps({"runs": results}))
     return 0

@@ -39,8 +39,10 @@ def test_each_answer_is_found_with_its_verdict_and_advantages(tokenizer) -> None
     assert list(graded_answers(unanswered, tokenizer.decode)) == []
 
 
-def test_a_run_reports_its_wrong_and_right_answers_advantages(
+def test_a_run_compares_the_wrong_and_right_answers_of_the_same_rollouts(
         tokenizer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The right answers of rollouts right at the first try are reported
+    apart: they are easier tasks' and would compare other rollouts."""
     run = tmp_path / "run"
     (run / SAMPLES_FOLDER).mkdir(parents=True)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(run / "export")
@@ -48,10 +50,13 @@ def test_a_run_reports_its_wrong_and_right_answers_advantages(
                "sequences": [kept_sequence(tokenizer, WRONG_THEN_RIGHT, [0.1, 0.9, 0.2, 0.3])]}
     failed = {"success": False,
               "sequences": [kept_sequence(tokenizer, WRONG_THEN_RIGHT[:2], [0.0, -2.0])]}
+    first_try = {"success": True,
+                 "sequences": [kept_sequence(tokenizer, WRONG_THEN_RIGHT[3:], [1.5])]}
     (run / SAMPLES_FOLDER / "step-0000002.json").write_text(
-        json.dumps({"step": 2, "version": 2, "rollouts": [retried, failed]}))
+        json.dumps({"step": 2, "version": 2, "rollouts": [retried, failed, first_try]}))
     result = measure(run)
     assert result["retried_right_rollouts"] == 1
     assert result["wrong_answer_advantage"] == pytest.approx(0.9)
     assert result["right_answer_advantage"] == pytest.approx(0.3)
     assert result["ratio"] == pytest.approx(3.0)
+    assert result["first_try_right_advantage"] == pytest.approx(1.5)
