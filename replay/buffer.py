@@ -240,6 +240,8 @@ class RolloutBuffer:
         """Remove and return whole servable groups in serving order, the
         fewest that hold ``size`` rollouts or more (the caller has dropped
         stale ones first). Empty if the servable groups hold fewer."""
+        if len(self.ready) < size:  # no group can make up for it: the usual wait, at once
+            return []
         def order(group: Group) -> tuple[bool, int, float]:
             oldest = 0 if self.serve_order == "fifo" else group.oldest_version(learner_version)
             return (not group.served_before,

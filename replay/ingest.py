@@ -227,6 +227,11 @@ class ActorIngest:
         identity, abandon = received.identity, received.message
         if self._refused_stranger(received, abandon.rollout_id):
             return
+        try:
+            self._check_group(identity, abandon)
+        except ProtocolError as exc:
+            self.endpoint.refuse(received, exc.code, str(exc))
+            return
         key = (abandon.sender_id, abandon.incarnation, abandon.seq)
         self._acks[identity].append(abandon.seq)
         if key in self.book.seen:
@@ -243,12 +248,12 @@ class ActorIngest:
             log.info("actor %s (incarnation %d) said goodbye", peer.actor_id, peer.incarnation)
             self._actor_gone(peer, "abandoned")
 
-    def _check_group(self, identity: bytes, segment: Segment) -> None:
-        """A segment's group has the size its actor declared (``Hello.group_size``):
-        the credits were granted for groups of that size."""
+    def _check_group(self, identity: bytes, message: Segment | Abandon) -> None:
+        """A segment's or abandon's group has the size its actor declared
+        (``Hello.group_size``): the credits were granted for groups of that size."""
         declared = self.registry.peers[identity].group_size
-        if segment.group is not None and segment.group.size != declared:
-            raise ProtocolError(ErrorCode.INVALID, f"group size {segment.group.size} is not the "
+        if message.group is not None and message.group.size != declared:
+            raise ProtocolError(ErrorCode.INVALID, f"group size {message.group.size} is not the "
                                 f"{declared} the actor's hello declared")
 
     def _refused_stranger(self, received: Received, rollout_id: str) -> bool:

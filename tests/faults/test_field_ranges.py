@@ -69,9 +69,15 @@ def expected_code(probe: Probe) -> str | None:
     """The replay's answer to ``probe`` by the table: ``invalid`` beyond a
     range, the service's rules on a ``batch_request`` (docs/protocol.md, "The
     version clock": ``size`` at most B; this learner incarnation has set the
-    clock to 0 and been served a batch, so its versions stop at 1),
-    ``unexpected`` for a kind the socket does not take, else none."""
+    clock to 0 and been served a batch, so its versions stop at 1; docs/replay.md,
+    "Groups": a hello's ``group_size`` at most B, a group's ``size`` the one
+    its actor's hello declared, 1 here), ``unexpected`` for a kind the socket
+    does not take, else none."""
     if not probe.accepted:
+        return "invalid"
+    if probe.kind == "hello" and probe.path == ("group_size",) and probe.value > BATCH:
+        return "invalid"
+    if probe.path[-2:] == ("group", "size") and probe.value != 1:
         return "invalid"
     if probe.kind == "batch_request" and probe.value > (BATCH if probe.path == ("size",)
                                                         else 1):
