@@ -59,6 +59,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
@@ -662,9 +663,59 @@ def key_figures(table: dict[str, Any]) -> str:
             f"`train_summary=false` {masked['summary_tokens']:.1f}. Mean reward (fraction of "
             f"digits right): base {base['mean_reward']:.3f}, full {full['mean_reward']:.3f}, "
             f"`train_summary=false` {masked['mean_reward']:.3f}."]
-    lines += [f"- {claim}: {difference_text(table['full']['compacted'], table[other]['compacted'])}"
-              for claim, other in PAPER_CLAIMS if "full" in table and other in table]
+    claims = [(claim, other) for claim, other in PAPER_CLAIMS if "full" in table and other in table]
+    p_values = {other: p for _, other in claims
+                if (p := seed_p_value(table["full"]["compacted"], table[other]["compacted"]))
+                is not None}
+    holding = holm(p_values)
+    for claim, other in claims:
+        verdict = ("" if other not in p_values else
+                   f"; paired over seeds p = {p_values[other]:.3f}, "
+                   f"{'holds' if other in holding else 'does not hold'} under Holm's "
+                   f"correction over the {len(p_values)} claims")
+        difference = difference_text(table["full"]["compacted"], table[other]["compacted"])
+        lines.append(f"- {claim}: {difference}{verdict}")
     return "\n".join(lines) + "\n\n"
+
+
+def seed_p_value(first: dict[str, Any], second: dict[str, Any]) -> float | None:
+    """Two-sided p of the paired t test over the per-seed differences (None
+    under two seeds, where the rows' seeds differ in number, or where every
+    seed differs alike)."""
+    if len(first["per_seed"]) != len(second["per_seed"]) or len(first["per_seed"]) < 2:
+        return None
+    differences = [a - b for a, b in zip(first["per_seed"], second["per_seed"], strict=True)]
+    spread = statistics.stdev(differences)
+    if spread == 0:
+        return None
+    return t_tail(abs(statistics.fmean(differences)) / (spread / len(differences) ** 0.5),
+                  len(differences) - 1)
+
+
+def t_tail(t: float, df: int) -> float:
+    """P(|T| > t) for Student's t with ``df`` degrees of freedom: one less
+    the density's integral over [-t, t] (Simpson's rule, 2,000 intervals),
+    where scipy is not installed for one number."""
+    scale = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+
+    def density(x: float) -> float:
+        return scale * (1 + x * x / df) ** (-(df + 1) / 2)
+
+    steps, width = 2000, t / 2000
+    total = density(0.0) + density(t) + sum((4 if i % 2 else 2) * density(i * width)
+                                            for i in range(1, steps))
+    return max(0.0, 1 - 2 * total * width / 3)
+
+
+def holm(p_values: dict[str, float], level: float = 0.05) -> set[str]:
+    """The claims that hold under Holm's step-down correction: the k-th
+    smallest p (from 0) against ``level / (m - k)``, until the first that fails."""
+    holding: set[str] = set()
+    for rank, (name, p) in enumerate(sorted(p_values.items(), key=lambda item: item[1])):
+        if p > level / (len(p_values) - rank):
+            break
+        holding.add(name)
+    return holding
 
 
 #: The paper's claims as comparisons of the table's rows: its recipe (``full``)

@@ -259,13 +259,14 @@ def test_the_unequal_table_shows_spread_success_and_loss_weight_by_compactions(
     base = ablations.pooled([grouped(10, {"0": 10, "2": 15}, {"2": {"episodes": 100,
                                                                  "success": 0.1}})])
     credit = {"retried_right_rollouts": 5, "wrong_answer_advantage": 0.3,
-              "right_answer_advantage": 0.5, "ratio": 0.6}
+              "right_answer_advantage": 0.5, "ratio": 0.6, "first_try_right_advantage": 0.7}
     runs = [{"wall_seconds": 600.0, "loss_weight": {"2": {"weight": 0.2, "rollouts": 0.5},
                                                      "4": {"weight": 0.8, "rollouts": 0.5}},
-             "answer_credit": credit},
+             "answer_credit": credit, "group_rollouts": {"complete": 30, "broken": 10}},
             {"wall_seconds": 600.0, "loss_weight": {"2": {"weight": 0.4, "rollouts": 0.7},
                                                      "6": {"weight": 0.6, "rollouts": 0.3}},
-             "answer_credit": {**credit, "wrong_answer_advantage": 0.1}}]
+             "answer_credit": {**credit, "wrong_answer_advantage": 0.1},
+             "group_rollouts": {"complete": 45, "broken": 15}}]
     full = ablations.pooled([
         grouped(50, {"0": 20, "4": 5}, {"2": {"episodes": 60, "success": 0.5},
                                         "4": {"episodes": 40, "success": 0.5}}),
@@ -286,9 +287,12 @@ def test_the_unequal_table_shows_spread_success_and_loss_weight_by_compactions(
     page = (tmp_path / "results.md").read_text()
     assert "120 learner steps of 16 rollouts each" in page
     assert "each held-out task played 4 times" in page
-    assert "| base | 60.0 | 2: 10.0 (100) | - | - |" in page
+    assert "| base | 60.0 | 2: 10.0 (100) | - | - | - |" in page
     assert ("| full | 60.0 | 2: 37.5 (160), 4: 50.0 (40) | 2: 30 / 60, 4: 40 / 25, 6: 30 / 15 "
-            "| +0.200 / +0.500 (ratio 0.40; 10 rollouts) |" in page)
+            "| +0.200 / +0.500 (ratio 0.40; 10 rollouts) | 75.0 |" in page)
+    # a run measured before the answer credit's pools were the same rollouts'
+    del runs[1]["answer_credit"]["first_try_right_advantage"]
+    assert "(ratio 0.40; 10 rollouts) †" in ablations.credit_cell(runs)
     assert "`deploy.answer_credit`" in page
     assert "Not run yet: `advantage=independent`" in page
 
@@ -318,3 +322,18 @@ def test_the_seeds_interval_is_students_t_over_the_paired_seed_differences(ablat
     assert ablations.seed_interval(one_seed, ablations.pooled([evaluation(40)])) is None
     assert "over seeds" not in ablations.difference_text(one_seed,
                                                          ablations.pooled([evaluation(40)]))
+
+
+def test_a_claim_holds_only_under_holms_correction_over_the_table_s_claims(ablations) -> None:
+    """The paired p over seeds matches Student's t in closed form (2 degrees
+    of freedom: P(|T| > t) = 1 - t / sqrt(2 + t^2)), and Holm's step-down
+    keeps the smallest p only while each stays under 5 % / (claims left)."""
+    for t in (0.5, 2.0, 11.24):
+        assert ablations.t_tail(t, 2) == pytest.approx(1 - t / (2 + t * t) ** 0.5, abs=1e-9)
+    assert ablations.t_tail(2.776, 4) == pytest.approx(0.05, abs=1e-4)  # the 97.5 % quantile
+    full = {"per_seed": [0.820, 0.707, 0.787]}
+    assert ablations.seed_p_value(full, {"per_seed": [0.173, 0.223, 0.153]}) == pytest.approx(
+        0.0078, abs=5e-4)
+    assert ablations.holm({"a": 0.008, "b": 0.013, "c": 0.19}) == {"a", "b"}
+    assert ablations.holm({"a": 0.008, "b": 0.013, "c": 0.02, "d": 0.03, "e": 0.04,
+                           "f": 0.19}) == {"a"}
