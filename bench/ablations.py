@@ -62,6 +62,7 @@ import json
 import math
 import os
 import platform
+import random
 import shlex
 import shutil
 import statistics
@@ -375,7 +376,38 @@ def pooled(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
                 e["summary_tokens_per_compaction"] for e in evaluations),
             "success_by_compactions": pooled_by_compactions(evaluations),
             "compaction_spread": dict(sum((Counter(e.get("compaction_spread") or {})
-                                           for e in evaluations), Counter()))}
+                                           for e in evaluations), Counter())),
+            "successes_by_task": pooled_by_task(evaluations)}
+
+
+def pooled_by_task(evaluations: list[dict[str, Any]]) -> list[int] | None:
+    """Successes per held-out task summed over the evaluations (every seed
+    plays the same tasks); None where one predates the count."""
+    counts = [e.get("successes_by_task") for e in evaluations]
+    if not counts or any(c is None for c in counts) or len({len(c) for c in counts}) != 1:
+        return None
+    return [sum(column) for column in zip(*counts, strict=True)]
+
+
+#: Resamples of the held-out tasks behind an interval clustered by task.
+BOOTSTRAP_RESAMPLES = 10_000
+
+
+def task_interval(first: dict[str, Any], second: dict[str, Any]) -> tuple[float, float] | None:
+    """95 % percentile-bootstrap interval of the difference of two success
+    rates, resampling the held-out tasks (each seed's and row's episodes of a
+    task move together: they share the task, and every row plays the same
+    tasks), None where either row lacks per-task counts. Fixed seed: the
+    page renders the same interval every time."""
+    a, b = first.get("successes_by_task"), second.get("successes_by_task")
+    if not a or not b or len(a) != len(b):
+        return None
+    per_task = [first["episodes"] / len(a), second["episodes"] / len(b)]
+    differences = [x / per_task[0] - y / per_task[1] for x, y in zip(a, b, strict=True)]
+    draw = random.Random(0)
+    means = sorted(statistics.fmean(draw.choices(differences, k=len(differences)))
+                   for _ in range(BOOTSTRAP_RESAMPLES))
+    return means[int(0.025 * BOOTSTRAP_RESAMPLES)], means[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]
 
 
 def pooled_by_compactions(evaluations: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -462,7 +494,11 @@ default trains on partial credit);
 two 95 % intervals: over episodes (Newcombe's, from the two Wilson intervals),
 which says how sure the evaluation is of these runs, and over seeds (Student's t
 over the per-seed differences, from two seeds on), which says what another
-seed's runs may differ by. `compaction=false` trains in
+seed's runs may differ by; where the evaluations counted successes per task,
+a third, clustered by task (a bootstrap over the held-out tasks: each task's
+episodes, of every seed and row, move together, since every row plays the
+same tasks), and with it the paired p over seeds and whether the claim holds
+under Holm's correction over the claims listed. `compaction=false` trains in
 one window (an episode ends when it is full) and is evaluated both in one window
 and with compaction. The cross factor is the learner's mean over the segments it
 trained of `(γλ)^N_{{>s}}` (adaptive λ: the product of the later segments'
@@ -771,9 +807,12 @@ def difference_text(first: dict[str, Any], second: dict[str, Any]) -> str:
     low, high = difference_interval(first, second)
     seeds = ", ".join(f"{100 * (a - b):+.1f}" for a, b in
                       zip(first["per_seed"], second["per_seed"], strict=False))
-    over_seeds = seed_interval(first, second)
+    over_seeds, over_tasks = seed_interval(first, second), task_interval(first, second)
     seed_text = ("" if over_seeds is None else
                  f"; over seeds {100 * over_seeds[0]:+.1f} to {100 * over_seeds[1]:+.1f}")
+    if over_tasks is not None:
+        seed_text += (f"; clustered by task {100 * over_tasks[0]:+.1f} to "
+                      f"{100 * over_tasks[1]:+.1f}")
     return (f"**{100 * (first['success'] - second['success']):+.1f} points** (95 % CI over "
             f"episodes {100 * low:+.1f} to {100 * high:+.1f}{seed_text}; per seed {seeds})")
 

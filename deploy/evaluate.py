@@ -93,6 +93,9 @@ class EvalReport:
     compaction_spread: dict[int, int] = field(default_factory=dict)
     """With groups: the most minus the fewest compactions within a group ->
     groups with that spread (how unequally one task's rollouts compacted)."""
+    successes_by_task: list[int] = field(default_factory=list)
+    """Successes on each held-out task, in task order (task n is played by
+    episodes n*g to n*g + g - 1): what intervals clustered by task resample."""
 
 
 def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
@@ -123,7 +126,9 @@ def summarise(model: str, actors: ActorConfig, results: list[EpisodeResult],
         success_by_tag={tag: {value: {"episodes": len(v), "success": sum(v) / len(v)}
                               for value, v in sorted(values.items())}
                         for tag, values in sorted(by_tag.items())},
-        group_size=group_size, compaction_spread=compaction_spread(results, group_size))
+        group_size=group_size, compaction_spread=compaction_spread(results, group_size),
+        successes_by_task=[sum(r.stats.success for r in results[start:start + group_size])
+                           for start in range(0, n, group_size)])
 
 
 def compaction_spread(results: list[EpisodeResult], group_size: int) -> dict[int, int]:

@@ -61,6 +61,8 @@ def test_groups_report_how_unequally_a_task_s_episodes_compacted() -> None:
     assert "compaction spread within groups of 4 (most - fewest: groups): 1: 1, 4: 1" in (
         format_report(report))
     assert summarise("m", ActorConfig(), results, seconds=1.0).compaction_spread == {}
+    # successes per held-out task, what intervals clustered by task resample
+    assert report.successes_by_task == [2, 4, 0]
 
 
 def test_a_group_size_below_one_is_refused_by_the_command_line() -> None:

@@ -337,3 +337,21 @@ def test_a_claim_holds_only_under_holms_correction_over_the_table_s_claims(ablat
     assert ablations.holm({"a": 0.008, "b": 0.013, "c": 0.19}) == {"a", "b"}
     assert ablations.holm({"a": 0.008, "b": 0.013, "c": 0.02, "d": 0.03, "e": 0.04,
                            "f": 0.19}) == {"a"}
+
+
+def test_an_interval_clustered_by_task_resamples_tasks_not_episodes(ablations) -> None:
+    """75 tasks, 12 episodes each (4 samples x 3 seeds): where one row
+    solves half the tasks every time and the other none, episodes are not
+    independent, and the interval clustered by task is the tasks' (a
+    proportion of 75: about +-11 points), not the 900 episodes' (+-3)."""
+    def row(by_task: list[int]) -> dict:
+        return {"successes_by_task": by_task, "episodes": 12 * len(by_task)}
+
+    half = row([12] * 37 + [0] * 38)
+    low, high = ablations.task_interval(half, row([0] * 75))
+    assert low < 37 / 75 < high and 0.18 < high - low < 0.28
+    assert ablations.task_interval(half, half) == (0.0, 0.0)
+    assert ablations.task_interval(half, {"episodes": 900}) is None  # counted before the field
+    pooled = ablations.pooled([{**evaluation(2), "successes_by_task": [1, 1, 0]},
+                               {**evaluation(1), "successes_by_task": [0, 1, 0]}])
+    assert pooled["successes_by_task"] == [1, 2, 0]
