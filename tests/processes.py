@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -364,3 +364,15 @@ class UpOnLoopback:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         process.wait()
+
+
+@contextlib.contextmanager
+def scripted_replay(folder: Path, batch: int, *overrides: str) -> Iterator[ReplayProcess]:
+    """A replay process for scripted peers: token ids below 100, batches of
+    ``batch``, a staleness bound of 4; stopped on the way out."""
+    process = ReplayProcess(folder, "--replay.vocab_size", "100", "--replay.rollouts_per_batch",
+                            str(batch), "--replay.max_staleness", "4", *overrides)
+    try:
+        yield process
+    finally:
+        process.stop()

@@ -36,7 +36,7 @@ from protocol import (
 from protocol.messages import new_token
 from protocol.synthetic import synthetic_hello
 from tests.field_edges import HEADER, Probe, edges, field_probes, probe, ranged_fields
-from tests.processes import ReplayProcess
+from tests.processes import ReplayProcess, scripted_replay
 from tests.protocol_clients import ActorClient, LearnerClient, dealer
 
 #: The replay's batch size B: a request's ``size`` is at most it.
@@ -51,11 +51,8 @@ REPLY_S = 10.0
 
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplayProcess]:
-    process = ReplayProcess(tmp_path_factory.mktemp("replay"), "--replay.vocab_size", "100",
-                            "--replay.rollouts_per_batch", str(BATCH),
-                            "--replay.max_staleness", "4")
-    yield process
-    process.stop()
+    with scripted_replay(tmp_path_factory.mktemp("replay"), BATCH) as process:
+        yield process
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from protocol import (
 from protocol.messages import MAX_ID_CHARS
 from protocol.synthetic import synthetic_hello, synthetic_segment
 from replay.buffer import RELEASED_ID_BYTES
-from tests.processes import ReplayProcess, rss_bytes
+from tests.processes import ReplayProcess, rss_bytes, scripted_replay
 from tests.protocol_clients import ActorClient, LearnerClient, dealer
 
 #: The replay's batch size B.
@@ -37,12 +37,9 @@ MAX_ACTORS = 3
 
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplayProcess]:
-    process = ReplayProcess(tmp_path_factory.mktemp("replay"), "--replay.vocab_size", "100",
-                            "--replay.rollouts_per_batch", str(BATCH),
-                            "--replay.max_staleness", "4",
-                            "--replay.max_actors", str(MAX_ACTORS))
-    yield process
-    process.stop()
+    with scripted_replay(tmp_path_factory.mktemp("replay"), BATCH,
+                         "--replay.max_actors", str(MAX_ACTORS)) as process:
+        yield process
 
 
 def _reply(socket: zmq.Socket) -> object:

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from protocol import Abandon, Batch, Goodbye, GroupTag
-from tests.processes import ReplayProcess
+from tests.processes import ReplayProcess, scripted_replay
 from tests.protocol_clients import ActorClient, LearnerClient
 
 #: G, rollouts per group, and B, rollouts per batch (two groups).
@@ -24,11 +24,8 @@ _incarnations = itertools.count(1)
 
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplayProcess]:
-    process = ReplayProcess(tmp_path_factory.mktemp("replay"), "--replay.vocab_size", "100",
-                            "--replay.rollouts_per_batch", str(BATCH),
-                            "--replay.max_staleness", "4")
-    yield process
-    process.stop()
+    with scripted_replay(tmp_path_factory.mktemp("replay"), BATCH) as process:
+        yield process
 
 
 class Learner:
