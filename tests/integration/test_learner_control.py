@@ -5,6 +5,7 @@ and a counter while registered actors are still served."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import msgspec
@@ -289,3 +290,18 @@ def test_a_member_that_says_goodbye_leaves_before_the_next_publication(
         assert "actor b left: said goodbye" in caplog.text
     finally:
         context.destroy(linger=0)
+
+
+def test_closing_returns_at_once_whenever_the_control_thread_stopped(control) -> None:
+    """``close`` wakes the control thread with a message; a thread that saw
+    the stop first has closed its end, and a blocking send would wait for it
+    for ever (a teardown hung 600 s on this, and the context's collection
+    later hung another test as long). Closing then returns at once."""
+    plane, _, _ = control
+    plane._stop.set()
+    plane._thread.join(timeout=10)
+    assert not plane._thread.is_alive()
+    closing = threading.Thread(target=plane.close, daemon=True)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive(), "close() waits on a thread that has stopped"
