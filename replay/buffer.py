@@ -29,7 +29,7 @@ from typing import Literal
 import msgspec
 
 from protocol import FramedRollout, GroupTag, Segment
-from replay.groups import Group, GroupKey, RolloutGroups, group_key
+from replay.groups import Group, GroupKey, Owner, RolloutGroups, group_key
 
 #: Remember this many served or dropped rollout ids, so late resends of
 #: their segments are recognised instead of starting a ghost rollout.
@@ -46,8 +46,6 @@ RELEASED_ID_BYTES = 1024
 #: many tiny segments.
 SEGMENT_OVERHEAD_BYTES = 4096
 
-#: An actor incarnation: (actor id, incarnation).
-Owner = tuple[str, int]
 
 
 @dataclass

@@ -35,10 +35,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from replay.buffer import Owner, RolloutEntry
+from protocol import Abandon, ErrorCode, ProtocolError, Segment
 
 #: Remember this many closed groups' keys (served or dropped), so that a
 #: member arriving late is recognised instead of opening a group that could
@@ -46,10 +45,33 @@ if TYPE_CHECKING:
 #: rollout's does (docs/replay.md, "Memory").
 CLOSED_MEMORY = 100_000
 
+#: An actor incarnation: (actor id, incarnation).
+Owner = tuple[str, int]
 #: (actor id, incarnation, group id): one actor incarnation's group. A
 #: rollout without a tag is keyed by its own id, marked apart (the last
 #: field) so that no group id can name it.
 GroupKey = tuple[str, int, str, bool]
+
+
+class Member(Protocol):
+    """What a group reads of its rollouts (:class:`replay.buffer.Member`)."""
+
+    rollout_id: str
+    first_seen: float
+    ready_at: float | None
+    min_version: int | None
+    group: GroupKey | None
+    group_size: int
+
+    def staleness(self, learner_version: int) -> int: ...
+
+
+def check_group_size(message: Segment | Abandon, declared: int) -> None:
+    """A segment's or abandon's group has the size its actor declared
+    (``Hello.group_size``): the credits were granted for groups of that size."""
+    if message.group is not None and message.group.size != declared:
+        raise ProtocolError(ErrorCode.INVALID, f"group size {message.group.size} is not the "
+                            f"{declared} the actor's hello declared")
 
 
 def group_key(owner: Owner, group_id: str | None, rollout_id: str) -> GroupKey:
@@ -66,7 +88,7 @@ class Group:
     size: int
     """G: the members its actor starts."""
     opened_at: float
-    ready: dict[str, RolloutEntry] = field(default_factory=dict)
+    ready: dict[str, Member] = field(default_factory=dict)
     """Its ready members, in readiness order."""
     pending: set[str] = field(default_factory=set)
     dropped: int = 0
@@ -123,7 +145,7 @@ class RolloutGroups:
         group.pending.add(rollout_id)
         return group
 
-    def ready(self, key: GroupKey, entry: RolloutEntry) -> None:
+    def ready(self, key: GroupKey, entry: Member) -> None:
         group = self.open[key]
         group.pending.discard(entry.rollout_id)
         group.ready[entry.rollout_id] = entry
@@ -173,7 +195,7 @@ class RolloutGroups:
             if len(self._closed) > CLOSED_MEMORY:
                 self._closed.popitem(last=False)
 
-    def reopen(self, entries: Iterable[RolloutEntry]) -> None:
+    def reopen(self, entries: Iterable[Member]) -> None:
         """Groups served to a learner that died, back whole: servable at once,
         first, and closed to members as they were."""
         for entry in entries:

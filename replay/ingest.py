@@ -43,7 +43,7 @@ from protocol.validation import check_segment_content
 from replay.book import RolloutBook, owner_of
 from replay.buffer import SEGMENT_OVERHEAD_BYTES
 from replay.fleet import Fleet
-from replay.pacing import fair_shares
+from replay.groups import check_group_size
 from replay.registry import ActorRegistry, Peer
 
 log = logging.getLogger("compactionrl.replay")
@@ -60,6 +60,14 @@ INGEST_BATCH = 64
 #: second. The learner cannot publish a second version without a batch, so
 #: one is the bound.
 VERSION_AHEAD = 1
+
+
+def group_refusal(hello: Hello | None, batch: int) -> tuple[ErrorCode, str] | None:
+    """A hello whose groups no batch of ``batch`` rollouts could hold whole is refused."""
+    if hello is None or hello.group_size <= batch:
+        return None
+    return ErrorCode.INVALID, (f"group_size {hello.group_size} > rollouts_per_batch {batch}: "
+                               "a batch holds whole groups")
 
 
 @dataclass(frozen=True)
@@ -122,11 +130,9 @@ class ActorIngest:
         the message's type."""
         identity, message = received.identity, received.message
         hello = message if isinstance(message, Hello) else None
-        refusal = self.registry.refusal(identity, message.sender_id, message.incarnation,
-                                        None if hello is None else hello.token)
-        if hello is not None and hello.group_size > self.book.config.rollouts_per_batch:
-            refusal = (ErrorCode.INVALID, f"group_size {hello.group_size} > rollouts_per_batch "
-                       f"{self.book.config.rollouts_per_batch}: a batch holds whole groups")
+        refusal = (self.registry.refusal(identity, message.sender_id, message.incarnation,
+                                         None if hello is None else hello.token)
+                   or group_refusal(hello, self.book.config.rollouts_per_batch))
         if refusal is not None:  # a refused incarnation's rollouts are gone: none counts twice
             self.endpoint.refuse(received, *refusal)
             return
@@ -179,7 +185,7 @@ class ActorIngest:
             self._acks[identity].append(segment.seq)
             return
         try:
-            self._check_group(identity, segment)
+            check_group_size(segment, self.registry.peers[identity].group_size)
             oldest = check_segment_content(segment, vocab_size=book.vocab_size,
                                            oldest_version=0,
                                            newest_version=book.learner_version + VERSION_AHEAD)
@@ -199,11 +205,6 @@ class ActorIngest:
                                  "replay buffer at its memory bound: rollout dropped")
             return
         result = book.buffer.add(segment, frame, self._now, oldest)
-        if result == "late_member":  # its group was served or dropped: it would train alone
-            book.drop(segment.rollout_id, "late_member", owner_of(segment))
-            book.seen.add(key)
-            self._acks[identity].append(segment.seq)
-            return
         if result == "conflict":
             book.drop(segment.rollout_id, "invalid")
             self.endpoint.refuse(received, ErrorCode.INVALID,
@@ -211,6 +212,9 @@ class ActorIngest:
             return
         book.seen.add(key)
         self._acks[identity].append(segment.seq)
+        if result == "late_member":  # its group was served or dropped: it would train alone
+            book.drop(segment.rollout_id, "late_member", owner_of(segment))
+            return
         if result == "late":  # its rollout was served or dropped already
             metrics.segments.labels("duplicate").inc()
             return
@@ -228,7 +232,7 @@ class ActorIngest:
         if self._refused_stranger(received, abandon.rollout_id):
             return
         try:
-            self._check_group(identity, abandon)
+            check_group_size(abandon, self.registry.peers[identity].group_size)
         except ProtocolError as exc:
             self.endpoint.refuse(received, exc.code, str(exc))
             return
@@ -247,14 +251,6 @@ class ActorIngest:
         if peer is not None:
             log.info("actor %s (incarnation %d) said goodbye", peer.actor_id, peer.incarnation)
             self._actor_gone(peer, "abandoned")
-
-    def _check_group(self, identity: bytes, message: Segment | Abandon) -> None:
-        """A segment's or abandon's group has the size its actor declared
-        (``Hello.group_size``): the credits were granted for groups of that size."""
-        declared = self.registry.peers[identity].group_size
-        if message.group is not None and message.group.size != declared:
-            raise ProtocolError(ErrorCode.INVALID, f"group size {message.group.size} is not the "
-                                f"{declared} the actor's hello declared")
 
     def _refused_stranger(self, received: Received, rollout_id: str) -> bool:
         """Refuse (``owner``) a segment or abandon of a rollout that another
@@ -276,16 +272,11 @@ class ActorIngest:
         the others' stay available for the pass's end. Returns the grants
         by connection."""
         book, peers = self.book, self.registry.peers
-        largest_group = max((peer.group_size for peer in peers.values()), default=1)
-        available = book.pacer.available(book.buffer.nbytes, len(book.buffer.ready),
-                                         largest_group)
-        if not available:
-            return {}
         connection = {peer.actor_id: identity for identity, peer in peers.items()}
         unit = {peer.actor_id: peer.group_size for peer in peers.values()}
-        shares = fair_shares(available, {
-            peer.actor_id: (peer.capacity, book.pacer.outstanding.get(peer.actor_id, 0),
-                            peer.group_size) for peer in peers.values()})
+        shares = book.pacer.shares({peer.actor_id: (peer.capacity, peer.group_size)
+                                    for peer in peers.values()},
+                                   book.buffer.nbytes, len(book.buffer.ready))
         granted: dict[bytes, int] = {}
         for actor_id, share in shares.items():
             identity = connection[actor_id]

@@ -115,6 +115,16 @@ class CreditPacer:
             self._ledgers[actor] = ledger, total + granted
         return granted
 
+    def shares(self, actors: Mapping[str, tuple[int, int]], buffer_bytes: int, ready: int
+               ) -> dict[str, int]:
+        """Who gets the credits available now: :func:`fair_shares` over
+        ``actors`` (actor -> ``(capacity, group size)``) with what each holds;
+        the memory rule yields the largest group to a waiting learner."""
+        largest_group = max((unit for _, unit in actors.values()), default=1)
+        available = self.available(buffer_bytes, ready, largest_group)
+        return fair_shares(available, {actor: (capacity, self.outstanding.get(actor, 0), unit)
+                                       for actor, (capacity, unit) in actors.items()})
+
     def ledger(self, actor: str) -> tuple[int, int]:
         """``actor``'s ledger id and the credits granted under it so far."""
         if actor not in self._ledgers:
