@@ -29,7 +29,7 @@ from tests.ports import loopback_addresses
 from tests.replay_thread import ReplayThread
 
 #: docs/protocol.md, "Fields": the header's protocol_version.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 VOCAB = 100
 MAX_MESSAGE_BYTES = 64 * 1024
 #: Room for a few small rollouts, not for a 4,096-token segment (~53 kB).
