@@ -46,6 +46,7 @@ from actors.episode import EpisodeResult
 from actors.metrics import ActorMetrics
 from actors.recording_endpoint import RecordingEndpoint
 from actors.rollout_writer import Rollout
+from protocol import GroupTag
 
 
 class BenchHost:
@@ -72,8 +73,9 @@ class BenchHost:
     async def close_rollout(self, rollout: Rollout, abandoned: bool) -> None:
         self.last_close = time.perf_counter()
 
-    async def send_segment(self, rollout_id: str, task_id: str, index: int,
-                           segment: ClosedSegment, result: EpisodeResult | None) -> None:
+    async def send_segment(self, rollout_id: str, task_id: str, group: GroupTag | None,
+                           index: int, segment: ClosedSegment, result: EpisodeResult | None
+                           ) -> None:
         requests = self.requests.setdefault(rollout_id, [])
         mask = segment.loss_mask
         for i, sampled in enumerate(mask):
