@@ -65,6 +65,9 @@ class RolloutEntry:
     actor_id: str
     incarnation: int
     first_seen: float
+    group: GroupKey
+    """The group it is served with (its first segment's ``group``)."""
+    group_size: int
     segments: dict[int, StoredSegment] = field(default_factory=dict)
     final_index: int | None = None
     ready_at: float | None = None
@@ -74,9 +77,6 @@ class RolloutEntry:
     """Oldest policy version among its segments' trainable tokens (None: none
     trainable), kept as segments arrive: staleness reads it for every ready
     rollout on every learner request."""
-    group: GroupKey | None = None
-    """The group it is served with (its first segment's ``group``)."""
-    group_size: int = 1
 
     @property
     def owner(self) -> Owner:

@@ -60,7 +60,7 @@ class Member(Protocol):
     first_seen: float
     ready_at: float | None
     min_version: int | None
-    group: GroupKey | None
+    group: GroupKey
     group_size: int
 
     def staleness(self, learner_version: int) -> int: ...
