@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import torch
 import zmq
 
 from ops.engine_starts import ENGINE_STARTS_RECORD
@@ -97,6 +98,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if share is not None and share[1] <= len(cores):
         worker, workers = share
         os.sched_setaffinity(0, cores[worker::workers])
+        # torch sized its OpenMP pool from the affinity when this file's imports
+        # imported it: two threads on one core make every parallel kernel wait for
+        # a descheduled thread (the tiny model's PPO step measured 30 times slower).
+        torch.set_num_threads(len(cores[worker::workers]))
 
 
 @pytest.hookimpl(tryfirst=True)

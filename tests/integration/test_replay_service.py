@@ -719,8 +719,9 @@ def test_the_replay_counts_every_actor_and_lists_it_for_prometheus(tmp_path: Pat
         assert trained == 12 == sum(replay.metric("crl_replay_finished_rollouts_total",
                                                   fate="trained", success=success)
                                     for success in ("true", "false"))
-        assert replay.metric("crl_replay_actor_stall_seconds_total", actor="actor-0",
-                             reason="credits") == 2.5
+        # The heartbeats may still be on their way when the count is reached.
+        assert actors[0].pump_until(lambda: replay.metric(
+            "crl_replay_actor_stall_seconds_total", actor="actor-0", reason="credits") == 2.5)
         assert replay.metric("crl_replay_actor_stall_seconds_total", actor="actor-0",
                              reason="made-up") == 0
         actors[1].send(Goodbye(**actors[1].stamp.next()))
