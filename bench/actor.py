@@ -10,7 +10,8 @@ compaction bookkeeping, environment, asyncio) costs on top of generation.
 
     python bench/actor.py [--json] [--quick] [--episodes 16] [--concurrency 8]
 
-``--quick``: 2 episodes, both at once (a smoke test of the same code).
+``--quick``: 2 episodes, both at once, without the warm-up (a smoke test of the
+same code).
 """
 
 from __future__ import annotations
@@ -106,23 +107,27 @@ async def raw_replay(engine: Engine, episodes: list[list[tuple[list[int], int]]]
 
 
 @contextlib.asynccontextmanager
-async def warm_tiny_engine(concurrency: int) -> AsyncIterator[tuple[Engine, ActorConfig]]:
-    """An engine on a fresh tiny model, warmed up by ``concurrency`` episodes,
-    with the small-window actor configuration; shut down on exit."""
+async def warm_tiny_engine(concurrency: int, warm: bool
+                           ) -> AsyncIterator[tuple[Engine, ActorConfig]]:
+    """An engine on a fresh tiny model with the small-window actor
+    configuration, warmed up by ``concurrency`` episodes where ``warm`` (not
+    under ``--quick``: a smoke test's ratios are not read, and the warm-up was
+    a third of its generated tokens); shut down on exit."""
     from starting_points.tiny_model import temporary_tiny_model
 
     config = load_config(None, SMALL_WINDOW).actors
     with temporary_tiny_model() as model:
         engine = await Engine.start(model, config.engine, config.sampling)
         try:
-            await agent_loop(engine, concurrency, concurrency)
+            if warm:
+                await agent_loop(engine, concurrency, concurrency)
             yield engine, config
         finally:
             await engine.shutdown()
 
 
 async def main(args: argparse.Namespace) -> dict:
-    async with warm_tiny_engine(args.concurrency) as (engine, _):
+    async with warm_tiny_engine(args.concurrency, not args.quick) as (engine, _):
         agent_s, episodes, totals = await agent_loop(engine, args.episodes, args.concurrency)
         raw_s = await raw_replay(engine, episodes, args.concurrency)
     tokens = totals["generated_tokens"]
@@ -143,8 +148,8 @@ async def main(args: argparse.Namespace) -> dict:
 def episode_arguments(description: str, repeatable: bool = False) -> argparse.Namespace:
     """The command line of a benchmark of episodes (this one, bench/endpoint.py);
     ``repeatable``: with ``--repeats``."""
-    parser = BenchmarkParser(description, quick="2 episodes, both at once, unless given "
-                             "(smoke test)")
+    parser = BenchmarkParser(description, quick="2 episodes, both at once, unless given, "
+                             "and no warm-up (smoke test)")
     if repeatable:
         parser.add_argument("--repeats", type=int, default=1,
                             help="measure this many times on the same engine (the paths in "

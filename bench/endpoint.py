@@ -155,7 +155,7 @@ async def measure(engine: Engine, config: ActorConfig, args: argparse.Namespace,
 
 
 async def main(args: argparse.Namespace) -> dict:
-    async with warm_tiny_engine(args.concurrency) as (engine, config):
+    async with warm_tiny_engine(args.concurrency, not args.quick) as (engine, config):
         runs = [await measure(engine, config, args, endpoint_first=bool(n % 2))
                 for n in range(max(1, args.repeats))]
     ranked = sorted(runs, key=lambda run: run["endpoint_vs_own_loop"])

@@ -93,7 +93,9 @@ def pytest_configure(config: pytest.Config) -> None:
         handle, path = tempfile.mkstemp(prefix="compactionrl-engine-starts-")
         os.close(handle)
         ENGINE_STARTS.append(Path(path))
-        os.environ[ENGINE_STARTS_RECORD] = path
+        # In the environment every test starts from, too: without workers the
+        # session's environment was taken before this hook ran.
+        os.environ[ENGINE_STARTS_RECORD] = SESSION_ENVIRONMENT[ENGINE_STARTS_RECORD] = path
     cores = sorted(os.sched_getaffinity(0))
     if share is not None and share[1] <= len(cores):
         worker, workers = share
