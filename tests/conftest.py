@@ -99,11 +99,12 @@ def pytest_configure(config: pytest.Config) -> None:
     cores = sorted(os.sched_getaffinity(0))
     if share is not None and share[1] <= len(cores):
         worker, workers = share
-        os.sched_setaffinity(0, cores[worker::workers])
+        own = cores[worker::workers]
+        os.sched_setaffinity(0, own)
         # torch sized its OpenMP pool from the affinity when this file's imports
         # imported it: two threads on one core make every parallel kernel wait for
         # a descheduled thread (the tiny model's PPO step measured 30 times slower).
-        torch.set_num_threads(len(cores[worker::workers]))
+        torch.set_num_threads(len(own))
 
 
 @pytest.hookimpl(tryfirst=True)
