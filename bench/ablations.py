@@ -46,7 +46,12 @@ fresh bootstrap elsewhere need not give the same weights.
 
     python bench/ablations.py [--quick] [--seeds 3] [--minutes 5] [--episodes 300] [--json]
                               [--recipe today|paper|blind-critic] [--variants full,...] [--fresh]
-                              [--dry-run] [--render]
+                              [--retrain-before COMMIT] [--dry-run] [--render]
+
+``--retrain-before COMMIT`` trains the requested variants again where their
+records predate a fix (records made since are kept: resuming is safe). A
+configuration field added since the records, left at its default, does not
+make other settings (:func:`same_settings`).
 
 ``--dry-run`` checks every command the table needs (the command line's parser
 and the configuration loader, on each variant's overrides), prints them and
@@ -69,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
@@ -339,7 +345,7 @@ def load_records(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str,
     if not path.is_file():
         return empty
     records = json.loads(path.read_text())
-    if records.get("settings") == settings:
+    if same_settings(records.get("settings", {}), settings):
         return records
     if not fresh:  # hours of runs: never dropped unasked
         changed = sorted(key for key in settings.keys() | records.get("settings", {}).keys()
@@ -348,6 +354,68 @@ def load_records(path: Path, settings: dict[str, Any], fresh: bool) -> dict[str,
                          "): pass --fresh to drop them and start over")
     print(f"{path} records runs of other settings: starting over (--fresh)", flush=True)
     return empty
+
+
+def same_settings(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether runs recorded under ``recorded`` are runs of ``current``: every
+    setting equal, except that a configuration field added since the records
+    were made (absent from theirs) is taken as theirs where it holds its
+    default. A field is added with the default that keeps what runs did
+    before it existed (docs/design.md, section 5); one set otherwise
+    makes other runs."""
+    if recorded.keys() != current.keys() or any(
+            recorded[key] != current[key] for key in recorded if key != "config"):
+        return False
+    if recorded["config"] == current["config"]:
+        return True
+    old, new = tomllib.loads(recorded["config"]), tomllib.loads(current["config"])
+    return _added_at_default(old, new, tomllib.loads(to_toml(JobConfig())))
+
+
+def _added_at_default(old: dict[str, Any], new: dict[str, Any], default: dict[str, Any]
+                      ) -> bool:
+    """``new`` is ``old`` with fields added at their values in ``default``."""
+    if old.keys() - new.keys():
+        return False  # a field since removed: the records' runs had something else
+    for key, value in new.items():
+        if key not in old:
+            if value != default.get(key):
+                return False
+        elif isinstance(value, dict) and isinstance(old[key], dict):
+            if not _added_at_default(old[key], value, default.get(key, {})):
+                return False
+        elif value != old[key]:
+            return False
+    return True
+
+
+def drop_records_before(records: dict[str, Any], records_path: Path, fix: str,
+                        variants: list[str], seeds: list[int], out_dir: Path) -> None:
+    """Drop the records (and run folders) of ``variants`` made at a commit
+    that does not contain ``fix``, for :func:`train_missing` to make again."""
+    for variant in variants:
+        for seed in seeds:
+            name = run_name(variant, seed)
+            made_at = records["runs"].get(name, {}).get("commit")
+            if name in records["runs"] and not contains(made_at, fix):
+                print(f"{name}: recorded at {made_at}, before {fix}: training it again",
+                      flush=True)
+                del records["runs"][name]
+                shutil.rmtree(out_dir / name, ignore_errors=True)
+    save_records(records_path, records)
+
+
+def contains(commit_id: str | None, fix: str) -> bool:
+    """Whether ``commit_id`` has ``fix`` in its history (a record without a
+    commit has not); a commit git does not know is refused, not guessed."""
+    if commit_id is None:
+        return False
+    found = subprocess.run(["git", "merge-base", "--is-ancestor", fix, commit_id], cwd=ROOT,
+                           capture_output=True, text=True, check=False)
+    if found.returncode not in (0, 1):
+        raise SystemExit(f"--retrain-before: git cannot compare {fix} with {commit_id}: "
+                         f"{found.stderr.strip()}")
+    return found.returncode == 0
 
 
 def save_records(path: Path, records: dict[str, Any]) -> None:
@@ -859,6 +927,11 @@ def parse_arguments() -> argparse.Namespace:
                         help="only write results.md again from the recipe's JSON in DOCS")
     parser.add_argument("--fresh", action="store_true",
                         help="drop the records and run folders made with other settings")
+    parser.add_argument("--retrain-before", metavar="COMMIT", default=None,
+                        help="train the requested variants again where their records were "
+                             "made at a commit without COMMIT (a fix that changes what they "
+                             "measure); runs made since are kept, so a resumed invocation "
+                             "does not train them twice")
     parser.add_argument("--dry-run", action="store_true",
                         help="check and print the commands the table needs; train nothing")
     args = parser.parse_args()
@@ -1003,6 +1076,9 @@ def main() -> int:
         shutil.rmtree(kept_base, ignore_errors=True)
         shutil.copytree(base, kept_base)
     claim_folder(out_dir, log, settings, args.fresh)
+    if args.retrain_before:
+        drop_records_before(records, records_path, args.retrain_before, args.requested, seeds,
+                            out_dir)
     train_missing(records, records_path, args, seeds, base, out_dir, log)
     results = tabulate(records, seeds, args.recipe)
     machines = {run["machine"] for entry in results["variants"].values()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
@@ -111,6 +112,52 @@ def test_runs_recorded_under_other_settings_are_refused_unless_fresh(
     with pytest.raises(SystemExit, match=r"other settings \(base\)"):
         ablations.load_records(path, _settings("def"), fresh=False)
     assert ablations.load_records(path, _settings("def"), fresh=True)["runs"] == {}
+
+
+def test_a_field_added_since_the_records_holds_them_only_at_its_default(
+        ablations, tmp_path: Path) -> None:
+    """Records made before a configuration field existed hold for a run that
+    leaves it at its default; set otherwise, or a recorded field changed or
+    gone, they are runs of other settings."""
+    current = to_toml(load_config(None, []))
+    before = "\n".join(line for line in current.splitlines()
+                       if not line.startswith("member_backoff_s"))
+    path = tmp_path / "results-runs.json"
+    ablations.save_records(path, {"settings": {**_settings(), "config": before}, "base": {},
+                                  "runs": {"full-seed0": {}}})
+    assert ablations.load_records(path, {**_settings(), "config": current},
+                                  fresh=False)["runs"] == {"full-seed0": {}}
+    for other in (to_toml(load_config(None, ["--learner.member_backoff_s", "20"])),
+                  to_toml(load_config(None, ["--learner.clip_low", "0.3"])),
+                  before.replace("member_failures_allowed", "# gone")):
+        with pytest.raises(SystemExit, match=r"other settings \(config\)"):
+            ablations.load_records(path, {**_settings(), "config": other}, fresh=False)
+
+
+def test_retraining_before_a_fix_drops_only_the_runs_made_without_it(
+        ablations, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repository = tmp_path / "checkout"
+    repository.mkdir()
+    for command in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "before"],
+                    ["commit", "-q", "--allow-empty", "-m", "the fix"]):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *command],
+                       cwd=repository, check=True)
+    fix, before = subprocess.run(["git", "rev-list", "HEAD"], cwd=repository,
+                                 capture_output=True, text=True, check=True).stdout.split()
+    monkeypatch.setattr(ablations, "ROOT", repository)
+    path, out_dir = tmp_path / "results-runs.json", tmp_path / "runs"
+    (out_dir / "full-seed0").mkdir(parents=True)
+    records = {"settings": _settings(), "base": {},
+               "runs": {"full-seed0": {"commit": before}, "full-seed1": {"commit": fix},
+                        "full-seed2": {"commit": None}, "loss_norm-segment-seed0": {
+                            "commit": before}}}
+    ablations.drop_records_before(records, path, fix, ["full"], [0, 1, 2], out_dir)
+    assert set(records["runs"]) == {"full-seed1", "loss_norm-segment-seed0"}
+    assert not (out_dir / "full-seed0").exists()
+    assert json.loads(path.read_text()) == records
+    with pytest.raises(SystemExit, match="cannot compare"):
+        ablations.drop_records_before({"runs": {"full-seed0": {"commit": "f" * 40}}}, path,
+                                      fix, ["full"], [0], out_dir)
 
 
 def test_the_base_digest_follows_the_weights_not_the_bootstrap_time(
