@@ -308,10 +308,17 @@ def environment_digest(factory: str) -> str:
     return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
 
 
+#: What the table itself writes into the checkout as it goes (records,
+#: sections, their JSON and charts, kept bases): not code a run trains with.
+OWN_OUTPUTS = (":(exclude)docs/results*", ":(exclude)docs/images/ablations*")
+
+
 def tree_clean() -> bool | None:
-    """Whether the checkout's tracked files are as committed (None outside git)."""
-    found = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, check=False)
+    """Whether the checkout's tracked files are as committed, but for the
+    table's own outputs (None outside git)."""
+    found = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            *OWN_OUTPUTS], cwd=ROOT, capture_output=True, text=True,
+                           check=False)
     return None if found.returncode else not found.stdout.strip()
 
 
@@ -965,7 +972,11 @@ def claim_folder(out_dir: Path, log: Path, settings: dict[str, Any], fresh: bool
 def train_missing(records: dict[str, Any], records_path: Path, args: argparse.Namespace,
                   seeds: list[int], base: Path, out_dir: Path, log: Path) -> None:
     """Evaluate the base and train and evaluate every requested run that no
-    record holds yet, saving the records after each."""
+    record holds yet (or none made since ``--retrain-before``'s fix), saving
+    the records after each."""
+    if args.retrain_before:
+        drop_records_before(records, records_path, args.retrain_before, args.requested, seeds,
+                            out_dir)
     print("evaluating the base policy", flush=True)
     if not records["base"]:
         records["base"] = {
@@ -1076,9 +1087,6 @@ def main() -> int:
         shutil.rmtree(kept_base, ignore_errors=True)
         shutil.copytree(base, kept_base)
     claim_folder(out_dir, log, settings, args.fresh)
-    if args.retrain_before:
-        drop_records_before(records, records_path, args.retrain_before, args.requested, seeds,
-                            out_dir)
     train_missing(records, records_path, args, seeds, base, out_dir, log)
     results = tabulate(records, seeds, args.recipe)
     machines = {run["machine"] for entry in results["variants"].values()

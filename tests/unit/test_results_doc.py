@@ -134,17 +134,40 @@ def test_a_field_added_since_the_records_holds_them_only_at_its_default(
             ablations.load_records(path, {**_settings(), "config": other}, fresh=False)
 
 
+def _git(repository: Path, *command: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *command],
+                          cwd=repository, capture_output=True, text=True, check=True).stdout
+
+
+def _checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ablations: ModuleType) -> Path:
+    """A git checkout with one commit (a module and a table's records) that
+    the benchmark takes for its own."""
+    repository = tmp_path / "checkout"
+    (repository / "docs").mkdir(parents=True)
+    (repository / "trainer.py").write_text("STEPS = 1\n")
+    (repository / "docs" / "results-retries-runs.json").write_text("{}\n")
+    _git(repository, "init", "-q")
+    _git(repository, "add", ".")
+    _git(repository, "commit", "-q", "-m", "before")
+    monkeypatch.setattr(ablations, "ROOT", repository)
+    return repository
+
+
+def test_a_tree_is_clean_whatever_the_table_writes_and_dirty_where_code_changed(
+        ablations, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repository = _checkout(tmp_path, monkeypatch, ablations)
+    assert ablations.tree_clean()
+    (repository / "docs" / "results-retries-runs.json").write_text('{"runs": {}}\n')
+    assert ablations.tree_clean()  # the table's own record of its runs
+    (repository / "trainer.py").write_text("STEPS = 2\n")
+    assert ablations.tree_clean() is False
+
+
 def test_retraining_before_a_fix_drops_only_the_runs_made_without_it(
         ablations, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    repository = tmp_path / "checkout"
-    repository.mkdir()
-    for command in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "before"],
-                    ["commit", "-q", "--allow-empty", "-m", "the fix"]):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *command],
-                       cwd=repository, check=True)
-    fix, before = subprocess.run(["git", "rev-list", "HEAD"], cwd=repository,
-                                 capture_output=True, text=True, check=True).stdout.split()
-    monkeypatch.setattr(ablations, "ROOT", repository)
+    repository = _checkout(tmp_path, monkeypatch, ablations)
+    _git(repository, "commit", "-q", "--allow-empty", "-m", "the fix")
+    fix, before = _git(repository, "rev-list", "HEAD").split()
     path, out_dir = tmp_path / "results-runs.json", tmp_path / "runs"
     (out_dir / "full-seed0").mkdir(parents=True)
     records = {"settings": _settings(), "base": {},
