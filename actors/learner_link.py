@@ -7,7 +7,8 @@ forgets the actor (it restarted: ``unregistered``) or a load left the engine
 on a mix of weights (its ``Hello`` reports ``NO_COMPLETE_VERSION``, and the
 learner publishes again at once). Each ``WeightsAnnounce`` is queued; the
 newest one waiting is applied: join its group generation if new, receive and
-load the weights (generation paused meanwhile: stall ``reason="weights"``),
+load the weights (generation paused meanwhile: stall ``reason="weights"`` of
+each rollout in progress),
 then ``WeightsLoaded``. The learner announces a publication again to an
 actor that reconnects while it is under way (the first announcement may have
 been lost with the old connection); one already loaded is skipped. What the
@@ -188,7 +189,7 @@ class LearnerLink:
                     # reporting it), which publishes again at once
                     self.forgotten()
                 continue
-            self.metrics.stall("weights", times.stall_seconds)
+            self.metrics.generation_paused(times.stall_seconds)
             self.metrics.policy_version.set(announce.version)
             self.weights.changed.set()
             log.info("loaded version %d in %.3f s (generation paused %.3f s)",

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ops.metrics import WaitSeconds
 from ops.timeline import add_span
 from protocol import STALL_REASONS, EngineInfo, Error, RolloutStats
 
@@ -49,58 +48,31 @@ class EngineMetrics(Collector):
 MIN_WAIT_SPAN_S = 0.001
 
 
-class StallSeconds(Collector):
+class StallSeconds(WaitSeconds):
     """``crl_actor_stall_seconds_total`` by reason, each wait counted from its
-    start: a scrape or a heartbeat in the middle of a wait sees the part
-    already waited. Counted only when a wait ended, the stall of a slot that
-    never got a credit would read 0, and a share of slot time made of it
-    would read low. Thread-safe: waits begin and end on the event loop,
-    scrapes read from the HTTP thread."""
+    start (:class:`ops.metrics.WaitSeconds`): a scrape or a heartbeat in the
+    middle of a wait sees the part already waited. Counted only when a wait
+    ended, the stall of a slot that never got a credit would read 0, and a
+    share of slot time made of it would read low; an episode's summaries,
+    counted when it ended, landed in one window and read over 100 % of it."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ended = dict.fromkeys(STALL_REASONS, 0.0)
-        self._waiting: dict[int, tuple[str, float]] = {}
-        """Waits under way: (reason, monotonic start) by a number of their own."""
-        self._numbers = itertools.count()
-
-    def add(self, reason: str, seconds: float) -> None:
-        with self._lock:
-            self._ended[reason] += seconds
+        super().__init__("crl_actor_stall_seconds", "Time episodes waited, by reason",
+                         STALL_REASONS)
 
     @contextmanager
-    def waiting(self, reason: str) -> Iterator[None]:
-        """Count the time spent inside as stall of ``reason``, from now on."""
-        number = next(self._numbers)
-        with self._lock:
-            self._waiting[number] = (reason, time.monotonic())
+    def waiting(self, reason: str = "", marked: bool = True) -> Iterator[None]:
+        """Count the time spent inside as stall of ``reason``, from now on;
+        a span of the run timeline unless ``marked`` is False (an episode
+        marks its summaries itself, with their tokens)."""
+        began = time.monotonic()
         try:
-            yield
+            with super().waiting(reason):
+                yield
         finally:
-            # one step under the lock: a reader never sees the wait in
-            # neither place, which would read as a counter going down
             ended = time.monotonic()
-            with self._lock:
-                _, began = self._waiting.pop(number)
-                self._ended[reason] += ended - began
-            if ended - began >= MIN_WAIT_SPAN_S:
+            if marked and ended - began >= MIN_WAIT_SPAN_S:
                 add_span(reason, began, ended)
-
-    def totals(self) -> dict[str, float]:
-        """Cumulative stall by reason, the waits under way included."""
-        now = time.monotonic()
-        with self._lock:
-            totals = dict(self._ended)
-            for reason, began in self._waiting.values():
-                totals[reason] += now - began
-        return totals
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("crl_actor_stall_seconds", "Time episodes waited, by reason",
-                                     labels=["reason"])
-        for reason, seconds in self.totals().items():
-            family.add_metric([reason], seconds)
-        yield family
 
 
 class ActorMetrics:
@@ -141,6 +113,8 @@ class ActorMetrics:
                                    "seconds per second / slots)", registry=r)
         self.active_rollouts = Gauge("crl_actor_active_rollouts", "Episodes in progress",
                                      registry=r)
+        self.rollouts_in_progress = 0
+        """What ``active_rollouts`` shows, as a number a weight load's pause reads."""
         self.credits_held = Gauge("crl_actor_credits_held",
                                   "Credits granted and not yet spent on an episode", registry=r)
         self.learner_registered = Gauge(
@@ -202,13 +176,13 @@ class ActorMetrics:
         self.engine_info.labels(engine.device, engine.dtype, str(engine.tensor_parallel),
                                 engine.model).set(1)
 
-    def episode_finished(self, reward: float, stats: RolloutStats, summary_seconds: float,
-                         observations_cut: int, tool_call_errors: Mapping[str, int]) -> None:
+    def episode_finished(self, reward: float, stats: RolloutStats, observations_cut: int,
+                         tool_call_errors: Mapping[str, int]) -> None:
+        """An episode is over (its summaries counted as stall while written)."""
         self.rollouts.labels(stats.outcome).inc()
         self.compactions.inc(stats.compactions)
         self.compaction_tokens.inc(stats.summary_tokens)
         self.generated_tokens.inc(stats.generated_tokens)
-        self.stall("summary", summary_seconds)
         self.reward.inc(reward)
         if stats.success:
             self.successes.labels("true" if stats.compactions else "false").inc()
@@ -216,9 +190,20 @@ class ActorMetrics:
         for reason, count in tool_call_errors.items():
             self.tool_call_errors.labels(reason).inc(count)
 
-    def stall(self, reason: str, seconds: float) -> None:
-        """A wait of ``seconds`` that is over (a weight load's pause, a summary)."""
-        self.stall_seconds.add(reason, seconds)
+    def rollout_begun(self) -> None:
+        self.rollouts_in_progress += 1
+        self.active_rollouts.set(self.rollouts_in_progress)
+
+    def rollout_landed(self) -> None:
+        self.rollouts_in_progress -= 1
+        self.active_rollouts.set(self.rollouts_in_progress)
+
+    def generation_paused(self, seconds: float) -> None:
+        """A weight load paused generation ``seconds``: a stall of every
+        rollout in progress, each in its own slot. A slot that waits for the
+        weights counts its own wait already (and one that waits for a credit
+        has no episode to pause), so a share of slot time stays at most 1."""
+        self.stall_seconds.add("weights", seconds * self.rollouts_in_progress)
 
     def stall_totals(self) -> dict[str, float]:
         """Cumulative stall by reason, waits under way included, as sent in heartbeats."""

@@ -309,17 +309,21 @@ class RecordingEndpoint:
         summary = body.segment_type == "summary" or self._asks_summary(messages)
         completion_id = f"chatcmpl-{next(self._ids)}"
         began = time.monotonic()
-        stream = self.host.policy.stream(prompt, max_tokens, seed=body.seed)
-        if body.stream:
-            response, generation, message = await stream_completion(
-                request, chat, body, stream, completion_id, self.model_name, max_tokens,
-                len(prompt))
-        else:
-            generation = Generation([], [], [])
-            async for delta in stream:
-                generation.extend(delta)
-            response = None
-            message, finish = completion_message(chat, generation, body.tools, max_tokens)
+        # a summary is the session's stall while it is written, as an
+        # episode slot's (actors/slots.py, SummaryStall)
+        with (self.host.metrics.stall_seconds.waiting("summary", marked=False) if summary
+              else contextlib.nullcontext()):
+            stream = self.host.policy.stream(prompt, max_tokens, seed=body.seed)
+            if body.stream:
+                response, generation, message = await stream_completion(
+                    request, chat, body, stream, completion_id, self.model_name, max_tokens,
+                    len(prompt))
+            else:
+                generation = Generation([], [], [])
+                async for delta in stream:
+                    generation.extend(delta)
+                response = None
+                message, finish = completion_message(chat, generation, body.tools, max_tokens)
         if summary:
             session.summary_seconds += time.monotonic() - began
         key = turn_key(message)
@@ -363,8 +367,7 @@ class RecordingEndpoint:
                 duration_s=time.monotonic() - record.started, tags=body.tags,
                 summary_seconds=session.summary_seconds)
             await rollout.finish(last, result)
-            self.host.metrics.episode_finished(body.reward, result.stats,
-                                               session.summary_seconds, 0, {})
+            self.host.metrics.episode_finished(body.reward, result.stats, 0, {})
             await self._end(session_id, "rewarded")
         return web.json_response({"session": session_id, "rollout_id": record.rollout_id,
                                   "segments": session.rollout.sent, "calls": record.calls,

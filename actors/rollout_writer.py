@@ -167,13 +167,13 @@ class Rollout(RolloutWriter):
         anything else can run (a weight load may hold the event loop for
         seconds, and the heartbeat task with it)."""
         self.host.in_flight.begun()
-        self.host.metrics.active_rollouts.inc()
+        self.host.metrics.rollout_begun()
         await self.host.tell_replay()
 
     def land(self) -> None:
         """Its producer is done with it (finished, abandoned, or left for the
         actor to give up): no longer in flight, which the heartbeat tells."""
-        self.host.metrics.active_rollouts.dec()
+        self.host.metrics.rollout_landed()
         self.host.in_flight.finished()
 
     async def abandon(self) -> None:

@@ -7,6 +7,7 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from learner.replay_client import ReplayClientCounters
+from ops.metrics import WaitSeconds
 from ops.summary import COMPACTION_BUCKETS, compaction_bucket
 
 #: PPO statistics exported as gauges: metric name -> key in the step's metrics.
@@ -56,8 +57,9 @@ class LearnerMetrics:
         self._tags_seen: set[tuple[str, str]] = set()
         self.compactions = Gauge("crl_learner_compactions_per_rollout",
                                  "Mean compactions per rollout of the last batch", registry=r)
-        self.idle_seconds = Counter("crl_learner_idle_seconds",
-                                    "Time waiting for batches from the replay", registry=r)
+        self.idle_seconds = WaitSeconds("crl_learner_idle_seconds",
+                                        "Time waiting for batches from the replay")
+        r.register(self.idle_seconds)
         self.rejected_batches = Counter("crl_learner_rejected_batches",
                                         "Batches refused before any update", registry=r)
         self.duplicate_batches = Counter(

@@ -43,6 +43,7 @@ import zmq
 import zmq.utils.monitor
 from prometheus_client import Counter
 
+from ops.metrics import WaitSeconds
 from protocol import (
     LEARNER_ID,
     Batch,
@@ -97,8 +98,8 @@ class ReplayClientCounters:
     """Batches received again (a resend that crossed the original)."""
     duplicate_rollouts: Counter
     """Rollouts of a batch taken before (a restarted replay serves them again)."""
-    idle_seconds: Counter
-    """Time spent waiting for a batch."""
+    idle_seconds: WaitSeconds
+    """Time spent waiting for a batch, the wait under way included."""
     rejected_frames: Counter
     """Frames from the replay the client could not take, by ``reason``."""
 
@@ -161,8 +162,7 @@ class ReplayClient:
         """The next batch, or None once ``interrupted()`` (the request stays
         outstanding: its batch is the next one taken)."""
         self.request(size, version)
-        began = time.perf_counter()
-        try:
+        with self.counters.idle_seconds.waiting():
             while not interrupted():
                 if self._reconnected() and self.request_frame is not None:
                     # the request, or its batch, may have been lost with the connection
@@ -176,8 +176,6 @@ class ReplayClient:
                     return taken
                 self.request(size, version)  # nothing new in it: ask again
             return None
-        finally:
-            self.counters.idle_seconds.inc(time.perf_counter() - began)
 
     def close(self) -> None:
         self.socket.disable_monitor()

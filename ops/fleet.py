@@ -6,14 +6,20 @@ which side is the bottleneck.
 The figures are the replay's, which registers every actor whoever started
 it (replay/fleet.py): snapshot keys ``actor/<id>/<figure>``. Stall is given
 everywhere as a share of episode-slot time: the seconds episodes waited,
-over the slots' registered time (capacity x seconds), over a window (two
-snapshots) or the whole run (one).
+over the slots' time (capacity x seconds) between the heartbeats that
+reported them, over a window (two snapshots) or the whole run (one).
+
+Counts (rollouts trained, credits granted) are the whole run's wherever
+they are shown, so an actor's add up to the run's and one that left keeps
+what it did; a figure over a window (tokens per second, stall while the run
+goes on) says which: ``last 30 s``.
 
 Usage::
 
-    for actor, row in actor_rows(now, before).items(): ...
+    for actor, row in actor_rows(now).items(): row.text()  # the whole run
+    actor_rows(now, before)[actor].window_text(window_label(now, before))  # a window
     stall_shares(now, before)     # {"weights": 0.03, "credits": 0.45, "summary": 0.01}
-    bottleneck(now, before)       # "learner: ..." / "actors: ..." / None
+    bottleneck(now, before)       # "the learner: ..." / "the actors: ..." / None
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ CREDIT_BOUND = 0.2
 LEARNER_STARVED = 0.5
 
 
+def window_label(now: Snapshot, before: Snapshot) -> str:
+    """How a figure over the window from ``before`` to ``now`` is labelled."""
+    return f"last {now['time'] - before['time']:.0f} s"  # type: ignore[operator]
+
+
+def _stall_text(stall: dict[str, float]) -> str:
+    return ", ".join(f"{reason} {100 * share:.0f} %" for reason, share in stall.items()) or "-"
+
+
 @dataclass(frozen=True)
 class ActorRow:
     """One actor's contribution over a window (or the run)."""
@@ -54,14 +69,19 @@ class ActorRow:
     """Mean staleness of its trained rollouts (versions)."""
 
     def text(self) -> str:
-        stall = ", ".join(f"{reason} {100 * share:.0f} %" for reason, share in self.stall.items())
+        """The row of the whole run, in words."""
         return (f"{'' if self.registered else '(gone) '}{self.trained:.0f} rollouts trained"
                 + (f" ({100 * self.share:.0f} %)" if self.share is not None else "")
+                + f"; credits {self.credits:.0f} (holds {self.credits_held:.0f}); stall "
+                + _stall_text(self.stall) + "; version lag "
+                + (f"{self.version_lag:.2f}" if self.version_lag is not None else "-"))
+
+    def window_text(self, label: str) -> str:
+        """The row of a window, in words, after its ``label``."""
+        return (f"{label}: {self.trained:.0f} trained"
                 + (f", {self.tokens_per_s:.0f} tokens/s" if self.tokens_per_s is not None
                    else "")
-                + f"; credits {self.credits:.0f} (holds {self.credits_held:.0f}); stall "
-                + (stall or "-") + "; version lag "
-                + (f"{self.version_lag:.2f}" if self.version_lag is not None else "-"))
+                + f", stall {_stall_text(self.stall)}")
 
 
 def _figures(snapshot: Snapshot | None) -> dict[str, dict[str, float]]:
@@ -115,16 +135,28 @@ def stall_shares(now: Snapshot, before: Snapshot | None = None) -> dict[str, flo
 
 def bottleneck(now: Snapshot, before: Snapshot | None) -> str | None:
     """Which side holds the run back over the window since ``before``, in
-    words, or None when neither clearly does (or there is no window)."""
-    if not before or now["time"] <= before["time"]:  # type: ignore[operator]
+    words, or None when neither clearly does, there is no window, or the
+    learner did not answer at either end of it: its idle count then stands
+    from an earlier scrape, and covers more time than the window.
+
+    The learner counts a wait for a batch as it goes (``learner_idle_s``,
+    the wait under way included), so its idle time between two scrapes is
+    at most the time between them: the idle share exceeds 1 only by how much
+    sooner the learner was read than the snapshot stamped at the window's
+    start than at its end (ops/summary.py reads the learner last, so
+    milliseconds, over the window's 30 s)."""
+    if (not before or now["time"] <= before["time"]  # type: ignore[operator]
+            or not now.get("learner_up") or not before.get("learner_up")):
         return None
     idle = (((now.get("learner_idle_s") or 0.0) - (before.get("learner_idle_s") or 0.0))
             / (now["time"] - before["time"]))  # type: ignore[operator]
     credits = stall_shares(now, before).get("credits", 0.0)
+    label = window_label(now, before)
     if idle < LEARNER_BUSY and credits >= CREDIT_BOUND:
         return (f"the learner: idle {100 * idle:.0f} % of the time while actors wait for "
-                f"credits {100 * credits:.0f} % of theirs; more actors will not train faster")
+                f"credits {100 * credits:.0f} % of theirs ({label}); more actors will not "
+                "train faster")
     if idle >= LEARNER_STARVED:
-        return (f"the actors: the learner waits for rollouts {100 * idle:.0f} % of the time; "
-                "more actors (or faster ones) would train faster")
+        return (f"the actors: the learner waits for rollouts {100 * idle:.0f} % of the time "
+                f"({label}); more actors (or faster ones) would train faster")
     return None

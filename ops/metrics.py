@@ -10,6 +10,9 @@ On the metrics port, beside ``/metrics``:
 - ``/healthz``: 200 ``alive`` while the process's main loop makes progress
   (:meth:`Health.beat` within ``liveness_s``), else 503 saying for how long
   it has not: a stuck process is restarted, a slow one is not.
+
+And one kind of counter every process keeps the same way: the seconds spent
+waiting, counted as the wait goes (:class:`WaitSeconds`).
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Gauge, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 #: Liveness, unless a process says otherwise: a main loop silent this long is stuck.
 DEFAULT_LIVENESS_S = 300.0
@@ -59,6 +65,64 @@ class Health:
 
     def silent_for(self) -> float:
         return time.monotonic() - self._beat
+
+
+class WaitSeconds(Collector):
+    """A counter of seconds spent waiting (``<name>_total``), by ``reason``
+    where ``reasons`` are given, each wait counted from its start: a read in
+    the middle of a wait sees the part already waited. Counted only when a
+    wait ended, a wait longer than the time between two reads would add
+    nothing to the windows it spans but the last, and all of itself to that
+    one: a share of time made of it would read 0, then over 100 % (the
+    learner's idle share read 120 %). Counted as it goes, what it adds
+    between two reads is at most the time between them times the waits
+    under way. Thread-safe: waits begin and end on the process's own
+    threads, scrapes read from the HTTP thread."""
+
+    def __init__(self, name: str, documentation: str, reasons: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelled = bool(reasons)
+        self._lock = threading.Lock()
+        self._ended = dict.fromkeys(reasons or ("",), 0.0)
+        self._waiting: dict[object, tuple[str, float]] = {}
+        """Waits under way: (reason, monotonic start), by a key of their own."""
+
+    def add(self, reason: str, seconds: float) -> None:
+        """A wait of ``seconds`` that is over."""
+        with self._lock:
+            self._ended[reason] += seconds
+
+    @contextmanager
+    def waiting(self, reason: str = "") -> Iterator[None]:
+        """Count the time spent inside as a wait of ``reason``, from now on."""
+        key = object()
+        with self._lock:
+            self._waiting[key] = (reason, time.monotonic())
+        try:
+            yield
+        finally:
+            # one step under the lock: a reader never sees the wait in
+            # neither place, which would read as a counter going down
+            with self._lock:
+                _, began = self._waiting.pop(key)
+                self._ended[reason] += time.monotonic() - began
+
+    def totals(self) -> dict[str, float]:
+        """Seconds waited by reason, the waits under way included."""
+        now = time.monotonic()
+        with self._lock:
+            totals = dict(self._ended)
+            for reason, began in self._waiting.values():
+                totals[reason] += now - began
+        return totals
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation,
+                                     labels=["reason"] if self.labelled else [])
+        for reason, seconds in self.totals().items():
+            family.add_metric([reason] if self.labelled else [], seconds)
+        yield family
 
 
 class _Quiet(WSGIRequestHandler):

@@ -35,7 +35,14 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ops.fleet import ACTOR_KEY, STALL_REASONS, actor_rows, bottleneck, stall_shares
+from ops.fleet import (
+    ACTOR_KEY,
+    STALL_REASONS,
+    actor_rows,
+    bottleneck,
+    stall_shares,
+    window_label,
+)
 
 #: A scrape slower than this counts as a process not answering (a busy
 #: learner answers late: its HTTP thread waits for the GIL).
@@ -278,7 +285,11 @@ class RunScraper:
     def snapshot(self, counts: dict[str, float] | None = None) -> Snapshot:
         """Scrape every process once. ``counts``: this invocation's figures of
         :data:`UP_COUNTS` (restarts, its wall time); they add to the history's."""
-        scraped = {name: scrape(url) for name, url in self.urls.items()}
+        # the learner last: its idle count is then read when the snapshot is
+        # stamped, and a share of the time between two snapshots made of it
+        # is not skewed by the other scrapes (each up to SCRAPE_TIMEOUT_S)
+        scraped = {name: scrape(url) for name, url in sorted(
+            self.urls.items(), key=lambda item: item[0] == "learner")}
         return self.fold(scraped, counts or {})
 
     def fold(self, scraped: dict[str, Samples | None], counts: dict[str, float]) -> Snapshot:
@@ -388,18 +399,32 @@ def eta(now: Snapshot, first: Snapshot | None, ends: RunEnds) -> str:
     return f"{seconds:.0f} s ({which})"
 
 
+def _rate(now: Snapshot, start: Snapshot, key: str) -> float:
+    """``key``'s increase per second from ``start`` to ``now``."""
+    return max(0.0, ((now[key] or 0.0) - (start.get(key) or 0.0))
+               / (now["time"] - start["time"]))  # type: ignore[operator]
+
+
+def _actor_lines(now: Snapshot, window: Snapshot | None) -> dict[str, str]:
+    """A line per actor the replay registered: its figures over the whole
+    run (its counts add up to the run's, and one that left keeps them), then
+    over the window from ``window`` to ``now`` where there is one."""
+    recent = actor_rows(now, window) if window is not None else {}
+    return {f"actor {actor}": row.text() + (
+        f"; {recent[actor].window_text(window_label(now, window))}" if window is not None else "")
+        for actor, row in actor_rows(now).items()}
+
+
 def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, ends: RunEnds,
               ended: str | None = None) -> dict[str, str]:
     """Human-readable lines of the live view, ``summary.txt`` and ``compactionrl
-    status``: rates since ``before``; the ETA from the pace since ``first``.
+    status``: counts over the whole run; rates and stall since ``before``,
+    labelled with that window; the ETA from the pace since ``first``.
     ``ended``: how the run ended (then no ETA, rates or liveness: they would
-    describe processes that are gone)."""
-    def rate(key: str) -> float:
-        if not before or now["time"] <= before["time"]:
-            return 0.0
-        return max(0.0, ((now[key] or 0.0) - (before.get(key) or 0.0))
-                   / (now["time"] - before["time"]))
-
+    describe processes that are gone, and stall is the whole run's)."""
+    window = (before if not ended and before is not None
+              and now["time"] > before["time"] else None)  # type: ignore[operator]
+    label = window_label(now, window) if window is not None else ""
     generated = now["actor_generated_tokens"] or 0.0
     share = (now["actor_summary_tokens"] or 0.0) / generated if generated else None
     rollouts = now["actor_rollouts"] or 0.0
@@ -417,7 +442,7 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
                        if rollouts else "no rollouts yet")
                       + f" ({rollouts:.0f} rollouts); summary-token share "
                         f"{_number(share, '.3f')}",
-        "stall": _stall_line(stall_shares(now, None if ended else before)),
+        "stall": _stall_line(stall_shares(now, window)) + (f", {label}" if label else ""),
         "staleness": f"p50 {_number(p50, missing='-')}, p95 {_number(p95, missing='-')}; "
                      f"expired rollouts {now['expired_rollouts'] or 0.0:.0f}, "
                      f"stale {now['stale_rollouts'] or 0.0:.0f}" + stale_bias(now),
@@ -427,10 +452,8 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
                     f"{now.get('replay_restarts') or 0:.0f}, learner "
                     f"{now.get('learner_restarts') or 0:.0f}",
     }
-    # every actor the replay registered; live: since the last snapshot, ended: the run
-    for actor, row in actor_rows(now, None if ended else before).items():
-        lines[f"actor {actor}"] = row.text()
-    if not ended and (holding_back := bottleneck(now, before)) is not None:
+    lines.update(_actor_lines(now, window))
+    if not ended and (holding_back := bottleneck(now, window)) is not None:
         lines["bottleneck"] = holding_back
     if ended:
         invocations = now.get("up_invocations") or 1
@@ -440,8 +463,10 @@ def summarise(now: Snapshot, before: Snapshot | None, first: Snapshot | None, en
         lines["ended at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z",
                                           time.localtime(now.get("time") or time.time()))
     else:
-        lines["throughput"] = (f"actors {rate('actor_generated_tokens'):.0f} tokens/s, "
-                               f"learner {rate('learner_tokens'):.0f} tokens/s")
+        lines["throughput"] = (
+            f"actors {_rate(now, window, 'actor_generated_tokens'):.0f} tokens/s, learner "
+            f"{_rate(now, window, 'learner_tokens'):.0f} tokens/s, {label}"
+            if window is not None else "no window yet")
         lines["processes"] = (f"replay {'up' if now['replay_up'] else 'DOWN'}, learner "
                               f"{'up' if now['learner_up'] else 'DOWN'}, "
                               f"actors {now.get('actors_up') or 0:.0f} registered")

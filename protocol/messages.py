@@ -494,7 +494,9 @@ class Heartbeat(Message, tag="heartbeat"):
     stall_seconds: Annotated[dict[Identifier, NonNegative],
                              msgspec.Meta(max_length=MAX_STALL_REASONS)]
     """Cumulative stall seconds of this incarnation by reason (``weights``, ``credits``,
-    ``summary``; the replay counts the increase of each per actor and ignores other keys)."""
+    ``summary``; the replay counts the increase of each per actor, from the incarnation's
+    first heartbeat it hears, which only sets the starting totals, together with the slot
+    time since the last heartbeat, and ignores other keys)."""
     credit_ledger: Count
     """The replay's ledger id as last received (0: none yet)."""
     credits_seen: Count

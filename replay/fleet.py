@@ -7,11 +7,12 @@ started it, a user started it by hand or Kubernetes did; so the live view,
 here, not from the processes ``up`` knows of (docs/running.md, "What each
 actor did"). What it counts:
 
-- while an incarnation is registered: ``registered`` 1, its ``capacity``,
-  and ``slot_seconds`` growing by capacity x time;
-- the stall its heartbeats report, as increases of each reason's total
-  (a new incarnation reports from 0), so that a share of slot time is
-  ``stall_seconds / slot_seconds`` over any window, in one unit everywhere;
+- while an incarnation is registered: ``registered`` 1 and its ``capacity``;
+- at each of its heartbeats, two counters at once: ``slot_seconds``, its
+  capacity x the time since its last heartbeat, and ``stall_seconds``, the
+  increase of each reason's total it reports over that time; so a share of
+  slot time, ``stall_seconds / slot_seconds`` over any window, is one of
+  two counts of the same span, in one unit everywhere;
 - credits granted and held; its complete rollouts by fate, their generated
   and summary tokens, compactions, and the staleness of those trained.
 
@@ -25,15 +26,14 @@ Usage::
 
     fleet = Fleet(metrics.by_actor, targets_path, run="local-cpu")
     fleet.joined(peer, hello.metrics_address)
-    fleet.heartbeat(peer, heartbeat.stall_seconds)
-    fleet.tick(now, registry.peers.values(), pacer.outstanding)
+    fleet.heartbeat(peer, heartbeat.stall_seconds, now)
+    fleet.tick(registry.peers.values(), pacer.outstanding)
     fleet.left(peer)
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -53,7 +53,6 @@ class Fleet:
         self.run = run
         self._targets: dict[str, str] = {}
         """Per registered actor with a metrics address: that address."""
-        self._ticked = time.monotonic()
         if targets_path is not None:
             self._write_targets()  # a restarted replay lists no actor until they say hello
 
@@ -73,30 +72,48 @@ class Fleet:
         if self._targets.pop(peer.actor_id, None) is not None:
             self._write_targets()
 
-    def heartbeat(self, peer: Peer, stall_seconds: Mapping[str, float]) -> None:
-        """Count the increase of each stall total since the incarnation's
-        last report (finite and not negative: the decoder's ranges); unknown
-        reasons are ignored (a peer must not make up labels)."""
+    def heartbeat(self, peer: Peer, stall_seconds: Mapping[str, float], now: float) -> None:
+        """Count the incarnation's slot time since its last heartbeat (at
+        monotonic ``now``) and the increase of each stall total it reports
+        over that time (finite and not negative: the decoder's ranges);
+        unknown reasons are ignored (a peer must not make up labels).
+
+        The two move together: with slot time counted at each tick and
+        stall at each heartbeat, a scrape read them up to a heartbeat
+        interval apart, and a share over two snapshots 2 s apart read up to
+        200 %. Counted together, a share over any window is the stall an
+        actor reported between two of its heartbeats over the slot time
+        between them: at most 1, while each of its slots is in one wait at
+        a time, but for how much later the first of the two was handled
+        here than the last (milliseconds, over seconds).
+
+        The first heartbeat the replay hears of an incarnation is where both
+        start: its totals hold waits from before the incarnation registered
+        here (the whole process's, after a replay restart or a new
+        incarnation of the same process), which no slot time of this
+        replay's covers and an earlier replay may have counted."""
         actor = self.series.label(peer.actor_id)
+        previous, peer.heartbeat_at = peer.heartbeat_at, now
+        if previous is not None:
+            self.series.slot_seconds.labels(actor).inc(peer.capacity * max(0.0, now - previous))
         for reason in STALL_REASONS:
             total = stall_seconds.get(reason)
             if total is None:
                 continue
             increase = total - peer.stall_reported.get(reason, 0.0)
             if increase > 0:
-                self.series.stall_seconds.labels(actor, reason).inc(increase)
+                if previous is not None:
+                    self.series.stall_seconds.labels(actor, reason).inc(increase)
                 peer.stall_reported[reason] = total
 
     def granted(self, actor_id: str, credits: int) -> None:
         self.series.credits_granted.labels(self.series.label(actor_id)).inc(credits)
 
-    def tick(self, now: float, peers: Iterable[Peer], outstanding: Mapping[str, int]) -> None:
-        """Slot time since the last tick, and the credits each actor holds."""
-        elapsed, self._ticked = max(0.0, now - self._ticked), now
+    def tick(self, peers: Iterable[Peer], outstanding: Mapping[str, int]) -> None:
+        """The credits each actor holds."""
         for peer in peers:
-            actor = self.series.label(peer.actor_id)
-            self.series.slot_seconds.labels(actor).inc(peer.capacity * elapsed)
-            self.series.credits_held.labels(actor).set(outstanding.get(peer.actor_id, 0))
+            self.series.credits_held.labels(self.series.label(peer.actor_id)).set(
+                outstanding.get(peer.actor_id, 0))
 
     def _write_targets(self) -> None:
         if self.targets_path is None:

@@ -169,7 +169,7 @@ class ActorIngest:
         heartbeat, identity = received.message, received.identity
         peer = self.registry.peers[identity]
         peer.active_rollouts = heartbeat.active_rollouts
-        self.fleet.heartbeat(peer, heartbeat.stall_seconds)
+        self.fleet.heartbeat(peer, heartbeat.stall_seconds, self._now)
         if ((heartbeat.credit_ledger, heartbeat.credits_seen)
                 != self.book.pacer.ledger(heartbeat.sender_id)):
             self._behind.add(identity)  # a reply with credits was lost: repeat the total

@@ -107,7 +107,8 @@ class ActorSeries:
                               ["actor"], registry=r)
         self.slot_seconds = Counter(
             "crl_replay_actor_slot_seconds",
-            "Episode-slot time registered (capacity x seconds): what stall shares divide by",
+            "Episode-slot time between its heartbeats (capacity x seconds), counted with the "
+            "stall they report: what stall shares divide by",
             ["actor"], registry=r)
         self.stall_seconds = Counter(
             "crl_replay_actor_stall_seconds", "Stall its heartbeats reported, by reason",

@@ -73,6 +73,8 @@ class Peer:
     """In flight at its last heartbeat, including rollouts not yet seen here."""
     stall_reported: dict[str, float] = field(default_factory=dict)
     """Its stall totals by reason as its heartbeats last reported them."""
+    heartbeat_at: float | None = None
+    """When its last heartbeat was counted (monotonic; None: none yet)."""
 
 
 class Registration(NamedTuple):

@@ -121,7 +121,7 @@ class ReplayService:
     def _tick(self) -> None:
         now = time.monotonic()
         self.ingest.expire_silent(now)
-        self.fleet.tick(now, self.registry.peers.values(), self.book.pacer.outstanding)
+        self.fleet.tick(self.registry.peers.values(), self.book.pacer.outstanding)
         self.book.expire(now)
         self.book.sync_and_compact(self.serving.batches.unconfirmed_frames())
         self._update_gauges()

@@ -695,8 +695,9 @@ def test_an_actor_that_joins_a_learner_bound_run_gets_its_share_of_the_work(
 
 def test_the_replay_counts_every_actor_and_lists_it_for_prometheus(tmp_path: Path) -> None:
     """Whoever started them, every registered actor has its series (its
-    trained rollouts summing to the run's, stall from its heartbeats) and
-    its metrics address in Prometheus's discovery file until it leaves."""
+    trained rollouts summing to the run's, stall from its heartbeats after
+    the first) and its metrics address in Prometheus's discovery file until
+    it leaves."""
     targets = tmp_path / "prometheus" / "actor-targets.json"
     with contextlib.closing(ReplayThread.on_loopback(
             rollouts_per_batch=2, max_staleness=1, durable_log=False,
@@ -709,7 +710,10 @@ def test_the_replay_counts_every_actor_and_lists_it_for_prometheus(tmp_path: Pat
         learner = replay.learner()
         served = [_learner_step(replay, learner, step, actors) for step in range(6)]
         learner.request(0, version=6)  # confirms the last batch: it was trained
-        actors[0].heartbeat(stall_seconds={"credits": 2.5, "made-up": 1e9})
+        # the first heartbeat is where its counts start: what it waited
+        # before is no slot time of this replay's
+        actors[0].heartbeat(stall_seconds={"credits": 1.0})
+        actors[0].heartbeat(stall_seconds={"credits": 3.5, "made-up": 1e9})
         actors[0].heartbeat(stall_seconds={"credits": 2.0})  # lower: no increase
         by_actor = "crl_replay_actor_rollouts_total"
         assert actors[0].pump_until(lambda: sum(

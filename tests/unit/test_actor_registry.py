@@ -1,12 +1,18 @@
 """The replay's actor bookkeeping without sockets (replay/registry.py):
 which incarnation a connection speaks for, who is refused for good, who is
-declared dead, and how a reconnect moves an incarnation."""
+declared dead, and how a reconnect moves an incarnation; and what the views
+read of each actor's time (replay/fleet.py)."""
 
 from __future__ import annotations
 
-from protocol import ErrorCode
+import pytest
+from prometheus_client import CollectorRegistry
+
+from protocol import STALL_REASONS, ErrorCode
 from protocol.transport import Liveness
 from replay import registry as registry_module
+from replay.fleet import Fleet
+from replay.metrics import ActorSeries
 from replay.registry import ActorRegistry
 
 #: Silent for 3 x 1 s: dead.
@@ -124,3 +130,37 @@ def test_the_ids_of_gone_actors_are_remembered_within_a_bound(monkeypatch) -> No
     assert code is ErrorCode.DEAD_INCARNATION  # the newest gone are remembered
     code, _ = actors.refusal(b"conn-0", "actor-0", 1, None)
     assert code is ErrorCode.UNREGISTERED
+
+
+def test_a_share_of_time_never_exceeds_one() -> None:
+    """The run report's stall, a share of episode-slot time, peaked at 1.25:
+    the replay counted slot time at its ticks and stall at heartbeats, so two
+    scrapes 2 s apart could hold three heartbeats' stall and 1.5 s of slot
+    time; and the first heartbeat of an incarnation brought what its process
+    had waited before it registered here (here: 100 s, counted by a replay
+    since restarted). Counted together from the first heartbeat, an actor
+    whose every slot waits all the time shows a stall of its slot time
+    exactly, between any two scrapes."""
+    actors, series = registry(), CollectorRegistry()
+    hello(actors, b"conn", "actor-1", 1, capacity=4)
+    fleet, peer = Fleet(ActorSeries(series)), actors.peers[b"conn"]
+
+    def read(name: str, **labels: str) -> float:
+        return series.get_sample_value(name, {"actor": "actor-1", **labels}) or 0.0
+
+    scrapes = []
+    for quarter in range(80):  # 20 s: a heartbeat each 1 s, a tick each 0.5 s, a scrape each 1.75 s
+        now = quarter / 4
+        if quarter % 4 == 1:
+            fleet.heartbeat(peer, {"credits": 100.0 + 4 * now, "weights": 0.0, "summary": 0.0},
+                            now)
+        if quarter % 2 == 0:
+            fleet.tick(actors.peers.values(), {})
+        if quarter % 7 == 3:
+            scrapes.append((sum(read("crl_replay_actor_stall_seconds_total", reason=reason)
+                                for reason in STALL_REASONS),
+                            read("crl_replay_actor_slot_seconds_total")))
+    for (stall_before, slot_before), (stall_now, slot_now) in zip(scrapes, scrapes[1:],
+                                                                  strict=False):
+        assert stall_now - stall_before <= slot_now - slot_before + 1e-9  # sums of floats
+    assert scrapes[-1] == pytest.approx((4 * 18.0, 4 * 18.0))  # from 0.25 s to the last, 18.25 s

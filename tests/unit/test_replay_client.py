@@ -35,6 +35,8 @@ from tests.protocol_clients import replay_client
 TIMEOUT_S = 1.0
 #: A frozen peer's connection drops after 0.2 s x 3 without an answer to ZMTP pings.
 TRANSPORT = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=3)
+#: How long the learner waits for a batch that never comes.
+IDLE_WAIT_S = 0.5
 
 
 class FakeReplay:
@@ -114,6 +116,37 @@ def test_the_client_returns_the_batch_it_takes_with_the_frame_it_came_in(
         assert client.request_frame is not None
     finally:
         client.close()
+
+def test_the_learner_s_idle_time_counts_a_wait_while_it_lasts(fake: FakeReplay) -> None:
+    """The live view read 'the learner waits for rollouts 120 % of the time':
+    the client counted a wait for a batch when it ended, so the window of
+    the view it ended in got all of it, begun before the window or not.
+    Counted as it goes, the idle time between two reads is at most the time
+    between them, and a read in the middle of a wait sees what it waited."""
+    client, metrics = replay_client(fake.address, TIMEOUT_S, TRANSPORT)
+    reads: list[tuple[float, float, float]] = []  # monotonic before, idle, monotonic after
+    began = time.monotonic()
+
+    def read() -> None:
+        before = time.monotonic()
+        idle = metrics.registry.get_sample_value("crl_learner_idle_seconds_total")
+        reads.append((before, idle, time.monotonic()))
+
+    def waited_enough() -> bool:
+        read()
+        return time.monotonic() - began >= IDLE_WAIT_S
+
+    try:
+        client.request(2, 0)  # the fake never answers it: the client waits
+        assert client.next_batch(2, 0, waited_enough) is None
+    finally:
+        client.close()
+    read()
+    assert reads[len(reads) // 2][1] > 0, "a wait under way was not counted"
+    for (before, earlier, _), (_, later, after) in zip(reads, reads[1:], strict=False):
+        assert later - earlier <= after - before
+    assert reads[-1][1] >= reads[-2][0] - reads[0][2]  # all of the wait, read inside it
+
 
 @pytest.mark.parametrize(("code", "raised"), [(ErrorCode.INVALID, ReplayRefused),
                                               (ErrorCode.STALE_INCARNATION, LearnerReplaced)])

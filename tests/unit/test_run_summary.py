@@ -99,9 +99,59 @@ def test_the_summary_lists_every_actor_with_stall_as_a_share_of_slot_time() -> N
     assert lines["actor extra-1"].startswith("(gone) 10 rollouts trained (33 %)")
     assert "credits 50 %" in lines["actor actor-0"]
     assert lines["stall"] == ("weights 0.0 %, credits 27.5 %, summary 0.0 % of episode-slot "
-                              "time")
+                              "time, last 10 s")
     assert lines["processes"].endswith("actors 1 registered")
     assert "bottleneck" in lines and lines["bottleneck"].startswith("the learner")
+
+
+def test_each_actor_s_line_counts_the_whole_run_and_labels_its_window() -> None:
+    """The live view read '112 rollouts trained (50 %)' for each of two
+    actors of a run that had trained 1,008 (their last 30 s), and '(gone) 0
+    rollouts trained (0 %)' once one had left: an actor's counts are the
+    whole run's, adding up to the run's and kept when it leaves, and its
+    figures of the window say they are."""
+    scraper = RunScraper({})
+    both = {"actor-0": 1, "actor-1": 1}
+    snapshots = [scraper.fold({"replay": _fleet(trained, registered, {}, {}),
+                               "learner": _learner(1, 1)}, {})
+                 for trained, registered in (({"actor-0": 392, "actor-1": 392}, both),
+                                             ({"actor-0": 504, "actor-1": 504}, both),
+                                             ({"actor-0": 560, "actor-1": 504},
+                                              {"actor-0": 1, "actor-1": 0}))]
+    for seconds, snapshot in zip((0, 30, 60), snapshots, strict=True):
+        snapshot["time"] = seconds
+    first, running, left = snapshots
+    lines = summarise(running, first, first, RunEnds(max_steps=10))
+    for actor in ("actor-0", "actor-1"):
+        assert lines[f"actor {actor}"].startswith("504 rollouts trained (50 %)")
+        assert lines[f"actor {actor}"].endswith("; last 30 s: 112 trained, 0 tokens/s, stall -")
+    assert 504 + 504 == running["trained_rollouts"]
+    lines = summarise(left, running, first, RunEnds(max_steps=10))
+    assert lines["actor actor-0"].startswith("560 rollouts trained (53 %)")
+    assert lines["actor actor-1"].startswith("(gone) 504 rollouts trained (47 %)")
+    assert "; last 30 s: 0 trained" in lines["actor actor-1"]
+    assert lines["throughput"].endswith(", last 30 s")
+
+
+def test_the_learner_s_idle_share_is_judged_only_over_a_window_it_answered_at_both_ends(
+        ) -> None:
+    """'the learner waits for rollouts 120 % of the time': a learner that
+    did not answer the scrape at the window's start left an earlier count
+    standing, and the increase to the window's end covered more time than
+    the window. A share of time is judged only where the learner answered at
+    both ends, and never exceeds one there."""
+    scraper = RunScraper({})
+    earlier = scraper.fold({"learner": _learner(1, 1, crl_learner_idle_seconds_total=0.0)}, {})
+    unanswered = scraper.fold({"learner": None}, {})
+    answered = scraper.fold({"learner": _learner(1, 1, crl_learner_idle_seconds_total=6.0)}, {})
+    end = scraper.fold({"learner": _learner(1, 1, crl_learner_idle_seconds_total=36.0)}, {})
+    for seconds, snapshot in zip((0, 6, 6, 36), (earlier, unanswered, answered, end),
+                                 strict=True):
+        snapshot["time"] = seconds
+    assert "bottleneck" not in summarise(end, unanswered, earlier, RunEnds(max_steps=10))
+    assert summarise(end, answered, earlier, RunEnds(max_steps=10))["bottleneck"] == (
+        "the actors: the learner waits for rollouts 100 % of the time (last 30 s); more actors "
+        "(or faster ones) would train faster")
 
 
 def test_a_learner_that_has_not_resumed_leaves_step_and_version_where_they_were() -> None:

@@ -137,8 +137,8 @@ def test_calls_reach_the_environment_and_bad_ones_are_answered_and_counted(token
     assert "tool call error: the tool call could not be parsed" in context
     assert "there is no tool 'cat'" in context
     metrics = ActorMetrics()
-    metrics.episode_finished(result.reward, result.stats, result.summary_seconds,
-                             result.observations_cut, result.tool_call_errors)
+    metrics.episode_finished(result.reward, result.stats, result.observations_cut,
+                             result.tool_call_errors)
     assert metrics.registry.get_sample_value("crl_actor_tool_call_errors_total",
                                              {"reason": "malformed"}) == 1
 
