@@ -1,14 +1,19 @@
 """``compactionrl view``: the rollout viewer, one static page from a run folder.
 
-It shows the rollouts the learner kept (learner/samples.py: early, middle
-and late steps, each rollout's segments in order) as the loss saw them:
-every token of each segment's window, the trained ones coloured by a chosen
-quantity (the advantage, the importance weight, the loss weight, the
-version lag, the behaviour log-probability), each segment labelled with its
-type and cross factor ``(γλ)^N_>s``, the compaction point where a summary
-begins, and, for keyvault, the facts each summary kept and dropped of those
-in the window it summarised (:func:`deploy.fact_survival.mentions_in`), and
-for every environment the ``info`` its last step gave (``RolloutStats.info``).
+It shows the rollouts the learner kept (learner/samples.py: every step while
+the run is at most 64 steps long; past that, the multiples of the smallest
+power of two that leaves at most 64, so every second step up to step 128,
+every fourth up to 256, and so on, from the start to the end), each named
+with the actor that played it and the policy versions that sampled it, its
+segments in order as the loss saw them: every token of each segment's
+window, the trained ones tinted by a chosen quantity (the advantage, the
+importance weight, the loss weight, the version lag, the behaviour
+log-probability) on one scale for both rollouts shown, whose legend gives
+its ends and middle, each segment labelled with its type and cross factor
+``(γλ)^N_>s``, the compaction point where a summary begins, and, for
+keyvault, the facts each summary kept and dropped of those in the window it
+summarised (:func:`deploy.fact_survival.mentions_in`), and for every
+environment the ``info`` its last step gave (``RolloutStats.info``).
 
 Two rollouts are shown side by side: where the run was evaluated (``compactionrl
 eval --out RUN/evaluation.json --baseline ...``, as ``make demo`` does), one
@@ -33,6 +38,8 @@ import torch
 from actors.envs.keyvault import CODE_NAMES
 from deploy.config import load_config
 from deploy.fact_survival import mentions_in
+from deploy.viewer_pair import before_and_after, comparison_pair
+from deploy.viewer_timeline import timeline_data
 from learner.batch import shares_prefix
 from learner.samples import read_samples, rounded
 from ops.report import VIEWER_FILE
@@ -44,8 +51,6 @@ from ops.timeline import TRACE_FILE, chrome_trace
 HELD_OUT_FILE = "held_out.json"
 #: Who played a held-out episode, as the page names it.
 HELD_OUT_ROLES = {"baseline": "before training", "trained": "trained"}
-#: The page draws at most this many spans of the run timeline (the longest).
-PAGE_SPANS = 20_000
 #: The quantities a token can be coloured by: sample key -> label.
 QUANTITIES = {"advantage": "advantage", "is_weight": "importance weight π_prox/μ",
               "loss_weight": "loss weight c_t", "lag": "version lag",
@@ -96,6 +101,16 @@ def _sequence(trained: dict[str, Any], version: int, texts: list[str],
                        "lag": [version - v if v >= 0 else None for v in trained["versions"]]}}
 
 
+def _sampled_by(sequences: list[dict[str, Any]]) -> str:
+    """The policy versions that sampled a kept rollout's trained tokens: one,
+    or the range that a weight update in the middle of its episode makes."""
+    versions = [v for s in sequences for v in s["versions"] if v >= 0]
+    if not versions:
+        return "version unknown"  # a kept rollout none of whose tokens was trained
+    low, high = min(versions), max(versions)
+    return f"version {low}" if low == high else f"versions {low}–{high}"
+
+
 def held_out_sequences(segments: list[dict[str, Any]], share_prefixes: bool
                        ) -> list[dict[str, Any]]:
     """A held-out episode's segments (deploy.evaluate.ShownEpisodes) as the
@@ -141,16 +156,19 @@ def viewer_data(run_dir: Path, tokenizer: Any) -> dict[str, Any]:
     cache: dict[int, str] = {}
 
     def rollout(id_: str, label: str, step: int, version: int, played: dict[str, Any],
-                sequences: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": id_, "label": label, "step": step, "version": version,
+                sequences: list[dict[str, Any]], actor: str, policy: str) -> dict[str, Any]:
+        return {"id": id_, "label": label, "step": step, "version": version, "actor": actor,
+                "policy": policy,
                 **{key: played[key] for key in ("task_id", "reward", "success", "compactions",
                                                 "tags")},
                 "info": played.get("info", {}),  # none in samples recorded before it was
                 "sequences": [_sequence(s, version, _token_texts(tokenizer, s["tokens"], cache),
                                         keyvault, ordered) for s in sequences]}
 
+    # the samples recorded before TrainedRollout.actor was kept name no actor
     rollouts = [rollout(f"{step['step']}-{n}", f"step {step['step']}", step["step"],
-                        step["version"], kept, kept["sequences"])
+                        step["version"], kept, kept["sequences"], kept.get("actor") or "unknown",
+                        _sampled_by(kept["sequences"]))
                 for step in read_samples(run_dir) for n, kept in enumerate(step["rollouts"])]
     last_step = max((r["step"] for r in rollouts), default=0)
     held_out = []
@@ -159,7 +177,8 @@ def viewer_data(run_dir: Path, tokenizer: Any) -> dict[str, Any]:
         held_out += [rollout(f"{role}-{episode['episode']}",
                              f"held-out episode {episode['episode']}, {HELD_OUT_ROLES[role]}",
                              step, step, episode,
-                             held_out_sequences(episode["segments"], config.learner.share_prefixes))
+                             held_out_sequences(episode["segments"], config.learner.share_prefixes),
+                             "compactionrl eval", f"model {played['model']}")
                      for episode in played["episodes"]]
     return {"run": run_dir.name, "environment": environment.factory, "quantities": QUANTITIES,
             "rollouts": held_out + rollouts,
@@ -184,63 +203,8 @@ def read_held_out(run_dir: Path) -> dict[str, Any]:
     if not isinstance(played, dict):
         return {}
     return {role: played[role] for role in HELD_OUT_ROLES
-            if isinstance(played.get(role), dict)
+            if isinstance(played.get(role), dict) and isinstance(played[role].get("model"), str)
             and isinstance(played[role].get("episodes"), list)}
-
-
-def before_and_after(held_out: list[dict[str, Any]]) -> list[str]:
-    """One held-out episode played before training and after it: the first
-    whose outcome training changed, else the first whose reward it changed
-    most (none without both)."""
-    by_id = {r["id"]: r for r in held_out}
-    both = [(by_id[f"baseline-{n}"], by_id[f"trained-{n}"]) for n in range(len(held_out))
-            if f"baseline-{n}" in by_id and f"trained-{n}" in by_id]
-    if not both:
-        return []
-    before, after = max(both, key=lambda pair: (pair[0]["success"] != pair[1]["success"],
-                                                abs(pair[1]["reward"] - pair[0]["reward"])))
-    return [before["id"], after["id"]]
-
-
-def comparison_pair(rollouts: list[dict[str, Any]]) -> list[str]:
-    """The earliest and the latest kept rollout of the most alike tasks: the
-    same task if any was kept twice, else the same tags and compaction
-    count, else simply the first and the last."""
-    if len(rollouts) < 2:
-        return [r["id"] for r in rollouts]
-    for key in (lambda r: r["task_id"],
-                lambda r: (json.dumps(r["tags"], sort_keys=True), r["compactions"])):
-        groups: dict[Any, list[dict[str, Any]]] = {}
-        for rollout in rollouts:
-            groups.setdefault(key(rollout), []).append(rollout)
-        spans = [(g[-1]["step"] - g[0]["step"], g[0]["id"], g[-1]["id"])
-                 for g in groups.values() if g[-1]["step"] > g[0]["step"]]
-        if spans:
-            _, early, late = max(spans)
-            return [early, late]
-    return [rollouts[0]["id"], rollouts[-1]["id"]]
-
-
-def timeline_data(trace: dict[str, Any]) -> dict[str, Any]:
-    """The run timeline as the page draws it: its lanes (process and lane
-    names), the span names, and each span as [lane, name, start ms, length
-    ms] from the first span's start; the longest :data:`PAGE_SPANS` where
-    there are more (trace.json keeps them all)."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-             if e["ph"] == "M" and e["name"] == "thread_name"}
-    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
-                 if e["ph"] == "M" and e["name"] == "process_name"}
-    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    if len(spans) > PAGE_SPANS:
-        spans = sorted(sorted(spans, key=lambda e: -e["dur"])[:PAGE_SPANS], key=lambda e: e["ts"])
-    lanes = sorted(names)  # numbered by chrome_trace in their reading order
-    kinds = sorted({e["name"] for e in spans})
-    start = min((e["ts"] for e in spans), default=0)
-    return {"lanes": [f"{processes[pid]} · {names[pid, tid]}" for pid, tid in lanes],
-            "kinds": kinds, "spans": [[lanes.index((e["pid"], e["tid"])), kinds.index(e["name"]),
-                                       round((e["ts"] - start) / 1e3, 1),
-                                       round(e["dur"] / 1e3, 1)] for e in spans],
-            "shown": len(spans), "total": sum(e["ph"] == "X" for e in trace["traceEvents"])}
 
 
 def write_viewer(run_dir: Path, tokenizer: Any | None = None) -> Path:

@@ -74,6 +74,9 @@ class TrainBatch:
     one, of its task."""
     group_sizes: list[int]
     """[R], G of each rollout's group (``GroupTag.size``); 0 without one."""
+    actors: list[str]
+    """[R], the actor that played each rollout (its segments' ``sender_id``),
+    which the rollout viewer names."""
 
     @property
     def num_rollouts(self) -> int:
@@ -138,7 +141,7 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
     a summary segment that extends the execution segment before it is
     merged into that sequence."""
     sequences: list[TrainSequence] = []
-    rewards, task_ids, successes, compactions = [], [], [], []
+    rewards, task_ids, successes, compactions, actors = [], [], [], [], []
     tags: list[dict[str, str]] = []
     infos: list[dict[str, str | bool | float]] = []
     groups: list[str] = []
@@ -184,12 +187,12 @@ def to_train_batch(batch: Batch, train_summary: bool, share_prefixes: bool = Tru
                            sum(s.segment_type == "summary" for s in rollout.segments))
         tags.append(dict(final.stats.tags) if final.stats else {})
         infos.append(dict(final.stats.info) if final.stats else {})
-        tag = final.group
-        groups.append(repr(("task", final.task_id) if tag is None
-                           else ("group", final.sender_id, final.incarnation, tag.id)))
-        group_sizes.append(0 if tag is None else tag.size)
+        groups.append(repr(("task", final.task_id) if final.group is None
+                           else ("group", final.sender_id, final.incarnation, final.group.id)))
+        group_sizes.append(0 if final.group is None else final.group.size)
+        actors.append(final.sender_id)
     return TrainBatch(sequences, torch.tensor(rewards, dtype=torch.float64), task_ids,
-                      successes, compactions, tags, infos, groups, group_sizes)
+                      successes, compactions, tags, infos, groups, group_sizes, actors)
 
 
 def _merge(previous: TrainSequence, segment_type: str, tokens: torch.Tensor, mask: torch.Tensor,

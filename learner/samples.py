@@ -93,6 +93,9 @@ class TrainedRollout:
     info: dict[str, str | bool | float]
     """The environment's last ``info`` (``RolloutStats.info``)."""
     sequences: list[TrainedSequence] = field(default_factory=list)
+    actor: str = ""
+    """The actor that played it (``TrainBatch.actors``); none is named of a
+    rollout made by hand (tests, bench/samples.py)."""
 
 
 def kept_stride(step: int, most_steps: int) -> int:
@@ -119,7 +122,8 @@ def trained_rollouts(batch: TrainBatch, shares: list[Share], starts: list[StartV
     picks = sorted({held[round(i * (len(held) - 1) / max(count - 1, 1))]
                     for i in range(min(count, len(held)))})
     kept = {r: TrainedRollout(batch.task_ids[r], float(batch.rewards[r]), batch.successes[r],
-                              batch.compactions[r], batch.tags[r], batch.infos[r])
+                              batch.compactions[r], batch.tags[r], batch.infos[r],
+                              actor=batch.actors[r])
             for r in picks}
     for share, start in zip(shares, starts, strict=True):
         if start is None:

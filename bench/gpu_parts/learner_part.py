@@ -303,7 +303,7 @@ def random_batch(shape: Qwen2Shape, sequences: int, length: int, seed: int) -> T
                       [f"task-{n}" for n in range(sequences)], [False] * sequences,
                       [0] * sequences, [{} for _ in range(sequences)],
                       [{} for _ in range(sequences)], [f"task-{n}" for n in range(sequences)],
-                      [0] * sequences)
+                      [0] * sequences, ["actor-0"] * sequences)
 
 
 def flop_count(shape: Qwen2Shape, lengths: tuple[int, ...]) -> dict[str, Any]:

@@ -38,6 +38,20 @@ def test_a_long_run_keeps_a_bounded_number_of_steps_from_its_start_to_its_end(
     assert not list((tmp_path / "samples").glob("*.partial"))
 
 
+def test_every_step_is_kept_up_to_64_then_every_second_up_to_128_then_every_fourth(
+        tmp_path: Path) -> None:
+    recorder = SampleRecorder(tmp_path / "samples")
+    one = TrainedRollout("t", 1.0, True, 2, {}, {})
+    kept = {}
+    for step in range(1, 201):
+        if recorder.wants(step):
+            recorder.record(step, step, [one])
+        if step in (64, 100, 128, 200):
+            kept[step] = [sample["step"] for sample in read_samples(tmp_path)]
+    assert kept == {64: list(range(1, 65)), 100: list(range(2, 101, 2)),
+                    128: list(range(2, 129, 2)), 200: list(range(4, 201, 4))}
+
+
 def test_a_step_file_cut_short_is_skipped(tmp_path: Path) -> None:
     recorder = SampleRecorder(tmp_path / "samples")
     recorder.record(1, 1, [TrainedRollout("t", 0.0, False, 0, {}, {})])
@@ -58,6 +72,8 @@ def test_a_step_hands_over_each_token_as_its_loss_used_it(tiny_model_dir: Path,
     ppo = PPOTrainer(policy, critic, config)
     batch = to_train_batch(synthetic_batch(rollouts=8), train_summary=True)
     batch.infos = [{"rollout": float(r)} for r in range(batch.num_rollouts)]
+    assert batch.actors == ["a"] * batch.num_rollouts  # the segments' sender_id
+    batch.actors = [f"actor-{r}" for r in range(batch.num_rollouts)]
     share = ppo.plan(batch).shares[0]
     with torch.no_grad():
         starts = [(token_logprobs(policy, s.tokens[None])[0],
@@ -78,6 +94,7 @@ def test_a_step_hands_over_each_token_as_its_loss_used_it(tiny_model_dir: Path,
             i = by_tokens[tuple(trained.tokens)]
             sequence = share.sequences[i]
             assert rollout.info == batch.infos[sequence.rollout]
+            assert rollout.actor == batch.actors[sequence.rollout]
             mask = sequence.trainable
             assert trained.trainable == mask.nonzero().flatten().tolist()
             assert len(trained.advantage) == int(mask.sum()) == sum(trained.segment_lengths)

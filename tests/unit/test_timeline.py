@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import viewer
+from deploy import viewer_timeline
 from ops.timeline import (
     TRACE_FOLDER,
     Timeline,
@@ -114,14 +114,14 @@ def test_lines_cut_short_or_foreign_are_skipped(tmp_path: Path) -> None:
 
 def test_the_page_draws_the_longest_spans_of_a_long_run(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
-    monkeypatch.setattr(viewer, "PAGE_SPANS", 2)
+    monkeypatch.setattr(viewer_timeline, "PAGE_SPANS", 2)
     trace = {"traceEvents": [
         {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "learner"}},
         {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "learner"}},
         *({"name": kind, "ph": "X", "pid": 1, "tid": 1, "ts": 1000 * n, "dur": dur}
           for n, (kind, dur) in enumerate([("step", 10), ("publication", 5000),
                                            ("step", 3000)]))]}
-    drawn = viewer.timeline_data(trace)
+    drawn = viewer_timeline.timeline_data(trace)
     assert drawn["lanes"] == ["learner · learner"] and (drawn["shown"], drawn["total"]) == (2, 3)
     assert [drawn["kinds"][kind] for _, kind, _, _ in drawn["spans"]] == ["publication", "step"]
     assert drawn["spans"][0][2:] == [0.0, 5.0]  # from the first drawn span, in ms

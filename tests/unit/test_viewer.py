@@ -14,13 +14,12 @@ from deploy.cli import main
 from deploy.evaluate import SHOWN_EPISODES
 from deploy.viewer import (
     HELD_OUT_FILE,
-    before_and_after,
-    comparison_pair,
     held_out_sequences,
     viewer_data,
     write_held_out,
     write_viewer,
 )
+from deploy.viewer_pair import before_and_after, comparison_pair
 from learner.batch import to_train_batch
 from ops.report import write_report
 from protocol import Batch, Rollout, Segment, StalenessStats
@@ -44,6 +43,22 @@ def test_the_page_holds_each_kept_rollout_with_its_segments_facts_and_lags(
     assert sequence["values"]["lag"][:2] == [2, 1]  # version 5 less 3 and 4
     assert data["pair"] == ["1-0", "2-1"]  # the same task, early and late
     assert data["rollouts"][0]["info"] == {"digits_right": 0.0, "attempts": 1.0}
+
+
+def test_each_rollout_names_the_actor_that_played_it_and_the_versions_that_sampled_it(
+        tmp_path: Path, tokenizer) -> None:
+    run_dir = kept_run(tmp_path, tokenizer)
+    write_held_out(run_dir, {"baseline": ("runs/base-model", played_held_out(tokenizer, "next"))})
+    # a step recorded before the actor was kept, and a rollout nothing of which was trained
+    (run_dir / "samples" / "step-0000003.json").write_text(json.dumps(
+        {"step": 3, "version": 7, "rollouts": [{"task_id": "t", "reward": 0.0, "success": False,
+                                                "compactions": 0, "tags": {}, "sequences": []}]}))
+    data = viewer_data(run_dir, tokenizer)
+    assert [(r["id"], r["actor"], r["policy"]) for r in data["rollouts"]] == [
+        *((f"baseline-{n}", "compactionrl eval", "model runs/base-model")
+          for n in range(SHOWN_EPISODES)),
+        ("1-0", "a", "versions 3–4"), ("2-0", "b", "version 5"), ("2-1", "a", "versions 4–5"),
+        ("3-0", "unknown", "version unknown")]
 
 
 def test_the_pair_falls_back_to_alike_tasks_then_to_the_first_and_last() -> None:
@@ -128,7 +143,8 @@ def test_the_held_out_pair_is_the_task_whose_outcome_then_reward_training_change
 
 def test_a_held_out_file_that_is_not_evaluations_is_left_out(tmp_path: Path, tokenizer) -> None:
     run_dir = kept_run(tmp_path, tokenizer)
-    for text in ("not json", "[1, 2]", '{"trained": 7}', '{"trained": {}}'):
+    unnamed = json.dumps({"trained": {"episodes": played_held_out(tokenizer, "next")}})
+    for text in ("not json", "[1, 2]", '{"trained": 7}', '{"trained": {}}', unnamed):
         (run_dir / HELD_OUT_FILE).write_text(text)
         assert viewer_data(run_dir, tokenizer)["pair"] == ["1-0", "2-1"]
 
