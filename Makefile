@@ -25,13 +25,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# The suite's Prometheus server and promtool (Debian's package): installed
-# before any test runs, so that no check depends on which test ran first.
-# Installing needs root; without it, the Prometheus tests skip, saying why.
+# Prometheus and promtool (Debian's package): the demo's run starts one
+# beside it (its dashboards' data), and the suite's tests query one, installed
+# before any test runs so that no check depends on which test ran first.
+# Installing needs root; without it, `up` runs without one and says how to get
+# it, and the Prometheus tests skip, saying why.
 $(PROMETHEUS_STAMP): deploy/observability/install-prometheus.sh | $(STAMP)
 	if [ "$$(id -u)" = 0 ]; then sh deploy/observability/install-prometheus.sh \
 		&& touch $(PROMETHEUS_STAMP); \
-	else echo "not root: Prometheus not installed (its tests will skip)"; fi
+	else echo "not root: Prometheus not installed (runs go without one; its tests will skip)"; fi
 
 # Debian's Chromium, in which the suite opens the rollout viewer's page
 # (headless); without root its test skips, saying why.
@@ -44,9 +46,10 @@ $(CHROMIUM_STAMP): deploy/install-chromium.sh | $(STAMP)
 # checked; bootstrapped only where it is missing), then replay, learner
 # (torchrun) and a vLLM actor train 90 steps with live weight updates; the run folder
 # runs/local-cpu gets the checkpoint, the HF export, metrics.jsonl and
-# report.html. Last, the trained policy and the base are evaluated on the same
+# report.html; Prometheus (installed first, as root) watches the run. Last,
+# the trained policy and the base are evaluated on the same
 # held-out episodes: compacted success before -> after.
-demo: $(STAMP)
+demo: $(STAMP) $(PROMETHEUS_STAMP)
 	rm -rf runs/local-cpu  # the last demo's run: `up` does not mix two runs in a folder
 	$(VENV)/bin/compactionrl up
 	$(VENV)/bin/compactionrl eval --model runs/local-cpu/export --baseline runs/base-model \

@@ -124,8 +124,8 @@ def start_prometheus(config: JobConfig, run_dir: Path) -> Child | None:
     program = None if wanted == "off" else shutil.which("prometheus")
     if program is None or _in_use(address):
         why_not = ('observability.prometheus = "off"' if wanted == "off"
-                   else "no prometheus program is on PATH (deploy/observability/"
-                        "install-prometheus.sh installs Debian's)" if program is None
+                   else "no prometheus program is on PATH; as root, `sh deploy/"
+                        "observability/install-prometheus.sh` installs Debian's" if program is None
                    else f"observability.prometheus_address {address} is in use")
         if wanted == "on":
             raise ConfigError([f'observability.prometheus = "on", but {why_not}: fix that, or '

@@ -138,6 +138,7 @@ def _cmd_play(args: argparse.Namespace, overrides: list[str]) -> int:
 def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
     import asyncio
     import logging
+    import os
     import socket
 
     from actors.engine import quiet_vllm_logging
@@ -154,11 +155,24 @@ def _cmd_actor(args: argparse.Namespace, overrides: list[str]) -> int:
                                                       or config.learner.control_address),
         actor=config.actors, transport=config.transport, run_seed=config.run.seed,
         index=args.index, weight_timeout_s=config.learner.weight_timeout_s)
+    # Said before the engine's slow start, so that an actor added by hand can be
+    # stopped by its pid from the start.
+    print(stop_hint(settings.actor_id, os.getpid()), flush=True)
     open_timeline(config.run_dir(), f"actor-{settings.actor_id}")
     try:
         return asyncio.run(run_actor(settings))
     finally:
         close_timeline()
+
+
+def stop_hint(actor_id: str, pid: int) -> str:
+    """What an actor says as it starts: its pid, and the command that stops
+    it and only it. A signal to its pid, not a pattern over command lines:
+    ``pkill -f`` also matches another actor whose id begins the same, and
+    the shell or ssh session that runs the pattern."""
+    return (f"actor {actor_id}: pid {pid}; to stop this actor alone: kill -TERM {pid} "
+            "(it ends its episodes per actors.on_shutdown, flushes and says goodbye; "
+            "an actor of `compactionrl up` is started again by up)")
 
 
 def _cmd_replay(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -266,10 +280,15 @@ def _cmd_up(args: argparse.Namespace, overrides: list[str]) -> int:
                      if args.gpus is None and not args.fleet else None)
         if args.json:
             print(json.dumps(plan.to_json(inherited)))
-        else:
+            for problem in plan.problems:
+                print(f"compactionrl: refused: {problem}", file=sys.stderr)
+        else:  # the table ends with its reasons: said once, where the plan is read
             print(plan.table(inherited))
-        for problem in plan.problems:
-            print(f"compactionrl: refused: {problem}", file=sys.stderr)
+            if plan.problems:
+                count = len(plan.problems)
+                print(f"compactionrl: the plan is refused, for {count} "
+                      f"reason{'s' if count != 1 else ''}: its REFUSED lines say which",
+                      file=sys.stderr)
         return 2 if plan.problems else 0
     if args.fleet or (args.gpus is not None and args.gpus != gpus_present()):
         print("compactionrl: --gpus or --fleet only previews a plan (with --plan); up uses the "
@@ -361,7 +380,16 @@ def _cmd_view(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"{run_dir} holds no samples/ (the learner writes them as it trains)",
               file=sys.stderr)
         return 2
-    print(f"rollout viewer: {write_viewer(run_dir)}")
+    page = write_viewer(run_dir)
+    print(f"rollout viewer: {page}")
+    if args.screenshot:
+        from ops.browser import screenshot
+
+        try:
+            print(f"screenshot: {screenshot(page, Path(args.screenshot))}")
+        except RuntimeError as error:  # no Chromium, or it failed: say which
+            print(f"no screenshot: {error}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -530,7 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--json", action="store_true", help="with --plan: one JSON object")
     up.set_defaults(handler=_cmd_up)
 
-    status = commands.add_parser("status", help="summary of a running or finished run")
+    status = commands.add_parser(
+        "status", help="summary of a running or finished run (exit 0: it runs, or ended as "
+                       "asked; 1: it failed or up was killed; 2: no run folder)")
     _config_args(status)
     status.add_argument("--run", default=None,
                         help="run folder (default: run.out_dir/run.name of the config)")
@@ -542,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(view)
     view.add_argument("--run", default=None,
                       help="run folder (default: run.out_dir/run.name of the config)")
+    view.add_argument("--screenshot", default=None, metavar="PNG",
+                      help="also draw the page in headless Chromium (deploy/install-chromium.sh "
+                           "installs Debian's) into PNG: to look at a run without a desktop")
     view.set_defaults(handler=_cmd_view)
 
     boards = commands.add_parser("dashboards", help="Grafana dashboards generated from ops/")

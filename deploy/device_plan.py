@@ -21,8 +21,11 @@ meanwhile.
 
 Where the GPUs' sizes and the model's shape are known, each process's
 memory is sized (:mod:`deploy.memory_plan`). A plan that cannot work is
-refused with every reason, each naming the fixes the configuration does not
-have yet (``DevicePlan.problems``); those that need no count of GPUs are
+refused with every reason (``DevicePlan.problems``, the last lines of
+``up --plan``'s table), each naming the fixes the configuration does not
+have yet; a fix that moves processes names every other setting it then
+needs for each process to get its GPUs, or says that none is left for the
+engines. Those that need no count of GPUs are
 :func:`deploy.device_rules.static_device_problems`, checked when the
 configuration loads.
 
@@ -44,11 +47,12 @@ from deploy.device_rules import join_ids, static_device_problems, two_nccl_ranks
 from deploy.fleet import Fleet, GpuType
 from deploy.memory_plan import (
     GIB,
+    NO_ENGINE,
     EngineMemory,
     Fix,
     LearnerHostMemory,
     LearnerRankMemory,
-    Ranks,
+    Widening,
     engine_memory,
     engine_memory_problems,
     learner_host_memory,
@@ -182,13 +186,16 @@ class DevicePlan:
         """The plan as ``up --plan`` prints it."""
         where = (self.fleet.describe() if self.fleet.named
                  else f"{self.gpus_present} GPU{'s' if self.gpus_present != 1 else ''}")
-        head = (f"device plan for {where}: weights over {self.weight_transport}"
+        head = (f"device plan for {where}: "
+                + (f"REFUSED ({len(self.problems)} reason{'s' if len(self.problems) != 1 else ''}"
+                   " at the end); " if self.problems else "")
+                + f"weights over {self.weight_transport}"
                 + (f"; co-located: {', '.join(self.colocated)}" if self.colocated else ""))
         lanes = [f"lane {t.describe()}: {_span(names) or 'nothing'}; {free} free"
                  for t, names, free in self.lanes()] if self.fleet.named else []
         rows = [_row(p, inherited) for p in self.processes if p.name not in self.unplaced]
         unplaced = ([f"not placed: {_span(list(self.unplaced))}, for want of GPUs: the plan is "
-                     "refused (below)"] if self.unplaced else [])
+                     "refused (at the end)"] if self.unplaced else [])
         memory = [f"memory, {_span(names)}{f' on {gpu_type}' if self.fleet.named else ''}: {text}"
                   for names, gpu_type, text in _groups(self.processes)]
         if self.memory_note:
@@ -197,7 +204,8 @@ class DevicePlan:
             memory.append(f"memory: {self.learner_host.describe()}")
         if self.shape is not None:
             memory.append(f"memory sized for {self.shape.source}")
-        return "\n".join([head, *lanes, *_aligned(rows), *unplaced, *memory])
+        refused = [f"REFUSED: {problem}" for problem in self.problems]
+        return "\n".join([head, *lanes, *_aligned(rows), *unplaced, *memory, *refused])
 
 
 def _row(p: ProcessPlan, inherited: str | None) -> tuple[str, ...]:
@@ -212,8 +220,9 @@ def _row(p: ProcessPlan, inherited: str | None) -> tuple[str, ...]:
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
     """The table's lines under its header, in columns."""
-    rows = [("process", "CUDA_VISIBLE_DEVICES", "parallel", "ports", "weights", "gpu memory",
-             "starts"), *rows]
+    # The engines' column is a share of each GPU, not a size: it carries the setting's name.
+    rows = [("process", "CUDA_VISIBLE_DEVICES", "parallel", "ports", "weights",
+             "gpu_memory_utilization", "starts"), *rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
             .rstrip() for row in rows]
@@ -261,7 +270,7 @@ def plan_devices(config: JobConfig, gpus: int | Fleet, shape: ModelShape | None 
     fleet = gpus if isinstance(gpus, Fleet) else Fleet.uniform(gpus)
     learner, actors = config.learner, config.actors
     shape = shape or ModelShape.of(config.run.model)
-    problems = static_device_problems(learner, actors) + _machine_problems(config, fleet.size)
+    problems = static_device_problems(learner, actors) + _machine_problems(config, fleet)
     learner_on_gpu = fleet.size > 0 and learner.device != "cpu"
     need = (learner_need(shape, learner, actors, config.replay).total
             if shape and learner_on_gpu else None)
@@ -286,10 +295,11 @@ def plan_devices(config: JobConfig, gpus: int | Fleet, shape: ModelShape | None 
                       shape if sized else None, unplaced, host)
 
 
-def _machine_problems(config: JobConfig, gpus_present: int) -> list[str]:
-    """What ``config`` asks of devices that a machine with ``gpus_present``
-    GPUs does not have."""
+def _machine_problems(config: JobConfig, fleet: Fleet) -> list[str]:
+    """What ``config`` asks of devices that ``fleet`` (a machine's GPUs, or
+    a fleet given) does not have."""
     learner, actors = config.learner, config.actors
+    gpus_present = fleet.size
     problems = []
     if learner.device == "cuda" and gpus_present == 0:
         problems.append("learner.device = \"cuda\" but this machine has no GPU: set "
@@ -304,8 +314,8 @@ def _machine_problems(config: JobConfig, gpus_present: int) -> list[str]:
             have = f"GPUs 0-{gpus_present - 1}" if gpus_present else "no GPU"
             fix = (f"list GPUs below {gpus_present}" if gpus_present
                    else f"empty {name} to run on the CPU")
-            problems.append(f"{name} = {ids} names GPU {join_ids(beyond)}, but this machine has "
-                            f"{have}: {fix}")
+            problems.append(f"{name} = {ids} names GPU {join_ids(beyond)}, but {fleet.subject} "
+                            f"has {have}: {fix}")
     return problems
 
 
@@ -323,7 +333,7 @@ def _learner_gpus(learner: LearnerConfig, on_gpu: bool, fleet: Fleet, need: int 
     home = max(fitting or enough, key=lambda t: t.memory_bytes or 0, default=None)
     if home is None:
         home = max(fleet.types, key=lambda t: t.count)
-        where = (f"this machine has {fleet.size}" if len(fleet.types) == 1 else
+        where = (f"{fleet.subject} has {fleet.size}" if len(fleet.types) == 1 else
                  f"the fleet's largest type has {home.count} ({home.name}), and a learner's "
                  "ranks share one type")
         problems.append(f"learner.nproc = {learner.nproc} ranks need a GPU each; {where}: "
@@ -343,21 +353,71 @@ def _actor_gpus(actors: ActorConfig, fleet: Fleet, learner_gpus: tuple[int, ...]
     if actors.gpus:  # a list of the wrong length was refused before
         return ([tuple(actors.gpus[i * tp:(i + 1) * tp]) for i in range(actors.count)]
                 if len(actors.gpus) == actors.count * tp else none)
-    free = [[g for g in fleet.indices(t) if g not in learner_gpus] for t in fleet.types]
-    engines = [tuple(gpus[i * tp:(i + 1) * tp]) for gpus in free for i in range(len(gpus) // tp)]
+    engines = _engine_slots(fleet, learner_gpus, tp)
     if len(engines) >= actors.count:
         return engines[:actors.count]
-    left = sum(map(len, free))
+    left = len(set(range(fleet.size)) - set(learner_gpus))
     if not left and actors.count == 1 and tp == 1 and learner_gpus:
         return [(learner_gpus[0],)]  # one GPU for both: co-location
     problems.append(
         f"actors.count = {actors.count} engines of actors.engine.tensor_parallel = "
         f"{tp} need {actors.count * tp} GPUs besides the learner's {len(learner_gpus)}"
         + (" (an engine's of one type)" if len(fleet.types) > 1 else "")
-        + f"; this machine has {left} left of {fleet.size}: lower actors.count or "
+        + f"; {fleet.subject} has {left} left of {fleet.size}: lower actors.count or "
         "learner.nproc, or list actors.gpus (an actor on learner rank 0's GPU "
         "shares it: co-location)")
     return none
+
+
+def _engine_slots(fleet: Fleet, learner_gpus: Sequence[int], tp: int
+                  ) -> list[tuple[int, ...]]:
+    """The engines of ``tp`` GPUs that the GPUs beside the learner's hold, in
+    the fleet's order, each of one type."""
+    free = [[g for g in fleet.indices(t) if g not in learner_gpus] for t in fleet.types]
+    return [tuple(gpus[i * tp:(i + 1) * tp]) for gpus in free for i in range(len(gpus) // tp)]
+
+
+def _beside(actors: ActorConfig, fleet: Fleet, learner_gpus: Sequence[int]
+            ) -> list[str] | None:
+    """The actors' settings that must change for each actor to get its
+    engine's GPUs beside a learner on ``learner_gpus``, as the plan places
+    them: listed GPUs the learner leaves alone are kept; otherwise the GPUs
+    left, in the fleet's order, ``actors.count`` lowered where fewer engines
+    fit. None where no engine fits: a fix that leaves the actors nothing."""
+    tp = max(1, actors.engine.tensor_parallel)
+    listed = list(actors.gpus)
+    if listed and len(listed) == actors.count * tp and not set(listed) & set(learner_gpus):
+        return []
+    engines = _engine_slots(fleet, learner_gpus, tp)[:actors.count]
+    if actors.count and not engines:
+        return None
+    changes = [f"actors.count = {len(engines)}"] if len(engines) < actors.count else []
+    if listed:
+        changes.append(f"actors.gpus = [{join_ids([g for gpus in engines for g in gpus])}]")
+    return changes
+
+
+def _widenings(config: JobConfig, fleet: Fleet, home: GpuType) -> list[Widening]:
+    """Each count of ranks above ``learner.nproc`` that the learner's type
+    holds, on its first GPUs (where the plan puts them once unlisted), with
+    what the actors must change beside them."""
+    widenings = []
+    for nproc in range(config.learner.nproc + 1, home.count + 1):
+        gpus = fleet.indices(home)[:nproc]
+        beside = _beside(config.actors, fleet, gpus)
+        listed = [f"learner.gpus = [{join_ids(gpus)}]"] if config.learner.gpus else []
+        widenings.append(Widening(nproc, ", ".join([f"learner.nproc = {nproc}", *listed,
+                                                    *(beside or ())]), beside is not None))
+    return widenings
+
+
+def _moved_learner(label: str, settings: list[str], effect: str, beside: list[str] | None
+                   ) -> Fix:
+    """The learner on other GPUs, where a rank fits, with what the actors
+    then change (``beside``, as :func:`_beside` says)."""
+    changes = [*settings, *(beside or ())]
+    return Fix(label + (f": {', '.join(changes)}" if changes else ""),
+               effect + ("" if beside is not None else f", {NO_ENGINE}"), beside is not None)
 
 
 def _spanning_problems(fleet: Fleet, learner_gpus: tuple[int, ...],
@@ -427,6 +487,11 @@ def _sized(config: JobConfig, fleet: Fleet, shape: ModelShape | None,
                            "name one, its folder or a known family with --model-shape")
     sized: list[ProcessPlan] = []
     engines_refused: dict[tuple[str, str], list[str]] = {}
+    # What twice the tensor parallel asks of the actors' settings: the same for every engine.
+    engine = config.actors.engine
+    doubled = _beside(replace(config.actors, engine=replace(
+        engine, tensor_parallel=2 * engine.tensor_parallel)), fleet,
+        next(p.devices for p in processes if p.name == "learner"))
     for p in processes:
         types = fleet.types_of(p.devices)
         if len(types) != 1:  # the CPU, or GPUs of two types (refused above)
@@ -437,7 +502,7 @@ def _sized(config: JobConfig, fleet: Fleet, shape: ModelShape | None,
             sized.append(_sized_learner(config, fleet, shape, p, processes, problems))
             continue
         share = p.gpu_memory_utilization or 0.0
-        for problem in engine_memory_problems(shape, config.actors, gpu_bytes, share):
+        for problem in engine_memory_problems(shape, config.actors, gpu_bytes, share, doubled):
             engines_refused.setdefault((p.gpu_type, problem), []).append(p.name)
         sized.append(replace(p, memory=engine_memory(shape, config.actors, gpu_bytes, share),
                              memory_budget=int(gpu_bytes * share)))
@@ -449,25 +514,27 @@ def _sized(config: JobConfig, fleet: Fleet, shape: ModelShape | None,
 def _sized_learner(config: JobConfig, fleet: Fleet, shape: ModelShape, learner: ProcessPlan,
                    processes: tuple[ProcessPlan, ...], problems: list[str]) -> ProcessPlan:
     """The learner's plan with a rank's memory on its GPU type; refused into
-    ``problems`` where it does not fit, naming the GPUs it could spread over
-    (its type's that no engine holds) and the larger types where it fits."""
+    ``problems`` where it does not fit, naming more ranks of its type and the
+    larger types where it fits, each with what the actors then change."""
     settings, actors, replay = config.learner, config.actors, config.replay
     [home] = fleet.types_of(learner.devices)
     gpu_bytes = home.memory_bytes or 0
     budget = int(gpu_bytes * (settings.gpu_memory_fraction if learner.shared_ranks else 1.0))
     need = learner_need(shape, settings, actors, replay)
-    engines = {d for p in processes if p.name.startswith("actor-") for d in p.devices}
-    ranks = Ranks(home.count, len(set(fleet.indices(home)) - engines))
-    placements = [Fix(f"the learner on {t.name}: learner.gpus = "
-                      f"[{join_ids(fleet.indices(t)[:settings.nproc])}]",
-                      f"{t.memory_bytes / GIB:.1f} GiB a GPU", True)
-                  for t in fleet.types if t is not home and t.count >= settings.nproc
-                  and (t.memory_bytes or 0) >= need.total]
+    placements = []
+    for t in fleet.types:
+        if t is not home and t.count >= settings.nproc and (t.memory_bytes or 0) >= need.total:
+            gpus = fleet.indices(t)[:settings.nproc]
+            placements.append(_moved_learner(f"the learner on {t.name}",
+                                             [f"learner.gpus = [{join_ids(gpus)}]"],
+                                             f"{t.memory_bytes / GIB:.1f} GiB a GPU",
+                                             _beside(actors, fleet, gpus)))
     if learner.shared_ranks and need.total <= gpu_bytes:
-        placements.append(Fix("the learner on GPUs of its own (learner.gpus, actors.gpus)",
-                              f"{gpu_bytes / GIB:.1f} GiB a GPU", True))
-    problems += learner_memory_problems(shape, settings, actors, replay, budget, ranks,
-                                        placements)
+        placements.append(_moved_learner("the learner on GPUs of its own", [],
+                                         f"{gpu_bytes / GIB:.1f} GiB a GPU",
+                                         _beside(actors, fleet, learner.devices)))
+    problems += learner_memory_problems(shape, settings, actors, replay, budget,
+                                        _widenings(config, fleet, home), placements)
     return replace(learner, memory=need, memory_budget=budget)
 
 

@@ -57,6 +57,12 @@ class Fleet:
         """Whether the types have names of their own (``--fleet``)."""
         return any(t.name != UNNAMED for t in self.types)
 
+    @property
+    def subject(self) -> str:
+        """How a refusal names these GPUs: a fleet given (``--fleet``) is not
+        this machine's."""
+        return "the fleet" if self.named else "this machine"
+
     def indices(self, gpu_type: GpuType) -> range:
         """The GPU indices of ``gpu_type``."""
         start = 0

@@ -223,14 +223,21 @@ def learner_need(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
                                chunk)
 
 
-@dataclass(frozen=True)
-class Ranks:
-    """The GPUs a learner's ranks could spread over: those of its type."""
+#: How a fix that places the learner but leaves the actors no GPU says so.
+NO_ENGINE = "but no GPU is left for an engine"
 
-    most: int
-    """Its GPUs."""
-    free: int
-    """Those no engine holds (the learner's own among them)."""
+
+@dataclass(frozen=True)
+class Widening:
+    """``nproc`` ranks on the learner's GPU type, with the other settings the
+    plan then needs to place every process (the GPU lists, fewer actors)."""
+
+    nproc: int
+    changes: str
+    """Every setting it takes, as the user writes them, ``learner.nproc`` first."""
+    places_actors: bool
+    """Whether an engine's GPUs are left for the actors (``changes`` lowers
+    ``actors.count`` where fewer fit than asked)."""
 
 
 @dataclass(frozen=True)
@@ -248,87 +255,118 @@ class Fix:
 
 
 def learner_fixes(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
-                  replay: ReplayConfig, budget_bytes: int, ranks: Ranks) -> list[Fix]:
+                  replay: ReplayConfig, budget_bytes: int, wider: Sequence[Widening]
+                  ) -> list[Fix]:
     """The memory switches ``learner`` does not have yet, each with what a
-    rank needs once it is set (those that fit first, then the least need)."""
+    rank needs once it is set (those that fit first, then the least need);
+    more ranks, ``wider``, where its type has more GPUs than ``learner.nproc``
+    (a fix that leaves no engine's GPUs for the actors does not fit)."""
     chunk, microbatch = memory_switches(learner, on_gpu=True)
     # a sequence longer than the budget goes alone, so a budget below the
     # longest segment bounds nothing more
     segment = (actors.compaction.context_tokens if actors.compaction.enabled
                else actors.engine.max_model_len)
-    settings: list[tuple[str, dict[str, Any]]] = []
+    settings: list[tuple[str, dict[str, Any], bool]] = []
     if learner.critic == "model":
-        settings.append(('learner.critic = "value_head"', {"critic": "value_head"}))
+        settings.append(('learner.critic = "value_head"', {"critic": "value_head"}, True))
     if learner.activation_checkpointing == "off":
         settings.append(('learner.activation_checkpointing = "on"',
-                         {"activation_checkpointing": "on"}))
+                         {"activation_checkpointing": "on"}, True))
     if microbatch == 0 or microbatch > segment:
         settings.append((f"learner.max_tokens_per_microbatch = {segment}",
-                         {"max_tokens_per_microbatch": segment}))
+                         {"max_tokens_per_microbatch": segment}, True))
     if chunk == 0 or chunk > MIN_LOGPROB_CHUNK_TOKENS:
         settings.append((f"learner.logprob_chunk_tokens = {MIN_LOGPROB_CHUNK_TOKENS}",
-                         {"logprob_chunk_tokens": MIN_LOGPROB_CHUNK_TOKENS}))
-    if ranks.most > learner.nproc:
-        def need(nproc: int) -> int:
-            return learner_need(shape, replace(learner, nproc=nproc), actors, replay).total
-
-        # the fewest ranks that fit, or all there are where none do
-        nproc = next((n for n in range(learner.nproc + 1, ranks.most)
-                      if need(n) <= budget_bytes), ranks.most)
-        settings.append((f"learner.nproc = {nproc}"
-                         + (" and learner.gpus to match" if learner.gpus else "")
-                         + (f" (taking {nproc - ranks.free} of the engines' GPUs)"
-                            if nproc > ranks.free else ""),
-                         {"nproc": nproc}))
+                         {"logprob_chunk_tokens": MIN_LOGPROB_CHUNK_TOKENS}, True))
+    if wider:
+        widening = _fewest_ranks(shape, learner, actors, replay, budget_bytes, wider)
+        settings.append((widening.changes, {"nproc": widening.nproc}, widening.places_actors))
     needs = sorted((learner_need(shape, replace(learner, **fields), actors, replay).total,
-                    change, fields) for change, fields in settings)
-    return [Fix(change, f"{total / GIB:.1f} GiB a rank", total <= budget_bytes, fields)
-            for total, change, fields in needs]
+                    change, fields, places) for change, fields, places in settings)
+    return [Fix(change, _rank_effect(total, places), total <= budget_bytes and places, fields)
+            for total, change, fields, places in needs]
+
+
+def _fewest_ranks(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
+                  replay: ReplayConfig, budget_bytes: int, wider: Sequence[Widening]
+                  ) -> Widening:
+    """The fewest ranks of ``wider`` (in rising order) whose rank fits
+    ``budget_bytes``, or the most there are where none does."""
+    return next((w for w in wider if learner_need(shape, replace(learner, nproc=w.nproc),
+                                                  actors, replay).total <= budget_bytes),
+                wider[-1])
+
+
+def _rank_effect(total: int, places_actors: bool) -> str:
+    """What a learner fix leaves: a rank's need, and the actors without GPUs where so."""
+    return f"{total / GIB:.1f} GiB a rank" + ("" if places_actors else f", {NO_ENGINE}")
+
+
+def _together(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
+              replay: ReplayConfig, budget_bytes: int, switches: Sequence[Fix],
+              wider: Sequence[Widening]) -> Fix:
+    """Every switch at once, with the fewest more ranks that then fit (not
+    necessarily the count a switch alone needs), and what else they change."""
+    merged = {key: value for fix in switches for key, value in fix.settings.items()
+              if key != "nproc"}
+    changes = [fix.change for fix in switches if "nproc" not in fix.settings]
+    both, places = replace(learner, **merged), True
+    if wider and learner_need(shape, both, actors, replay).total > budget_bytes:
+        widening = _fewest_ranks(shape, both, actors, replay, budget_bytes, wider)
+        both, places = replace(both, nproc=widening.nproc), widening.places_actors
+        changes.append(widening.changes)
+    total = learner_need(shape, both, actors, replay).total
+    return Fix("these together: " + ", ".join(changes), _rank_effect(total, places),
+               total <= budget_bytes and places)
 
 
 def learner_memory_problems(shape: ModelShape, learner: LearnerConfig, actors: ActorConfig,
-                            replay: ReplayConfig, budget_bytes: int, ranks: Ranks,
-                            placements: Sequence[Fix] = ()) -> list[str]:
+                            replay: ReplayConfig, budget_bytes: int,
+                            wider: Sequence[Widening] = (), placements: Sequence[Fix] = ()
+                            ) -> list[str]:
     """The refusal of a learner rank that does not fit ``budget_bytes`` (its
     GPU, or its share of a shared one), naming only the fixes the
-    configuration does not have: its memory switches
+    configuration does not have: its memory switches and more ranks
     (:func:`learner_fixes`), and ``placements`` (GPUs where it fits)."""
     need = learner_need(shape, learner, actors, replay)
     if need.total <= budget_bytes:
         return []
-    switches = learner_fixes(shape, learner, actors, replay, budget_bytes, ranks)
+    switches = learner_fixes(shape, learner, actors, replay, budget_bytes, wider)
     fixes = [*placements, *switches]
     if len(switches) > 1 and not any(fix.fits for fix in fixes):
-        merged = {key: value for fix in switches for key, value in fix.settings.items()}
-        total = learner_need(shape, replace(learner, **merged), actors, replay).total
-        fixes.append(Fix("all of these together", f"{total / GIB:.1f} GiB a rank",
-                         total <= budget_bytes))
+        fixes.append(_together(shape, learner, actors, replay, budget_bytes, switches, wider))
     return [f"a learner rank needs about {need.describe()}, more than the "
             f"{budget_bytes / GIB:.1f} GiB it has (deploy/memory_plan.py): "
             + describe_fixes(fixes)]
 
 
 def engine_memory_problems(shape: ModelShape, actors: ActorConfig, gpu_bytes: int,
-                           utilization: float) -> list[str]:
+                           utilization: float, doubled: Sequence[str] | None = ()
+                           ) -> list[str]:
     """The refusal of an engine whose KV cache cannot hold one sequence of
     ``actors.engine.max_model_len`` (vLLM refuses to start it), naming the
-    fixes the configuration does not have."""
+    fixes the configuration does not have. ``doubled``: the other settings
+    twice the tensor parallel needs for every actor to get its GPUs (the GPU
+    list, fewer actors); None where no engine of twice the GPUs is left."""
     memory = engine_memory(shape, actors, gpu_bytes, utilization)
     longest = actors.engine.max_model_len
     if memory.kv_tokens >= longest:
         return []
     engine = actors.engine
-    options = [(f"actors.engine.tensor_parallel = {2 * engine.tensor_parallel}",
-                replace(engine, tensor_parallel=2 * engine.tensor_parallel), utilization)]
+    options = [(", ".join([f"actors.engine.tensor_parallel = {2 * engine.tensor_parallel}",
+                           *(doubled or ())]),
+                replace(engine, tensor_parallel=2 * engine.tensor_parallel), utilization,
+                doubled is not None)]
     # a share below the engine's own is co-location's, which this setting does not raise
     if utilization == engine.gpu_memory_utilization < MAX_ENGINE_UTILIZATION:
         options.append((f"actors.engine.gpu_memory_utilization = {MAX_ENGINE_UTILIZATION}",
                         replace(engine, gpu_memory_utilization=MAX_ENGINE_UTILIZATION),
-                        MAX_ENGINE_UTILIZATION))
+                        MAX_ENGINE_UTILIZATION, True))
     fixes = []
-    for change, changed, share in options:
+    for change, changed, share, places in options:
         kv = engine_memory(shape, replace(actors, engine=changed), gpu_bytes, share).kv_tokens
-        fixes.append(Fix(change, f"KV for {kv:,} tokens", kv >= longest))
+        fixes.append(Fix(change, f"KV for {kv:,} tokens" + ("" if places else f", {NO_ENGINE}"),
+                         kv >= longest and places))
     return [f"an engine holds {memory.weights / GIB:.1f} GiB of weights a GPU and KV for "
             f"{memory.kv_tokens:,} tokens, fewer than actors.engine.max_model_len = {longest:,}"
             " (vLLM refuses to start it; deploy/memory_plan.py): " + describe_fixes(fixes)]

@@ -9,12 +9,14 @@ transport; this turns it, with the configuration, into the children that
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.children import Child
 from deploy.config import JobConfig
 from deploy.device_plan import DevicePlan
+from deploy.device_rules import join_ids
 
 
 @dataclass
@@ -54,6 +56,28 @@ def place_children(config: JobConfig, plan: DevicePlan, run_dir: Path,
     waiting = {learner.name: learner_plan.waits_for} if learner_plan.waits_for else {}
     return Placement(Child("replay", ["replay", *common], logs / "replay.log"), learner, actors,
                      waiting)
+
+
+def placement_lines(children: Sequence[Child], cores: Sequence[int]) -> list[str]:
+    """Which CPU cores and GPUs each child is given, as ``up`` says when it
+    starts them, and the cores of ``cores`` (this machine's) that none is
+    pinned to: an actor added by hand wants a core no engine spins on."""
+    width = max(len(child.name) for child in children)
+    lines = ["placement (the CPU cores and GPUs each process is given):"]
+    for child in children:
+        gpus = child.env.get("CUDA_VISIBLE_DEVICES")
+        lines.append(f"  {child.name.ljust(width)}  "
+                     + (f"core{'s' if len(child.cores) > 1 else ''} "
+                        f"{join_ids(sorted(child.cores))}" if child.cores else "any core")
+                     + (f", GPU{'s' if ',' in gpus else ''} {gpus} (CUDA_VISIBLE_DEVICES)"
+                        if gpus else ", no GPU"))
+    pinned = {core for child in children for core in child.cores}
+    if pinned:
+        free = [core for core in cores if core not in pinned]
+        lines.append(f"  cores no process is pinned to: {join_ids(free)}" if free else
+                     "  every core is pinned: an actor added by hand here shares one with "
+                     "the process pinned there")
+    return lines
 
 
 def _transport_args(plan: DevicePlan) -> list[str]:

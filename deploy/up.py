@@ -12,8 +12,9 @@ once the engine answers on its metrics port: vLLM measures free memory while
 it starts and fails if another process allocates or frees meanwhile. On a
 CPU-only machine the plan sets no devices and local actors get a core each.
 The children, their arguments, cores and environments are
-:func:`deploy.placement.place_children`'s; each child's start, stop and
-restart back-off are :class:`deploy.children.Child`'s.
+:func:`deploy.placement.place_children`'s, and ``up`` prints each one's CPU
+cores and GPUs as it starts them (:func:`deploy.placement.placement_lines`);
+each child's start, stop and restart back-off are :class:`deploy.children.Child`'s.
 
 Supervision:
 
@@ -53,11 +54,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from deploy.children import Child, signal_group, start_prometheus, stop_leftovers
 from deploy.config import ConfigError, JobConfig, to_toml
 from deploy.device_plan import DevicePlan, plan_devices
-from deploy.placement import gpus_present, place_children
+from deploy.placement import gpus_present, place_children, placement_lines
 from ops.files import atomic_write_text
 from ops.lifetime import become_subreaper
 from ops.report import read_history, write_report
@@ -188,8 +190,11 @@ class Up:
             view.close()
 
     def _start_first(self) -> None:
-        """Every process the plan does not hold back (a learner waits for the
-        engines on its GPUs: ``_start_waiting``)."""
+        """Say where each process runs, then start every one the plan does
+        not hold back (a learner waits for the engines on its GPUs:
+        ``_start_waiting``)."""
+        print("\n".join(placement_lines([self.replay, self.learner, *self.actors],
+                                         sorted(os.sched_getaffinity(0)))), flush=True)
         for child in (self.replay, self.learner, *self.actors):
             if child.name in self._waiting:
                 print(f"{child.name} starts once {', '.join(self._waiting[child.name])} "
@@ -389,7 +394,9 @@ def resume_command(config_path: Path) -> str:
 
 
 def status(run_dir: Path) -> int:
-    """Print the summary of a running or finished run; 0 if it is running."""
+    """Print the summary of a running or finished run. Exit code
+    (:func:`status_code`): 0 while it runs or after it ended as asked, 1 where
+    it failed or ``up`` stopped without finishing, 2 where ``run_dir`` is no run."""
     state_path = run_dir / "up.json"
     if not state_path.is_file():
         print(f"{run_dir} is not a run folder (no up.json)")
@@ -415,7 +422,16 @@ def status(run_dir: Path) -> int:
             ended["message"] if ended else "up stopped without finishing"))
         for key, value in lines.items():
             print(f"  {key}: {value}")
-    return 0 if running else 1
+    return status_code(running, ended)
+
+
+def status_code(running: bool, ended: dict[str, Any] | None) -> int:
+    """0 for a run that goes on or ended as asked (its budget reached, or
+    stopped cleanly by a signal: nothing failed), 1 for one that failed or
+    whose ``up`` stopped without writing how it ended (killed)."""
+    if running:
+        return 0
+    return 0 if ended and ended["exit_code"] in (EXIT_FINISHED, EXIT_INTERRUPTED) else 1
 
 
 def _alive(pid: int) -> bool:

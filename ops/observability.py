@@ -69,16 +69,18 @@ class Alert:
 RATE = "[1m]"
 #: Range of the panels' rates: Grafana's, from the scrape interval and the zoom.
 RANGE = "[$__rate_interval]"
-#: Label matchers of the dashboard variables (Grafana fills them in).
+#: Label matchers of the dashboard variables (Grafana fills them in). Actors are
+#: told apart by the ``actor`` label that the replay's discovery file gives each
+#: target (:func:`write_actor_targets`): an id, not a scrape address.
 RUN = 'run=~"$run"'
-ACTORS = 'run=~"$run", instance=~"$actor"'
+ACTORS = 'run=~"$run", actor=~"$actor"'
 #: The rate window of a panel's query outside Grafana (Grafana's
 #: ``$__rate_interval`` is at least four scrape intervals: 20 s at 5 s).
 PLAIN_RANGE = "1m"
 #: A label matcher on a dashboard variable, as a plain query drops it (every value).
 VARIABLE_MATCHER = re.compile(r'^\w+=~"\$\w+"$')
 #: An actor series joined with its engine's labels (device = GPU type).
-BY_ENGINE = f'* on(instance) group_left(device) crl_actor_engine_info{{{ACTORS}, device=~"$gpu"}}'
+BY_ENGINE = f'* on(actor) group_left(device) crl_actor_engine_info{{{ACTORS}, device=~"$gpu"}}'
 
 DASHBOARDS: dict[str, tuple[Panel, ...]] = {
     "CompactionRL: training": (
@@ -143,18 +145,18 @@ DASHBOARDS: dict[str, tuple[Panel, ...]] = {
         Panel("Processes up", (("{{job}}", f'sum by (job) (up{{{RUN}, job=~"$job"}})'),)),
     ),
     "CompactionRL: actors": (
-        Panel("Engines", (("{{instance}} {{device}} {{dtype}} tp={{tp}}",
+        Panel("Engines", (("{{actor}} {{device}} {{dtype}} tp={{tp}}",
                            f'crl_actor_engine_info{{{ACTORS}, device=~"$gpu"}}'),),
               kind="table"),
         Panel("Policy version loaded, by actor", (
-            ("{{instance}}", f"crl_actor_policy_version{{{ACTORS}}}"),)),
+            ("{{actor}}", f"crl_actor_policy_version{{{ACTORS}}}"),)),
         Panel("Tokens/s by actor", (
-            ("{{instance}}", "sum by (instance) "
+            ("{{actor}}", "sum by (actor) "
                              f"(rate(crl_actor_generated_tokens_total{{{ACTORS}}}{RANGE}))"),)),
         Panel("Stall share by actor and reason", (
-            ("{{instance}} {{reason}}",
-             f"sum by (instance, reason) (rate(crl_actor_stall_seconds_total{{{ACTORS}}}{RANGE}))"
-             f" / on(instance) group_left sum by (instance) "
+            ("{{actor}} {{reason}}",
+             f"sum by (actor, reason) (rate(crl_actor_stall_seconds_total{{{ACTORS}}}{RANGE}))"
+             f" / on(actor) group_left sum by (actor) "
              f"(crl_actor_episode_slots{{{ACTORS}}})"),), "percentunit"),
         Panel("Tokens/s by GPU type", (
             ("{{device}}", "sum by (device) "
@@ -275,7 +277,7 @@ TEMPLATING = [
      "current": {}, "hide": 0},
     _variable("run", "Run", "label_values(up, run)"),
     _variable("job", "Job", f"label_values(up{{{RUN}}}, job)"),
-    _variable("actor", "Actor", f"label_values(crl_actor_engine_info{{{RUN}}}, instance)"),
+    _variable("actor", "Actor", f"label_values(crl_actor_engine_info{{{RUN}}}, actor)"),
     _variable("gpu", "GPU type", f"label_values(crl_actor_engine_info{{{RUN}}}, device)"),
 ]
 

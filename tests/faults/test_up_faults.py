@@ -1124,7 +1124,7 @@ def test_clean_shutdown_after_the_faults(run: FaultRun) -> None:
     assert f"step {checkpoint['step']}/100000" in summary  # the checkpoint's step, not a count
     assert "nan" not in summary and "DOWN" not in summary and "ETA" not in summary
     status = compactionrl("status", "--run", str(run.folder), timeout=60)
-    assert status.returncode == 1
+    assert status.returncode == 0  # stopped as asked: nothing failed
     assert "not running: interrupted (SIGINT): stopped cleanly" in status.stdout
     # every view counts both actors, the hand-started one too, and their
     # trained rollouts add up to the run's and to the learner's steps of 4:

@@ -35,7 +35,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -486,24 +485,6 @@ def run_eval_against_baseline(check: Check) -> None:
     assert "Attempted to load weight" not in result.stderr, result.stderr[-2000:]
 
 
-def stop_the_named_actor(check: Check) -> None:
-    """Run it as written against a stand-in that carries the actor's id on its
-    command line, as the added actor does: it gets SIGTERM (what an actor does
-    then is tests/faults/test_up_faults.py's phase 8). In a PID namespace of
-    its own: ``pkill -f`` reads every command line it can see, and this test's
-    own process title (xdist's) holds the command's text."""
-    if os.geteuid() != 0:
-        pytest.skip("a PID namespace needs root")
-    with tempfile.TemporaryDirectory() as folder:
-        script = Path(folder) / "stop.sh"  # a file: `sh -c TEXT` would match the pattern itself
-        script.write_text(f"{VENV_BIN / 'python'} -c 'import time; time.sleep(120)' "
-                          f"--actor-id my-gpu-box-0 &\nsleep 1\n{check.documented.shell}\n"
-                          "wait $!\necho \"stand-in exit $?\"\n")
-        result = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh",
-                                 str(script)], capture_output=True, text=True, timeout=60)
-    assert "stand-in exit 143" in result.stdout, result.stdout + result.stderr  # 128 + SIGTERM
-
-
 # -- the registry --------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -722,12 +703,12 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         "my.toml stands for your configuration, resuming a run that has checkpoints; here: "
         "with the shipped local-cpu.toml, the arguments parse and configure",
         check_up_with_my_toml),
-    # 0: a run is up; 1: the run folder holds a finished run; 2: there is none yet
+    "compactionrl view --run runs/local-cpu --screenshot runs/local-cpu/viewer.png": Elsewhere(
+        "tests/integration/test_viewer_page.py", ("view", "--run", "--screenshot"),
+        "draws the viewer of the run `make demo` trains: that test runs the command on a "
+        "run's kept samples; here: the arguments parse", check_parses),
+    # 0: a run is up or ended as asked; 1: it failed or up was killed; 2: there is none yet
     "compactionrl status": RunAsWritten(exit_codes=(0, 1, 2)),
-    'pkill -TERM -f -- "--actor-id my-gpu-box-0"': Offline(
-        "stops an actor added to a running `up` (that run is tests/faults/test_up_faults.py's, "
-        "where phase 8 stops one with SIGTERM); here: run as written, it signals the process "
-        "that carries the id", stop_the_named_actor),
     "compactionrl actor --config RUN/config.toml --replay tcp://HOST:5555 --learner "
     "tcp://HOST:5557 --actor-id my-gpu-box-0 --index 1": Elsewhere(
         "tests/faults/test_up_faults.py",

@@ -92,6 +92,13 @@ def test_an_actor_listed_in_the_file_is_scraped_without_a_restart_and_gone_once_
         [slots] = server.query("crl_actor_episode_slots")
         assert {k: slots["metric"][k] for k in ("actor", "run", "instance", "job")} == {
             "actor": "extra-1", "run": RUN, "instance": address, "job": "actors"}
+        # the per-actor panels name it by its id, not by its scrape address
+        [(legend, share)] = panel_queries(RUN)[
+            "CompactionRL: actors / Stall share by actor and reason"]
+        assert legend == "{{actor}} {{reason}}"
+        wait_until(lambda: server.query(share), DISCOVERED_S, "two scrapes for a rate")
+        assert [series["metric"] for series in server.query(share)] == [
+            {"actor": "extra-1", "reason": "credits"}]
         wait_until(lambda: server.query('up{job="actors", actor="mute-2"} == 0'), DISCOVERED_S,
                    "the listed actor that does not answer seen down")
         # both leave (the replay rewrites the file whole): neither is judged any more

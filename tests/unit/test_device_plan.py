@@ -145,8 +145,10 @@ def test_cli_plan_prints_json_and_starts_nothing(capsys: pytest.CaptureFixture[s
     assert "weights over ipc" in shown.out and "after actor-0 ready" in shown.out
     assert shown.err == ""
     assert main(["up", "--plan", "--gpus", "2", "--config", str(H100)]) == 2
-    refused = capsys.readouterr().err
-    assert "refused: learner.gpus = [0, 1, 2, 3] names GPU 2, 3" in refused
+    refused = capsys.readouterr().out
+    assert "REFUSED: learner.gpus = [0, 1, 2, 3] names GPU 2, 3, but this machine" in refused
+    assert main(["up", "--plan", "--json", "--gpus", "2", "--config", str(H100)]) == 2
+    assert "compactionrl: refused: learner.gpus = [0, 1, 2, 3]" in capsys.readouterr().err
 
 
 def test_gpus_other_than_present_only_preview(capsys: pytest.CaptureFixture[str],

@@ -7,6 +7,7 @@ family (deploy/model_shapes.py). Plain arithmetic: no GPU, no weights."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,11 @@ H100 = CONFIGS / "gpu-8xh100.toml"
 #: 8 x H100 80GB and 8 x A100 40GB as torch reports them.
 MIXED = "h100=8x79.6,a100-40=8x39.4"
 QWEN_7B = FAMILIES["Qwen2.5-7B"]
+#: One actor co-located with a learner whose share of the GPU is too small.
+CO_LOCATED = ["--actors.count", "1", "--learner.critic", "value_head",
+              "--learner.gpu_memory_fraction", "0.3"]
+#: What a refusal's fix sets, as the user writes it: ``section.field = value``.
+SETTING = re.compile(r'([a-z_]+(?:\.[a-z_]+)+) = (\[[^\]]*\]|"[^"]*"|[^,;()\s]+)')
 #: Each family's parameters as its model card gives them.
 PUBLISHED = {"Qwen2.5-0.5B": 0.49e9, "Qwen2.5-1.5B": 1.54e9, "Qwen2.5-3B": 3.09e9,
              "Qwen2.5-7B": 7.61e9, "Qwen2.5-14B": 14.7e9, "Qwen2.5-32B": 32.5e9,
@@ -116,13 +122,18 @@ def test_a_rank_over_its_type_is_refused_with_only_the_fixes_the_config_lacks() 
     [problem] = value_head.problems
     assert "more than the 39.4 GiB it has" in problem
     assert "learner.critic" not in problem and "max_tokens_per_microbatch" not in problem
-    assert "learner.nproc = 8 and learner.gpus to match (taking 4 of the engines' GPUs) " \
-           "(39.4 GiB a rank: fits)" in problem
+    # 8 ranks fit but take the engines' GPUs; 6 ranks with smaller chunks leave two
+    assert "learner.nproc = 8, learner.gpus = [0, 1, 2, 3, 4, 5, 6, 7] (39.4 GiB a rank, but " \
+           "no GPU is left for an engine)" in problem
+    assert "these together: learner.logprob_chunk_tokens = 1024, learner.nproc = 6, " \
+           "learner.gpus = [0, 1, 2, 3, 4, 5], actors.count = 2, actors.gpus = [6, 7] " \
+           "(38.9 GiB a rank: fits)" in problem
     # gpu-7b's critic model listed onto the A100s: the H100s and the value head each fit
     listed = load_config(GPU_7B, ["--learner.gpus", str(list(range(8, 16))),
                                   "--actors.gpus", str(list(range(8)))])
     [problem] = plan_devices(listed, parse_fleet(MIXED), QWEN_7B).problems
-    assert "the learner on h100: learner.gpus = [0, 1, 2, 3, 4, 5, 6, 7]" in problem
+    assert "the learner on h100: learner.gpus = [0, 1, 2, 3, 4, 5, 6, 7], actors.gpus = " \
+           "[8, 9, 10, 11, 12, 13, 14, 15] (79.6 GiB a GPU: fits)" in problem
     assert 'learner.critic = "value_head" (39.4 GiB a rank: fits)' in problem
 
 
@@ -139,12 +150,17 @@ def test_with_nothing_left_to_switch_the_refusal_says_so() -> None:
 
 
 def test_a_co_located_learner_over_its_share_is_offered_a_gpu_of_its_own() -> None:
-    config = load_config(None, ["--actors.count", "1", "--learner.critic", "value_head",
-                                "--learner.gpu_memory_fraction", "0.3"])
+    config = load_config(None, CO_LOCATED)
     [problem] = plan_devices(config, Fleet.uniform(1, int(79.6 * GIB)),
                              FAMILIES["Qwen2.5-1.5B"]).problems
     assert "more than the 23.9 GiB it has" in problem
-    assert "the learner on GPUs of its own (learner.gpus, actors.gpus)" in problem
+    # one GPU: a GPU of its own would leave the engine none
+    assert "the learner on GPUs of its own (79.6 GiB a GPU, but no GPU is left for an " \
+           "engine)" in problem
+    listed = load_config(None, [*CO_LOCATED, "--learner.gpus", "[0]", "--actors.gpus", "[0]"])
+    [problem] = plan_devices(listed, Fleet.uniform(2, int(79.6 * GIB)),
+                             FAMILIES["Qwen2.5-1.5B"]).problems
+    assert "the learner on GPUs of its own: actors.gpus = [1] (79.6 GiB a GPU: fits)" in problem
 
 
 def test_an_engine_whose_kv_cannot_hold_one_window_is_refused() -> None:
@@ -159,7 +175,64 @@ def test_a_refused_plan_lists_no_actor_on_the_cpu(capsys: pytest.CaptureFixture[
     shown = capsys.readouterr()
     assert "not placed: actor-0 to actor-7, for want of GPUs: the plan is refused" in shown.out
     assert not any(line.startswith("actor-") for line in shown.out.splitlines())
-    assert "refused: actors.count = 8 engines" in shown.err
+    assert "REFUSED: actors.count = 8 engines" in shown.out
+    assert shown.err == "compactionrl: the plan is refused, for 1 reason: its REFUSED lines " \
+                        "say which\n"
+
+
+def fitting_fixes(problem: str) -> list[list[str]]:
+    """The command-line overrides of each fix a refusal says fits."""
+    fixes = problem.split("fixes the configuration does not have yet: ", 1)[1].split("; ")
+    return [[item for key, value in SETTING.findall(fix) for item in (f"--{key}", value)]
+            for fix in fixes if fix.endswith(": fits)")]
+
+
+@pytest.mark.parametrize(("path", "overrides", "fleet", "family"), [
+    (H100, [], "a100-40=8x39.4", "Qwen2.5-7B"),  # more ranks take the engines' GPUs
+    (H100, ["--learner.critic", "model"], "h100=8x79.6", "Qwen2.5-7B"),
+    (GPU_7B, ["--learner.gpus", str(list(range(8, 16))), "--actors.gpus", str(list(range(8)))],
+     MIXED, "Qwen2.5-7B"),  # the learner moved to the other type, onto the engines' GPUs
+    (None, [*CO_LOCATED, "--learner.gpus", "[0]", "--actors.gpus", "[0]"], "h100=2x79.6",
+     "Qwen2.5-1.5B"),  # the learner on a GPU of its own: the engine moves
+    (H100, ["--learner.gpus", "[]", "--actors.gpus", "[]"], "h100=6x79.6,t4=2x14.6",
+     "Qwen2.5-7B"),  # an engine of twice the GPUs: fewer of them fit
+], ids=["more-ranks", "critic-model", "other-type", "co-located", "engine-tp"])
+def test_a_fix_a_refusal_says_fits_places_every_process_once_applied(
+        path: Path | None, overrides: list[str], fleet: str, family: str) -> None:
+    [problem] = plan_devices(load_config(path, overrides), parse_fleet(fleet),
+                             FAMILIES[family]).problems
+    fixes = fitting_fixes(problem)
+    assert fixes, problem
+    for fix in fixes:
+        plan = plan_devices(load_config(path, [*overrides, *fix]), parse_fleet(fleet),
+                            FAMILIES[family])
+        assert plan.problems == () and plan.unplaced == (), (fix, plan.problems)
+
+
+def test_a_refused_plan_says_refused_and_why_where_the_plan_is_printed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--plan", "--fleet", "a100-40=8x39.4", "--model-shape", "Qwen2.5-7B",
+                 "--config", str(H100)]) == 2
+    shown = capsys.readouterr()
+    lines = shown.out.splitlines()
+    assert lines[0] == ("device plan for 8 x a100-40 (39.4 GiB): REFUSED (1 reason at the "
+                        "end); weights over nccl")
+    assert lines[-1].startswith("REFUSED: a learner rank needs about 53.6 GiB")
+    # the engines' column is a share of each GPU, named as the setting
+    assert lines[2].split()[5] == "gpu_memory_utilization"
+    assert shown.err == "compactionrl: the plan is refused, for 1 reason: its REFUSED lines " \
+                        "say which\n"
+    assert main(["up", "--plan", "--gpus", "8", "--config", str(H100)]) == 0
+    assert "REFUSED" not in capsys.readouterr().out
+
+
+def test_a_fleet_s_refusal_speaks_of_the_fleet_not_this_machine() -> None:
+    [engines] = plan_devices(load_config(GPU_7B), parse_fleet("a100-40=8x39.4")).problems
+    assert "; the fleet has 0 left of 8: lower actors.count" in engines
+    listed = load_config(H100, ["--learner.nproc", "2", "--learner.gpus", "[8, 9]"])
+    problems = plan_devices(listed, parse_fleet("a100-40=8x39.4")).problems
+    assert any("names GPU 8, 9, but the fleet has GPUs 0-7" in p for p in problems), problems
+    assert not any("this machine" in p for p in problems)
 
 
 def test_the_command_line_takes_one_size_or_a_fleet(capsys: pytest.CaptureFixture[str]

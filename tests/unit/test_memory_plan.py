@@ -93,11 +93,11 @@ def test_the_shipped_8_gpu_configuration_fits_an_h100_and_its_critic_model_would
                                            "--learner.critic", "model"]), EIGHT_H100)
     [problem] = over.problems
     assert "more than the 79.6 GiB" in problem
-    # the fewest ranks that fit (the engines hold the other GPUs), and the
-    # critic; not the micro-batch budget, already at one segment's window
+    # the fewest ranks that fit (and the two engines left beside them), and
+    # the critic; not the micro-batch budget, already at one segment's window
     assert 'learner.critic = "value_head" (53.6 GiB a rank: fits)' in problem
-    assert "learner.nproc = 6 and learner.gpus to match (taking 2 of the engines' GPUs)" \
-        in problem
+    assert "learner.nproc = 6, learner.gpus = [0, 1, 2, 3, 4, 5], actors.count = 2, " \
+           "actors.gpus = [6, 7] (74.9 GiB a rank: fits)" in problem
     assert "max_tokens_per_microbatch" not in problem
 
 
@@ -139,7 +139,7 @@ def test_up_plan_prints_each_process_s_memory_and_refuses_what_does_not_fit(
     # four engines alike are one line
     assert "memory, learner: " in out and "memory, actor-0 to actor-3: weights 14.2 GiB" in out
     assert main([*args, "--learner.critic", "model"]) == 2
-    assert "compactionrl: refused: a learner rank needs about" in capsys.readouterr().err
+    assert "REFUSED: a learner rank needs about" in capsys.readouterr().out
 
 
 def test_an_actor_tells_how_many_full_windows_its_kv_cache_holds_when_its_episodes_need_more(

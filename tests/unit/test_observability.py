@@ -159,7 +159,7 @@ def test_each_panel_s_query_is_given_in_plain_promql(capsys: pytest.CaptureFixtu
             if "crl_" in expr or "up{" in expr:
                 assert 'run="my-run"' in expr, (where, legend, expr)
     [(_, tokens)] = queries["CompactionRL: actors / Tokens/s by actor"]
-    assert tokens == ('sum by (instance) (rate(crl_actor_generated_tokens_total{run="my-run"}'
+    assert tokens == ('sum by (actor) (rate(crl_actor_generated_tokens_total{run="my-run"}'
                       "[2m]))")
     [(_, engines)] = queries["CompactionRL: actors / Engines"]
     assert engines == 'crl_actor_engine_info{run="my-run"}'
@@ -167,7 +167,7 @@ def test_each_panel_s_query_is_given_in_plain_promql(capsys: pytest.CaptureFixtu
     assert every_run == "crl_actor_engine_info"
     assert main(["dashboards", "promql", "--run", "my-run"]) == 0
     printed = capsys.readouterr().out
-    assert f"  {{{{instance}}}}: {tokens.replace('[2m]', '[1m]')}\n" in printed
+    assert f"  {{{{actor}}}}: {tokens.replace('[2m]', '[1m]')}\n" in printed
     assert "CompactionRLStalenessAtBound (for 10m): " in printed
 
 

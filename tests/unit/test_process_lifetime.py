@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.cli import stop_hint
 from ops.lifetime import die_with_multiprocessing_parent
 from tests.processes import run_command, running, running_after
 
@@ -153,3 +155,21 @@ def test_a_hung_command_is_killed_at_its_timeout_with_the_stacks_of_its_whole_tr
     with pytest.raises(AssertionError, match="timed out after 4 s") as failure:
         run_command([sys.executable, "-c", hang], timeout=4)
     assert "in parent_waits" in str(failure.value) and "in child_waits" in str(failure.value)
+
+
+def test_the_stop_command_an_actor_prints_stops_it_and_no_twin() -> None:
+    """Two processes of one command line (a pattern over command lines, as
+    ``pkill -f`` takes, matches both): the command the first's hint names
+    stops it alone."""
+    twins = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        hint = stop_hint("box-0", twins[0].pid)
+        assert hint.startswith(f"actor box-0: pid {twins[0].pid}; ")
+        command = hint.split("to stop this actor alone: ", 1)[1].split(" (", 1)[0]
+        subprocess.run(shlex.split(command), check=True, timeout=30)
+        assert twins[0].wait(timeout=30) == -signal.SIGTERM
+        assert running(twins[1].pid)
+    finally:
+        for twin in twins:
+            twin.kill()
+            twin.wait()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deploy.config import load_config
-from deploy.up import EXIT_FAILED, Up
+from deploy.up import EXIT_FAILED, EXIT_FINISHED, EXIT_INTERRUPTED, Up, status_code
 
 
 @pytest.mark.parametrize("earlier", ["checkpoints/step-3", "replay/segments.log"])
@@ -28,3 +28,17 @@ def test_an_earlier_run_in_the_folder_is_refused_without_resume(
     message = capsys.readouterr().err
     assert "holds an earlier run" in message and "--resume" in message
     assert not (run_dir / "config.toml").exists()  # nothing of the earlier run was touched
+
+
+@pytest.mark.parametrize(("running", "ended", "code"), [
+    (True, None, 0),
+    (False, {"exit_code": EXIT_FINISHED}, 0),
+    (False, {"exit_code": EXIT_INTERRUPTED}, 0),
+    (False, {"exit_code": EXIT_FAILED}, 1),
+    (False, None, 1),
+])
+def test_status_fails_only_for_a_run_that_failed_or_was_killed(
+        running: bool, ended: dict | None, code: int) -> None:
+    """A finished run, or one stopped cleanly by Ctrl-C, is no failure for a
+    script that checks ``compactionrl status``; a killed ``up`` wrote no end."""
+    assert status_code(running, ended) == code
