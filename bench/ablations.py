@@ -612,8 +612,12 @@ CREDIT_NOTE = """Wrong / right answers: over the rollouts each run kept as train
 answered right, the mean advantage the loss gave the tokens of their wrong
 answers and of their right ones, both from those rollouts, averaged over seeds
 (`deploy.answer_credit`; "-" for runs that kept none): a ratio near 0 leaves the
-wrong answer alone, 1 reinforces it as much as the right one (GRPO's one
-advantage per rollout gives 1 by construction). † Measured before that was
+wrong answer alone, 1 reinforces it as much as the right one. Pooled over
+tokens, the ratio weighs each rollout by its answers' lengths, so GRPO's one
+advantage per rollout gives near 1, not exactly; "per rollout" is each
+rollout's wrong answers' mean advantage less its right answers', averaged
+(exactly 0 under one advantage per rollout; below 0 where training told the
+wrong answer from the right one). † Measured before that was
 fixed: the right answers came from every successful rollout, first-try
 successes included, so the ratio compared hard-task recoveries with easy
 first-try successes, not the two answers of one rollout. Grouped rollouts
@@ -676,7 +680,11 @@ def credit_cell(runs: list[dict[str, Any]]) -> str:
     rollouts = sum(m["retried_right_rollouts"] for m in measured)
     ratio = f"{wrong / right:.2f}" if right else "-"
     before_fix = "" if all("first_try_right_advantage" in m for m in measured) else " †"
-    return f"{wrong:+.3f} / {right:+.3f} (ratio {ratio}; {rollouts} rollouts){before_fix}"
+    paired = [m["paired_difference"] for m in measured if m.get("paired_difference") is not None]
+    pairs = (f"; per rollout {statistics.fmean(paired):+.3f}"
+             if paired and len(paired) == len(measured) else "")
+    return (f"{wrong:+.3f} / {right:+.3f} (ratio {ratio}{pairs}; {rollouts} rollouts)"
+            f"{before_fix}")
 
 
 def mean_weights(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -995,7 +1003,8 @@ def train_missing(records: dict[str, Any], records_path: Path, args: argparse.Na
                                                    args.recipe)
                 save_records(records_path, records)
             recorded = records["runs"][name]
-            if "answer_credit" not in recorded and (out_dir / name / "export").is_dir():
+            if ("paired_difference" not in (recorded.get("answer_credit") or {})
+                    and (out_dir / name / "export").is_dir()):
                 # a measure added after the run was recorded, from its folder
                 recorded["answer_credit"] = credited_answers(out_dir / name)
                 save_records(records_path, records)

@@ -15,6 +15,13 @@ answers alone, 1 reinforces them as much as the answer that was right (what
 one advantage per rollout, GRPO's, gives by construction). Apart, the right
 answers of the rollouts that were right at the first try.
 
+Pooled over tokens, the two means weigh each rollout by how many answer
+tokens it has of each kind, so even one advantage per rollout does not give
+a ratio of exactly 1 over many rollouts. The paired difference does not mix
+rollouts: per rollout, its wrong answers' mean advantage less its right
+answers', averaged over the rollouts; exactly 0 under one advantage per
+rollout, below 0 where training told the wrong answer from the right one.
+
     python -m deploy.answer_credit RUN [RUN ...] [--json]
 """
 
@@ -62,6 +69,7 @@ def measure(run: Path) -> dict:
     wrong: list[float] = []
     right: list[float] = []
     first_try: list[float] = []
+    paired: list[float] = []
     retried = 0
     for step in read_samples(run):
         for rollout in step["rollouts"]:
@@ -73,8 +81,13 @@ def measure(run: Path) -> dict:
                 first_try.extend(a for _, advantages in answers for a in advantages)
                 continue
             retried += 1
+            mine: dict[bool, list[float]] = {True: [], False: []}
             for correct, advantages in answers:
-                (right if correct else wrong).extend(advantages)
+                mine[correct].extend(advantages)
+            wrong.extend(mine[False])
+            right.extend(mine[True])
+            if mine[False] and mine[True]:
+                paired.append(statistics.fmean(mine[False]) - statistics.fmean(mine[True]))
 
     def mean(values: list[float]) -> float | None:
         return round(statistics.fmean(values), 4) if values else None
@@ -83,6 +96,7 @@ def measure(run: Path) -> dict:
     return {"run": str(run), "retried_right_rollouts": retried,
             "wrong_answer_advantage": wrong_mean, "right_answer_advantage": right_mean,
             "first_try_right_advantage": mean(first_try),
+            "paired_difference": mean(paired),
             "ratio": (round(wrong_mean / right_mean, 3)
                       if wrong_mean is not None and right_mean else None)}
 
@@ -98,7 +112,8 @@ def main() -> int:
         print(f"{result['run']}: {result['retried_right_rollouts']} kept rollouts answered "
               f"wrong, then right; advantage of their wrong answers "
               f"{result['wrong_answer_advantage']}, of right answers "
-              f"{result['right_answer_advantage']} (ratio {result['ratio']}); right answers "
+              f"{result['right_answer_advantage']} (ratio {result['ratio']}; per rollout, "
+              f"wrong less right {result['paired_difference']}); right answers "
               f"at the first try {result['first_try_right_advantage']}")
     if args.json:
         print(json.dumps({"runs": results}))

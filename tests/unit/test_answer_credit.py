@@ -60,3 +60,25 @@ def test_a_run_compares_the_wrong_and_right_answers_of_the_same_rollouts(
     assert result["right_answer_advantage"] == pytest.approx(0.3)
     assert result["ratio"] == pytest.approx(3.0)
     assert result["first_try_right_advantage"] == pytest.approx(1.5)
+    assert result["paired_difference"] == pytest.approx(0.6)
+
+
+def test_one_advantage_per_rollout_pairs_to_zero_where_pooled_tokens_do_not_give_one(
+        tokenizer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """GRPO's case: every token of a rollout has its advantage. Two rollouts
+    with their wrong and right answers in other proportions pool to a ratio
+    other than 1; each rollout's own difference is 0."""
+    run = tmp_path / "run"
+    (run / SAMPLES_FOLDER).mkdir(parents=True)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(run / "export")
+    twice_wrong = WRONG_THEN_RIGHT[:2] + WRONG_THEN_RIGHT[:2] + WRONG_THEN_RIGHT[2:]
+    rollouts = [{"success": True, "sequences": [kept_sequence(tokenizer, twice_wrong,
+                                                              [0.2] * len(twice_wrong))]},
+                {"success": True, "sequences": [kept_sequence(
+                    tokenizer, WRONG_THEN_RIGHT, [1.0] * len(WRONG_THEN_RIGHT))]}]
+    (run / SAMPLES_FOLDER / "step-0000002.json").write_text(
+        json.dumps({"step": 2, "version": 2, "rollouts": rollouts}))
+    result = measure(run)
+    assert result["retried_right_rollouts"] == 2
+    assert result["ratio"] != pytest.approx(1.0, abs=0.05)
+    assert result["paired_difference"] == pytest.approx(0.0, abs=1e-12)
