@@ -18,8 +18,15 @@ it. Requests and replies are MessagePack arrays (never pickle)::
 deadline passes; other ops answer at once. ``abandon`` ends everything under
 a prefix (a group generation that failed): its waits fail at once, and so do
 later ones, so that a member still joining or receiving goes on to the next
-generation instead of waiting out its deadline. Keys, values and the number of keys
-are bounded: a request beyond them is refused with an error, counted.
+generation instead of waiting out its deadline.
+
+Every key is charged to the connection that wrote it last, and goes when
+that connection goes (a member opens one per generation). A key, a value,
+what one connection holds and what all but the learner's own hold together
+are bounded; the learner's own client (op ``own``, with a token only
+:class:`HostedStore` knows) writes in a pool of its own, which the others
+cannot fill. A request beyond a bound, or one the server fails on, is
+refused with an error, counted; none ends the server.
 
 Usage::
 
@@ -30,8 +37,10 @@ Usage::
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -41,17 +50,34 @@ from datetime import timedelta
 import msgspec
 import torch.distributed as dist
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.transport import Authenticator, TransportConfig, bind_router, connect_dealer
 
 log = logging.getLogger("compactionrl.weights.store")
 
-#: Longest key, largest value, most keys held: a generation's keys are a few
-#: per rank (addresses, NCCL ids, ipc handles of at most 2 buckets in flight).
+#: Longest key, largest value: a generation's keys are a few per rank
+#: (addresses, NCCL ids, ipc handles of at most 2 buckets in flight).
 MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 1 << 20
+#: What one connection may hold (a member opens one per generation and
+#: writes a few keys there), and what all connections but the learner's own
+#: may hold together: one writer cannot fill the store for the others, and
+#: filling it takes a hundred connections held open at once.
+MAX_WRITER_KEYS = 1024
+MAX_WRITER_BYTES = 16 << 20
 MAX_KEYS = 100_000
+MAX_BYTES = 256 << 20
+#: The learner's own pool (:class:`HostedStore`'s client), apart from the
+#: others so that they cannot crowd it out. The learner never deletes a
+#: generation's keys, so at its bound its oldest keys (long retired
+#: generations') make room instead of its set being refused.
+OWNER_KEYS = 100_000
+OWNER_BYTES = 64 << 20
 POLL_MS = 50
+#: ``add`` keeps a counter within int64, as ``torch.distributed.Store`` does:
+#: its operands and results beyond are refused (MessagePack carries no more).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 #: The key an abandoned prefix holds: what marks it abandoned, for the
 #: server's waits and a member's poll (:meth:`StoreClient.abandoned`).
 ABANDONED = "abandoned"
@@ -65,6 +91,117 @@ _decoder = msgspec.msgpack.Decoder()
 
 class StoreRefused(ValueError):
     """A request the server does not take (malformed, or beyond a bound)."""
+
+
+def _key(value: object) -> str:
+    if not isinstance(value, str) or len(value.encode()) > MAX_KEY_BYTES:
+        raise StoreRefused(f"a key is a string of at most {MAX_KEY_BYTES} bytes")
+    return value
+
+
+def _keys(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > MAX_WRITER_KEYS:
+        raise StoreRefused(f"keys are a list of at most {MAX_WRITER_KEYS} keys")
+    return [_key(k) for k in value]
+
+
+def _value(raw: object) -> bytes:
+    if not isinstance(raw, bytes) or len(raw) > MAX_VALUE_BYTES:
+        raise StoreRefused(f"a value is at most {MAX_VALUE_BYTES} bytes")
+    return raw
+
+
+def _int64(number: int) -> int:
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise StoreRefused("add's operands and result are int64 (-2**63 to 2**63-1)")
+    return number
+
+
+def _seconds(raw: object) -> float:
+    if not isinstance(raw, int | float) or not 0 <= raw <= 24 * 3600:
+        raise StoreRefused("a timeout is 0 to 86400 seconds")
+    return float(raw)
+
+
+class _Ledger:
+    """Who wrote each key (a connection's routing id), and what each writer
+    and the shared pool hold: the bounds a ``set`` must stay within. A key
+    is charged its key's and value's bytes to whoever wrote it last."""
+
+    def __init__(self) -> None:
+        self.owner: bytes | None = None
+        self._writer_of: dict[str, bytes] = {}
+        #: Per writer, its keys in the order written (the owner's oldest go
+        #: first) and the bytes each is charged.
+        self._held: dict[bytes, dict[str, int]] = {}
+        self._bytes: dict[bytes, int] = {}
+        self._keys_total = 0
+        self._bytes_total = 0
+
+    def admit(self, writer: bytes, key: str, nbytes: int) -> list[str]:
+        """Charge ``key`` (``nbytes``) to ``writer``, or raise ``StoreRefused``
+        with nothing changed; returns the owner's keys evicted to make room."""
+        previous = self._release(key)
+        try:
+            evicted = self._make_room(writer, nbytes)
+        except StoreRefused:
+            if previous is not None:
+                self._charge(previous[0], key, previous[1])
+            raise
+        self._charge(writer, key, nbytes)
+        return evicted
+
+    def release(self, key: str) -> None:
+        """``key`` was deleted: its writer is charged for it no more."""
+        self._release(key)
+
+    def drop(self, writer: bytes) -> list[str]:
+        """``writer``'s connection went: its keys, which go with it."""
+        if writer == self.owner:
+            self.owner = None
+        gone = list(self._held.get(writer, ()))
+        for key in gone:
+            self._release(key)
+        return gone
+
+    def _make_room(self, writer: bytes, nbytes: int) -> list[str]:
+        held, used = self._held.get(writer, {}), self._bytes.get(writer, 0)
+        if writer == self.owner:
+            evicted = []
+            while held and (len(held) >= OWNER_KEYS or used + nbytes > OWNER_BYTES):
+                evicted.append(next(iter(held)))
+                self._release(evicted[-1])
+                used = self._bytes.get(writer, 0)
+            return evicted
+        if len(held) >= MAX_WRITER_KEYS or used + nbytes > MAX_WRITER_BYTES:
+            raise StoreRefused(f"a connection holds at most {MAX_WRITER_KEYS} keys and "
+                               f"{MAX_WRITER_BYTES} bytes")
+        own = self._held.get(self.owner, {}) if self.owner is not None else {}
+        owned = self._bytes.get(self.owner, 0) if self.owner is not None else 0
+        if (self._keys_total - len(own) >= MAX_KEYS
+                or self._bytes_total - owned + nbytes > MAX_BYTES):
+            raise StoreRefused(f"the store's writers hold {MAX_KEYS} keys or "
+                               f"{MAX_BYTES} bytes already")
+        return []
+
+    def _charge(self, writer: bytes, key: str, nbytes: int) -> None:
+        self._writer_of[key] = writer
+        self._held.setdefault(writer, {})[key] = nbytes
+        self._bytes[writer] = self._bytes.get(writer, 0) + nbytes
+        self._keys_total += 1
+        self._bytes_total += nbytes
+
+    def _release(self, key: str) -> tuple[bytes, int] | None:
+        writer = self._writer_of.pop(key, None)
+        if writer is None:
+            return None
+        nbytes = self._held[writer].pop(key)
+        self._bytes[writer] -= nbytes
+        if not self._held[writer]:
+            del self._held[writer], self._bytes[writer]
+        self._keys_total -= 1
+        self._bytes_total -= nbytes
+        return writer, nbytes
 
 
 @dataclass
@@ -85,6 +222,12 @@ class StoreServer:
         :attr:`port`); ``refused(reason)`` counts each refused request."""
         self._refused = refused
         self._data: dict[str, bytes] = {}
+        self._ledger = _Ledger()
+        #: What :class:`HostedStore`'s client presents (op ``own``) to write
+        #: in the learner's own pool; nobody else learns it.
+        self.owner_token = secrets.token_bytes(32)
+        #: The connection (routing id) last heard on each socket descriptor.
+        self._peers: dict[int, bytes] = {}
         self._waiters: list[_Waiter] = []
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
@@ -92,6 +235,9 @@ class StoreServer:
         self._socket = bind_router(self._context, f"tcp://{host}:{port if int(port) else '*'}",
                                    transport)
         self.port = int(self._socket.last_endpoint.rpartition(b":")[2])
+        # A ROUTER does not say when a connection goes; its monitor does, by
+        # socket descriptor, which each request's frame names (SRCFD).
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="weight-store", daemon=True)
         self._thread.start()
@@ -99,23 +245,63 @@ class StoreServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
         self._auth.stop()
         self._context.term()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            if self._socket.poll(POLL_MS, zmq.POLLIN):
-                while True:
-                    try:
-                        identity, frame = self._socket.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except ValueError:  # not two frames
-                        self._refused("malformed")
-                        continue
-                    self._handle(identity, frame)
-            self._expire(time.monotonic())
+            try:
+                self._serve_once()
+            except Exception:
+                # A bug must not end the thread: every group generation after
+                # it would fail to form, for want of a store that answers.
+                log.exception("the weight store failed outside a request; it serves on")
+                self._refused("internal")
+
+    def _serve_once(self) -> None:
+        if self._socket.poll(POLL_MS, zmq.POLLIN):
+            while True:
+                try:
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._heard(frames[0].bytes, frames[-1].get(zmq.SRCFD))
+                if len(frames) != 2:
+                    self._refused("malformed")
+                    continue
+                self._handle(frames[0].bytes, frames[1].bytes)
+        self._forget_disconnected()
+        self._expire(time.monotonic())
+
+    def _heard(self, identity: bytes, descriptor: int) -> None:
+        """Note which connection ``descriptor`` carries. A descriptor is
+        reused only after its connection closed, and its monitor event comes
+        before that close: read first, it drops the closed one's keys, never
+        the new one's."""
+        self._forget_disconnected()
+        earlier = self._peers.get(descriptor)
+        if earlier is not None and earlier != identity:  # its event was lost
+            self._forget(earlier)
+        self._peers[descriptor] = identity
+
+    def _forget_disconnected(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = self._peers.pop(event["value"], None)
+            if identity is not None:
+                self._forget(identity)
+
+    def _forget(self, identity: bytes) -> None:
+        """``identity``'s connection went: its keys and waits go with it."""
+        for key in self._ledger.drop(identity):
+            del self._data[key]
+        self._waiters = [w for w in self._waiters if w.identity != identity]
 
     def _reply(self, identity: bytes, request_id: int, ok: bool, result: object) -> None:
         try:
@@ -138,74 +324,67 @@ class StoreServer:
                       else "refused")
             self._refused(reason)
             self._reply(identity, request_id, False, f"{reason}: {exc}")
+        except Exception:
+            # A bug in one request is that request's refusal, not the store's end.
+            log.exception("the weight store failed on a request; it serves on")
+            self._refused("internal")
+            self._reply(identity, request_id, False, "internal: the store failed on it")
 
     def _apply(self, identity: bytes, request_id: int, op: str, arguments: list) -> None:
-        def key(value: object) -> str:
-            if not isinstance(value, str) or len(value.encode()) > MAX_KEY_BYTES:
-                raise StoreRefused(f"a key is a string of at most {MAX_KEY_BYTES} bytes")
-            return value
-
-        def keys(value: object) -> list[str]:
-            if not isinstance(value, list) or len(value) > MAX_KEYS:
-                raise StoreRefused("keys are a list of keys")
-            return [key(k) for k in value]
-
-        def value(raw: object) -> bytes:
-            if not isinstance(raw, bytes) or len(raw) > MAX_VALUE_BYTES:
-                raise StoreRefused(f"a value is at most {MAX_VALUE_BYTES} bytes")
-            return raw
-
-        def seconds(raw: object) -> float:
-            if not isinstance(raw, int | float) or not 0 <= raw <= 24 * 3600:
-                raise StoreRefused("a timeout is 0 to 86400 seconds")
-            return float(raw)
-
         if op == "set" and len(arguments) == 2:
-            self._set(key(arguments[0]), value(arguments[1]))
+            self._set(identity, _key(arguments[0]), _value(arguments[1]))
             self._reply(identity, request_id, True, None)
         elif op in ("get", "wait") and len(arguments) == 2:
-            wanted = [key(arguments[0])] if op == "get" else keys(arguments[0])
+            wanted = [_key(arguments[0])] if op == "get" else _keys(arguments[0])
             waiter = _Waiter(identity, request_id, op, wanted,
-                             time.monotonic() + seconds(arguments[1]))
+                             time.monotonic() + _seconds(arguments[1]))
             if not (self._refuse_abandoned(waiter) or self._answer(waiter)):
                 self._waiters.append(waiter)
         elif op == "abandon" and len(arguments) == 1:
-            prefix = key(arguments[0])
+            prefix = _key(arguments[0])
             if not prefix.endswith("/"):
                 raise StoreRefused("an abandoned prefix ends with '/'")
-            self._abandon(prefix)
+            self._abandon(identity, prefix)
             self._reply(identity, request_id, True, None)
         elif op == "add" and len(arguments) == 2 and isinstance(arguments[1], int):
-            name = key(arguments[0])
-            total = int(self._data.get(name, b"0")) + arguments[1]
-            self._set(name, str(total).encode())
+            name = _key(arguments[0])
+            total = _int64(_int64(int(self._data.get(name, b"0"))) + _int64(arguments[1]))
+            self._set(identity, name, str(total).encode())
             self._reply(identity, request_id, True, total)
         elif op == "compare_set" and len(arguments) == 3:
-            name, expected, desired = key(arguments[0]), value(arguments[1]), value(arguments[2])
+            name, expected, desired = _key(arguments[0]), _value(arguments[1]), _value(arguments[2])
             current = self._data.get(name)
             if (current is None and not expected) or current == expected:
-                self._set(name, desired)
+                self._set(identity, name, desired)
                 current = desired
             self._reply(identity, request_id, True, expected if current is None else current)
         elif op == "check" and len(arguments) == 1:
             self._reply(identity, request_id, True,
-                        all(k in self._data for k in keys(arguments[0])))
+                        all(k in self._data for k in _keys(arguments[0])))
         elif op == "delete_key" and len(arguments) == 1:
-            self._reply(identity, request_id, True,
-                        self._data.pop(key(arguments[0]), None) is not None)
+            self._reply(identity, request_id, True, self._delete(_key(arguments[0])))
         elif op == "num_keys" and not arguments:
             self._reply(identity, request_id, True, len(self._data))
+        elif op == "own" and len(arguments) == 1 and isinstance(arguments[0], bytes):
+            if not hmac.compare_digest(arguments[0], self.owner_token):
+                raise StoreRefused("not the store's owner")
+            self._ledger.owner = identity
+            self._reply(identity, request_id, True, None)
         else:  # list_keys among them: nobody learns what others stored
             raise StoreRefused(f"unknown op {op!r} with {len(arguments)} arguments")
 
-    def _set(self, key: str, value: bytes) -> None:
-        if key not in self._data and len(self._data) >= MAX_KEYS:
-            raise StoreRefused(f"the store holds {MAX_KEYS} keys already")
+    def _set(self, identity: bytes, key: str, value: bytes) -> None:
+        for evicted in self._ledger.admit(identity, key, len(key.encode()) + len(value)):
+            del self._data[evicted]
         self._data[key] = value
         self._waiters = [w for w in self._waiters if not self._answer(w)]
 
-    def _abandon(self, prefix: str) -> None:
-        self._set(prefix + ABANDONED, b"1")
+    def _delete(self, key: str) -> bool:
+        self._ledger.release(key)
+        return self._data.pop(key, None) is not None
+
+    def _abandon(self, identity: bytes, prefix: str) -> None:
+        self._set(identity, prefix + ABANDONED, b"1")
         self._waiters = [w for w in self._waiters if not self._refuse_abandoned(w)]
 
     def _refuse_abandoned(self, waiter: _Waiter) -> bool:
@@ -379,6 +558,11 @@ class HostedStore(StoreClient):
         host = bind.removeprefix("tcp://").rpartition(":")[0]
         own = "127.0.0.1" if host in ("0.0.0.0", "*", "") else host
         super().__init__(f"tcp://{own}:{self.server.port}", transport, timeout_s)
+        try:
+            self._call("own", self.server.owner_token)
+        except dist.DistStoreError:  # a store the learner cannot own is no store to start
+            self.close()
+            raise
 
     @property
     def port(self) -> int:
