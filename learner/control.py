@@ -5,6 +5,9 @@ version), heartbeat, and report ``WeightsLoaded``. An actor that says
 ``Goodbye``, misses ``heartbeat_liveness`` heartbeats, or comes back as a new
 incarnation leaves the member set; the publisher forms a new group
 generation whenever the set it announces to differs from the last one.
+Which connection speaks for which incarnation, which incarnations are over
+(replaced, or said goodbye) and how many may register are the replay's rules
+(protocol/registry.py), so both sockets refuse the same peers alike.
 
 A background thread owns the ROUTER (ZeroMQ sockets are not thread-safe);
 the training thread reads the member table (learner/members.py) under its
@@ -29,7 +32,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import threading
 import time
 from pathlib import Path
@@ -58,6 +60,7 @@ from protocol import (
     encode,
 )
 from protocol.endpoint import Handler, Received, ServerEndpoint
+from protocol.registry import DEFAULT_MAX_ACTORS, ActorRegistry, Peer
 from protocol.transport import Authenticator, Liveness, TransportConfig, bind_router
 
 log = logging.getLogger("compactionrl.learner.control")
@@ -71,12 +74,15 @@ class ControlPlane:
     def __init__(self, address: str, transport: TransportConfig, run_id: str,
                  max_staleness: int, late_joiner: Literal["immediate", "next_publication"],
                  metrics: LearnerMetrics, announced_record: Path | None = None,
-                 exclusion: ExclusionPolicy | None = None) -> None:
+                 exclusion: ExclusionPolicy | None = None,
+                 max_members: int = DEFAULT_MAX_ACTORS) -> None:
         """``announced_record``: a file that keeps the newest version ever
         announced in this run, written before the announcement: a learner
         restarted from an older checkpoint reads it and labels its weights
         above every version an actor may hold. ``exclusion``: how members
-        that make generations fail are left out (learner/members.py)."""
+        that make generations fail are left out (learner/members.py).
+        ``max_members``: incarnations registered at once (a new actor's
+        ``Hello`` beyond them is ``full``), as the replay's ``max_actors``."""
         self.run_id = run_id
         self.metrics = metrics
         self.transport = transport
@@ -106,7 +112,12 @@ class ControlPlane:
         self._inbox.bind(inproc)
         self._outbox = self._context.socket(zmq.PAIR)
         self._outbox.connect(inproc)
-        self._liveness = Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness)
+        # The replay's incarnation rules (protocol/registry.py), except that
+        # a silent member may say hello again as the same incarnation: here
+        # silence loses nothing that could count twice.
+        self._registry = ActorRegistry(
+            Liveness(transport.heartbeat_interval_s, transport.heartbeat_liveness), max_members,
+            silence_ends_incarnation=False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="learner-control", daemon=True)
         self._thread.start()
@@ -137,7 +148,7 @@ class ControlPlane:
             announce = WeightsAnnounce(**self._stamp.next(), version=version,
                                        manifest=manifest, group=group)
             with self._lock:
-                member.pending = announce
+                member.pending = member.unacknowledged = announce
                 identity = member.identity
             self._outbox.send_multipart([identity, encode(announce)])
 
@@ -181,42 +192,43 @@ class ControlPlane:
                 if self._socket in ready:
                     for received in self._endpoint.receive():
                         self._handle(received)
-                for identity in self._liveness.expire():
-                    self._drop(identity, "missed its heartbeats")
+                for _, peer in self._registry.expire(time.monotonic()):
+                    self._drop(peer, "missed its heartbeats")
         finally:
             self._socket.close(linger=0)
             self._inbox.close(linger=0)
 
     def _handle(self, received: Received) -> None:
-        """A message from a member's connection goes to the handler of its
-        type; any other must say Hello (again) first, and a Hello for a
-        member registered on another live connection must carry its token
-        (a reconnect), else it would take the member's announcements (and so
-        the weights) over."""
-        message = received.message
-        with self._lock:
-            member = self._members.get(message.sender_id)
-        if isinstance(message, Hello):
-            if (member is not None and message.incarnation == member.incarnation
-                    and member.identity != received.identity
-                    and member.identity in self._liveness and message.token != member.token):
-                self._endpoint.refuse(received, ErrorCode.IDENTITY, "this incarnation is a "
-                                      "member on another connection, and this hello lacks its "
-                                      "token")
-                return
-        elif (member is None or member.incarnation != message.incarnation
-              or member.identity != received.identity):
-            self._endpoint.refuse(received, ErrorCode.UNREGISTERED,
-                                  "this connection is not a member's: send Hello on it first")
+        """A message goes to the handler of its type once the incarnation
+        rules (protocol/registry.py, shared with the replay) let it through:
+        an older or ended incarnation, a connection that is not the
+        incarnation's, and a new actor beyond ``max_members`` are refused;
+        a ``Hello`` for a member registered on another live connection must
+        carry its token (a reconnect), else it would take the member's
+        announcements (and so the weights) over."""
+        message, identity = received.message, received.identity
+        hello = message if isinstance(message, Hello) else None
+        refusal = self._registry.refusal(identity, message.sender_id, message.incarnation,
+                                         None if hello is None else hello.token)
+        if refusal is not None:
+            self._endpoint.refuse(received, *refusal)
             return
+        if hello is None:
+            self._registry.seen(identity)
         self._endpoint.dispatch(self._handlers, received)
         with self._lock:
             member = self._members.get(message.sender_id)
-            if member is not None and member.identity == received.identity:
+            if member is not None and member.identity == identity:
                 member.heard_at = time.monotonic()
 
     def _on_hello(self, received: Received) -> None:
         hello, identity = received.message, received.identity
+        _, displaced = self._registry.register(identity, hello.sender_id, hello.incarnation,
+                                               hello.token, hello.capacity, hello.group_size)
+        if displaced is not None:  # told why it hears no more (it is usually gone)
+            self._endpoint.reject(displaced, ErrorCode.IDENTITY, f"displaced: incarnation "
+                                  f"{hello.incarnation} of {hello.sender_id!r} said hello with "
+                                  "its token on another connection")
         pending = None
         with self._lock:
             member = self._members.get(hello.sender_id)
@@ -225,75 +237,66 @@ class ControlPlane:
                 # connection with its token): the same member; an older report
                 # may be late, a broken one is not
                 if member.identity != identity:
-                    self._displace(member.identity, hello)
                     pending = member.pending
                 member.identity = identity
                 member.version = (NO_COMPLETE_VERSION
                                   if hello.policy_version == NO_COMPLETE_VERSION
                                   else max(member.version, hello.policy_version))
-            elif member is None or hello.incarnation > member.incarnation:
+            else:  # new, or a newer incarnation replacing the member (the registry's rule)
                 self._members[hello.sender_id] = Member(
                     hello.sender_id, hello.incarnation, identity, hello.token, hello.engine,
                     hello.policy_version)
                 self.metrics.members.set(len(self._members))
-                log.info("actor %s joined (incarnation %d, version %d)",
+                log.info("actor %r joined (incarnation %d, version %d)",
                          hello.sender_id, hello.incarnation, hello.policy_version)
-        self._liveness.seen(identity)
         self._endpoint.send(identity, MemberWelcome(
             **self._stamp.next(), run_id=self.run_id, policy_version=self.version,
             heartbeat_interval_s=self.transport.heartbeat_interval_s,
             heartbeat_liveness=self.transport.heartbeat_liveness))
         if pending is not None:
-            log.info("announcing version %d again to %s on its new connection",
+            log.info("announcing version %d again to %r on its new connection",
                      pending.version, hello.sender_id)
             self._endpoint.send(identity, msgspec.structs.replace(pending, **self._stamp.next()))
 
-    def _displace(self, old: bytes, hello: Hello) -> None:
-        """A member moved to a new connection: the old one is told why it
-        hears no more (it is usually gone), and is no longer watched."""
-        self._liveness.forget(old)
-        self._endpoint.reject(old, ErrorCode.IDENTITY, f"displaced: incarnation "
-                              f"{hello.incarnation} of {hello.sender_id} said hello with its "
-                              "token on another connection")
-
     def _on_heartbeat(self, received: Received) -> None:
-        self._liveness.seen(received.identity)
+        """Liveness only, which :meth:`_handle` noted."""
 
     def _on_goodbye(self, received: Received) -> None:
         """A member leaving cleanly is dropped now, not after its heartbeats
         stop: a generation still forming gives up on it at once
         (:func:`learner.publisher.reason_to_give_up`), and the next publication
         goes to the others without waiting for it."""
-        self._liveness.forget(received.identity)
-        self._drop(received.identity, "said goodbye")
+        peer = self._registry.leave(received.identity)
+        if peer is not None:
+            self._drop(peer, "said goodbye")
 
     def _on_loaded(self, received: Received) -> None:
+        """A member's report that it loaded the version announced to it: it
+        counts (the member's version, the load-time histogram) once, and
+        only for that announcement; any other would hold the member at a
+        version it never received, or skew the histogram."""
         loaded = received.message
-        problem = self._implausible(loaded)
+        with self._lock:
+            member = self._members.get(loaded.sender_id)
+            announced = None if member is None else member.unacknowledged
+            if announced is None or announced.version != loaded.version:
+                problem = (f"version {loaded.version} was not announced to this member, or "
+                           "its load was reported already")
+            else:
+                member.unacknowledged = None
+                member.version = max(member.version, loaded.version)
+                problem = ""
         if problem:
             self._endpoint.refuse(received, ErrorCode.INVALID, problem)
             return
-        with self._lock:
-            member = self._members.get(loaded.sender_id)
-            if member is not None:
-                member.version = max(member.version, loaded.version)
         self.metrics.weight_sync_seconds.labels("load").observe(loaded.seconds)
-        self._liveness.seen(received.identity)
 
-    def _implausible(self, loaded: WeightsLoaded) -> str:
-        """Why a load report cannot be true ('' if it can): a version never
-        announced would hold the member back from publications, a non-finite
-        time would poison the load-time histogram for the rest of the run."""
-        if not 0 <= loaded.version <= self._announced:
-            return f"version {loaded.version} was never announced (newest {self._announced})"
-        if not (math.isfinite(loaded.seconds) and loaded.seconds >= 0):
-            return f"load time {loaded.seconds} is not a finite duration"
-        return ""
-
-    def _drop(self, identity: bytes, why: str) -> None:
+    def _drop(self, peer: Peer, why: str) -> None:
+        """The registry unregistered ``peer``: its member leaves the set
+        (unless a newer incarnation replaced it there already)."""
         with self._lock:
-            for actor_id, member in list(self._members.items()):
-                if member.identity == identity:
-                    del self._members[actor_id]
-                    log.info("actor %s left: %s", actor_id, why)
+            member = self._members.get(peer.actor_id)
+            if member is not None and member.incarnation == peer.incarnation:
+                del self._members[peer.actor_id]
+                log.info("actor %r left: %s", peer.actor_id, why)
             self.metrics.members.set(len(self._members))

@@ -74,6 +74,9 @@ class Member:
     again if the member says hello on a new connection meanwhile, since the
     first may have been lost with the old one (else the broadcast would wait
     its whole timeout for a member that never heard of it)."""
+    unacknowledged: WeightsAnnounce | None = None
+    """The announcement last sent to it, until its ``WeightsLoaded`` of that
+    version arrives: only that report counts, and only once."""
     heard_at: float = 0.0
     """When its last message arrived (``time.monotonic``)."""
     broken_at: float | None = None

@@ -254,9 +254,10 @@ _MAP_PLANS: dict[int, tuple[str, Any]] = {}
 
 
 #: How msgspec words a value of the right type outside its declared range or
-#: set (``Expected `int` >= 0``, ``Expected `str` of length <= 256``, ``Invalid
-#: enum value``): ``invalid``. Every other decoding error is ``malformed``.
-_OUT_OF_RANGE = re.compile(r"Expected `\w+` (>=|<=|>|<|of length)|Invalid enum value")
+#: set (``Expected `int` >= 0``, ``Expected `str` of length <= 256``, ``Expected
+#: `str` matching regex``, ``Invalid enum value``): ``invalid``. Every other
+#: decoding error is ``malformed``.
+_OUT_OF_RANGE = re.compile(r"Expected `\w+` (>=|<=|>|<|of length|matching)|Invalid enum value")
 
 
 def _is_seq(value: object) -> bool:

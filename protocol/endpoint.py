@@ -7,10 +7,10 @@ CURVE, a ``sender_id`` belongs to the key it first spoke with), refusing
 with an ``Error`` that names the message's ``seq`` and a counter, replies
 that never block on a peer that has gone, and dispatch through a
 ``{message type: handler}`` table. Which connection speaks for which actor
-incarnation is each service's registry's rule (``replay/registry.py``,
-``learner/control.py``): it reads ``Hello``s, which an endpoint does not. A
-service is then its handler tables over its state: where a message is
-handled is one lookup in that table.
+incarnation is the services' registry's rule (``protocol/registry.py``, which
+the replay and the learner's control socket share): it reads ``Hello``s,
+which an endpoint does not. A service is then its handler tables over its
+state: where a message is handled is one lookup in that table.
 
 A client (the actor's replay and learner links) is likewise its handler
 table over its state; its endpoint owns decoding, dropping what cannot be

@@ -86,8 +86,17 @@ Finite = Annotated[float, msgspec.Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0, le=_FLOAT_MAX)]
 #: A finite number of seconds, > 0.
 Interval = Annotated[float, msgspec.Meta(gt=0, le=_FLOAT_MAX)]
+#: What an identifier may hold: no control character (C0, DEL, C1) nor line or
+#: paragraph separator, so that one written into a log line can neither end it
+#: nor forge the next one.
+PRINTABLE = "\\A[^\\x00-\\x1f\\x7f-\\x9f\\u2028\\u2029]*\\Z"
 #: An identifier: ``sender_id``, ``rollout_id``, ``task_id``, ``run_id``.
-Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS,
+                                         pattern=PRINTABLE)]
+#: The floating-point dtypes weights may travel in, as torch names them: the
+#: names of ``protocol.weights.WIRE_FLOAT_DTYPES`` (this module imports no torch),
+#: and so the dtypes an engine may declare (``EngineInfo.dtype``).
+WireDtype = Literal["float32", "bfloat16", "float16", "float64"]
 #: A key of ``stats.tags`` or ``stats.info``, and a text value of either.
 TagKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TAG_CHARS)]
 TagText = Annotated[str, msgspec.Meta(max_length=MAX_TAG_CHARS)]
@@ -121,7 +130,9 @@ class Message(msgspec.Struct, tag_field="kind", kw_only=True, gc=False):
     """The sending process (``actor-3``, ``replay``, ``learner``). On the
     replay's actor socket and the learner's control socket a connection speaks for the actor
     incarnation whose ``hello`` registered it (anything else is ``unregistered``); ``learner``
-    is the learner's alone."""
+    is the learner's alone. Like every identifier (each field of 1 to 256 characters but
+    ``metrics_address``), it holds no control character, nor a line or paragraph separator
+    (``invalid``): it is written into logs."""
     incarnation: Count
     """Changes each time the sender restarts or registers anew; a restarted actor takes a larger
     one."""
@@ -169,9 +180,9 @@ class EngineInfo(msgspec.Struct, kw_only=True, gc=False):
 
     device: Identifier
     """``cpu``, or the accelerator's name (``NVIDIA H100 80GB HBM3``)."""
-    dtype: Identifier
-    """The engine's parameter dtype as torch names it (``bfloat16``, ``float16``, ``float32``):
-    weights travel to it in this dtype."""
+    dtype: WireDtype
+    """The engine's parameter dtype as torch names it: weights travel to it in this dtype, so
+    it is one they may travel in (``protocol.weights.WIRE_FLOAT_DTYPES``)."""
     tensor_parallel: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSOR_PARALLEL)]
     """Engine workers (tensor-parallel ranks), each one rank of the weight group."""
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS)]
@@ -676,7 +687,8 @@ class WeightsLoaded(Message, tag="weights_loaded"):
     """actor -> learner: the engine now generates with ``version``."""
 
     version: Count
-    """The version the engine now generates with."""
+    """The version the engine now generates with: the one last announced to this member,
+    reported once (any other report, or the same again, is ``invalid`` and counts nowhere)."""
     seconds: NonNegative
     """From the announcement to then."""
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from protocol.bounds import bound_problems, bounded
+from protocol.registry import DEFAULT_MAX_ACTORS
 from protocol.transport import listen_address
 
 
@@ -32,7 +33,7 @@ class ReplayConfig:
     versions behind are never trained on. 0 = fully on-policy."""
     max_buffer_bytes: int = bounded(512 * 1024 * 1024, ge=1024 * 1024, why="at least 1 MiB")
     """Memory bound of stored segments; credits stop before it is reached."""
-    max_actors: int = bounded(4096, ge=1)
+    max_actors: int = bounded(DEFAULT_MAX_ACTORS, ge=1)
     """Actor incarnations registered at once; a new actor's ``hello`` beyond them is refused
     (``full``), so that no peer can grow the replay's tables without bound."""
     rollout_timeout_s: float = bounded(600.0, gt=0)

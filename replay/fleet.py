@@ -39,8 +39,8 @@ from pathlib import Path
 
 from ops.observability import write_actor_targets
 from protocol import STALL_REASONS
+from protocol.registry import Peer
 from replay.metrics import ActorSeries
-from replay.registry import Peer
 
 log = logging.getLogger("compactionrl.replay")
 

@@ -1,5 +1,5 @@
 """The replay's actor-facing side: what each actor message does, which
-incarnation may speak (replay/registry.py), and the acks and credits each
+incarnation may speak (protocol/registry.py), and the acks and credits each
 actor gets back.
 
 One ingest pass reads up to :data:`INGEST_BATCH` actor messages, writes the
@@ -39,12 +39,12 @@ from protocol import (
     Welcome,
 )
 from protocol.endpoint import Handler, Received, ServerEndpoint
+from protocol.registry import ActorRegistry, Peer
 from protocol.validation import check_segment_content
 from replay.book import RolloutBook, owner_of
 from replay.buffer import SEGMENT_OVERHEAD_BYTES
 from replay.fleet import Fleet
 from replay.groups import check_group_size
-from replay.registry import ActorRegistry, Peer
 
 log = logging.getLogger("compactionrl.replay")
 
@@ -126,7 +126,7 @@ class ActorIngest:
         self._behind.clear()
 
     def _handle(self, received: Received) -> None:
-        """The incarnation rules (replay/registry.py), then the handler of
+        """The incarnation rules (protocol/registry.py), then the handler of
         the message's type."""
         identity, message = received.identity, received.message
         hello = message if isinstance(message, Hello) else None

@@ -28,6 +28,7 @@ import zmq
 from ops.metrics import Health, MetricsServer
 from protocol import ErrorCode, Message, Segment, Stamp
 from protocol.endpoint import ServerEndpoint
+from protocol.registry import ActorRegistry
 from protocol.transport import (
     Authenticator,
     Liveness,
@@ -40,7 +41,6 @@ from replay.config import ReplayConfig
 from replay.fleet import Fleet
 from replay.ingest import ActorIngest, RunFacts
 from replay.metrics import ReplayMetrics
-from replay.registry import ActorRegistry
 from replay.serving import LearnerServing
 
 #: Poll timeout: how late periodic work (expiry, liveness, interval fsync) may run.

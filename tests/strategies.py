@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import numpy as np
 from hypothesis import strategies as st
 
@@ -36,9 +38,12 @@ from protocol.messages import (
     MAX_TENSOR_PARALLEL,
     MAX_TOKEN_BYTES,
     MIN_TOKEN_BYTES,
+    WireDtype,
 )
 
-ids = st.text(min_size=1, max_size=24)
+#: Identifiers hold no control character nor line or paragraph separator
+#: (``protocol.messages.PRINTABLE``).
+ids = st.text(st.characters(exclude_categories=("Cc", "Cs", "Zl", "Zp")), min_size=1, max_size=24)
 counts = st.integers(min_value=0, max_value=2**31 - 1)
 positives = st.integers(min_value=1, max_value=2**31 - 1)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -116,7 +121,7 @@ def messages(draw, kind: str | None = None):
     if kind == "segment":
         return draw(segments())
     if kind == "hello":
-        engine = draw(st.builds(EngineInfo, device=ids, dtype=ids,
+        engine = draw(st.builds(EngineInfo, device=ids, dtype=st.sampled_from(get_args(WireDtype)),
                                 tensor_parallel=st.integers(1, MAX_TENSOR_PARALLEL),
                                 model=ids))
         h["sender_id"] = draw(ids.filter(lambda i: i != LEARNER_ID))

@@ -287,7 +287,7 @@ def test_a_member_that_says_goodbye_leaves_before_the_next_publication(
         wait_until(lambda: "b" not in [m.actor_id for m in plane.members()], 5.0,
                    "the goodbye's drop", poll_s=0.01)
         # a member that falls silent leaves as "missed its heartbeats"
-        assert "actor b left: said goodbye" in caplog.text
+        assert "actor 'b' left: said goodbye" in caplog.text
     finally:
         context.destroy(linger=0)
 

@@ -1,4 +1,4 @@
-"""The replay's actor bookkeeping without sockets (replay/registry.py):
+"""The replay's actor bookkeeping without sockets (protocol/registry.py):
 which incarnation a connection speaks for, who is refused for good, who is
 declared dead, and how a reconnect moves an incarnation; and what the views
 read of each actor's time (replay/fleet.py)."""
@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from protocol import STALL_REASONS, ErrorCode
+from protocol import registry as registry_module
+from protocol.registry import ActorRegistry
 from protocol.transport import Liveness
-from replay import registry as registry_module
 from replay.fleet import Fleet
 from replay.metrics import ActorSeries
-from replay.registry import ActorRegistry
 
 #: Silent for 3 x 1 s: dead.
 INTERVAL_S, LIVENESS = 1.0, 3

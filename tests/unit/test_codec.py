@@ -346,3 +346,14 @@ def test_ref_seq_is_read_wherever_a_whole_map_holds_it() -> None:
     with pytest.raises(ProtocolError) as info:
         decode(msgspec.msgpack.encode(raw))
     assert info.value.code is ErrorCode.INVALID and info.value.ref_seq == seq + 41
+
+
+@pytest.mark.parametrize("character", ["\n", "\r", "\x1b", "\x7f", "\x85", "\u2028"])
+def test_an_identifier_holding_a_control_character_is_invalid(character: str) -> None:
+    """Identifiers are written into logs: one that could end a line (or
+    rewrite a terminal) is refused by the decoder both sockets share."""
+    hello = msgspec.msgpack.decode(encode(synthetic_hello(Stamp("actor-1", 1))))
+    frame = msgspec.msgpack.encode({**hello, "sender_id": f"actor{character}forged"})
+    with pytest.raises(ProtocolError) as refused:
+        decode(frame)
+    assert refused.value.code == ErrorCode.INVALID

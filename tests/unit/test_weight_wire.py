@@ -12,6 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from typing import get_args
 
 import pytest
 import torch
@@ -25,11 +26,14 @@ from learner.publisher import (
     wire_dtype,
 )
 from protocol import EngineInfo, WeightManifest
+from protocol.messages import WireDtype
 from protocol.weights import (
+    WIRE_FLOAT_DTYPES,
     TransferFailed,
     WeightChannel,
     abandon_generation,
     connect_store,
+    dtype_name,
     host_store,
     manifest_of,
     member_ranks,
@@ -65,6 +69,12 @@ def test_each_tensor_parallel_worker_holds_a_rank_of_its_own() -> None:
     assert ranks == list(range(1, 8))  # each once, none the sender's 0
     with pytest.raises(ValueError):
         member_ranks([1, 0])
+
+
+def test_an_engine_may_declare_exactly_the_dtypes_weights_travel_in() -> None:
+    """``EngineInfo.dtype``'s set is the wire dtypes' names (the protocol
+    module imports no torch, so they are written twice and compared here)."""
+    assert get_args(WireDtype) == tuple(dtype_name(d) for d in WIRE_FLOAT_DTYPES)
 
 
 def test_engines_get_weights_in_their_own_dtype() -> None:

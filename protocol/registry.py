@@ -1,5 +1,8 @@
 """Which actor incarnation each connection speaks for, which are alive, and
-which are over: the replay's actor bookkeeping, without sockets.
+which are over: the actor bookkeeping, without sockets, of the two sockets
+actors register on (the replay's actor socket, replay/ingest.py, and the
+learner's control socket, learner/control.py), so that both refuse the same
+messages with the same codes.
 
 Rules, for an actor id:
 
@@ -14,7 +17,11 @@ Rules, for an actor id:
   (:meth:`ActorRegistry.expire`) and refused for good (``dead_incarnation``):
   its rollouts expire, so nothing it sends later may count twice; the
   process, if it lives, comes back as a new incarnation; one that says
-  ``Goodbye`` is over the same way, at once (:meth:`ActorRegistry.leave`);
+  ``Goodbye`` is over the same way, at once (:meth:`ActorRegistry.leave`).
+  Where silence loses nothing (the learner's member set: a member that fell
+  silent only misses publications), a silent incarnation is unregistered
+  instead (``silence_ends_incarnation=False``), and its next ``Hello``
+  registers it again;
 - a newer incarnation's ``Hello`` replaces the current one at once, on its
   connection or another (:meth:`ActorRegistry.register` returns the old
   one, gone): a restarted process reconnects before its old connection is
@@ -53,6 +60,9 @@ from typing import NamedTuple
 from protocol.errors import ErrorCode
 from protocol.transport import Liveness
 
+#: ``replay.max_actors``' default, which the learner's control socket takes
+#: as its own bound on members: every member is an actor of the replay too.
+DEFAULT_MAX_ACTORS = 4096
 #: Actor ids no longer registered whose newest incarnations the registry
 #: remembers (for ``stale_incarnation`` and ``dead_incarnation``).
 REMEMBERED_ACTORS = 65_536
@@ -87,9 +97,11 @@ class Registration(NamedTuple):
 
 
 class ActorRegistry:
-    def __init__(self, liveness: Liveness, max_actors: int) -> None:
+    def __init__(self, liveness: Liveness, max_actors: int,
+                 silence_ends_incarnation: bool = True) -> None:
         self.liveness = liveness
         self.max_actors = max_actors
+        self.silence_ends_incarnation = silence_ends_incarnation
         self.peers: dict[bytes, Peer] = {}
         """Per registered connection (routing id), the incarnation speaking on it."""
         self.current: dict[str, int] = {}
@@ -123,7 +135,7 @@ class ActorRegistry:
             return None
         bound = self.connection.get(actor_id)
         if bound is None and here is None and len(self.peers) >= self.max_actors:
-            return (ErrorCode.FULL, f"the replay serves at most {self.max_actors} actors "
+            return (ErrorCode.FULL, f"at most {self.max_actors} actors register at once "
                     "(replay.max_actors)")
         elsewhere = self.peers.get(bound) if bound not in (None, identity) else None
         if elsewhere is not None and elsewhere.incarnation == incarnation \
@@ -160,7 +172,8 @@ class ActorRegistry:
         """The peers silent past the liveness timeout, removed and their
         incarnations declared dead."""
         expired = [(identity, peer) for identity in self.liveness.expire(now)
-                   if (peer := self._over(identity)) is not None]
+                   if (peer := self._over(identity, self.silence_ends_incarnation))
+                   is not None]
         self._forget_the_oldest()
         return expired
 
@@ -172,11 +185,13 @@ class ActorRegistry:
         self._forget_the_oldest()
         return peer
 
-    def _over(self, identity: bytes) -> Peer | None:
-        """The incarnation on ``identity`` is over: unregistered, remembered dead."""
+    def _over(self, identity: bytes, dead: bool = True) -> Peer | None:
+        """The incarnation on ``identity`` is unregistered and, if ``dead``,
+        over: remembered dead."""
         peer = self.peers.pop(identity, None)
         if peer is not None:
-            self.dead[peer.actor_id] = peer.incarnation
+            if dead:
+                self.dead[peer.actor_id] = peer.incarnation
             if self.connection.get(peer.actor_id) == identity:
                 del self.connection[peer.actor_id]
         return peer
