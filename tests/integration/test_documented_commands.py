@@ -732,7 +732,7 @@ COMMANDS: dict[str, RunAsWritten | Elsewhere | Offline] = {
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe paper": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
-    "python bench/ablations.py --json --recipe retries": RunAsWritten(
+    "python bench/ablations.py --json --recipe retries --variants advantage=grpo": RunAsWritten(
         BENCH_DRY_RUN, ("commands",)),
     "python bench/ablations.py --json --recipe blind-critic --variants "
     "full,advantage=independent,advantage=grpo": RunAsWritten(BENCH_DRY_RUN, ("commands",)),
