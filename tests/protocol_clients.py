@@ -4,18 +4,22 @@ learner's control socket."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 
 import msgspec
 import zmq
 
+from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from learner.replay_client import ReplayClient
 from protocol import (
     Ack,
     Batch,
     BatchRequest,
+    EngineInfo,
     Error,
     GroupTag,
     Heartbeat,
@@ -23,6 +27,8 @@ from protocol import (
     Message,
     Segment,
     Stamp,
+    TensorSpec,
+    WeightManifest,
     Welcome,
     decode,
     encode,
@@ -30,6 +36,7 @@ from protocol import (
 from protocol.messages import new_token
 from protocol.synthetic import synthetic_hello, synthetic_segment
 from protocol.transport import TransportConfig, connect_dealer
+from tests.ports import loopback_addresses
 
 
 def dealer(context: zmq.Context, address: str, transport: TransportConfig | None = None,
@@ -207,6 +214,28 @@ class ControlClient:
     def receive(self, timeout_ms: int = 5000) -> Message:
         assert self.socket.poll(timeout_ms), "no reply from the control socket"
         return decode(self.socket.recv(), 1 << 20)
+
+
+#: An engine and a manifest for control-socket peers that need valid ones.
+CONTROL_ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
+CONTROL_MANIFEST = WeightManifest(tensors=[TensorSpec("w", "float32", (2, 2))], bucket_bytes=0)
+
+
+@contextlib.contextmanager
+def control_plane(**options: object) -> Iterator[tuple[ControlPlane, LearnerMetrics, str]]:
+    """A learner's control plane on a free loopback address (heartbeats every
+    0.2 s, silent after 3), counting into metrics of its own; ``options``
+    add to or override its settings. Closed when the block ends."""
+    [address] = loopback_addresses(1)
+    metrics = LearnerMetrics()
+    settings: dict[str, object] = {"run_id": "r", "max_staleness": 2,
+                                   "late_joiner": "immediate", "metrics": metrics, **options}
+    plane = ControlPlane(address, TransportConfig(heartbeat_interval_s=0.2,
+                                                  heartbeat_liveness=3), **settings)
+    try:
+        yield plane, metrics, address
+    finally:
+        plane.close()
 
 
 def replay_client(address: str, timeout_s: float = 60.0,

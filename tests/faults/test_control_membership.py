@@ -17,7 +17,6 @@ import zmq
 from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from protocol import (
-    EngineInfo,
     Error,
     Goodbye,
     GroupInfo,
@@ -25,40 +24,28 @@ from protocol import (
     Hello,
     MemberWelcome,
     Message,
-    TensorSpec,
-    WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
     encode,
 )
-from protocol.transport import TransportConfig
-from tests.ports import loopback_addresses
 from tests.processes import wait_until
-from tests.protocol_clients import ControlClient
+from tests.protocol_clients import CONTROL_ENGINE, CONTROL_MANIFEST, ControlClient, control_plane
 
-ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
-MANIFEST = WeightManifest(tensors=[TensorSpec("w", "float32", (2, 2))], bucket_bytes=0)
 MAX_MEMBERS = 3
 
 
 @pytest.fixture
 def control() -> Iterator[tuple[ControlPlane, LearnerMetrics, str, zmq.Context]]:
-    [address] = loopback_addresses(1)
-    metrics = LearnerMetrics()
-    plane = ControlPlane(address, TransportConfig(heartbeat_interval_s=0.2,
-                                                  heartbeat_liveness=3),
-                         run_id="r", max_staleness=2, late_joiner="immediate", metrics=metrics,
-                         max_members=MAX_MEMBERS)
     context = zmq.Context()
-    yield plane, metrics, address, context
+    with control_plane(max_members=MAX_MEMBERS) as (plane, metrics, address):
+        yield plane, metrics, address, context
     context.destroy(linger=0)
-    plane.close()
 
 
 def _joined(context: zmq.Context, address: str, actor_id: str,
             incarnation: int = 1) -> ControlClient:
     actor = ControlClient(context, address, actor_id, incarnation=incarnation)
-    actor.send(Hello, engine=ENGINE, capacity=1)
+    actor.send(Hello, engine=CONTROL_ENGINE, capacity=1)
     assert isinstance(reply := actor.receive(), MemberWelcome), reply
     return actor
 
@@ -75,7 +62,7 @@ def _heartbeat(client: ControlClient) -> None:
 
 def _announce(plane: ControlPlane, version: int, actor_id: str) -> None:
     [member] = [m for m in plane.members() if m.actor_id == actor_id]
-    plane.announce(version, [(member, MANIFEST, GroupInfo(
+    plane.announce(version, [(member, CONTROL_MANIFEST, GroupInfo(
         generation=1, master_addr="h", master_port=1, world_size=2, rank=1, backend="gloo"))])
 
 
@@ -90,7 +77,8 @@ def test_an_actor_id_that_would_forge_a_log_line_is_refused_and_never_logged(
     plane, _, address, context = control
     forger = ControlClient(context, address, "x")
     header = forger.stamp.next()
-    hello = msgspec.to_builtins(Hello(**header, engine=ENGINE, capacity=1, token=forger.token),
+    hello = msgspec.to_builtins(Hello(**header, engine=CONTROL_ENGINE, capacity=1,
+                                      token=forger.token),
                                builtin_types=(bytes,))
     forged_id = "a\nINFO compactionrl.learner.control actor admin joined"
     forger.socket.send(msgspec.msgpack.encode({**hello, "sender_id": forged_id}))
@@ -107,7 +95,7 @@ def test_an_older_incarnation_is_stale_on_a_new_connection_and_after_its_replace
     plane, _, address, context = control
     old = _joined(context, address, "actor-1", incarnation=5)
     older = ControlClient(context, address, "actor-1", incarnation=4)
-    older.send(Hello, engine=ENGINE, capacity=1)
+    older.send(Hello, engine=CONTROL_ENGINE, capacity=1)
     assert _refused(older) == "stale_incarnation"
     _joined(context, address, "actor-1", incarnation=6)
     _heartbeat(old)  # the replaced incarnation, on its own connection
@@ -120,7 +108,7 @@ def test_an_incarnation_that_said_goodbye_cannot_come_back(control) -> None:
     leaving = _joined(context, address, "actor-1", incarnation=3)
     leaving.send(Goodbye)
     wait_until(lambda: not plane.members(), 5, "the goodbye's drop", poll_s=0.02)
-    leaving.send(Hello, engine=ENGINE, capacity=1)
+    leaving.send(Hello, engine=CONTROL_ENGINE, capacity=1)
     assert _refused(leaving) == "dead_incarnation"
     _joined(context, address, "actor-1", incarnation=4)  # a new incarnation is welcome
 
@@ -128,7 +116,7 @@ def test_an_incarnation_that_said_goodbye_cannot_come_back(control) -> None:
 def test_one_connection_speaks_for_one_member(control) -> None:
     plane, _, address, context = control
     actor = _joined(context, address, "actor-1")
-    second = Hello(sender_id="actor-2", incarnation=1, seq=0, sent_at=0.0, engine=ENGINE,
+    second = Hello(sender_id="actor-2", incarnation=1, seq=0, sent_at=0.0, engine=CONTROL_ENGINE,
                    capacity=1, token=actor.token)
     actor.socket.send(encode(second))
     assert _refused(actor) == "identity"
@@ -139,12 +127,12 @@ def test_new_members_beyond_the_bound_are_refused_full_until_one_leaves(control)
     plane, _, address, context = control
     actors = [_joined(context, address, f"actor-{n}") for n in range(MAX_MEMBERS)]
     late = ControlClient(context, address, "late", incarnation=1)
-    late.send(Hello, engine=ENGINE, capacity=1)
+    late.send(Hello, engine=CONTROL_ENGINE, capacity=1)
     assert _refused(late) == "full"
     assert len(plane.members()) == MAX_MEMBERS
     actors[0].send(Goodbye)
     wait_until(lambda: len(plane.members()) < MAX_MEMBERS, 5, "the goodbye's drop", poll_s=0.02)
-    late.send(Hello, engine=ENGINE, capacity=1)
+    late.send(Hello, engine=CONTROL_ENGINE, capacity=1)
     assert isinstance(late.receive(), MemberWelcome)
 
 
@@ -152,7 +140,7 @@ def test_new_members_beyond_the_bound_are_refused_full_until_one_leaves(control)
 def test_an_engine_no_weights_can_travel_to_is_refused(control, dtype: str) -> None:
     plane, _, address, context = control
     actor = ControlClient(context, address, "actor-1")
-    hello = msgspec.to_builtins(Hello(**actor.stamp.next(), engine=ENGINE, capacity=1,
+    hello = msgspec.to_builtins(Hello(**actor.stamp.next(), engine=CONTROL_ENGINE, capacity=1,
                                       token=actor.token), builtin_types=(bytes,))
     actor.socket.send(msgspec.msgpack.encode(
         {**hello, "engine": {**hello["engine"], "dtype": dtype}}))
@@ -192,7 +180,7 @@ def test_a_member_s_report_counts_after_its_reconnect(control) -> None:
     assert isinstance(before.receive(), WeightsAnnounce)
     moved = ControlClient(context, address, "actor-1")
     moved.stamp, moved.token = before.stamp, before.token
-    moved.send(Hello, engine=ENGINE, capacity=1)
+    moved.send(Hello, engine=CONTROL_ENGINE, capacity=1)
     replies: list[Message] = [moved.receive(), moved.receive()]
     assert [type(r) for r in replies] == [MemberWelcome, WeightsAnnounce]
     moved.send(WeightsLoaded, version=2, seconds=0.1)

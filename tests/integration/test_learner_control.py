@@ -16,36 +16,25 @@ from learner.control import ControlPlane
 from learner.metrics import LearnerMetrics
 from protocol import (
     NO_COMPLETE_VERSION,
-    EngineInfo,
     Error,
     Goodbye,
     GroupInfo,
     Heartbeat,
     Hello,
     MemberWelcome,
-    TensorSpec,
-    WeightManifest,
     WeightsAnnounce,
     WeightsLoaded,
 )
 from protocol.transport import TransportConfig
 from tests.ports import loopback_addresses
 from tests.processes import wait_until
-from tests.protocol_clients import ControlClient
-
-ENGINE = EngineInfo(device="cpu", dtype="float32", tensor_parallel=1, model="m")
-MANIFEST = WeightManifest(tensors=[TensorSpec("w", "float32", (2, 2))], bucket_bytes=0)
+from tests.protocol_clients import CONTROL_ENGINE, CONTROL_MANIFEST, ControlClient, control_plane
 
 
 @pytest.fixture
 def control() -> Iterator[tuple[ControlPlane, LearnerMetrics, str]]:
-    [address] = loopback_addresses(1)
-    metrics = LearnerMetrics()
-    plane = ControlPlane(address, TransportConfig(heartbeat_interval_s=0.2,
-                                                  heartbeat_liveness=3),
-                         run_id="r", max_staleness=2, late_joiner="immediate", metrics=metrics)
-    yield plane, metrics, address
-    plane.close()
+    with control_plane() as plane:
+        yield plane
 
 
 def _rejected(metrics: LearnerMetrics, reason: str) -> float:
@@ -59,12 +48,12 @@ def test_members_register_get_announcements_and_report_loads(control) -> None:
     try:
         actor = ControlClient(context, address, "actor-1")
         plane.version = 5
-        actor.send(Hello, engine=ENGINE, capacity=2, policy_version=0)
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=2, policy_version=0)
         welcome = actor.receive()
         assert isinstance(welcome, MemberWelcome) and welcome.policy_version == 5
         [member] = plane.members()
         assert plane.table.publication_wanted(5)  # 5 versions behind: it cannot contribute
-        plane.announce(5, [(member, MANIFEST, GroupInfo(
+        plane.announce(5, [(member, CONTROL_MANIFEST, GroupInfo(
             generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
             backend="gloo"))])
         announce = actor.receive()
@@ -102,15 +91,15 @@ def test_hostile_frames_get_an_error_and_a_counter(control) -> None:
         assert isinstance(reply, Error) and reply.code == "unregistered"
         # a member's incarnation claimed on another connection without its token
         actor = ControlClient(context, address, "actor-1", incarnation=1)
-        actor.send(Hello, engine=ENGINE, capacity=1)
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=1)
         assert isinstance(actor.receive(), MemberWelcome)
         impostor = ControlClient(context, address, "actor-1", incarnation=1)
-        impostor.send(Hello, engine=ENGINE, capacity=1)
+        impostor.send(Hello, engine=CONTROL_ENGINE, capacity=1)
         assert impostor.receive().code == "identity"
         assert _rejected(metrics, "identity") == 1
         # and the member is still served on its own connection
         [member] = plane.members()
-        actor.send(Hello, engine=ENGINE, capacity=1)
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=1)
         assert isinstance(actor.receive(), MemberWelcome)
         assert plane.members()[0].identity == member.identity
     finally:
@@ -161,10 +150,10 @@ def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(cont
     try:
         actor = ControlClient(context, address, "actor-1")
         plane.version = 5
-        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=4)
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=4)
         assert isinstance(actor.receive(), MemberWelcome)
         [in_lane] = plane.members()  # what a lane holds
-        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=3)  # a late retry
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=3)  # a late retry
         assert isinstance(actor.receive(), MemberWelcome)
         plane.table.delivered([in_lane], 5)
         assert [m.version for m in plane.members()] == [5]
@@ -180,7 +169,7 @@ def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(cont
         plane.table.delivered([in_lane], 5)
         assert not plane.table.publication_wanted(5)
 
-        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=NO_COMPLETE_VERSION)
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=NO_COMPLETE_VERSION)
         assert isinstance(actor.receive(), MemberWelcome)
         assert plane.table.publication_wanted(5)
         plane.table.delivered([in_lane], 5)
@@ -189,7 +178,7 @@ def test_a_member_s_hello_again_keeps_it_and_a_broken_load_asks_for_weights(cont
         # dropped (silent), then back as the same incarnation: the lane's
         # Member still names it
         wait_until(lambda: not plane.members(), 5.0, "drop of the silent member", poll_s=0.05)
-        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=4)
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=4)
         assert isinstance(actor.receive(), MemberWelcome)
         [member] = plane.members()
         assert member is not in_lane
@@ -218,13 +207,13 @@ def test_a_late_joiner_within_the_staleness_bound_waits_only_if_told_to(
     try:
         plane.version = 4
         actor = ControlClient(context, address, "actor-1")
-        actor.send(Hello, engine=ENGINE, capacity=1, policy_version=3)
+        actor.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=3)
         assert isinstance(actor.receive(), MemberWelcome)
         [member] = plane.members()
         member.version = 3  # loaded version 3 (as its Hello said), one behind
         assert plane.table.publication_wanted(4) is wanted_at_once
         # once it has had an announcement it is no longer a late joiner
-        plane.announce(4, [(member, MANIFEST, GroupInfo(
+        plane.announce(4, [(member, CONTROL_MANIFEST, GroupInfo(
             generation=1, master_addr="h", master_port=1, world_size=2, rank=1,
             backend="gloo"))])
         assert not plane.table.publication_wanted(4)
@@ -243,25 +232,25 @@ def test_a_member_that_reconnects_mid_publication_is_announced_to_again(control)
     context = zmq.Context()
     try:
         before = ControlClient(context, address, "actor-1")
-        before.send(Hello, engine=ENGINE, capacity=1, policy_version=0)
+        before.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=0)
         assert isinstance(before.receive(), MemberWelcome)
         [member] = plane.members()
         group = GroupInfo(generation=3, master_addr="h", master_port=1, world_size=2, rank=1,
                           backend="gloo")
-        plane.announce(7, [(member, MANIFEST, group)])
+        plane.announce(7, [(member, CONTROL_MANIFEST, group)])
         assert isinstance(before.receive(), WeightsAnnounce)
 
         def reconnected() -> ControlClient:
             """The same incarnation on a new connection, its token and seqs going on."""
             client = ControlClient(context, address, "actor-1")
             client.stamp, client.token = before.stamp, before.token
-            client.send(Hello, engine=ENGINE, capacity=1, policy_version=0)
+            client.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=0)
             assert isinstance(client.receive(), MemberWelcome)
             return client
 
         again = reconnected().receive()
         assert isinstance(again, WeightsAnnounce)
-        assert (again.version, again.group, again.manifest) == (7, group, MANIFEST)
+        assert (again.version, again.group, again.manifest) == (7, group, CONTROL_MANIFEST)
         plane.publication_ended()
         with pytest.raises(AssertionError, match="no reply"):
             reconnected().receive(timeout_ms=500)
@@ -280,7 +269,7 @@ def test_a_member_that_says_goodbye_leaves_before_the_next_publication(
     try:
         staying, leaving = (ControlClient(context, address, name) for name in ("a", "b"))
         for actor in (staying, leaving):
-            actor.send(Hello, engine=ENGINE, capacity=1, policy_version=0)
+            actor.send(Hello, engine=CONTROL_ENGINE, capacity=1, policy_version=0)
             assert isinstance(actor.receive(), MemberWelcome)
         assert [m.actor_id for m in plane.members()] == ["a", "b"]
         leaving.send(Goodbye)
