@@ -153,7 +153,9 @@ class Up:
         print(message)
         if outcome == EXIT_FAILED or outcome == EXIT_INTERRUPTED:
             print(f"resume with: {resume_command(self.config_path)}")
-        print(f"run folder: {self.run_dir} (report.html, metrics.jsonl, logs/)")
+        written = [name for name in ("report.html", "viewer.html", "summary.txt")
+                   if (self.run_dir / name).is_file()]
+        print(f"run folder: {self.run_dir} ({', '.join([*written, 'metrics.jsonl', 'logs/'])})")
         return outcome
 
     def _on_signal(self, signum: int, _frame: object) -> None:

@@ -1090,6 +1090,10 @@ def test_clean_shutdown_after_the_faults(run: FaultRun) -> None:
     output = run.output()
     assert run.up.returncode == 130, output[-3000:]
     assert "interrupted (SIGINT): stopped cleanly" in output
+    # its last line names the files it wrote, the rollout viewer among them
+    assert output.rstrip().splitlines()[-1] == (
+        f"run folder: {run.folder} (report.html, viewer.html, summary.txt, metrics.jsonl, "
+        "logs/)"), output[-3000:]
     # the resume command can be pasted as it is: its program is a path
     [resume] = [line.removeprefix("resume with: ") for line in output.splitlines()
                 if line.startswith("resume with: ")]
