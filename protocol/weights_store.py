@@ -20,8 +20,10 @@ a prefix (a group generation that failed): its waits fail at once, and so do
 later ones, so that a member still joining or receiving goes on to the next
 generation instead of waiting out its deadline.
 
-Every key is charged to the connection that wrote it last, and goes when
-that connection goes (a member opens one per generation). A key, a value,
+Every key is charged to the connection that wrote it last. Keys stay when
+their writer's connection goes: a member acknowledges its last bucket and
+leaves, and the sender reads that acknowledgement after (dropping a gone
+writer's keys lost it). A key, a value,
 what one connection holds and what all but the learner's own hold together
 are bounded; the learner's own client (op ``own``, with a token only
 :class:`HostedStore` knows) writes in a pool of its own, which the others
@@ -50,7 +52,6 @@ from datetime import timedelta
 import msgspec
 import torch.distributed as dist
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from protocol.transport import Authenticator, TransportConfig, bind_router, connect_dealer
 
@@ -63,7 +64,8 @@ MAX_VALUE_BYTES = 1 << 20
 #: What one connection may hold (a member opens one per generation and
 #: writes a few keys there), and what all connections but the learner's own
 #: may hold together: one writer cannot fill the store for the others, and
-#: filling it takes a hundred connections held open at once.
+#: filling it takes 17 connections of 16 MiB each. A generation's keys are
+#: not yet removed with it, so writers that come and go fill it in time.
 MAX_WRITER_KEYS = 1024
 MAX_WRITER_BYTES = 16 << 20
 MAX_KEYS = 100_000
@@ -155,15 +157,6 @@ class _Ledger:
         """``key`` was deleted: its writer is charged for it no more."""
         self._release(key)
 
-    def drop(self, writer: bytes) -> list[str]:
-        """``writer``'s connection went: its keys, which go with it."""
-        if writer == self.owner:
-            self.owner = None
-        gone = list(self._held.get(writer, ()))
-        for key in gone:
-            self._release(key)
-        return gone
-
     def _make_room(self, writer: bytes, nbytes: int) -> list[str]:
         held, used = self._held.get(writer, {}), self._bytes.get(writer, 0)
         if writer == self.owner:
@@ -226,8 +219,6 @@ class StoreServer:
         #: What :class:`HostedStore`'s client presents (op ``own``) to write
         #: in the learner's own pool; nobody else learns it.
         self.owner_token = secrets.token_bytes(32)
-        #: The connection (routing id) last heard on each socket descriptor.
-        self._peers: dict[int, bytes] = {}
         self._waiters: list[_Waiter] = []
         self._context = zmq.Context()
         self._auth = Authenticator(self._context, transport.curve)
@@ -235,9 +226,6 @@ class StoreServer:
         self._socket = bind_router(self._context, f"tcp://{host}:{port if int(port) else '*'}",
                                    transport)
         self.port = int(self._socket.last_endpoint.rpartition(b":")[2])
-        # A ROUTER does not say when a connection goes; its monitor does, by
-        # socket descriptor, which each request's frame names (SRCFD).
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="weight-store", daemon=True)
         self._thread.start()
@@ -245,8 +233,6 @@ class StoreServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
         self._socket.close(linger=0)
         self._auth.stop()
         self._context.term()
@@ -265,43 +251,14 @@ class StoreServer:
         if self._socket.poll(POLL_MS, zmq.POLLIN):
             while True:
                 try:
-                    frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._heard(frames[0].bytes, frames[-1].get(zmq.SRCFD))
                 if len(frames) != 2:
                     self._refused("malformed")
                     continue
-                self._handle(frames[0].bytes, frames[1].bytes)
-        self._forget_disconnected()
+                self._handle(frames[0], frames[1])
         self._expire(time.monotonic())
-
-    def _heard(self, identity: bytes, descriptor: int) -> None:
-        """Note which connection ``descriptor`` carries. A descriptor is
-        reused only after its connection closed, and its monitor event comes
-        before that close: read first, it drops the closed one's keys, never
-        the new one's."""
-        self._forget_disconnected()
-        earlier = self._peers.get(descriptor)
-        if earlier is not None and earlier != identity:  # its event was lost
-            self._forget(earlier)
-        self._peers[descriptor] = identity
-
-    def _forget_disconnected(self) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity = self._peers.pop(event["value"], None)
-            if identity is not None:
-                self._forget(identity)
-
-    def _forget(self, identity: bytes) -> None:
-        """``identity``'s connection went: its keys and waits go with it."""
-        for key in self._ledger.drop(identity):
-            del self._data[key]
-        self._waiters = [w for w in self._waiters if w.identity != identity]
 
     def _reply(self, identity: bytes, request_id: int, ok: bool, result: object) -> None:
         try:

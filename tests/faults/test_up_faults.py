@@ -605,7 +605,7 @@ def test_actor_sigkilled_rejoins_with_current_weights(
         busy = _every_slot_busy(run)
         pid = busy.pid
         dead = process_tree(pid)
-        killed_incarnation = int(re.findall(rf"actor {ACTOR_0} joined \(incarnation (\d+)",
+        killed_incarnation = int(re.findall(rf"actor '{ACTOR_0}' joined \(incarnation (\d+)",
                                             run.log("learner"))[-1])
         os.kill(pid, signal.SIGKILL)  # the actor alone: its engine must not outlive it
         killed_at = time.monotonic()
@@ -613,8 +613,8 @@ def test_actor_sigkilled_rejoins_with_current_weights(
         run.wait(lambda n=kills: run.output().count("actor-0 exited with code -9; restarting")
                  == n, "up to notice the kill and restart actor-0")
         run.wait(lambda pid=pid: run.children()["actor-0"] != pid, "up to restart actor-0")
-        joins = run.log("learner").count(f"actor {ACTOR_0} joined")
-        run.wait(lambda joins=joins: run.log("learner").count(f"actor {ACTOR_0} joined")
+        joins = run.log("learner").count(f"actor '{ACTOR_0}' joined")
+        run.wait(lambda joins=joins: run.log("learner").count(f"actor '{ACTOR_0}' joined")
                  > joins, "the restarted actor-0 to register")
         rejoined_at = time.time()
         offset = len(run.log("actor-0"))  # the killed process has written its last
@@ -632,7 +632,7 @@ def test_actor_sigkilled_rejoins_with_current_weights(
         counted = run.replay_count("crl_replay_dropped_total", reason="expired") - busy.expired
         finished = _finished_since(run, busy, killed_incarnation)
         lost.append((busy.in_flight, finished, counted))
-        incarnation = int(re.findall(rf"actor {ACTOR_0} joined \(incarnation (\d+)",
+        incarnation = int(re.findall(rf"actor '{ACTOR_0}' joined \(incarnation (\d+)",
                                      run.log("learner"))[-1])
         run.notes[f"incarnation-{kills}"] = incarnation
         run.notes[f"version-at-kill-{kills}"] = version_at_kill
@@ -1069,7 +1069,7 @@ def test_an_actor_that_leaves_costs_the_learner_at_most_its_deadline(run: FaultR
                    round(across / usual, 2)))
         # "a departure costs at most about one step": judged in steps
         assert across <= (1 + CLEAN_LEAVE_STEPS) * usual, (usual, across)
-        left = re.findall(rf"actor {PROXIED} left: (.+)", run.log("learner"))
+        left = re.findall(rf"actor '{PROXIED}' left: (.+)", run.log("learner"))
         assert left and left[-1] == "said goodbye", left
     finally:
         clock.close()
